@@ -1,0 +1,42 @@
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use psnet_transport::Limits;
+
+/// Settings of a [`crate::TcpTransport`].
+#[derive(Clone, Debug)]
+pub struct TcpConfig {
+    /// Address to listen on; port 0 picks a free port.
+    pub bind: SocketAddr,
+    /// Frame limits, checked before anything is allocated.
+    pub limits: Limits,
+    /// How long `connect` keeps retrying a peer that refuses or does not answer.
+    pub connect_timeout: Duration,
+    /// How long a new connection may take to say who it is.
+    pub handshake_timeout: Duration,
+    /// Bytes of received messages that may wait for `recv` before connections stop reading.
+    pub inbox_bytes: usize,
+    /// `SO_SNDBUF` / `SO_RCVBUF`; `None` leaves the kernel's autotuning on.
+    pub socket_buffer: Option<usize>,
+}
+
+impl TcpConfig {
+    /// Defaults, listening on `bind`.
+    pub fn new(bind: SocketAddr) -> Self {
+        TcpConfig {
+            bind,
+            limits: Limits::default(),
+            connect_timeout: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(10),
+            inbox_bytes: 256 << 20,
+            socket_buffer: None,
+        }
+    }
+}
+
+impl Default for TcpConfig {
+    /// Listens on 127.0.0.1 with a free port.
+    fn default() -> Self {
+        TcpConfig::new(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
+    }
+}

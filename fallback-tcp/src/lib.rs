@@ -1,0 +1,24 @@
+//! psnet's TCP transport: the [`Transport`](psnet_transport::Transport) contract over TCP.
+//!
+//! Chosen when the interface psnet runs on has no RDMA device (e.g. `eth0`), or forced with
+//! `PSNET_TRANSPORT=tcp`. Built for speed:
+//! - one connection per peer pair, `TCP_NODELAY`;
+//! - a frame header and the caller's segments leave in one vectored write, no copy and no
+//!   allocation per message;
+//! - each connection reads into one growing buffer that is cut into the received segments
+//!   without copying, and reused once the application drops them;
+//! - received messages wait in a queue bounded in bytes; when it is full the connection stops
+//!   reading, and TCP's flow control makes the sender wait (back-pressure, not unbounded memory).
+#![deny(missing_docs)]
+
+mod config;
+mod conn;
+mod handshake;
+mod inbox;
+mod peers;
+mod reader;
+mod socket;
+mod transport;
+
+pub use config::TcpConfig;
+pub use transport::TcpTransport;

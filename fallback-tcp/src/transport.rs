@@ -1,0 +1,445 @@
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use psnet_transport::codec::{FrameHeader, HeaderBuf};
+use psnet_transport::{
+    Capabilities, Event, FrameKind, NodeId, OutMessage, RegisteredBuf, Transport, TransportError,
+};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::AbortHandle;
+use tokio::time::{sleep, timeout, Instant};
+
+use crate::config::TcpConfig;
+use crate::conn::Conn;
+use crate::handshake::{self, Answer};
+use crate::inbox::Inbox;
+use crate::peers::{decide_hello, HelloDecision, PendingGuard, Peers, Slot};
+use crate::reader::{read_loop, ReadEnd};
+use crate::socket::tune;
+
+/// The TCP implementation of [`Transport`].
+///
+/// Listens from [`TcpTransport::bind`] on; dropping it (or calling
+/// [`Transport::shutdown`]) closes every connection.
+pub struct TcpTransport {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    local_id: AtomicU64,
+    listen_addr: SocketAddr,
+    config: TcpConfig,
+    peers: Peers,
+    inbox: Inbox,
+    closed: AtomicBool,
+    acceptor: Mutex<Option<AbortHandle>>,
+}
+
+impl TcpTransport {
+    /// Listens on `config.bind` as node `id`. Needs a tokio runtime.
+    pub async fn bind(id: NodeId, config: TcpConfig) -> Result<Self, TransportError> {
+        let listener = TcpListener::bind(config.bind)
+            .await
+            .map_err(|source| TransportError::Bind {
+                addr: config.bind,
+                source,
+            })?;
+        let listen_addr = listener
+            .local_addr()
+            .map_err(|source| TransportError::Bind {
+                addr: config.bind,
+                source,
+            })?;
+        let inner = Arc::new(Inner {
+            local_id: AtomicU64::new(id.0),
+            listen_addr,
+            peers: Peers::default(),
+            inbox: Inbox::new(config.inbox_bytes),
+            config,
+            closed: AtomicBool::new(false),
+            acceptor: Mutex::new(None),
+        });
+        let task = tokio::spawn(accept_loop(listener, inner.clone()));
+        *inner.acceptor.lock().unwrap_or_else(|p| p.into_inner()) = Some(task.abort_handle());
+        tracing::debug!(%id, addr = %listen_addr, "tcp transport listening");
+        Ok(TcpTransport { inner })
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        self.inner.shutdown();
+    }
+}
+
+impl Inner {
+    fn local(&self) -> NodeId {
+        NodeId(self.local_id.load(Ordering::Relaxed))
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    fn shutdown(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Some(h) = self
+            .acceptor
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            h.abort();
+        }
+        for conn in self.peers.drain() {
+            conn.close_and_stop_reader();
+        }
+        self.inbox.close();
+        tracing::debug!(id = %self.local(), "tcp transport shut down");
+    }
+
+    /// Splits an established stream, installs it if `token` still holds the peer's slot, and
+    /// starts its reader. Returns false if the slot was taken meanwhile.
+    fn install(
+        self: &Arc<Self>,
+        peer: NodeId,
+        token: u64,
+        stream: TcpStream,
+        leftover: BytesMut,
+    ) -> io::Result<bool> {
+        let addr = stream.peer_addr()?;
+        let control = stream.into_std()?;
+        let dup = control.try_clone()?;
+        let stream = TcpStream::from_std(control)?;
+        let (read, write) = stream.into_split();
+        let conn = Arc::new(Conn::new(peer, write, dup));
+        if !self.peers.install(peer, token, conn.clone()) {
+            conn.close();
+            return Ok(false);
+        }
+        let inner = self.clone();
+        let reader_conn = conn.clone();
+        let task = tokio::spawn(async move {
+            let end = read_loop(
+                read,
+                leftover,
+                reader_conn.clone(),
+                &inner.inbox,
+                inner.config.limits,
+            )
+            .await;
+            inner.connection_ended(&reader_conn, end);
+        });
+        conn.set_reader(task.abort_handle());
+        if self.is_closed() {
+            conn.close_and_stop_reader();
+            return Ok(false);
+        }
+        tracing::debug!(local = %self.local(), %peer, %addr, "connected");
+        self.inbox.push_event(Event::PeerConnected { peer, addr });
+        Ok(true)
+    }
+
+    fn connection_ended(&self, conn: &Arc<Conn>, end: ReadEnd) {
+        conn.close();
+        let reason = match end {
+            ReadEnd::Shutdown => return,
+            ReadEnd::Closed => "closed by the peer".to_string(),
+            ReadEnd::Failed(why) => why,
+        };
+        // A connection replaced by a newer one to the same peer is not a loss of the peer.
+        if self.peers.remove_conn(conn) && !self.is_closed() {
+            tracing::info!(local = %self.local(), peer = %conn.peer, %reason, "peer lost");
+            self.inbox.push_event(Event::PeerLost {
+                peer: conn.peer,
+                reason,
+            });
+        }
+    }
+
+    async fn connect(self: &Arc<Self>, peer: NodeId, addr: SocketAddr) -> Result<(), TransportError> {
+        let deadline = Instant::now() + self.config.connect_timeout;
+        let token = loop {
+            if self.is_closed() {
+                return Err(TransportError::Closed);
+            }
+            let changed = self.peers.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let mut slots = self.peers.lock();
+                match slots.get(&peer) {
+                    Some(Slot::Connected(c)) if !c.is_broken() => return Ok(()),
+                    Some(Slot::Pending(_)) => {}
+                    _ => {
+                        let token = self.peers.token();
+                        slots.insert(peer, Slot::Pending(token));
+                        break token;
+                    }
+                }
+            }
+            // Someone else is setting up this peer's connection: wait for the outcome.
+            if timeout(deadline.saturating_duration_since(Instant::now()), changed)
+                .await
+                .is_err()
+            {
+                return Err(TransportError::Handshake {
+                    peer,
+                    reason: "timed out waiting for a concurrent connection attempt".into(),
+                });
+            }
+        };
+        let guard = PendingGuard {
+            peers: &self.peers,
+            peer,
+            token,
+        };
+        let (mut stream, answer, leftover) = self.dial(peer, addr, deadline).await?;
+        match answer {
+            Answer::Ack(id) if id == peer => {
+                let installed = self
+                    .install(peer, token, stream, leftover)
+                    .map_err(|e| TransportError::Connect {
+                        peer,
+                        addr,
+                        source: e,
+                    })?;
+                drop(guard);
+                if installed || self.peers.get(peer).is_some() {
+                    Ok(())
+                } else {
+                    Err(TransportError::Closed)
+                }
+            }
+            Answer::Ack(id) => {
+                let _ = handshake::write_frame(&mut stream, FrameKind::HelloReject, b"wrong peer").await;
+                Err(TransportError::Handshake {
+                    peer,
+                    reason: format!("{addr} answered as {id}"),
+                })
+            }
+            Answer::Reject(reason) if reason.starts_with("simultaneous") => {
+                // The peer's own dial wins; keep our marker so that its hello is accepted, and
+                // wait until that connection is installed.
+                drop(stream);
+                self.wait_connected(peer, deadline).await
+            }
+            Answer::Reject(reason) => Err(TransportError::Handshake { peer, reason }),
+        }
+    }
+
+    /// Dials `addr` until it answers the handshake or the deadline passes.
+    async fn dial(
+        &self,
+        peer: NodeId,
+        addr: SocketAddr,
+        deadline: Instant,
+    ) -> Result<(TcpStream, Answer, BytesMut), TransportError> {
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            let attempt = async {
+                let mut stream = TcpStream::connect(addr).await?;
+                tune(&stream, &self.config)?;
+                let (answer, rest) = handshake::dial(&mut stream, self.local()).await?;
+                Ok::<_, io::Error>((stream, answer, rest))
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            let err = match timeout(left, attempt).await {
+                Ok(Ok((stream, answer, rest))) => return Ok((stream, answer, rest)),
+                Ok(Err(e)) => e,
+                Err(_) => io::Error::new(io::ErrorKind::TimedOut, "connect timed out"),
+            };
+            let retryable = matches!(
+                err.kind(),
+                io::ErrorKind::ConnectionRefused
+                    | io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::ConnectionAborted
+                    | io::ErrorKind::UnexpectedEof
+                    | io::ErrorKind::NotConnected
+            );
+            if !retryable || Instant::now() + backoff >= deadline || self.is_closed() {
+                return Err(TransportError::Connect {
+                    peer,
+                    addr,
+                    source: err,
+                });
+            }
+            tracing::debug!(%peer, %addr, error = %err, "connect failed, retrying");
+            sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+        }
+    }
+
+    async fn wait_connected(&self, peer: NodeId, deadline: Instant) -> Result<(), TransportError> {
+        loop {
+            let changed = self.peers.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.peers.get(peer).is_some() {
+                return Ok(());
+            }
+            if self.is_closed() {
+                return Err(TransportError::Closed);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if timeout(left, changed).await.is_err() {
+                return Err(TransportError::Handshake {
+                    peer,
+                    reason: "the peer's own connection never arrived".into(),
+                });
+            }
+        }
+    }
+
+    /// Handles one accepted socket: reads the hello, applies the tie-break, answers.
+    async fn accept(self: Arc<Self>, mut stream: TcpStream) -> io::Result<()> {
+        tune(&stream, &self.config)?;
+        let (peer, leftover) =
+            timeout(self.config.handshake_timeout, handshake::read_hello(&mut stream))
+                .await
+                .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no hello in time"))??;
+        let local = self.local();
+        let token = self.peers.token();
+        let decision = {
+            let mut slots = self.peers.lock();
+            let dialing = matches!(slots.get(&peer), Some(Slot::Pending(_)));
+            let decision = decide_hello(local, peer, dialing);
+            if decision == HelloDecision::Accept {
+                if let Some(Slot::Connected(old)) = slots.insert(peer, Slot::Pending(token)) {
+                    // The peer dialled again, so it gave up the old connection.
+                    old.close();
+                }
+            }
+            decision
+        };
+        match decision {
+            HelloDecision::Reject(reason) => {
+                tracing::debug!(%local, %peer, reason, "refusing connection");
+                handshake::write_frame(&mut stream, FrameKind::HelloReject, reason.as_bytes()).await
+            }
+            HelloDecision::Accept => {
+                let guard = PendingGuard {
+                    peers: &self.peers,
+                    peer,
+                    token,
+                };
+                let ack = psnet_transport::codec::encode_hello(local);
+                handshake::write_frame(&mut stream, FrameKind::HelloAck, &ack).await?;
+                self.install(peer, token, stream, leftover)?;
+                drop(guard);
+                Ok(())
+            }
+        }
+    }
+}
+
+async fn accept_loop(listener: TcpListener, inner: Arc<Inner>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, from)) => {
+                let inner = inner.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = inner.accept(stream).await {
+                        tracing::warn!(%from, error = %e, "incoming connection failed");
+                    }
+                });
+            }
+            Err(e) => {
+                // Out of file descriptors and the like: back off instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+impl Transport for TcpTransport {
+    fn local_id(&self) -> NodeId {
+        self.inner.local()
+    }
+
+    fn set_local_id(&self, id: NodeId) {
+        self.inner.local_id.store(id.0, Ordering::Relaxed);
+    }
+
+    fn listen_addr(&self) -> SocketAddr {
+        self.inner.listen_addr
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let limits = self.inner.config.limits;
+        Capabilities {
+            name: "tcp",
+            max_message: limits.max_message,
+            max_meta: limits.max_meta,
+            max_segments: limits.max_segments,
+            eager_limit: 0,
+            zero_copy_send: true,
+            prefers_registered: false,
+        }
+    }
+
+    fn connect(
+        &self,
+        peer: NodeId,
+        addr: SocketAddr,
+    ) -> impl std::future::Future<Output = Result<(), TransportError>> + Send + '_ {
+        self.inner.connect(peer, addr)
+    }
+
+    fn send<'a>(
+        &'a self,
+        peer: NodeId,
+        msg: OutMessage<'a>,
+    ) -> impl std::future::Future<Output = Result<(), TransportError>> + Send + 'a {
+        async move {
+            let inner = &self.inner;
+            if inner.is_closed() {
+                return Err(TransportError::Closed);
+            }
+            let header = FrameHeader::for_message(FrameKind::Data, &msg, &inner.config.limits)
+                .map_err(|source| TransportError::Invalid { peer, source })?;
+            let conn = inner
+                .peers
+                .get(peer)
+                .ok_or(TransportError::NotConnected { peer })?;
+            let mut head = HeaderBuf::new();
+            header.encode_into(&mut head);
+            conn.write_frame(&head, msg.meta, msg.segments)
+                .await
+                .map_err(|e| TransportError::PeerLost {
+                    peer,
+                    reason: e.to_string(),
+                })
+        }
+    }
+
+    fn recv(&self) -> impl std::future::Future<Output = Result<Event, TransportError>> + Send + '_ {
+        self.inner.inbox.recv()
+    }
+
+    fn disconnect(&self, peer: NodeId) {
+        if let Some(conn) = self.inner.peers.get(peer) {
+            conn.close();
+        }
+    }
+
+    fn connected_peers(&self) -> Vec<NodeId> {
+        self.inner.peers.connected()
+    }
+
+    fn alloc_registered(&self, len: usize) -> Result<RegisteredBuf, TransportError> {
+        // TCP sends from any memory; registration is a no-op.
+        Ok(RegisteredBuf::unregistered(len))
+    }
+
+    fn shutdown(&self) {
+        self.inner.shutdown();
+    }
+}

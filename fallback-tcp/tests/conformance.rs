@@ -1,0 +1,21 @@
+//! The transport conformance suite, run over TCP on 127.0.0.1.
+
+use std::time::Duration;
+
+use psnet_fallback_tcp::{TcpConfig, TcpTransport};
+use psnet_transport::conformance::TransportFactory;
+use psnet_transport::{NodeId, TransportError};
+
+struct Tcp;
+
+impl TransportFactory for Tcp {
+    type T = TcpTransport;
+
+    async fn create(&self, id: NodeId) -> Result<TcpTransport, TransportError> {
+        let mut config = TcpConfig::default();
+        config.connect_timeout = Duration::from_secs(2);
+        TcpTransport::bind(id, config).await
+    }
+}
+
+psnet_transport::conformance_tests!(Tcp);

@@ -1,0 +1,21 @@
+/// What a transport can do, so that callers choose paths from a description rather than from
+/// the transport's name (UCX's lesson).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Short name for logs and reports: `"tcp"`, `"rdma"`.
+    pub name: &'static str,
+    /// Largest message (metadata plus all segments) in bytes.
+    pub max_message: u64,
+    /// Largest metadata block in bytes.
+    pub max_meta: u32,
+    /// Most data segments in one message.
+    pub max_segments: u16,
+    /// Messages up to this many bytes are copied into transport buffers (eager); larger ones are
+    /// sent from the caller's memory (rendezvous on RDMA, vectored writes on TCP).
+    pub eager_limit: usize,
+    /// Sending does not copy the caller's segments.
+    pub zero_copy_send: bool,
+    /// Sending from a [`crate::RegisteredBuf`] avoids a registration or a copy that a plain slice
+    /// would cost.
+    pub prefers_registered: bool,
+}

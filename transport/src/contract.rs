@@ -1,0 +1,75 @@
+use std::future::Future;
+use std::net::SocketAddr;
+
+use crate::caps::Capabilities;
+use crate::error::TransportError;
+use crate::memory::RegisteredBuf;
+use crate::message::{Event, OutMessage};
+use crate::node::NodeId;
+
+/// The one interface between psnet's protocols (kv store, collectives) and the wire.
+///
+/// A transport listens from the moment it is built, connects to peers named by node id and
+/// address, and moves [`OutMessage`]s to them with per-peer ordered, reliable delivery.
+///
+/// # Contract
+/// - **Ordering**: messages sent to one peer arrive in the order their sends completed; a
+///   caller that awaits each send before starting the next gets program order.
+/// - **Borrowing**: the message's metadata and segments are borrowed until the returned future
+///   completes; implementations write them without an intermediate copy where they can. If a
+///   send future is dropped before it completes, the connection to that peer is closed (a
+///   half-written frame would corrupt the stream), and the peer sees it lost.
+/// - **Back-pressure**: when a peer does not receive, sends to it stop completing rather than
+///   buffering without bound; when this side does not call [`Transport::recv`], it stops
+///   reading and its peers' sends wait.
+/// - **Errors** are per peer: a dead peer fails only sends to it (with its id in the error),
+///   and [`Transport::recv`] reports [`Event::PeerLost`] for it once.
+/// - **Connections**: one per peer pair. If both sides connect at once, the connection dialled
+///   by the smaller node id is kept and both `connect` calls succeed with it.
+pub trait Transport: Send + Sync + 'static {
+    /// This node's id, sent to peers when connecting.
+    fn local_id(&self) -> NodeId;
+
+    /// Changes the id sent on connections made from now on (bootstrap: a node learns its final
+    /// id from the scheduler after its first connection). Existing connections keep theirs.
+    fn set_local_id(&self, id: NodeId);
+
+    /// The address peers reach this node at.
+    fn listen_addr(&self) -> SocketAddr;
+
+    /// What this transport can do.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Connects to `peer` at `addr`, retrying until the connect timeout; returns at once if a
+    /// connection to `peer` exists.
+    fn connect(
+        &self,
+        peer: NodeId,
+        addr: SocketAddr,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send + '_;
+
+    /// Sends `msg` to `peer`; completes when the transport no longer needs the borrowed bytes.
+    fn send<'a>(
+        &'a self,
+        peer: NodeId,
+        msg: OutMessage<'a>,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send + 'a;
+
+    /// The next event from any peer. Fails only with [`TransportError::Closed`] once the
+    /// transport is shut down.
+    fn recv(&self) -> impl Future<Output = Result<Event, TransportError>> + Send + '_;
+
+    /// Closes the connection to `peer` (a no-op if there is none).
+    fn disconnect(&self, peer: NodeId);
+
+    /// The peers currently connected.
+    fn connected_peers(&self) -> Vec<NodeId>;
+
+    /// A buffer of `len` bytes the transport can send from without copying or registering it
+    /// again (registered with the NIC on RDMA, plain memory on TCP).
+    fn alloc_registered(&self, len: usize) -> Result<RegisteredBuf, TransportError>;
+
+    /// Stops listening and closes every connection; later calls fail with
+    /// [`TransportError::Closed`].
+    fn shutdown(&self);
+}

@@ -1,0 +1,34 @@
+//! psnet's transport contract.
+//!
+//! One interface, several implementations: the kv store and the collectives talk to a
+//! [`Transport`] and never learn whether TCP (`psnet-fallback-tcp`) or RDMA (`psnet-verbs`)
+//! moves their bytes. This crate holds only plain types and the wire codec, with no I/O, so
+//! that every rule about frames can be tested without a network.
+//!
+//! - [`Transport`]: connect to a peer by node id and address, send a message (a small metadata
+//!   block plus data segments borrowed from the caller until sent), receive [`Event`]s.
+//! - [`codec`]: the versioned, little-endian frame format; every length is bounded by
+//!   [`Limits`] before anything is allocated, malformed input is an error, never a panic.
+//! - [`TransportError`]: errors are per peer and carry its [`NodeId`].
+//! - [`RegisteredBuf`]: memory the transport may hand to the NIC without copying (plain memory on
+//!   TCP, a memory registration on RDMA).
+//! - `conformance` (feature `conformance`): the suite every transport runs in its tests.
+#![deny(missing_docs)]
+
+mod caps;
+pub mod codec;
+#[cfg(feature = "conformance")]
+pub mod conformance;
+mod contract;
+mod error;
+mod memory;
+mod message;
+mod node;
+
+pub use caps::Capabilities;
+pub use codec::{CodecError, FrameKind, Limits};
+pub use contract::Transport;
+pub use error::TransportError;
+pub use memory::{RegionKey, RegisteredBuf};
+pub use message::{Event, Incoming, OutMessage, Segment};
+pub use node::NodeId;

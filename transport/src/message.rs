@@ -1,0 +1,125 @@
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use smallvec::SmallVec;
+
+use crate::memory::{RegionKey, RegisteredBuf};
+use crate::node::NodeId;
+
+/// One data segment of an outgoing message, borrowed from the caller until the send completes.
+#[derive(Clone, Copy, Debug)]
+pub struct Segment<'a> {
+    bytes: &'a [u8],
+    region: Option<RegionKey>,
+}
+
+impl<'a> Segment<'a> {
+    /// A segment of plain memory.
+    pub fn new(bytes: &'a [u8]) -> Self {
+        Segment {
+            bytes,
+            region: None,
+        }
+    }
+
+    /// A segment inside a registered buffer (zero-copy on RDMA).
+    pub fn registered(buf: &'a RegisteredBuf, range: std::ops::Range<usize>) -> Self {
+        Segment {
+            bytes: &buf[range],
+            region: buf.is_registered().then(|| buf.key()),
+        }
+    }
+
+    /// The bytes to send.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+
+    /// The registration covering the bytes, if any.
+    pub fn region(&self) -> Option<RegionKey> {
+        self.region
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Whether the segment is empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+}
+
+impl<'a> From<&'a [u8]> for Segment<'a> {
+    fn from(bytes: &'a [u8]) -> Self {
+        Segment::new(bytes)
+    }
+}
+
+impl<'a> From<&'a Bytes> for Segment<'a> {
+    fn from(bytes: &'a Bytes) -> Self {
+        Segment::new(bytes)
+    }
+}
+
+impl<'a> From<&'a Vec<u8>> for Segment<'a> {
+    fn from(bytes: &'a Vec<u8>) -> Self {
+        Segment::new(bytes)
+    }
+}
+
+/// An outgoing message: a small metadata block (the kv store's command, keys' layout, ...)
+/// and data segments, all borrowed until the send completes.
+#[derive(Clone, Copy, Debug)]
+pub struct OutMessage<'a> {
+    /// Metadata, at most [`crate::Capabilities::max_meta`] bytes.
+    pub meta: &'a [u8],
+    /// Data segments, at most [`crate::Capabilities::max_segments`]; empty segments are allowed
+    /// and arrive as empty segments.
+    pub segments: &'a [Segment<'a>],
+}
+
+impl<'a> OutMessage<'a> {
+    /// A message of metadata and segments.
+    pub fn new(meta: &'a [u8], segments: &'a [Segment<'a>]) -> Self {
+        OutMessage { meta, segments }
+    }
+
+    /// Metadata plus all segments, in bytes.
+    pub fn total_len(&self) -> u64 {
+        self.meta.len() as u64 + self.segments.iter().map(|s| s.len() as u64).sum::<u64>()
+    }
+}
+
+/// A received message. Segments are views into the transport's receive buffer (no copy on TCP).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Incoming {
+    /// The sender.
+    pub peer: NodeId,
+    /// The metadata block.
+    pub meta: Bytes,
+    /// The data segments, in the order they were sent.
+    pub segments: SmallVec<[Bytes; 4]>,
+}
+
+/// What [`crate::Transport::recv`] hands out.
+#[derive(Debug)]
+pub enum Event {
+    /// A message from a peer. Messages from one peer arrive in the order they were sent.
+    Message(Incoming),
+    /// A connection with `peer` was established (by either side).
+    PeerConnected {
+        /// The peer.
+        peer: NodeId,
+        /// Its address as seen from here.
+        addr: SocketAddr,
+    },
+    /// The connection with `peer` ended; sends to it fail until it is connected again.
+    PeerLost {
+        /// The peer.
+        peer: NodeId,
+        /// Why, for the log and the user.
+        reason: String,
+    },
+}
