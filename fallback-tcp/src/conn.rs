@@ -27,11 +27,7 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
-    pub(crate) fn new(
-        peer: NodeId,
-        writer: OwnedWriteHalf,
-        control: std::net::TcpStream,
-    ) -> Self {
+    pub(crate) fn new(peer: NodeId, writer: OwnedWriteHalf, control: std::net::TcpStream) -> Self {
         Conn {
             peer,
             writer: tokio::sync::Mutex::new(writer),
@@ -58,12 +54,7 @@ impl Conn {
     /// Stops the reader task too (transport shutdown).
     pub(crate) fn close_and_stop_reader(&self) {
         self.close();
-        if let Some(h) = self
-            .reader
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
+        if let Some(h) = self.reader.lock().unwrap_or_else(|p| p.into_inner()).take() {
             h.abort();
         }
     }
@@ -103,7 +94,10 @@ impl Conn {
         while !rest.is_empty() {
             let batch = rest.len().min(IOV_MAX);
             let n = match writer.write_vectored(&rest[..batch]).await {
-                Ok(0) => Err(io::Error::new(io::ErrorKind::WriteZero, "socket wrote 0 bytes")),
+                Ok(0) => Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "socket wrote 0 bytes",
+                )),
                 other => other,
             }
             .inspect_err(|_| self.close())?;

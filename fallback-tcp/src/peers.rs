@@ -95,7 +95,8 @@ impl Peers {
     /// Removes `conn` if it is still the installed connection; true if it was.
     pub(crate) fn remove_conn(&self, conn: &Arc<Conn>) -> bool {
         let mut slots = self.lock();
-        let current = matches!(slots.get(&conn.peer), Some(Slot::Connected(c)) if Arc::ptr_eq(c, conn));
+        let current =
+            matches!(slots.get(&conn.peer), Some(Slot::Connected(c)) if Arc::ptr_eq(c, conn));
         if current {
             slots.remove(&conn.peer);
         }

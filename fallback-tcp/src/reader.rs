@@ -85,7 +85,10 @@ async fn fill(read: &mut OwnedReadHalf, buf: &mut BytesMut, len: usize) -> io::R
         if read.read_buf(buf).await? == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
-                format!("connection closed inside a frame ({} of {len} bytes)", buf.len()),
+                format!(
+                    "connection closed inside a frame ({} of {len} bytes)",
+                    buf.len()
+                ),
             ));
         }
     }

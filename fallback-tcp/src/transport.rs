@@ -17,7 +17,7 @@ use crate::config::TcpConfig;
 use crate::conn::Conn;
 use crate::handshake::{self, Answer};
 use crate::inbox::Inbox;
-use crate::peers::{decide_hello, HelloDecision, PendingGuard, Peers, Slot};
+use crate::peers::{decide_hello, HelloDecision, Peers, PendingGuard, Slot};
 use crate::reader::{read_loop, ReadEnd};
 use crate::socket::tune;
 
@@ -42,12 +42,13 @@ struct Inner {
 impl TcpTransport {
     /// Listens on `config.bind` as node `id`. Needs a tokio runtime.
     pub async fn bind(id: NodeId, config: TcpConfig) -> Result<Self, TransportError> {
-        let listener = TcpListener::bind(config.bind)
-            .await
-            .map_err(|source| TransportError::Bind {
-                addr: config.bind,
-                source,
-            })?;
+        let listener =
+            TcpListener::bind(config.bind)
+                .await
+                .map_err(|source| TransportError::Bind {
+                    addr: config.bind,
+                    source,
+                })?;
         let listen_addr = listener
             .local_addr()
             .map_err(|source| TransportError::Bind {
@@ -163,7 +164,11 @@ impl Inner {
         }
     }
 
-    async fn connect(self: &Arc<Self>, peer: NodeId, addr: SocketAddr) -> Result<(), TransportError> {
+    async fn connect(
+        self: &Arc<Self>,
+        peer: NodeId,
+        addr: SocketAddr,
+    ) -> Result<(), TransportError> {
         let deadline = Instant::now() + self.config.connect_timeout;
         let token = loop {
             if self.is_closed() {
@@ -203,13 +208,13 @@ impl Inner {
         let (mut stream, answer, leftover) = self.dial(peer, addr, deadline).await?;
         match answer {
             Answer::Ack(id) if id == peer => {
-                let installed = self
-                    .install(peer, token, stream, leftover)
-                    .map_err(|e| TransportError::Connect {
+                let installed = self.install(peer, token, stream, leftover).map_err(|e| {
+                    TransportError::Connect {
                         peer,
                         addr,
                         source: e,
-                    })?;
+                    }
+                })?;
                 drop(guard);
                 if installed || self.peers.get(peer).is_some() {
                     Ok(())
@@ -218,7 +223,8 @@ impl Inner {
                 }
             }
             Answer::Ack(id) => {
-                let _ = handshake::write_frame(&mut stream, FrameKind::HelloReject, b"wrong peer").await;
+                let _ = handshake::write_frame(&mut stream, FrameKind::HelloReject, b"wrong peer")
+                    .await;
                 Err(TransportError::Handshake {
                     peer,
                     reason: format!("{addr} answered as {id}"),
@@ -300,10 +306,12 @@ impl Inner {
     /// Handles one accepted socket: reads the hello, applies the tie-break, answers.
     async fn accept(self: Arc<Self>, mut stream: TcpStream) -> io::Result<()> {
         tune(&stream, &self.config)?;
-        let (peer, leftover) =
-            timeout(self.config.handshake_timeout, handshake::read_hello(&mut stream))
-                .await
-                .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no hello in time"))??;
+        let (peer, leftover) = timeout(
+            self.config.handshake_timeout,
+            handshake::read_hello(&mut stream),
+        )
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no hello in time"))??;
         let local = self.local();
         let token = self.peers.token();
         let decision = {
@@ -393,31 +401,25 @@ impl Transport for TcpTransport {
         self.inner.connect(peer, addr)
     }
 
-    fn send<'a>(
-        &'a self,
-        peer: NodeId,
-        msg: OutMessage<'a>,
-    ) -> impl std::future::Future<Output = Result<(), TransportError>> + Send + 'a {
-        async move {
-            let inner = &self.inner;
-            if inner.is_closed() {
-                return Err(TransportError::Closed);
-            }
-            let header = FrameHeader::for_message(FrameKind::Data, &msg, &inner.config.limits)
-                .map_err(|source| TransportError::Invalid { peer, source })?;
-            let conn = inner
-                .peers
-                .get(peer)
-                .ok_or(TransportError::NotConnected { peer })?;
-            let mut head = HeaderBuf::new();
-            header.encode_into(&mut head);
-            conn.write_frame(&head, msg.meta, msg.segments)
-                .await
-                .map_err(|e| TransportError::PeerLost {
-                    peer,
-                    reason: e.to_string(),
-                })
+    async fn send<'a>(&'a self, peer: NodeId, msg: OutMessage<'a>) -> Result<(), TransportError> {
+        let inner = &self.inner;
+        if inner.is_closed() {
+            return Err(TransportError::Closed);
         }
+        let header = FrameHeader::for_message(FrameKind::Data, &msg, &inner.config.limits)
+            .map_err(|source| TransportError::Invalid { peer, source })?;
+        let conn = inner
+            .peers
+            .get(peer)
+            .ok_or(TransportError::NotConnected { peer })?;
+        let mut head = HeaderBuf::new();
+        header.encode_into(&mut head);
+        conn.write_frame(&head, msg.meta, msg.segments)
+            .await
+            .map_err(|e| TransportError::PeerLost {
+                peer,
+                reason: e.to_string(),
+            })
     }
 
     fn recv(&self) -> impl std::future::Future<Output = Result<Event, TransportError>> + Send + '_ {

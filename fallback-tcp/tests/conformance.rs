@@ -12,8 +12,10 @@ impl TransportFactory for Tcp {
     type T = TcpTransport;
 
     async fn create(&self, id: NodeId) -> Result<TcpTransport, TransportError> {
-        let mut config = TcpConfig::default();
-        config.connect_timeout = Duration::from_secs(2);
+        let config = TcpConfig {
+            connect_timeout: Duration::from_secs(2),
+            ..TcpConfig::default()
+        };
         TcpTransport::bind(id, config).await
     }
 }

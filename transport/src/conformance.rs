@@ -191,7 +191,11 @@ pub async fn many_peers<F: TransportFactory>(f: &F) {
             }
             let reply = next_message(&*peer).await;
             assert_eq!(reply.peer, hub_id);
-            assert_eq!(seq_of(&reply), peer.local_id().0, "reply went to the wrong peer");
+            assert_eq!(
+                seq_of(&reply),
+                peer.local_id().0,
+                "reply went to the wrong peer"
+            );
             peer
         }));
     }
@@ -228,7 +232,11 @@ pub async fn peer_dying_fails_only_that_peer<F: TransportFactory>(f: &F) {
         .send(NodeId(2), OutMessage::new(b"x", &[]))
         .await
         .expect_err("send to a dead peer must fail");
-    assert_eq!(err.peer(), Some(NodeId(2)), "error must name the peer: {err}");
+    assert_eq!(
+        err.peer(),
+        Some(NodeId(2)),
+        "error must name the peer: {err}"
+    );
 
     send_seq(&*a, c.local_id(), 1, b"still here").await;
     let m = next_message(&*c).await;

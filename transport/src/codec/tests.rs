@@ -116,7 +116,11 @@ fn partial_frames_ask_for_more() {
     let bytes = frame_bytes(b"meta", &[vec![1; 100], vec![2; 3]]);
     for cut in 0..bytes.len() {
         let mut buf = BytesMut::from(&bytes[..cut]);
-        assert_eq!(decode_frame(&mut buf, &Limits::default()), Ok(None), "cut {cut}");
+        assert_eq!(
+            decode_frame(&mut buf, &Limits::default()),
+            Ok(None),
+            "cut {cut}"
+        );
         assert_eq!(buf.len(), cut, "partial input must stay buffered");
     }
 }

@@ -1,0 +1,184 @@
+//! Every environment variable psnet reads, in one place.
+
+use std::fmt::Display;
+use std::str::FromStr;
+
+/// One environment variable: its name, default and meaning.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EnvVar {
+    /// The variable's name.
+    pub name: &'static str,
+    /// The default, as the user would write it ("" = unset).
+    pub default: &'static str,
+    /// What it does.
+    pub description: &'static str,
+}
+
+/// A variable with an unusable value, or a configuration that cannot work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// The value does not parse.
+    #[error("{name}={value:?} is not valid: {reason}")]
+    Invalid {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// A required variable is missing.
+    #[error("{name} is not set: {description}")]
+    Missing {
+        /// The variable.
+        name: &'static str,
+        /// What it is for.
+        description: &'static str,
+    },
+    /// `DMLC_INTERFACE` names no interface.
+    #[error(
+        "DMLC_INTERFACE={wanted:?} matches no network interface; interfaces here: {available}"
+    )]
+    NoSuchInterface {
+        /// The name asked for.
+        wanted: String,
+        /// The interfaces that exist, with their addresses.
+        available: String,
+    },
+    /// The interface has no usable address.
+    #[error("no usable address: {0}")]
+    NoAddress(String),
+}
+
+impl EnvVar {
+    /// The raw value, if set and not empty.
+    pub fn get(&self) -> Option<String> {
+        std::env::var(self.name)
+            .ok()
+            .filter(|v| !v.trim().is_empty())
+    }
+
+    /// The value parsed as `T`, `None` if unset; a parse failure names the variable.
+    pub fn parse<T>(&self) -> Result<Option<T>, ConfigError>
+    where
+        T: FromStr,
+        T::Err: Display,
+    {
+        self.get()
+            .map(|raw| {
+                raw.trim().parse::<T>().map_err(|e| ConfigError::Invalid {
+                    name: self.name,
+                    value: raw.clone(),
+                    reason: e.to_string(),
+                })
+            })
+            .transpose()
+    }
+
+    /// The value parsed as `T`, or the declared default.
+    pub fn parse_or_default<T>(&self) -> Result<T, ConfigError>
+    where
+        T: FromStr,
+        T::Err: Display,
+    {
+        match self.parse()? {
+            Some(v) => Ok(v),
+            None => self
+                .default
+                .parse()
+                .map_err(|e: T::Err| ConfigError::Invalid {
+                    name: self.name,
+                    value: self.default.to_string(),
+                    reason: format!("built-in default does not parse: {e}"),
+                }),
+        }
+    }
+
+    /// The value, or an error saying the variable is required.
+    pub fn require(&self) -> Result<String, ConfigError> {
+        self.get().ok_or(ConfigError::Missing {
+            name: self.name,
+            description: self.description,
+        })
+    }
+}
+
+macro_rules! env_vars {
+    ($($ident:ident = $name:literal, $default:literal, $desc:literal;)*) => {
+        $(
+            #[doc = $desc]
+            pub const $ident: EnvVar = EnvVar { name: $name, default: $default, description: $desc };
+        )*
+        /// Every variable psnet reads, in declaration order.
+        pub const ALL: &[EnvVar] = &[$($ident),*];
+    };
+}
+
+env_vars! {
+    DMLC_NODE_HOST = "DMLC_NODE_HOST", "",
+        "This node's IP address (or host name), used verbatim; beats DMLC_INTERFACE.";
+    DMLC_INTERFACE = "DMLC_INTERFACE", "",
+        "Network interface to use: exact name first, then the first name starting with it (so `ib` finds `ib0`). Unset: the first non-loopback IPv4 interface, else IPv6.";
+    PSNET_TRANSPORT = "PSNET_TRANSPORT", "auto",
+        "auto | rdma | tcp. auto: RDMA when an RDMA device is bound to the chosen interface, TCP otherwise.";
+    PSNET_IB_DEVICE = "PSNET_IB_DEVICE", "",
+        "RDMA device to use (e.g. mlx5_0, rxe0) instead of the one bound to the interface.";
+    PSNET_IB_PORT = "PSNET_IB_PORT", "",
+        "RDMA port number to use (1-based) instead of the one bound to the interface.";
+    PSNET_GID_INDEX = "PSNET_GID_INDEX", "",
+        "RoCE GID index to use instead of the one carrying the interface's address.";
+    PSNET_MAX_MESSAGE = "PSNET_MAX_MESSAGE", "1073741824",
+        "Largest message in bytes; longer frames are refused before any allocation.";
+    PSNET_CONNECT_TIMEOUT = "PSNET_CONNECT_TIMEOUT", "30",
+        "Seconds a connect keeps retrying a peer that is not up yet.";
+    PSNET_TCP_BUFFER = "PSNET_TCP_BUFFER", "0",
+        "TCP socket send/receive buffer in bytes; 0 keeps the kernel's autotuning.";
+    PSNET_INBOX_BYTES = "PSNET_INBOX_BYTES", "268435456",
+        "Bytes of received messages that may wait for the application before connections stop reading (back-pressure).";
+    PS_VERBOSE = "PS_VERBOSE", "0",
+        "Logging: 0 warnings and start-up choices, 1 lifecycle, 2 every message. RUST_LOG, if set, wins.";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TEST_VAR: EnvVar = EnvVar {
+        name: "PSNET_CONFIG_TEST_VAR",
+        default: "7",
+        description: "test",
+    };
+
+    #[test]
+    fn parse_errors_name_the_variable_and_value() {
+        std::env::set_var(TEST_VAR.name, "seven");
+        let err = TEST_VAR.parse::<u32>().unwrap_err();
+        std::env::remove_var(TEST_VAR.name);
+        let text = err.to_string();
+        assert!(
+            text.contains("PSNET_CONFIG_TEST_VAR") && text.contains("seven"),
+            "{text}"
+        );
+        assert_eq!(TEST_VAR.parse_or_default::<u32>(), Ok(7));
+        assert!(matches!(
+            TEST_VAR.require(),
+            Err(ConfigError::Missing { .. })
+        ));
+    }
+
+    #[test]
+    fn every_default_parses_where_numeric() {
+        for var in ALL {
+            assert!(
+                !var.description.is_empty(),
+                "{} lacks a description",
+                var.name
+            );
+        }
+        assert!(PSNET_MAX_MESSAGE.parse_or_default::<u64>().is_ok());
+        assert!(PSNET_INBOX_BYTES.parse_or_default::<usize>().is_ok());
+        assert!(PSNET_TCP_BUFFER.parse_or_default::<usize>().is_ok());
+        assert!(PSNET_CONNECT_TIMEOUT.parse_or_default::<u64>().is_ok());
+        assert!(PS_VERBOSE.parse_or_default::<u8>().is_ok());
+    }
+}

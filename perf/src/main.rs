@@ -1,0 +1,331 @@
+//! `psnet-perf`: psnet's benchmarks, in perftest's shape.
+//!
+//! - `psnet-perf bw` / `psnet-perf lat`: without a host, serve; with a host, be the client;
+//!   `--loopback` runs both ends in one process. `--baseline` adds the raw-TCP reference
+//!   measured in the same run.
+//! - `psnet-perf select`: which address and transport this node would use, and why.
+//! - `psnet-perf --print-env`: every environment variable psnet reads.
+
+mod baseline;
+mod bw;
+mod lat;
+mod protocol;
+mod report;
+mod server;
+mod session;
+mod size;
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use psnet_select::{AnyTransport, Selection, TransportPref};
+use psnet_transport::Transport;
+
+use crate::report::{BwRow, LatRow};
+use crate::session::{PerfResult, SERVER_ID};
+
+#[derive(Parser)]
+#[command(
+    name = "psnet-perf",
+    version,
+    about = "psnet bandwidth and latency benchmarks (perftest-style)"
+)]
+struct Cli {
+    /// Print every environment variable psnet reads, with its default and current value.
+    #[arg(long)]
+    print_env: bool,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Bandwidth, like perftest's ib_write_bw.
+    Bw(TestArgs),
+    /// Latency (round trip), like perftest's ib_send_lat.
+    Lat(TestArgs),
+    /// Show the address and transport this node would use, and why.
+    Select {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// Transport preference (beats PSNET_TRANSPORT): auto, rdma or tcp.
+        #[arg(long)]
+        transport: Option<TransportPref>,
+    },
+}
+
+#[derive(Args, Clone)]
+struct TestArgs {
+    /// Server to connect to; without it, this process is the server.
+    host: Option<String>,
+    /// Message size (64, 4K, 16M, ...).
+    #[arg(short = 's', long, value_parser = size::parse_size)]
+    size: Option<u64>,
+    /// Every power of two from 2 B to 8 MiB.
+    #[arg(short = 'a', long)]
+    all: bool,
+    /// Iterations per size (default: perftest's, capped to keep each size short).
+    #[arg(short = 'n', long)]
+    iters: Option<u64>,
+    /// Server port (the raw-TCP baseline uses the next one).
+    #[arg(short = 'p', long, default_value_t = 18515)]
+    port: u16,
+    /// Transport: auto, rdma or tcp (beats PSNET_TRANSPORT).
+    #[arg(long)]
+    transport: Option<TransportPref>,
+    /// Print the results as JSON (units in the field names).
+    #[arg(long)]
+    json: bool,
+    /// Run server and client in this process, over 127.0.0.1.
+    #[arg(long)]
+    loopback: bool,
+    /// Also measure the raw-TCP reference (blocking 1 MiB writes) over the same bytes.
+    #[arg(long)]
+    baseline: bool,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Test {
+    Bw,
+    Lat,
+}
+
+fn main() -> ExitCode {
+    psnet_config::logging::init();
+    let cli = Cli::parse();
+    let result = if cli.print_env {
+        print_env();
+        Ok(())
+    } else {
+        match cli.command {
+            Some(Command::Bw(args)) => run_test(Test::Bw, args),
+            Some(Command::Lat(args)) => run_test(Test::Lat, args),
+            Some(Command::Select { json, transport }) => print_selection(json, transport),
+            None => {
+                Err("nothing to do: try `psnet-perf bw --loopback` or `psnet-perf --help`".into())
+            }
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("psnet-perf: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn print_env() {
+    println!(
+        "{:<32} {:<12} {:<14} DESCRIPTION",
+        "VARIABLE", "DEFAULT", "CURRENT"
+    );
+    for var in psnet_config::env::ALL {
+        let current = var.get().unwrap_or_else(|| "-".into());
+        let default = if var.default.is_empty() {
+            "-"
+        } else {
+            var.default
+        };
+        println!(
+            "{:<32} {:<12} {:<14} {}",
+            var.name, default, current, var.description
+        );
+    }
+}
+
+fn print_selection(json: bool, pref: Option<TransportPref>) -> PerfResult<()> {
+    let sel = Selection::from_env(pref).map_err(|e| e.to_string())?;
+    if json {
+        let value = serde_json::json!({
+            "address": sel.address.ip.to_string(),
+            "interface": sel.address.interface,
+            "address_reason": sel.address.reason,
+            "transport": sel.decision.kind.name(),
+            "transport_reason": sel.decision.reason,
+        });
+        println!("{value}");
+    } else {
+        println!("address:   {}", sel.address);
+        println!(
+            "transport: {} ({})",
+            sel.decision.kind.name(),
+            sel.decision.reason
+        );
+    }
+    Ok(())
+}
+
+fn sizes(test: Test, args: &TestArgs) -> Vec<u64> {
+    if args.all {
+        size::all_sizes()
+    } else {
+        vec![args.size.unwrap_or(match test {
+            Test::Bw => 65536,
+            Test::Lat => 2,
+        })]
+    }
+}
+
+fn run_test(test: Test, args: TestArgs) -> PerfResult<()> {
+    if args.loopback && args.host.is_some() {
+        return Err("--loopback runs both ends here: give no host".into());
+    }
+    if args.baseline && test == Test::Lat {
+        return Err("--baseline applies to `bw`".into());
+    }
+    if args.iters == Some(0) {
+        return Err("-n must be at least 1".into());
+    }
+    if let Some(0) = args.size {
+        return Err("-s must be at least 1 byte".into());
+    }
+    if args.loopback {
+        let selection = session::loopback_selection(args.transport)?;
+        let (sink, _) = baseline::spawn_sink(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+        let (server_addr, server) = session::spawn_server(selection.clone(), 0)?;
+        let result = run_client(test, &args, &selection, server_addr, sink);
+        let served = server
+            .join()
+            .map_err(|_| "the server thread panicked".to_string())?;
+        result.and(served)
+    } else if let Some(host) = &args.host {
+        let server_addr = resolve(host, args.port)?;
+        let sink = SocketAddr::new(server_addr.ip(), args.port.wrapping_add(1));
+        let selection = Selection::from_env(args.transport).map_err(|e| e.to_string())?;
+        run_client(test, &args, &selection, server_addr, sink)
+    } else {
+        let selection = Selection::from_env(args.transport).map_err(|e| e.to_string())?;
+        let sink_addr = SocketAddr::new(selection.address.ip, args.port.wrapping_add(1));
+        let _sink = baseline::spawn_sink(sink_addr)?;
+        let rt = session::runtime()?;
+        rt.block_on(async {
+            let t = psnet_select::bind(SERVER_ID, &selection, args.port)
+                .await
+                .map_err(|e| e.to_string())?;
+            println!(
+                "{}",
+                report::banner(
+                    "psnet-perf server",
+                    &format!(
+                        "{} ({})",
+                        selection.decision.kind.name(),
+                        selection.decision.reason
+                    ),
+                    &t.listen_addr().to_string(),
+                    "waiting for a client"
+                )
+            );
+            server::serve_one_client(&t).await
+        })
+    }
+}
+
+fn resolve(host: &str, port: u16) -> PerfResult<SocketAddr> {
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve {host}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{host} resolves to no address"))
+}
+
+fn run_client(
+    test: Test,
+    args: &TestArgs,
+    selection: &Selection,
+    server: SocketAddr,
+    sink: SocketAddr,
+) -> PerfResult<()> {
+    let rt = session::runtime()?;
+    let mut raw = if args.baseline {
+        Some(baseline::RawClient::connect(sink)?)
+    } else {
+        None
+    };
+    rt.block_on(async {
+        let t = session::connect_client(selection, server).await?;
+        let outcome = measure(test, args, &t, selection, server, raw.as_mut()).await;
+        // Let the server exit even if a measurement failed.
+        let _ = session::send_control(&t, SERVER_ID, protocol::Control::Bye, &[]).await;
+        outcome
+    })
+}
+
+async fn measure(
+    test: Test,
+    args: &TestArgs,
+    t: &AnyTransport,
+    selection: &Selection,
+    server: SocketAddr,
+    mut raw: Option<&mut baseline::RawClient>,
+) -> PerfResult<()> {
+    let name = selection.decision.kind.name();
+    if !args.json {
+        let title = match test {
+            Test::Bw => "psnet bandwidth test (perftest ib_write_bw layout)",
+            Test::Lat => "psnet latency test (perftest ib_send_lat layout)",
+        };
+        println!(
+            "{}",
+            report::banner(
+                title,
+                name,
+                &t.listen_addr().to_string(),
+                &server.to_string()
+            )
+        );
+        println!(
+            "{}",
+            match test {
+                Test::Bw => report::bw_header(raw.is_some()),
+                Test::Lat => report::lat_header(),
+            }
+        );
+    }
+    let mut bw_rows: Vec<BwRow> = Vec::new();
+    let mut lat_rows: Vec<LatRow> = Vec::new();
+    for size in sizes(test, args) {
+        match test {
+            Test::Bw => {
+                let iters = args.iters.unwrap_or_else(|| bw::default_iters(size));
+                let mut row = bw::run(t, size, iters).await?;
+                if let Some(raw) = raw.as_deref_mut() {
+                    let elapsed = raw.stream(size * iters)?;
+                    row = row.with_baseline(elapsed.as_secs_f64());
+                }
+                if !args.json {
+                    println!("{}", report::bw_line(&row));
+                }
+                bw_rows.push(row);
+            }
+            Test::Lat => {
+                let iters = args.iters.unwrap_or_else(|| lat::default_iters(size));
+                let row = lat::run(t, size, iters).await?;
+                if !args.json {
+                    println!("{}", report::lat_line(&row));
+                }
+                lat_rows.push(row);
+            }
+        }
+    }
+    if args.json {
+        let results = match test {
+            Test::Bw => serde_json::to_value(&bw_rows),
+            Test::Lat => serde_json::to_value(&lat_rows),
+        }
+        .map_err(|e| e.to_string())?;
+        let doc = serde_json::json!({
+            "test": if test == Test::Bw { "bw" } else { "lat" },
+            "transport": name,
+            "local": t.listen_addr().to_string(),
+            "remote": server.to_string(),
+            "results": results,
+        });
+        println!("{doc}");
+    } else {
+        println!("{}", report::rule());
+    }
+    Ok(())
+}

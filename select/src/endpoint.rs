@@ -1,0 +1,133 @@
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use psnet_config::env;
+use psnet_config::interface::{self, NodeAddress};
+use psnet_config::ConfigError;
+use psnet_fallback_tcp::{TcpConfig, TcpTransport};
+use psnet_transport::{Limits, NodeId, TransportError};
+use psnet_verbs::discovery;
+
+use crate::any::AnyTransport;
+use crate::decide::{decide, Decision, TransportKind, TransportPref};
+
+/// Where this node listens and over what, with the reasons.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Selection {
+    /// The address and the interface carrying it.
+    pub address: NodeAddress,
+    /// The transport.
+    pub decision: Decision,
+}
+
+/// Why a node could not choose or build its transport.
+#[derive(Debug, thiserror::Error)]
+pub enum SelectError {
+    /// The environment is wrong (bad value, unknown interface).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// RDMA was required but cannot be used.
+    #[error("{0}")]
+    Rdma(String),
+    /// Building the transport failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+}
+
+impl Selection {
+    /// Chooses from the environment (`DMLC_NODE_HOST`, `DMLC_INTERFACE`, `PSNET_TRANSPORT`);
+    /// `pref` (e.g. a command-line flag) beats `PSNET_TRANSPORT`.
+    pub fn from_env(pref: Option<TransportPref>) -> Result<Self, SelectError> {
+        Self::for_address(interface::node_address_from_env()?, pref)
+    }
+
+    /// Chooses the transport for a known address.
+    pub fn for_address(
+        address: NodeAddress,
+        pref: Option<TransportPref>,
+    ) -> Result<Self, SelectError> {
+        let pref = match pref {
+            Some(p) => p,
+            None => env::PSNET_TRANSPORT.parse_or_default::<TransportPref>()?,
+        };
+        let binding = match env::PSNET_IB_DEVICE.get() {
+            Some(device) => {
+                let port = env::PSNET_IB_PORT.parse::<u32>()?.unwrap_or(1);
+                Some(discovery::configured_binding(&device, port).ok_or_else(|| {
+                    ConfigError::Invalid {
+                        name: env::PSNET_IB_DEVICE.name,
+                        value: device.clone(),
+                        reason: format!(
+                            "no such RDMA device (devices here: {:?})",
+                            discovery::rdma_devices()
+                        ),
+                    }
+                })?)
+            }
+            None => match address.interface.as_deref() {
+                Some(name) => discovery::rdma_device_for_interface(name).unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "cannot read RDMA devices from sysfs");
+                    None
+                }),
+                None => None,
+            },
+        };
+        let decision = decide(pref, address.interface.as_deref(), binding, RDMA_DATA_PATH)
+            .map_err(SelectError::Rdma)?;
+        Ok(Selection { address, decision })
+    }
+}
+
+/// Whether this build moves data over RDMA (the verbs data path).
+const RDMA_DATA_PATH: bool = false;
+
+/// TCP settings from the environment, listening on `bind`.
+pub fn tcp_config_from_env(bind: SocketAddr) -> Result<TcpConfig, ConfigError> {
+    let mut config = TcpConfig::new(bind);
+    config.limits = Limits {
+        max_message: env::PSNET_MAX_MESSAGE.parse_or_default()?,
+        ..Limits::default()
+    };
+    config.connect_timeout = Duration::from_secs(env::PSNET_CONNECT_TIMEOUT.parse_or_default()?);
+    config.inbox_bytes = env::PSNET_INBOX_BYTES.parse_or_default()?;
+    config.socket_buffer = match env::PSNET_TCP_BUFFER.parse_or_default::<usize>()? {
+        0 => None,
+        n => Some(n),
+    };
+    Ok(config)
+}
+
+/// Builds the transport `selection` chose, as node `id`, listening on `port` (0: any free).
+pub async fn bind(
+    id: NodeId,
+    selection: &Selection,
+    port: u16,
+) -> Result<AnyTransport, SelectError> {
+    let addr = SocketAddr::new(selection.address.ip, port);
+    match &selection.decision.kind {
+        TransportKind::Tcp => Ok(AnyTransport::Tcp(
+            TcpTransport::bind(id, tcp_config_from_env(addr)?).await?,
+        )),
+        TransportKind::Rdma(b) => Err(SelectError::Rdma(format!(
+            "RDMA device {} was chosen but this build has no verbs data path",
+            b.device
+        ))),
+    }
+}
+
+/// Chooses from the environment, logs the choice once, and builds the transport.
+pub async fn bind_from_env(
+    id: NodeId,
+    port: u16,
+    pref: Option<TransportPref>,
+) -> Result<(AnyTransport, Selection), SelectError> {
+    let selection = Selection::from_env(pref)?;
+    tracing::info!(
+        address = %selection.address,
+        transport = selection.decision.kind.name(),
+        reason = %selection.decision.reason,
+        "psnet transport selected"
+    );
+    let transport = bind(id, &selection, port).await?;
+    Ok((transport, selection))
+}
