@@ -17,6 +17,8 @@ const IOV_MAX: usize = 1024;
 
 pub(crate) struct Conn {
     pub(crate) peer: NodeId,
+    /// Whether this side dialled (the simultaneous-connect rule needs to know).
+    pub(crate) dialed_by_us: bool,
     /// Tokio's mutex is FIFO, so concurrent senders are served in arrival order.
     writer: tokio::sync::Mutex<OwnedWriteHalf>,
     /// A duplicate of the socket, to shut it down from synchronous code while a send may hold
@@ -27,9 +29,15 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
-    pub(crate) fn new(peer: NodeId, writer: OwnedWriteHalf, control: std::net::TcpStream) -> Self {
+    pub(crate) fn new(
+        peer: NodeId,
+        dialed_by_us: bool,
+        writer: OwnedWriteHalf,
+        control: std::net::TcpStream,
+    ) -> Self {
         Conn {
             peer,
+            dialed_by_us,
             writer: tokio::sync::Mutex::new(writer),
             control,
             broken: AtomicBool::new(false),

@@ -12,11 +12,52 @@ use crate::conn::Conn;
 
 /// What the table holds for one peer.
 pub(crate) enum Slot {
-    /// A connection is being set up (by our dial or an accepted hello); the token tells whose.
-    Pending(u64),
+    /// Our dial to the peer is under way; the token tells whose.
+    Dialing(u64),
+    /// A hello from the peer is being answered; the token tells whose.
+    Accepting(u64),
     /// The live connection.
     Connected(Arc<Conn>),
 }
+
+impl Slot {
+    /// What a hello from this peer finds.
+    pub(crate) fn existing(slot: Option<&Slot>) -> Existing {
+        match slot {
+            None => Existing::Nothing,
+            Some(Slot::Dialing(_)) => Existing::Dialing,
+            Some(Slot::Accepting(_)) => Existing::Accepting,
+            Some(Slot::Connected(c)) if c.is_broken() => Existing::Nothing,
+            Some(Slot::Connected(c)) if c.dialed_by_us => Existing::Ours,
+            Some(Slot::Connected(_)) => Existing::Theirs,
+        }
+    }
+
+    fn token(&self) -> Option<u64> {
+        match self {
+            Slot::Dialing(t) | Slot::Accepting(t) => Some(*t),
+            Slot::Connected(_) => None,
+        }
+    }
+}
+
+/// What we hold for a peer when its hello arrives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Existing {
+    /// Nothing (or a connection already known to be broken).
+    Nothing,
+    /// Our own dial is under way.
+    Dialing,
+    /// Another hello from it is being answered.
+    Accepting,
+    /// A live connection we dialled.
+    Ours,
+    /// A live connection it dialled.
+    Theirs,
+}
+
+/// The reason given when the other side's connection wins; the dialler then waits for it.
+pub(crate) const SIMULTANEOUS: &str = "simultaneous connect: the smaller node id's connection wins";
 
 /// What to do with a hello from `remote`.
 #[derive(Debug, PartialEq, Eq)]
@@ -29,17 +70,23 @@ pub(crate) enum HelloDecision {
 
 /// The tie-break for an incoming hello, given what we hold for that peer.
 ///
-/// When both nodes dial each other, the connection dialled by the smaller id survives: the
-/// smaller node refuses the larger one's hello while its own dial is pending, and the larger
-/// node accepts the smaller one's. A hello while we hold a live connection means the peer lost
-/// it and came back, so the new connection replaces the old.
-pub(crate) fn decide_hello(local: NodeId, remote: NodeId, dialing: bool) -> HelloDecision {
+/// The acceptor decides, and a dialler that gets an acknowledgement installs that connection.
+/// When both nodes dial each other, the connection dialled by the smaller id survives,
+/// whether the smaller node's dial is still under way or already done: the smaller node
+/// refuses the larger one's hello, the larger node accepts the smaller one's. A hello from a
+/// peer whose own earlier connection we hold means it gave that one up (it only dials when it
+/// has none), so the new connection replaces the old.
+pub(crate) fn decide_hello(local: NodeId, remote: NodeId, existing: Existing) -> HelloDecision {
     if local == remote {
-        HelloDecision::Reject("duplicate node id")
-    } else if dialing && local < remote {
-        HelloDecision::Reject("simultaneous connect: the smaller node id's connection wins")
-    } else {
-        HelloDecision::Accept
+        return HelloDecision::Reject("duplicate node id");
+    }
+    match existing {
+        Existing::Nothing | Existing::Theirs => HelloDecision::Accept,
+        Existing::Accepting => {
+            HelloDecision::Reject("another connection from this node is being set up")
+        }
+        Existing::Dialing | Existing::Ours if local < remote => HelloDecision::Reject(SIMULTANEOUS),
+        Existing::Dialing | Existing::Ours => HelloDecision::Accept,
     }
 }
 
@@ -73,23 +120,33 @@ impl Peers {
     /// Removes the pending marker `token` if it is still there.
     pub(crate) fn clear_pending(&self, peer: NodeId, token: u64) {
         let mut slots = self.lock();
-        if matches!(slots.get(&peer), Some(Slot::Pending(t)) if *t == token) {
+        if slots.get(&peer).and_then(Slot::token) == Some(token) {
             slots.remove(&peer);
             drop(slots);
             self.changed.notify_waiters();
         }
     }
 
-    /// Installs `conn` if the pending marker `token` is still in place.
-    pub(crate) fn install(&self, peer: NodeId, token: u64, conn: Arc<Conn>) -> bool {
+    /// Installs an accepted `conn` if the marker `token` is still in place.
+    pub(crate) fn install_accepted(&self, peer: NodeId, token: u64, conn: Arc<Conn>) -> bool {
         let mut slots = self.lock();
-        let ours = matches!(slots.get(&peer), Some(Slot::Pending(t)) if *t == token);
+        let ours = slots.get(&peer).and_then(Slot::token) == Some(token);
         if ours {
             slots.insert(peer, Slot::Connected(conn));
         }
         drop(slots);
         self.changed.notify_waiters();
         ours
+    }
+
+    /// Installs a dialled `conn` the peer acknowledged: the acceptor has made it the
+    /// connection, so it replaces whatever is here (closing a replaced connection).
+    pub(crate) fn install_dialled(&self, peer: NodeId, conn: Arc<Conn>) {
+        let old = self.lock().insert(peer, Slot::Connected(conn));
+        if let Some(Slot::Connected(old)) = old {
+            old.close();
+        }
+        self.changed.notify_waiters();
     }
 
     /// Removes `conn` if it is still the installed connection; true if it was.
@@ -123,7 +180,7 @@ impl Peers {
             .drain()
             .filter_map(|(_, s)| match s {
                 Slot::Connected(c) => Some(c),
-                Slot::Pending(_) => None,
+                Slot::Dialing(_) | Slot::Accepting(_) => None,
             })
             .collect();
         self.changed.notify_waiters();
@@ -151,27 +208,36 @@ mod tests {
     #[test]
     fn smaller_id_wins_simultaneous_connect() {
         let (small, big) = (NodeId(3), NodeId(9));
-        // The smaller node refuses the bigger one's hello while dialling...
-        assert!(matches!(
-            decide_hello(small, big, true),
-            HelloDecision::Reject(_)
-        ));
-        // ...and the bigger node accepts the smaller one's, so exactly one survives.
-        assert_eq!(decide_hello(big, small, true), HelloDecision::Accept);
+        for ours in [Existing::Dialing, Existing::Ours] {
+            // The smaller node refuses the bigger one's hello, whether its own dial is under
+            // way or already done...
+            assert_eq!(
+                decide_hello(small, big, ours),
+                HelloDecision::Reject(SIMULTANEOUS)
+            );
+            // ...and the bigger node accepts the smaller one's, so exactly one survives.
+            assert_eq!(decide_hello(big, small, ours), HelloDecision::Accept);
+        }
     }
 
     #[test]
     fn accepts_when_idle_or_reconnecting_and_rejects_duplicates() {
-        assert_eq!(
-            decide_hello(NodeId(1), NodeId(2), false),
-            HelloDecision::Accept
-        );
-        assert_eq!(
-            decide_hello(NodeId(2), NodeId(1), false),
-            HelloDecision::Accept
-        );
+        for existing in [Existing::Nothing, Existing::Theirs] {
+            assert_eq!(
+                decide_hello(NodeId(1), NodeId(2), existing),
+                HelloDecision::Accept
+            );
+            assert_eq!(
+                decide_hello(NodeId(2), NodeId(1), existing),
+                HelloDecision::Accept
+            );
+        }
         assert!(matches!(
-            decide_hello(NodeId(5), NodeId(5), false),
+            decide_hello(NodeId(1), NodeId(2), Existing::Accepting),
+            HelloDecision::Reject(_)
+        ));
+        assert!(matches!(
+            decide_hello(NodeId(5), NodeId(5), Existing::Nothing),
             HelloDecision::Reject("duplicate node id")
         ));
     }

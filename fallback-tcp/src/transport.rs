@@ -17,7 +17,7 @@ use crate::config::TcpConfig;
 use crate::conn::Conn;
 use crate::handshake::{self, Answer};
 use crate::inbox::Inbox;
-use crate::peers::{decide_hello, HelloDecision, Peers, PendingGuard, Slot};
+use crate::peers::{decide_hello, HelloDecision, Peers, PendingGuard, Slot, SIMULTANEOUS};
 use crate::reader::{read_loop, ReadEnd};
 use crate::socket::tune;
 
@@ -105,12 +105,12 @@ impl Inner {
         tracing::debug!(id = %self.local(), "tcp transport shut down");
     }
 
-    /// Splits an established stream, installs it if `token` still holds the peer's slot, and
-    /// starts its reader. Returns false if the slot was taken meanwhile.
+    /// Splits an established stream, installs it and starts its reader. An accepted stream is
+    /// installed only if its marker still holds the peer's slot; returns false otherwise.
     fn install(
         self: &Arc<Self>,
         peer: NodeId,
-        token: u64,
+        side: Side,
         stream: TcpStream,
         leftover: BytesMut,
     ) -> io::Result<bool> {
@@ -119,10 +119,15 @@ impl Inner {
         let dup = control.try_clone()?;
         let stream = TcpStream::from_std(control)?;
         let (read, write) = stream.into_split();
-        let conn = Arc::new(Conn::new(peer, write, dup));
-        if !self.peers.install(peer, token, conn.clone()) {
-            conn.close();
-            return Ok(false);
+        let conn = Arc::new(Conn::new(peer, side == Side::Dialled, write, dup));
+        match side {
+            Side::Dialled => self.peers.install_dialled(peer, conn.clone()),
+            Side::Accepted(token) => {
+                if !self.peers.install_accepted(peer, token, conn.clone()) {
+                    conn.close();
+                    return Ok(false);
+                }
+            }
         }
         let inner = self.clone();
         let reader_conn = conn.clone();
@@ -181,10 +186,10 @@ impl Inner {
                 let mut slots = self.peers.lock();
                 match slots.get(&peer) {
                     Some(Slot::Connected(c)) if !c.is_broken() => return Ok(()),
-                    Some(Slot::Pending(_)) => {}
+                    Some(Slot::Dialing(_) | Slot::Accepting(_)) => {}
                     _ => {
                         let token = self.peers.token();
-                        slots.insert(peer, Slot::Pending(token));
+                        slots.insert(peer, Slot::Dialing(token));
                         break token;
                     }
                 }
@@ -208,15 +213,15 @@ impl Inner {
         let (mut stream, answer, leftover) = self.dial(peer, addr, deadline).await?;
         match answer {
             Answer::Ack(id) if id == peer => {
-                let installed = self.install(peer, token, stream, leftover).map_err(|e| {
-                    TransportError::Connect {
+                let installed = self
+                    .install(peer, Side::Dialled, stream, leftover)
+                    .map_err(|e| TransportError::Connect {
                         peer,
                         addr,
                         source: e,
-                    }
-                })?;
+                    })?;
                 drop(guard);
-                if installed || self.peers.get(peer).is_some() {
+                if installed {
                     Ok(())
                 } else {
                     Err(TransportError::Closed)
@@ -230,7 +235,7 @@ impl Inner {
                     reason: format!("{addr} answered as {id}"),
                 })
             }
-            Answer::Reject(reason) if reason.starts_with("simultaneous") => {
+            Answer::Reject(reason) if reason == SIMULTANEOUS => {
                 // The peer's own dial wins; keep our marker so that its hello is accepted, and
                 // wait until that connection is installed.
                 drop(stream);
@@ -316,11 +321,10 @@ impl Inner {
         let token = self.peers.token();
         let decision = {
             let mut slots = self.peers.lock();
-            let dialing = matches!(slots.get(&peer), Some(Slot::Pending(_)));
-            let decision = decide_hello(local, peer, dialing);
+            let decision = decide_hello(local, peer, Slot::existing(slots.get(&peer)));
             if decision == HelloDecision::Accept {
-                if let Some(Slot::Connected(old)) = slots.insert(peer, Slot::Pending(token)) {
-                    // The peer dialled again, so it gave up the old connection.
+                if let Some(Slot::Connected(old)) = slots.insert(peer, Slot::Accepting(token)) {
+                    // Replaced: the peer gave it up, or the tie-break prefers the new one.
                     old.close();
                 }
             }
@@ -339,12 +343,21 @@ impl Inner {
                 };
                 let ack = psnet_transport::codec::encode_hello(local);
                 handshake::write_frame(&mut stream, FrameKind::HelloAck, &ack).await?;
-                self.install(peer, token, stream, leftover)?;
+                self.install(peer, Side::Accepted(token), stream, leftover)?;
                 drop(guard);
                 Ok(())
             }
         }
     }
+}
+
+/// Which side of the handshake a stream comes from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Side {
+    /// We dialled and the peer acknowledged.
+    Dialled,
+    /// We accepted, under this marker.
+    Accepted(u64),
 }
 
 async fn accept_loop(listener: TcpListener, inner: Arc<Inner>) {

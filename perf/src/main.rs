@@ -8,6 +8,7 @@
 
 mod baseline;
 mod bw;
+mod compress;
 mod lat;
 mod protocol;
 mod report;
@@ -45,6 +46,24 @@ enum Command {
     Bw(TestArgs),
     /// Latency (round trip), like perftest's ib_send_lat.
     Lat(TestArgs),
+    /// Gradient-compression throughput (quantize, dequantize, dequantize-add) vs memcpy.
+    Compress {
+        /// Elements per array.
+        #[arg(short = 'n', long, default_value_t = 16 << 20)]
+        elems: usize,
+        /// 2bit, 1bit or all.
+        #[arg(long, default_value = "all")]
+        scheme: String,
+        /// Threads (0: all); default: one row with 1 thread and one with all.
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Repetitions (the median is reported).
+        #[arg(long, default_value_t = 10)]
+        reps: usize,
+        /// Print JSON (units in the field names).
+        #[arg(long)]
+        json: bool,
+    },
     /// Show the address and transport this node would use, and why.
     Select {
         /// Print JSON.
@@ -103,6 +122,14 @@ fn main() -> ExitCode {
             Some(Command::Bw(args)) => run_test(Test::Bw, args),
             Some(Command::Lat(args)) => run_test(Test::Lat, args),
             Some(Command::Select { json, transport }) => print_selection(json, transport),
+            Some(Command::Compress {
+                elems,
+                scheme,
+                threads,
+                reps,
+                json,
+            }) => compress::schemes(&scheme)
+                .and_then(|s| compress::run(&s, elems, threads, reps, json)),
             None => {
                 Err("nothing to do: try `psnet-perf bw --loopback` or `psnet-perf --help`".into())
             }
@@ -195,9 +222,11 @@ fn run_test(test: Test, args: TestArgs) -> PerfResult<()> {
         let server_addr = resolve(host, args.port)?;
         let sink = SocketAddr::new(server_addr.ip(), args.port.wrapping_add(1));
         let selection = Selection::from_env(args.transport).map_err(|e| e.to_string())?;
+        selection.log();
         run_client(test, &args, &selection, server_addr, sink)
     } else {
         let selection = Selection::from_env(args.transport).map_err(|e| e.to_string())?;
+        selection.log();
         let sink_addr = SocketAddr::new(selection.address.ip, args.port.wrapping_add(1));
         let _sink = baseline::spawn_sink(sink_addr)?;
         let rt = session::runtime()?;

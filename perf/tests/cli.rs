@@ -220,3 +220,41 @@ fn select_on_loopback_is_tcp_with_a_reason() {
         .unwrap()
         .contains("no RDMA device is bound to lo"));
 }
+
+#[test]
+fn compress_reports_throughput_next_to_memcpy() {
+    let out = run_ok(perf().args(["compress", "-n", "100000", "--reps", "2", "--json"]));
+    let doc = json(&out);
+    let rows = doc.as_array().expect("an array of rows");
+    assert_eq!(rows.len(), 4, "2 schemes x (1 thread, all threads): {doc}");
+    for row in rows {
+        for field in [
+            "quantize_gb_s",
+            "dequantize_add_gb_s",
+            "memcpy_gb_s",
+            "quantize_vs_memcpy",
+        ] {
+            assert!(row[field].as_f64().unwrap_or(0.0) > 0.0, "{field}: {row}");
+        }
+    }
+    let table = run_ok(perf().args([
+        "compress",
+        "-n",
+        "5000",
+        "--reps",
+        "1",
+        "--scheme",
+        "2bit",
+        "--threads",
+        "1",
+    ]));
+    assert!(
+        table.contains("2bit") && table.contains("memcpy"),
+        "{table}"
+    );
+    let out = perf()
+        .args(["compress", "--scheme", "3bit"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+}

@@ -78,6 +78,18 @@ impl Selection {
     }
 }
 
+impl Selection {
+    /// Logs the choice and the reasons (once, at start).
+    pub fn log(&self) {
+        tracing::info!(
+            address = %self.address,
+            transport = self.decision.kind.name(),
+            reason = %self.decision.reason,
+            "psnet transport selected"
+        );
+    }
+}
+
 /// Whether this build moves data over RDMA (the verbs data path).
 const RDMA_DATA_PATH: bool = false;
 
@@ -122,12 +134,7 @@ pub async fn bind_from_env(
     pref: Option<TransportPref>,
 ) -> Result<(AnyTransport, Selection), SelectError> {
     let selection = Selection::from_env(pref)?;
-    tracing::info!(
-        address = %selection.address,
-        transport = selection.decision.kind.name(),
-        reason = %selection.decision.reason,
-        "psnet transport selected"
-    );
+    selection.log();
     let transport = bind(id, &selection, port).await?;
     Ok((transport, selection))
 }

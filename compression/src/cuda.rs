@@ -1,0 +1,421 @@
+//! CUDA kernels for 2-bit and 1-bit compression (feature `cuda`).
+//!
+//! The kernels ([`KERNELS_SRC`]) are compiled at run time with NVRTC and loaded through the
+//! CUDA driver API; cudarc loads `libcuda` and `libnvrtc` dynamically, so the crate builds
+//! without any CUDA installation. [`CudaCompressor::new`] checks that the libraries and a
+//! device are present *before* touching cudarc (which panics when a library is missing) and
+//! otherwise returns [`CompressionError::NoCudaDevice`] with the reason.
+//!
+//! # Bit-exactness
+//! The kernels perform the CPU operations with explicitly rounded intrinsics (`__fadd_rn`,
+//! `__fsub_rn`) and are compiled with `--fmad=false --ftz=false`, so compressed bytes and
+//! finite / infinite residuals are identical to the CPU path. One difference: a NaN produced
+//! by GPU arithmetic is the canonical NaN, whereas x86 propagates the input NaN's payload, so
+//! NaN residuals are NaN on both but may differ in their bits.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+
+use crate::compressor::Scheme;
+use crate::error::{CompressionError, ParamsError};
+use crate::params::CompressionParams;
+use crate::{one_bit, two_bit};
+
+/// CUDA C source of the kernels (one thread per output byte for quantize, one per element
+/// for dequantize; grid-stride loops).
+pub const KERNELS_SRC: &str = r#"
+extern "C" __global__ void psnet_quantize_2bit(
+    const float* __restrict__ grad, float* __restrict__ residual, unsigned char* __restrict__ out,
+    unsigned long long n, unsigned long long out_len, float pos, float neg)
+{
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long b = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         b < out_len; b += stride) {
+        unsigned int byte = 0;
+        for (unsigned int k = 0; k < 4; ++k) {
+            unsigned long long i = b * 4 + k;
+            if (i < n) {
+                float r = __fadd_rn(residual[i], grad[i]);
+                if (r >= pos) {
+                    byte |= 0xC0u >> (2 * k);
+                    r = __fsub_rn(r, pos);
+                } else if (r <= neg) {
+                    byte |= 0x80u >> (2 * k);
+                    r = __fsub_rn(r, neg);
+                }
+                residual[i] = r;
+            }
+        }
+        out[b] = (unsigned char)byte;
+    }
+}
+
+extern "C" __global__ void psnet_dequantize_2bit(
+    const unsigned char* __restrict__ in, float* __restrict__ out,
+    unsigned long long n, float pos, float neg, int add)
+{
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride) {
+        unsigned int code = (in[i >> 2] >> (6 - 2 * (unsigned int)(i & 3))) & 3u;
+        float v = code == 3u ? pos : (code == 2u ? neg : 0.0f);
+        out[i] = add ? __fadd_rn(out[i], v) : v;
+    }
+}
+
+extern "C" __global__ void psnet_quantize_1bit(
+    const float* __restrict__ grad, float* __restrict__ residual, unsigned char* __restrict__ out,
+    unsigned long long n, unsigned long long out_len, float threshold)
+{
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long b = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         b < out_len; b += stride) {
+        unsigned int byte = 0;
+        for (unsigned int k = 0; k < 8; ++k) {
+            unsigned long long i = b * 8 + k;
+            if (i < n) {
+                float r = __fadd_rn(residual[i], grad[i]);
+                if (r > threshold) {
+                    byte |= 0x80u >> k;
+                    r = __fsub_rn(r, 1.0f);
+                } else {
+                    r = __fadd_rn(r, 1.0f);
+                }
+                residual[i] = r;
+            }
+        }
+        out[b] = (unsigned char)byte;
+    }
+}
+
+extern "C" __global__ void psnet_dequantize_1bit(
+    const unsigned char* __restrict__ in, float* __restrict__ out,
+    unsigned long long n, int add)
+{
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride) {
+        float v = (in[i >> 3] & (0x80u >> (unsigned int)(i & 7))) ? 1.0f : -1.0f;
+        out[i] = add ? __fadd_rn(out[i], v) : v;
+    }
+}
+"#;
+
+const THREADS_PER_BLOCK: u32 = 256;
+const MAX_BLOCKS: u64 = 65_535;
+
+/// Number of CUDA devices, or [`CompressionError::NoCudaDevice`] saying why there are none
+/// usable (driver library missing, `cuInit` failure, zero devices). Never panics.
+pub fn device_count() -> Result<usize, CompressionError> {
+    // SAFETY: only tries to dlopen the driver library under its usual names (and closes it);
+    // no symbol of it is called.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(CompressionError::NoCudaDevice(
+            "the CUDA driver library (libcuda) was not found: no NVIDIA driver is installed".into(),
+        ));
+    }
+    let count = guard(CudaContext::device_count)
+        .map_err(|e| CompressionError::NoCudaDevice(format!("cuInit / cuDeviceGetCount: {e}")))?;
+    match usize::try_from(count) {
+        Ok(0) | Err(_) => Err(CompressionError::NoCudaDevice(
+            "the CUDA driver reports no device".into(),
+        )),
+        Ok(count) => Ok(count),
+    }
+}
+
+/// Runs a cudarc call, turning both its errors and its panics into a message.
+fn guard<T, E: std::fmt::Display>(f: impl FnOnce() -> Result<T, E>) -> Result<T, String> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(panic) => Err(panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+            .unwrap_or_else(|| "panic in the CUDA bindings".into())),
+    }
+}
+
+fn cuda_err(what: &str) -> impl Fn(String) -> CompressionError + '_ {
+    move |e| CompressionError::Cuda(format!("{what}: {e}"))
+}
+
+/// The kernels compiled once per process.
+fn ptx() -> Result<Ptx, CompressionError> {
+    static PTX: OnceLock<Result<Ptx, String>> = OnceLock::new();
+    PTX.get_or_init(|| {
+        // SAFETY: only tries to dlopen libnvrtc under its usual names; calls none of it.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err("libnvrtc (the CUDA runtime compiler) was not found".into());
+        }
+        let opts = CompileOptions {
+            ftz: Some(false),
+            fmad: Some(false),
+            prec_div: Some(true),
+            prec_sqrt: Some(true),
+            name: Some("psnet_compression.cu".into()),
+            ..Default::default()
+        };
+        guard(|| compile_ptx_with_opts(KERNELS_SRC, opts)).map_err(|e| format!("NVRTC: {e}"))
+    })
+    .clone()
+    .map_err(CompressionError::NoCudaDevice)
+}
+
+/// Quantize / dequantize on device buffers, bit-compatible with the CPU compressors.
+///
+/// Work is queued on the compressor's [`stream`](Self::stream) (the device's default stream);
+/// device buffers must belong to the same device. The `*_host` methods copy host slices in
+/// and out for convenience (and tests).
+#[derive(Debug)]
+pub struct CudaCompressor {
+    scheme: Scheme,
+    threshold: f32,
+    stream: Arc<CudaStream>,
+    quantize: CudaFunction,
+    dequantize: CudaFunction,
+}
+
+impl CudaCompressor {
+    /// A compressor on device `ordinal` for `params` (which must not be `none`).
+    ///
+    /// Returns [`CompressionError::NoCudaDevice`] when there is no driver, no device, no
+    /// device `ordinal`, or no NVRTC library; never panics.
+    pub fn new(ordinal: usize, params: &CompressionParams) -> Result<Self, CompressionError> {
+        let (scheme, threshold) = match *params {
+            CompressionParams::None => {
+                return Err(ParamsError::Malformed(
+                    "a CUDA compressor needs \"2bit\" or \"1bit\", not \"none\"".into(),
+                )
+                .into())
+            }
+            CompressionParams::TwoBit { threshold } => {
+                (Scheme::TwoBit, two_bit::validate_threshold(threshold)?)
+            }
+            CompressionParams::OneBit { threshold } => {
+                (Scheme::OneBit, one_bit::validate_threshold(threshold)?)
+            }
+        };
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(CompressionError::NoCudaDevice(format!(
+                "device {ordinal} requested but only {count} present"
+            )));
+        }
+        let ptx = ptx()?;
+        let ctx = guard(|| CudaContext::new(ordinal)).map_err(cuda_err("creating the context"))?;
+        let stream = ctx.default_stream();
+        let module = guard(|| ctx.load_module(ptx)).map_err(cuda_err("loading the kernels"))?;
+        let (q, d) = match scheme {
+            Scheme::TwoBit => ("psnet_quantize_2bit", "psnet_dequantize_2bit"),
+            Scheme::OneBit => ("psnet_quantize_1bit", "psnet_dequantize_1bit"),
+        };
+        let quantize = guard(|| module.load_function(q)).map_err(cuda_err(q))?;
+        let dequantize = guard(|| module.load_function(d)).map_err(cuda_err(d))?;
+        Ok(CudaCompressor {
+            scheme,
+            threshold,
+            stream,
+            quantize,
+            dequantize,
+        })
+    }
+
+    /// A 2-bit compressor on device `ordinal`.
+    pub fn two_bit(ordinal: usize, threshold: f32) -> Result<Self, CompressionError> {
+        Self::new(ordinal, &CompressionParams::two_bit(threshold)?)
+    }
+
+    /// A 1-bit compressor on device `ordinal`.
+    pub fn one_bit(ordinal: usize, threshold: f32) -> Result<Self, CompressionError> {
+        Self::new(ordinal, &CompressionParams::one_bit(threshold)?)
+    }
+
+    /// The scheme.
+    pub fn scheme(&self) -> Scheme {
+        self.scheme
+    }
+
+    /// The threshold.
+    pub fn threshold(&self) -> f32 {
+        self.threshold
+    }
+
+    /// The stream the kernels run on (allocate buffers and copy with it).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Size in bytes of `n` compressed elements.
+    pub fn compressed_len(&self, n: usize) -> usize {
+        self.scheme.compressed_size(n)
+    }
+
+    /// Queues a quantize of device buffers (same contract as
+    /// [`Compressor::quantize`](crate::Compressor::quantize)).
+    pub fn quantize(
+        &self,
+        grad: &CudaSlice<f32>,
+        residual: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<u8>,
+    ) -> Result<(), CompressionError> {
+        let n = grad.len();
+        CompressionError::check_len("residual", n, n, residual.len())?;
+        CompressionError::check_len("compressed output", n, self.compressed_len(n), out.len())?;
+        let out_len = out.len() as u64;
+        if out_len == 0 {
+            return Ok(());
+        }
+        let n = n as u64;
+        let (pos, neg) = (self.threshold, -self.threshold);
+        let mut launch = self.stream.launch_builder(&self.quantize);
+        launch
+            .arg(grad)
+            .arg(residual)
+            .arg(out)
+            .arg(&n)
+            .arg(&out_len);
+        match self.scheme {
+            Scheme::TwoBit => launch.arg(&pos).arg(&neg),
+            Scheme::OneBit => launch.arg(&pos),
+        };
+        // SAFETY: the argument list matches the kernel's parameters (pointers, n, out_len,
+        // thresholds) and the lengths checked above bound every index the kernel touches.
+        guard(|| unsafe { launch.launch(config(out_len)) }).map_err(cuda_err("quantize"))?;
+        Ok(())
+    }
+
+    /// Queues a dequantize of device buffers (`out = decoded`).
+    pub fn dequantize(
+        &self,
+        compressed: &CudaSlice<u8>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CompressionError> {
+        self.launch_dequantize(compressed, out, false)
+    }
+
+    /// Queues a dequantize-add of device buffers (`acc += decoded`).
+    pub fn dequantize_add(
+        &self,
+        compressed: &CudaSlice<u8>,
+        acc: &mut CudaSlice<f32>,
+    ) -> Result<(), CompressionError> {
+        self.launch_dequantize(compressed, acc, true)
+    }
+
+    fn launch_dequantize(
+        &self,
+        compressed: &CudaSlice<u8>,
+        out: &mut CudaSlice<f32>,
+        add: bool,
+    ) -> Result<(), CompressionError> {
+        let n = out.len();
+        CompressionError::check_len(
+            "compressed input",
+            n,
+            self.compressed_len(n),
+            compressed.len(),
+        )?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (n, add) = (n as u64, i32::from(add));
+        let (pos, neg) = (self.threshold, -self.threshold);
+        let mut launch = self.stream.launch_builder(&self.dequantize);
+        launch.arg(compressed).arg(out).arg(&n);
+        if self.scheme == Scheme::TwoBit {
+            launch.arg(&pos).arg(&neg);
+        }
+        launch.arg(&add);
+        // SAFETY: the argument list matches the kernel's parameters and the length check
+        // above bounds every index the kernel touches.
+        guard(|| unsafe { launch.launch(config(n)) }).map_err(cuda_err("dequantize"))?;
+        Ok(())
+    }
+
+    /// Quantize of host slices through the device (copies in, runs, copies back, waits).
+    pub fn quantize_host(
+        &self,
+        grad: &[f32],
+        residual: &mut [f32],
+        out: &mut [u8],
+    ) -> Result<(), CompressionError> {
+        let n = grad.len();
+        CompressionError::check_len("residual", n, n, residual.len())?;
+        CompressionError::check_len("compressed output", n, self.compressed_len(n), out.len())?;
+        let d_grad = self.upload(grad)?;
+        let mut d_residual = self.upload(residual)?;
+        let mut d_out = self.upload(out)?;
+        self.quantize(&d_grad, &mut d_residual, &mut d_out)?;
+        self.download(&d_residual, residual)?;
+        self.download(&d_out, out)
+    }
+
+    /// Dequantize of host slices through the device.
+    pub fn dequantize_host(
+        &self,
+        compressed: &[u8],
+        out: &mut [f32],
+    ) -> Result<(), CompressionError> {
+        self.dequantize_host_impl(compressed, out, false)
+    }
+
+    /// Dequantize-add of host slices through the device.
+    pub fn dequantize_add_host(
+        &self,
+        compressed: &[u8],
+        acc: &mut [f32],
+    ) -> Result<(), CompressionError> {
+        self.dequantize_host_impl(compressed, acc, true)
+    }
+
+    fn dequantize_host_impl(
+        &self,
+        compressed: &[u8],
+        out: &mut [f32],
+        add: bool,
+    ) -> Result<(), CompressionError> {
+        let n = out.len();
+        CompressionError::check_len(
+            "compressed input",
+            n,
+            self.compressed_len(n),
+            compressed.len(),
+        )?;
+        let d_in = self.upload(compressed)?;
+        let mut d_out = self.upload(out)?;
+        self.launch_dequantize(&d_in, &mut d_out, add)?;
+        self.download(&d_out, out)
+    }
+
+    fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CompressionError> {
+        guard(|| self.stream.clone_htod(host)).map_err(cuda_err("copy to device"))
+    }
+
+    fn download<T: DeviceRepr>(
+        &self,
+        dev: &CudaSlice<T>,
+        host: &mut [T],
+    ) -> Result<(), CompressionError> {
+        guard(|| self.stream.memcpy_dtoh(dev, host)).map_err(cuda_err("copy to host"))?;
+        guard(|| self.stream.synchronize()).map_err(cuda_err("synchronize"))
+    }
+}
+
+/// Grid-stride launch over `work` items.
+fn config(work: u64) -> LaunchConfig {
+    let blocks = work
+        .div_ceil(u64::from(THREADS_PER_BLOCK))
+        .clamp(1, MAX_BLOCKS);
+    LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (THREADS_PER_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}

@@ -1,0 +1,225 @@
+//! MXNet `2bit` compression (MXNet 1.9.1 and 2.x, `src/kvstore/gradient_compression-inl.h`).
+//!
+//! # Format
+//! `n` elements compress to `4 * ceil(n / 16)` bytes. Element `i` lives in byte `i >> 2`,
+//! most-significant pair first: `i & 3` = 0, 1, 2, 3 use masks `0xC0`, `0x30`, `0x0C`, `0x03`.
+//! Codes: `11` = `+t`, `10` = `-t`, `00` = `0` (`01` also decodes to `0`); padding slots
+//! past `n` are `00`.
+//!
+//! # Error feedback
+//! Per element, in `f32` arithmetic, one step per call:
+//! `r += g; if r >= t {11; r -= t} else if r <= -t {10; r += t} else {00}`.
+//! At most one threshold is subtracted per call, so `|r|` can stay above `t` for many calls.
+//! NaN matches neither comparison: it encodes `00` and stays in the residual (as some NaN:
+//! like C++, Rust does not specify which NaN bits an operation on NaNs returns). `±Inf`
+//! encodes `±t` and the residual stays `±Inf`.
+
+mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use crate::compressor::{check_dequantize, check_quantize, Compressor, Scheme};
+use crate::error::{CompressionError, ParamsError};
+use crate::parallel::{self, Parallelism};
+use crate::simd::SimdLevel;
+
+/// Size in bytes of `n` elements compressed with 2-bit: `4 * ceil(n / 16)`.
+pub fn compressed_size(n: usize) -> usize {
+    Scheme::TwoBit.compressed_size(n)
+}
+
+/// Checks a 2-bit threshold: it must be finite and `> 0` (MXNet checks `> 0`; an infinite
+/// threshold would turn every finite gradient into zeros forever, so it is refused too).
+pub fn validate_threshold(threshold: f32) -> Result<f32, ParamsError> {
+    let reason = if threshold.is_nan() {
+        "must be a number (got NaN)"
+    } else if threshold.is_infinite() {
+        "must be finite"
+    } else if threshold <= 0.0 {
+        "must be greater than 0"
+    } else {
+        return Ok(threshold);
+    };
+    Err(ParamsError::InvalidThreshold {
+        scheme: "2bit",
+        threshold,
+        reason,
+    })
+}
+
+/// MXNet `2bit` compressor with a fixed threshold.
+///
+/// Cheap to copy; holds no buffers. The residual belongs to the caller (one per key and
+/// worker, zero-initialised, as in MXNet).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TwoBitCompressor {
+    threshold: f32,
+    /// Invariant: supported by this CPU.
+    simd: SimdLevel,
+    parallelism: Parallelism,
+}
+
+impl TwoBitCompressor {
+    /// A compressor for `threshold` (finite and `> 0`), with the detected SIMD level and
+    /// [`Parallelism::auto`].
+    pub fn new(threshold: f32) -> Result<Self, ParamsError> {
+        Ok(TwoBitCompressor {
+            threshold: validate_threshold(threshold)?,
+            simd: SimdLevel::detect(),
+            parallelism: Parallelism::auto(),
+        })
+    }
+
+    /// Forces a SIMD level; an error if this CPU does not support it.
+    pub fn with_simd(mut self, level: SimdLevel) -> Result<Self, CompressionError> {
+        self.simd = level.check()?;
+        Ok(self)
+    }
+
+    /// Sets how large arrays are split across threads.
+    #[must_use]
+    pub fn with_parallelism(mut self, parallelism: Parallelism) -> Self {
+        self.parallelism = parallelism;
+        self
+    }
+
+    /// The threshold `t`.
+    pub fn threshold(&self) -> f32 {
+        self.threshold
+    }
+
+    /// The SIMD level in use.
+    pub fn simd(&self) -> SimdLevel {
+        self.simd
+    }
+
+    /// The thread split in use.
+    pub fn parallelism(&self) -> Parallelism {
+        self.parallelism
+    }
+
+    /// Size in bytes of `n` compressed elements (see [`compressed_size`]).
+    pub fn compressed_len(&self, n: usize) -> usize {
+        compressed_size(n)
+    }
+
+    /// Adds `grad` into `residual`, writes the 2-bit codes to `out` (all
+    /// [`compressed_size(grad.len())`](compressed_size) bytes, padding zeroed) and subtracts
+    /// the encoded `±t` from `residual`. See [`Compressor::quantize`].
+    pub fn quantize(
+        &self,
+        grad: &[f32],
+        residual: &mut [f32],
+        out: &mut [u8],
+    ) -> Result<(), CompressionError> {
+        check_quantize(Scheme::TwoBit, grad, residual, out)?;
+        let (level, t) = (self.simd, self.threshold);
+        parallel::quantize_chunks(self.parallelism, 4, grad, residual, out, |g, r, o| {
+            quantize_with(level, g, r, o, t)
+        });
+        Ok(())
+    }
+
+    /// Decodes `compressed` into `out`: `+t`, `-t` or `+0.0`.
+    pub fn dequantize(&self, compressed: &[u8], out: &mut [f32]) -> Result<(), CompressionError> {
+        check_dequantize(Scheme::TwoBit, compressed, out)?;
+        let (level, t) = (self.simd, self.threshold);
+        parallel::dequantize_chunks(self.parallelism, 4, compressed, out, |c, o| {
+            dequantize_with::<false>(level, c, o, t)
+        });
+        Ok(())
+    }
+
+    /// `acc[i] += decoded[i]` (the `00` code adds `+0.0`, exactly like adding a dequantized
+    /// array), for servers summing workers' pushes.
+    pub fn dequantize_add(
+        &self,
+        compressed: &[u8],
+        acc: &mut [f32],
+    ) -> Result<(), CompressionError> {
+        check_dequantize(Scheme::TwoBit, compressed, acc)?;
+        let (level, t) = (self.simd, self.threshold);
+        parallel::dequantize_chunks(self.parallelism, 4, compressed, acc, |c, o| {
+            dequantize_with::<true>(level, c, o, t)
+        });
+        Ok(())
+    }
+}
+
+/// Sequential quantize with the given level (which must be supported: see the field invariant).
+fn quantize_with(level: SimdLevel, grad: &[f32], residual: &mut [f32], out: &mut [u8], t: f32) {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `level` comes from a `TwoBitCompressor`, whose level is always supported
+        // by this CPU (`SimdLevel::detect` / `SimdLevel::check`).
+        SimdLevel::Avx2 => unsafe { x86::quantize_avx2(grad, residual, out, t) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above (SSE2 is part of the x86-64 baseline anyway).
+        SimdLevel::Sse2 => unsafe { x86::quantize_sse2(grad, residual, out, t) },
+        _ => scalar::quantize(grad, residual, out, t),
+    }
+}
+
+/// Sequential dequantize (`ADD`: accumulate) with the given, supported, level.
+fn dequantize_with<const ADD: bool>(level: SimdLevel, compressed: &[u8], out: &mut [f32], t: f32) {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level of a `TwoBitCompressor` is supported by this CPU.
+        SimdLevel::Avx2 => unsafe { x86::dequantize_avx2::<ADD>(compressed, out, t) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above (SSE2 is part of the x86-64 baseline anyway).
+        SimdLevel::Sse2 => unsafe { x86::dequantize_sse2::<ADD>(compressed, out, t) },
+        _ if ADD => scalar::dequantize_add(compressed, out, t),
+        _ => scalar::dequantize(compressed, out, t),
+    }
+}
+
+impl Compressor for TwoBitCompressor {
+    fn scheme(&self) -> Scheme {
+        Scheme::TwoBit
+    }
+
+    fn threshold(&self) -> f32 {
+        self.threshold
+    }
+
+    fn quantize(
+        &self,
+        grad: &[f32],
+        residual: &mut [f32],
+        out: &mut [u8],
+    ) -> Result<(), CompressionError> {
+        TwoBitCompressor::quantize(self, grad, residual, out)
+    }
+
+    fn dequantize(&self, compressed: &[u8], out: &mut [f32]) -> Result<(), CompressionError> {
+        TwoBitCompressor::dequantize(self, compressed, out)
+    }
+
+    fn dequantize_add(&self, compressed: &[u8], acc: &mut [f32]) -> Result<(), CompressionError> {
+        TwoBitCompressor::dequantize_add(self, compressed, acc)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn threshold_validation() {
+        assert!(TwoBitCompressor::new(0.5).is_ok());
+        assert!(TwoBitCompressor::new(f32::MIN_POSITIVE / 2.0).is_ok());
+        for bad in [0.0, -0.0, -0.5, f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let err = TwoBitCompressor::new(bad).unwrap_err();
+            assert!(
+                matches!(err, ParamsError::InvalidThreshold { scheme: "2bit", .. }),
+                "{err}"
+            );
+        }
+        let msg = TwoBitCompressor::new(0.0).unwrap_err().to_string();
+        assert_eq!(
+            msg,
+            "invalid threshold 0 for 2bit compression: must be greater than 0"
+        );
+    }
+}
