@@ -441,6 +441,8 @@ impl Transport for TcpTransport {
 
     fn disconnect(&self, peer: NodeId) {
         if let Some(conn) = self.inner.peers.get(peer) {
+            // Out of the table first, so that its reader's end reports no loss.
+            self.inner.peers.remove_conn(&conn);
             conn.close();
         }
     }

@@ -37,6 +37,7 @@ macro_rules! conformance_tests {
             connect_and_send_errors_name_the_peer,
             simultaneous_connect_keeps_one_connection,
             reconnect_after_loss,
+            disconnect_then_reconnect_reports_no_loss,
             registered_buffers,
             shutdown_closes_everything,
         );
@@ -342,6 +343,30 @@ pub async fn reconnect_after_loss<F: TransportFactory>(f: &F) {
     send_seq(&*a, NodeId(2), 7, b"again").await;
     let m = next_message(&*b2).await;
     assert_eq!((m.peer, seq_of(&m)), (NodeId(1), 7));
+}
+
+/// Closing a connection on purpose and dialling again (as a node does after it learns its
+/// final id) reports no loss on the closing side, and the new connection works.
+pub async fn disconnect_then_reconnect_reports_no_loss<F: TransportFactory>(f: &F) {
+    let a = endpoint(f, 1).await;
+    let b = endpoint(f, 2).await;
+    for round in 0..20u64 {
+        link(&*a, &*b).await;
+        a.disconnect(b.local_id());
+        link(&*a, &*b).await;
+        send_seq(&*a, b.local_id(), round, b"after").await;
+        // `b` may see the old connection end (before the new one replaces it); `a` may not.
+        let m = loop {
+            match b.recv().await.expect("recv") {
+                Event::Message(m) => break m,
+                Event::PeerConnected { .. } | Event::PeerLost { .. } => continue,
+            }
+        };
+        assert_eq!(seq_of(&m), round);
+        send_seq(&*b, a.local_id(), round, b"back").await;
+        let m = next_message(&*a).await;
+        assert_eq!(seq_of(&m), round, "no PeerLost may precede the answer");
+    }
 }
 
 /// Data sent from a transport-allocated buffer arrives intact.

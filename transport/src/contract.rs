@@ -59,7 +59,8 @@ pub trait Transport: Send + Sync + 'static {
     /// transport is shut down.
     fn recv(&self) -> impl Future<Output = Result<Event, TransportError>> + Send + '_;
 
-    /// Closes the connection to `peer` (a no-op if there is none).
+    /// Closes the connection to `peer` (a no-op if there is none). No [`Event::PeerLost`]
+    /// is reported for a connection closed this way.
     fn disconnect(&self, peer: NodeId);
 
     /// The peers currently connected.

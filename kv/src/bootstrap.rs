@@ -1,0 +1,201 @@
+//! Joining a job: register with the scheduler under a provisional id, receive the assigned
+//! id and the list of nodes, reconnect under the assigned id, connect to peers, and wait for
+//! everyone in a barrier.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use psnet_config::NodeAddress;
+use psnet_select::{AnyTransport, Selection};
+use psnet_transport::{NodeId, Transport};
+use tokio::time::{timeout_at, Instant};
+
+use crate::config::KvConfig;
+use crate::error::KvError;
+use crate::proto::ids::{self, describe, Group, Role, SCHEDULER};
+use crate::proto::msg::{Msg, NodeInfo};
+use crate::wire::{self, Received};
+
+/// A node that has joined its job.
+pub struct Joined {
+    /// The transport, under the assigned id.
+    pub transport: Arc<AnyTransport>,
+    /// The assigned id.
+    pub id: NodeId,
+    /// Rank within the role.
+    pub rank: u32,
+    /// Every node of the job, scheduler included.
+    pub nodes: Vec<NodeInfo>,
+    /// What arrived during the start-up barrier that is not part of it (a worker that left
+    /// the barrier first may already be pushing): the node's loop handles these first.
+    pub early: Vec<Received>,
+}
+
+impl Joined {
+    /// The servers' ids, by rank.
+    pub fn servers(&self) -> Vec<NodeId> {
+        let mut s: Vec<&NodeInfo> = self
+            .nodes
+            .iter()
+            .filter(|n| n.role == Role::Server)
+            .collect();
+        s.sort_by_key(|n| n.rank);
+        s.into_iter().map(|n| n.id).collect()
+    }
+
+    /// Number of workers.
+    pub fn num_workers(&self) -> u32 {
+        self.nodes.iter().filter(|n| n.role == Role::Worker).count() as u32
+    }
+}
+
+/// Where this node listens and over what.
+pub fn selection(config: &KvConfig) -> Result<Selection, KvError> {
+    let selection = if config.loopback {
+        let address = NodeAddress {
+            ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            interface: Some("lo".into()),
+            reason: "single-host job".into(),
+        };
+        Selection::for_address(address, config.transport)?
+    } else {
+        Selection::from_env(config.transport)?
+    };
+    selection.log();
+    Ok(selection)
+}
+
+/// Joins as a server or worker: after the all-nodes barrier, and for a worker once it is
+/// connected to every server.
+pub async fn join(config: &KvConfig) -> Result<Joined, KvError> {
+    let deadline = Instant::now() + config.bootstrap_timeout;
+    let selection = selection(config)?;
+    let transport = psnet_select::bind(NodeId(0), &selection, 0).await?;
+    let listen = transport.listen_addr();
+    transport.set_local_id(ids::provisional_id(listen));
+    transport
+        .connect(SCHEDULER, config.root)
+        .await
+        .map_err(|e| {
+            KvError::Bootstrap(format!(
+                "cannot reach the scheduler at {} (DMLC_PS_ROOT_URI / DMLC_PS_ROOT_PORT): {e}",
+                config.root
+            ))
+        })?;
+    wire::send(
+        &transport,
+        SCHEDULER,
+        &Msg::Register {
+            role: config.role,
+            addr: listen,
+        },
+        None,
+    )
+    .await?;
+    let (id, nodes) = loop {
+        let event = timeout_at(deadline, wire::recv(&transport))
+            .await
+            .map_err(|_| {
+                KvError::Bootstrap(format!(
+                    "no rank assigned within {:?} (PSNET_BOOTSTRAP_TIMEOUT): are all \
+                     {} servers and {} workers started?",
+                    config.bootstrap_timeout, config.num_servers, config.num_workers
+                ))
+            })??;
+        match event {
+            Received::Msg {
+                msg: Msg::Assign { your_id, nodes },
+                ..
+            } => break (your_id, nodes),
+            Received::Msg {
+                msg: Msg::NodeFailed { reason, .. },
+                ..
+            } => {
+                return Err(KvError::Bootstrap(format!(
+                    "the scheduler refused this node: {reason}"
+                )))
+            }
+            Received::Lost { peer, reason } if peer == SCHEDULER => {
+                return Err(KvError::Bootstrap(format!(
+                    "the scheduler went away: {reason}"
+                )))
+            }
+            _ => continue,
+        }
+    };
+    let (role, rank) = ids::role_rank(id)
+        .filter(|(r, _)| *r == config.role)
+        .ok_or_else(|| KvError::Bootstrap(format!("the scheduler assigned an invalid id {id}")))?;
+    tracing::info!(node = %describe(id), addr = %listen, "joined the job");
+    // Reconnect to the scheduler under the assigned id.
+    transport.set_local_id(id);
+    transport.disconnect(SCHEDULER);
+    transport.connect(SCHEDULER, config.root).await?;
+    // After this barrier every node answers under its assigned id, so workers can dial the
+    // servers and check who answers.
+    let early = barrier_inline(&transport, Group::ALL, deadline).await?;
+    if role == Role::Worker {
+        for server in nodes.iter().filter(|n| n.role == Role::Server) {
+            transport.connect(server.id, server.addr).await?;
+        }
+    }
+    Ok(Joined {
+        transport: Arc::new(transport),
+        id,
+        rank,
+        nodes,
+        early,
+    })
+}
+
+/// A barrier before the node's own event loop runs. Everything else that arrives meanwhile
+/// is kept, in order, and returned.
+async fn barrier_inline(
+    t: &AnyTransport,
+    group: Group,
+    deadline: Instant,
+) -> Result<Vec<Received>, KvError> {
+    wire::send(t, SCHEDULER, &Msg::Barrier { group }, None).await?;
+    let mut early = Vec::new();
+    loop {
+        let event = timeout_at(deadline, wire::recv(t)).await.map_err(|_| {
+            KvError::Bootstrap("the start-up barrier did not complete in time".into())
+        })??;
+        match event {
+            Received::Msg {
+                msg: Msg::BarrierDone { group: g },
+                ..
+            } if g == group => return Ok(early),
+            Received::Msg {
+                msg: Msg::BarrierFailed { reason, .. },
+                ..
+            } => return Err(KvError::Barrier(reason)),
+            Received::Msg {
+                msg: Msg::NodeFailed { id, reason },
+                ..
+            } => {
+                return Err(KvError::NodeLost {
+                    node: describe(id),
+                    reason,
+                })
+            }
+            Received::Lost { peer, reason } if peer == SCHEDULER => {
+                return Err(KvError::NodeLost {
+                    node: describe(peer),
+                    reason,
+                })
+            }
+            // The provisional connection to the scheduler closing is expected.
+            Received::Lost { peer, .. } if ids::is_provisional(peer) => {}
+            other => early.push(other),
+        }
+    }
+}
+
+/// Heartbeat period for a node's loop (a very long one when heartbeats are off).
+pub fn heartbeat_period(config: &KvConfig) -> Duration {
+    config
+        .heartbeat_interval
+        .unwrap_or(Duration::from_secs(3600))
+}

@@ -1,0 +1,246 @@
+//! A kv node's configuration, from the environment (ps-lite's and MXNet's variables) or from
+//! code through [`KvConfig`]'s builder methods.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::Duration;
+
+use psnet_config::env::{self, EnvVar};
+use psnet_config::ConfigError;
+use psnet_select::TransportPref;
+
+use crate::proto::ids::Role;
+
+/// `DMLC_ROLE`.
+pub const DMLC_ROLE: EnvVar = EnvVar {
+    name: "DMLC_ROLE",
+    default: "",
+    description: "scheduler | server | worker",
+};
+/// `DMLC_PS_ROOT_URI`.
+pub const DMLC_PS_ROOT_URI: EnvVar = EnvVar {
+    name: "DMLC_PS_ROOT_URI",
+    default: "",
+    description: "the scheduler's IP address or host name",
+};
+/// `DMLC_PS_ROOT_PORT`.
+pub const DMLC_PS_ROOT_PORT: EnvVar = EnvVar {
+    name: "DMLC_PS_ROOT_PORT",
+    default: "",
+    description: "the scheduler's port",
+};
+/// `DMLC_NUM_SERVER`.
+pub const DMLC_NUM_SERVER: EnvVar = EnvVar {
+    name: "DMLC_NUM_SERVER",
+    default: "",
+    description: "number of server processes",
+};
+/// `DMLC_NUM_WORKER`.
+pub const DMLC_NUM_WORKER: EnvVar = EnvVar {
+    name: "DMLC_NUM_WORKER",
+    default: "",
+    description: "number of worker processes",
+};
+/// `PS_HEARTBEAT_INTERVAL`.
+pub const PS_HEARTBEAT_INTERVAL: EnvVar = EnvVar {
+    name: "PS_HEARTBEAT_INTERVAL",
+    default: "1",
+    description: "seconds between heartbeats to the scheduler (0: off)",
+};
+/// `PS_HEARTBEAT_TIMEOUT`.
+pub const PS_HEARTBEAT_TIMEOUT: EnvVar = EnvVar {
+    name: "PS_HEARTBEAT_TIMEOUT",
+    default: "10",
+    description: "seconds of silence after which the scheduler declares a node dead (0: never)",
+};
+/// `MXNET_KVSTORE_BIGARRAY_BOUND`.
+pub const MXNET_KVSTORE_BIGARRAY_BOUND: EnvVar = EnvVar {
+    name: "MXNET_KVSTORE_BIGARRAY_BOUND",
+    default: "1000000",
+    description: "arrays with at least this many elements are split over all servers",
+};
+/// `PSNET_BOOTSTRAP_TIMEOUT`.
+pub const PSNET_BOOTSTRAP_TIMEOUT: EnvVar = EnvVar {
+    name: "PSNET_BOOTSTRAP_TIMEOUT",
+    default: "120",
+    description:
+        "seconds the scheduler waits for every node to register (and nodes for their rank)",
+};
+
+/// Every variable the kv store reads beyond `psnet_config::env::ALL`.
+pub const KV_VARS: &[EnvVar] = &[
+    DMLC_ROLE,
+    DMLC_PS_ROOT_URI,
+    DMLC_PS_ROOT_PORT,
+    DMLC_NUM_SERVER,
+    DMLC_NUM_WORKER,
+    PS_HEARTBEAT_INTERVAL,
+    PS_HEARTBEAT_TIMEOUT,
+    MXNET_KVSTORE_BIGARRAY_BOUND,
+    PSNET_BOOTSTRAP_TIMEOUT,
+];
+
+/// Everything a kv node needs to join a job.
+#[derive(Clone, Debug)]
+pub struct KvConfig {
+    /// This node's role.
+    pub role: Role,
+    /// The scheduler's address.
+    pub root: SocketAddr,
+    /// Number of servers.
+    pub num_servers: u32,
+    /// Number of workers.
+    pub num_workers: u32,
+    /// Heartbeat period (None: off).
+    pub heartbeat_interval: Option<Duration>,
+    /// Silence after which a node is dead (None: never).
+    pub heartbeat_timeout: Option<Duration>,
+    /// Elements from which an array is split over all servers.
+    pub bigarray_bound: usize,
+    /// How long registration may take.
+    pub bootstrap_timeout: Duration,
+    /// Transport preference (None: `PSNET_TRANSPORT`).
+    pub transport: Option<TransportPref>,
+    /// Listen on 127.0.0.1 instead of the address chosen from `DMLC_INTERFACE` /
+    /// `DMLC_NODE_HOST` (single-host jobs started from code).
+    pub loopback: bool,
+}
+
+fn seconds(var: EnvVar) -> Result<Option<Duration>, ConfigError> {
+    let s: f64 = var.parse_or_default()?;
+    if !s.is_finite() || s < 0.0 {
+        return Err(ConfigError::Invalid {
+            name: var.name,
+            value: s.to_string(),
+            reason: "must be a non-negative number of seconds".into(),
+        });
+    }
+    Ok((s > 0.0).then(|| Duration::from_secs_f64(s)))
+}
+
+fn count(var: EnvVar, min: u32) -> Result<u32, ConfigError> {
+    let raw = var.require()?;
+    let n: u32 = var.parse()?.expect("required");
+    if n < min {
+        return Err(ConfigError::Invalid {
+            name: var.name,
+            value: raw,
+            reason: format!("must be at least {min}"),
+        });
+    }
+    Ok(n)
+}
+
+/// Resolves `host:port` for the scheduler.
+pub fn resolve_root(host: &str, port: u16) -> Result<SocketAddr, ConfigError> {
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| ConfigError::Invalid {
+            name: DMLC_PS_ROOT_URI.name,
+            value: host.to_string(),
+            reason: format!("cannot resolve: {e}"),
+        })?
+        .next()
+        .ok_or_else(|| ConfigError::Invalid {
+            name: DMLC_PS_ROOT_URI.name,
+            value: host.to_string(),
+            reason: "resolves to no address".into(),
+        })
+}
+
+impl KvConfig {
+    /// A configuration for a job on this host (loopback), with defaults; set the rest with the
+    /// builder methods.
+    pub fn local(role: Role, root: SocketAddr, num_servers: u32, num_workers: u32) -> Self {
+        KvConfig {
+            role,
+            root,
+            num_servers,
+            num_workers,
+            heartbeat_interval: Some(Duration::from_secs(1)),
+            heartbeat_timeout: Some(Duration::from_secs(10)),
+            bigarray_bound: 1_000_000,
+            bootstrap_timeout: Duration::from_secs(120),
+            transport: None,
+            loopback: true,
+        }
+    }
+
+    /// Reads `DMLC_ROLE`, `DMLC_PS_ROOT_URI`, `DMLC_PS_ROOT_PORT`, `DMLC_NUM_SERVER`,
+    /// `DMLC_NUM_WORKER`, `PS_HEARTBEAT_INTERVAL`, `PS_HEARTBEAT_TIMEOUT`,
+    /// `MXNET_KVSTORE_BIGARRAY_BOUND`, `PSNET_BOOTSTRAP_TIMEOUT`. A missing or malformed
+    /// variable is an error naming it.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        let role_text = DMLC_ROLE.require()?;
+        let role = Role::parse(&role_text).ok_or_else(|| ConfigError::Invalid {
+            name: DMLC_ROLE.name,
+            value: role_text.clone(),
+            reason: "must be scheduler, server or worker".into(),
+        })?;
+        let host = DMLC_PS_ROOT_URI.require()?;
+        DMLC_PS_ROOT_PORT.require()?;
+        let port: u16 = DMLC_PS_ROOT_PORT.parse()?.expect("required");
+        let bound: usize = MXNET_KVSTORE_BIGARRAY_BOUND.parse_or_default()?;
+        if bound == 0 {
+            return Err(ConfigError::Invalid {
+                name: MXNET_KVSTORE_BIGARRAY_BOUND.name,
+                value: "0".into(),
+                reason: "must be at least 1".into(),
+            });
+        }
+        Ok(KvConfig {
+            role,
+            root: resolve_root(&host, port)?,
+            num_servers: count(DMLC_NUM_SERVER, 1)?,
+            num_workers: count(DMLC_NUM_WORKER, 1)?,
+            heartbeat_interval: seconds(PS_HEARTBEAT_INTERVAL)?,
+            heartbeat_timeout: seconds(PS_HEARTBEAT_TIMEOUT)?,
+            bigarray_bound: bound,
+            bootstrap_timeout: seconds(PSNET_BOOTSTRAP_TIMEOUT)?
+                .unwrap_or(Duration::from_secs(u64::from(u32::MAX))),
+            transport: env::PSNET_TRANSPORT.parse()?,
+            loopback: false,
+        })
+    }
+
+    /// Sets the heartbeat period and timeout (None: off).
+    pub fn heartbeats(mut self, interval: Option<Duration>, timeout: Option<Duration>) -> Self {
+        self.heartbeat_interval = interval;
+        self.heartbeat_timeout = timeout;
+        self
+    }
+
+    /// Sets `MXNET_KVSTORE_BIGARRAY_BOUND`.
+    pub fn bigarray_bound(mut self, bound: usize) -> Self {
+        self.bigarray_bound = bound.max(1);
+        self
+    }
+
+    /// Sets the registration timeout.
+    pub fn bootstrap_timeout(mut self, timeout: Duration) -> Self {
+        self.bootstrap_timeout = timeout;
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seconds_parse_and_zero_means_off() {
+        std::env::set_var("PS_HEARTBEAT_INTERVAL", "0");
+        assert_eq!(seconds(PS_HEARTBEAT_INTERVAL), Ok(None));
+        std::env::set_var("PS_HEARTBEAT_INTERVAL", "0.5");
+        assert_eq!(
+            seconds(PS_HEARTBEAT_INTERVAL),
+            Ok(Some(Duration::from_millis(500)))
+        );
+        std::env::set_var("PS_HEARTBEAT_INTERVAL", "-1");
+        assert!(seconds(PS_HEARTBEAT_INTERVAL).is_err());
+        std::env::remove_var("PS_HEARTBEAT_INTERVAL");
+        assert_eq!(
+            seconds(PS_HEARTBEAT_INTERVAL),
+            Ok(Some(Duration::from_secs(1)))
+        );
+    }
+}

@@ -1,0 +1,66 @@
+//! psnet's parameter-server key-value store, with MXNet's kvstore semantics.
+//!
+//! A job has one scheduler, `DMLC_NUM_SERVER` servers and `DMLC_NUM_WORKER` workers; each
+//! process learns its role from `DMLC_ROLE` and finds the scheduler at `DMLC_PS_ROOT_URI` /
+//! `DMLC_PS_ROOT_PORT` (or gets the same settings from code through [`KvConfig`]).
+//!
+//! - Workers call [`Worker`]'s `init`, `push`, `pull`, `pushpull`, `barrier`,
+//!   `set_optimizer`, `set_gradient_compression`, `set_mode`.
+//! - Keys below `MXNET_KVSTORE_BIGARRAY_BOUND` elements live on one server, bigger ones are
+//!   split over all servers ([`placement`]).
+//! - Servers run `dist_sync` rounds (summed in worker-rank order, bit-reproducible) or
+//!   `dist_async` updates, with server-side optimizers ([`updater`]).
+//! - A node that dies never causes a silent hang: operations waiting on it fail with an error
+//!   naming it (connection loss at once, a frozen node after `PS_HEARTBEAT_TIMEOUT`).
+//!
+//! The protocol lives in [`proto`] as plain state machines without I/O; [`run_scheduler`],
+//! [`run_server`] and [`Worker`] only move bytes.
+#![deny(missing_docs)]
+
+mod bootstrap;
+pub mod config;
+mod error;
+pub mod placement;
+pub mod proto;
+mod scheduler;
+mod server;
+pub mod updater;
+mod wire;
+mod worker;
+
+pub use config::KvConfig;
+pub use error::KvError;
+pub use proto::ids::Role;
+pub use proto::server::Mode;
+pub use scheduler::{run_scheduler, Scheduler};
+pub use server::run_server;
+pub use worker::Worker;
+
+/// MXNet's start-up behaviour for one program launched in every role: in a scheduler or
+/// server process, runs that role until the job ends and exits the process (status 0, or 1
+/// with the error on stderr); in a worker process, returns the configuration for
+/// [`Worker::join`].
+pub fn launch_from_env() -> Result<KvConfig, KvError> {
+    let config = KvConfig::from_env()?;
+    if config.role == Role::Worker {
+        return Ok(config);
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| KvError::Invalid(format!("cannot start the runtime: {e}")))?;
+    let result = runtime.block_on(async {
+        match config.role {
+            Role::Scheduler => run_scheduler(&config).await,
+            _ => run_server(&config).await,
+        }
+    });
+    match result {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("psnet {}: error: {e}", config.role);
+            std::process::exit(1)
+        }
+    }
+}

@@ -1,0 +1,9 @@
+//! The kv store's protocol, free of I/O: node ids and groups, the message codec, and the
+//! state machines of the scheduler and the servers. Drivers in the parent module only move
+//! the bytes these types produce and consume.
+
+pub mod ids;
+pub mod msg;
+pub mod scheduler;
+pub mod server;
+pub mod sum;

@@ -1,0 +1,524 @@
+//! The kv store's messages: their metadata encoding (versioned, little-endian, every length
+//! bounded before use) and which data segments go with them.
+//!
+//! Values travel as data segments of the transport message, never inside the metadata: a push
+//! carries its values (f32 little-endian, or compressed bytes) in segment 0; a pull answer and
+//! a push-pull acknowledgement carry the value in segment 0.
+
+use std::net::SocketAddr;
+
+use psnet_transport::NodeId;
+
+use super::ids::{Group, Role};
+
+/// The kv protocol version in every message.
+pub const VERSION: u8 = 1;
+/// Longest string field (reasons, optimizer and compression specs).
+pub const MAX_STRING: usize = 64 << 10;
+/// Most nodes in an assignment.
+pub const MAX_NODES: usize = 1 << 16;
+
+/// A node of the job, as the scheduler announces it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// Assigned id.
+    pub id: NodeId,
+    /// Role.
+    pub role: Role,
+    /// Rank within the role.
+    pub rank: u32,
+    /// Where it listens.
+    pub addr: SocketAddr,
+}
+
+/// Commands a worker sends to every server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommandKind {
+    /// Body: an optimizer spec (JSON) the servers build their updater from.
+    SetOptimizer,
+    /// Body: a gradient-compression spec (JSON), with the exact threshold.
+    SetCompression,
+    /// Body: `sync` or `async`.
+    SetMode,
+}
+
+impl CommandKind {
+    fn code(self) -> u8 {
+        match self {
+            CommandKind::SetOptimizer => 0,
+            CommandKind::SetCompression => 1,
+            CommandKind::SetMode => 2,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<Self> {
+        match c {
+            0 => Some(CommandKind::SetOptimizer),
+            1 => Some(CommandKind::SetCompression),
+            2 => Some(CommandKind::SetMode),
+            _ => None,
+        }
+    }
+}
+
+/// Flags of a push.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct PushFlags {
+    /// Initialization: store the value as is (no merge, no updater).
+    pub init: bool,
+    /// The payload is compressed with the servers' compression setting.
+    pub compressed: bool,
+    /// Answer with the updated value once the round completes (push-pull in one exchange).
+    pub pull_back: bool,
+}
+
+impl PushFlags {
+    fn bits(self) -> u8 {
+        u8::from(self.init) | (u8::from(self.compressed) << 1) | (u8::from(self.pull_back) << 2)
+    }
+
+    fn from_bits(b: u8) -> Result<Self, DecodeError> {
+        if b & !0b111 != 0 {
+            return Err(DecodeError::Invalid("unknown push flags"));
+        }
+        Ok(PushFlags {
+            init: b & 1 != 0,
+            compressed: b & 2 != 0,
+            pull_back: b & 4 != 0,
+        })
+    }
+}
+
+/// One kv message's metadata.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Msg {
+    /// Node to scheduler: here I am.
+    Register {
+        /// Its role.
+        role: Role,
+        /// Where it listens.
+        addr: SocketAddr,
+    },
+    /// Scheduler to node: your id, and everyone.
+    Assign {
+        /// The node's assigned id.
+        your_id: NodeId,
+        /// All nodes, scheduler included.
+        nodes: Vec<NodeInfo>,
+    },
+    /// Node to scheduler: entering a barrier of `group`.
+    Barrier {
+        /// The group.
+        group: Group,
+    },
+    /// Scheduler to members: the barrier is complete.
+    BarrierDone {
+        /// The group.
+        group: Group,
+    },
+    /// Scheduler to members: the barrier cannot complete.
+    BarrierFailed {
+        /// The group.
+        group: Group,
+        /// Why (names the dead node).
+        reason: String,
+    },
+    /// Node to scheduler: alive.
+    Heartbeat,
+    /// Scheduler to everyone: a node died or stopped answering.
+    NodeFailed {
+        /// The node.
+        id: NodeId,
+        /// What was seen.
+        reason: String,
+    },
+    /// Worker to scheduler: done; the job ends when every worker is.
+    Finalize,
+    /// Scheduler to everyone: the job is over, exit.
+    Shutdown,
+    /// Worker to server: a command, acknowledged with `Done`.
+    Command {
+        /// Request id.
+        ts: u64,
+        /// Which.
+        kind: CommandKind,
+        /// Its argument.
+        body: String,
+    },
+    /// Worker to server: values for `key` in segment 0.
+    Push {
+        /// Request id.
+        ts: u64,
+        /// The key.
+        key: u64,
+        /// What kind of push.
+        flags: PushFlags,
+        /// Elements of this server's part (the payload may be compressed).
+        n_elems: u64,
+    },
+    /// Worker to server: send me `key`.
+    Pull {
+        /// Request id.
+        ts: u64,
+        /// The key.
+        key: u64,
+        /// Elements expected.
+        n_elems: u64,
+    },
+    /// Server to worker: request `ts` done (a value, if any, in segment 0).
+    Done {
+        /// Request id.
+        ts: u64,
+    },
+    /// Server to worker: request `ts` failed.
+    Failed {
+        /// Request id.
+        ts: u64,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Malformed kv metadata.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// Ended early.
+    #[error("kv message truncated")]
+    Truncated,
+    /// Another protocol version.
+    #[error("kv protocol version {0}, this build speaks {VERSION}")]
+    Version(u8),
+    /// Unknown message tag.
+    #[error("unknown kv message tag {0}")]
+    UnknownTag(u8),
+    /// A field out of range.
+    #[error("invalid kv message: {0}")]
+    Invalid(&'static str),
+    /// Bytes left over after the message.
+    #[error("{0} trailing bytes after the kv message")]
+    Trailing(usize),
+}
+
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn u8(&mut self, v: u8) -> &mut Self {
+        self.0.push(v);
+        self
+    }
+    fn u32(&mut self, v: u32) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn u64(&mut self, v: u64) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn str(&mut self, s: &str) -> &mut Self {
+        // Encoding never fails: an over-long string is cut at a character boundary.
+        let mut end = s.len().min(MAX_STRING);
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        self.u32(end as u32);
+        self.0.extend_from_slice(&s.as_bytes()[..end]);
+        self
+    }
+    fn addr(&mut self, a: SocketAddr) -> &mut Self {
+        self.str(&a.to_string())
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        if self.0.len() < n {
+            return Err(DecodeError::Truncated);
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(a))
+    }
+    fn str(&mut self) -> Result<String, DecodeError> {
+        let len = self.u32()? as usize;
+        if len > MAX_STRING {
+            return Err(DecodeError::Invalid("string longer than 64 KiB"));
+        }
+        String::from_utf8(self.take(len)?.to_vec())
+            .map_err(|_| DecodeError::Invalid("string is not UTF-8"))
+    }
+    fn addr(&mut self) -> Result<SocketAddr, DecodeError> {
+        self.str()?
+            .parse()
+            .map_err(|_| DecodeError::Invalid("bad socket address"))
+    }
+    fn role(&mut self) -> Result<Role, DecodeError> {
+        Role::from_code(self.u8()?).ok_or(DecodeError::Invalid("unknown role"))
+    }
+    fn group(&mut self) -> Result<Group, DecodeError> {
+        let g = self.u8()?;
+        if g == 0 || g & !7 != 0 {
+            return Err(DecodeError::Invalid("bad group"));
+        }
+        Ok(Group(g))
+    }
+}
+
+impl Msg {
+    fn tag(&self) -> u8 {
+        match self {
+            Msg::Register { .. } => 1,
+            Msg::Assign { .. } => 2,
+            Msg::Barrier { .. } => 3,
+            Msg::BarrierDone { .. } => 4,
+            Msg::BarrierFailed { .. } => 5,
+            Msg::Heartbeat => 6,
+            Msg::NodeFailed { .. } => 7,
+            Msg::Finalize => 8,
+            Msg::Shutdown => 9,
+            Msg::Command { .. } => 10,
+            Msg::Push { .. } => 11,
+            Msg::Pull { .. } => 12,
+            Msg::Done { .. } => 13,
+            Msg::Failed { .. } => 14,
+        }
+    }
+
+    /// The metadata bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer(Vec::with_capacity(32));
+        w.u8(VERSION).u8(self.tag());
+        match self {
+            Msg::Register { role, addr } => {
+                w.u8(role.code()).addr(*addr);
+            }
+            Msg::Assign { your_id, nodes } => {
+                w.u64(your_id.0).u32(nodes.len().min(MAX_NODES) as u32);
+                for n in nodes.iter().take(MAX_NODES) {
+                    w.u64(n.id.0).u8(n.role.code()).u32(n.rank).addr(n.addr);
+                }
+            }
+            Msg::Barrier { group } | Msg::BarrierDone { group } => {
+                w.u8(group.0);
+            }
+            Msg::BarrierFailed { group, reason } => {
+                w.u8(group.0).str(reason);
+            }
+            Msg::Heartbeat | Msg::Finalize | Msg::Shutdown => {}
+            Msg::NodeFailed { id, reason } => {
+                w.u64(id.0).str(reason);
+            }
+            Msg::Command { ts, kind, body } => {
+                w.u64(*ts).u8(kind.code()).str(body);
+            }
+            Msg::Push {
+                ts,
+                key,
+                flags,
+                n_elems,
+            } => {
+                w.u64(*ts).u64(*key).u8(flags.bits()).u64(*n_elems);
+            }
+            Msg::Pull { ts, key, n_elems } => {
+                w.u64(*ts).u64(*key).u64(*n_elems);
+            }
+            Msg::Done { ts } => {
+                w.u64(*ts);
+            }
+            Msg::Failed { ts, reason } => {
+                w.u64(*ts).str(reason);
+            }
+        }
+        w.0
+    }
+
+    /// Parses metadata; any malformed input is an error.
+    pub fn decode(bytes: &[u8]) -> Result<Msg, DecodeError> {
+        let mut r = Reader(bytes);
+        let version = r.u8()?;
+        if version != VERSION {
+            return Err(DecodeError::Version(version));
+        }
+        let msg = match r.u8()? {
+            1 => Msg::Register {
+                role: r.role()?,
+                addr: r.addr()?,
+            },
+            2 => {
+                let your_id = NodeId(r.u64()?);
+                let count = r.u32()? as usize;
+                if count > MAX_NODES {
+                    return Err(DecodeError::Invalid("too many nodes"));
+                }
+                // Each entry takes at least 18 bytes: bound the allocation by the input.
+                let mut nodes = Vec::with_capacity(count.min(r.0.len() / 18));
+                for _ in 0..count {
+                    nodes.push(NodeInfo {
+                        id: NodeId(r.u64()?),
+                        role: r.role()?,
+                        rank: r.u32()?,
+                        addr: r.addr()?,
+                    });
+                }
+                Msg::Assign { your_id, nodes }
+            }
+            3 => Msg::Barrier { group: r.group()? },
+            4 => Msg::BarrierDone { group: r.group()? },
+            5 => Msg::BarrierFailed {
+                group: r.group()?,
+                reason: r.str()?,
+            },
+            6 => Msg::Heartbeat,
+            7 => Msg::NodeFailed {
+                id: NodeId(r.u64()?),
+                reason: r.str()?,
+            },
+            8 => Msg::Finalize,
+            9 => Msg::Shutdown,
+            10 => Msg::Command {
+                ts: r.u64()?,
+                kind: CommandKind::from_code(r.u8()?)
+                    .ok_or(DecodeError::Invalid("unknown command"))?,
+                body: r.str()?,
+            },
+            11 => Msg::Push {
+                ts: r.u64()?,
+                key: r.u64()?,
+                flags: PushFlags::from_bits(r.u8()?)?,
+                n_elems: r.u64()?,
+            },
+            12 => Msg::Pull {
+                ts: r.u64()?,
+                key: r.u64()?,
+                n_elems: r.u64()?,
+            },
+            13 => Msg::Done { ts: r.u64()? },
+            14 => Msg::Failed {
+                ts: r.u64()?,
+                reason: r.str()?,
+            },
+            tag => return Err(DecodeError::UnknownTag(tag)),
+        };
+        if !r.0.is_empty() {
+            return Err(DecodeError::Trailing(r.0.len()));
+        }
+        Ok(msg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn samples() -> Vec<Msg> {
+        let addr: SocketAddr = "127.0.0.1:9000".parse().unwrap();
+        vec![
+            Msg::Register {
+                role: Role::Worker,
+                addr,
+            },
+            Msg::Assign {
+                your_id: NodeId(9),
+                nodes: vec![NodeInfo {
+                    id: NodeId(8),
+                    role: Role::Server,
+                    rank: 0,
+                    addr: "[::1]:7".parse().unwrap(),
+                }],
+            },
+            Msg::Barrier { group: Group::ALL },
+            Msg::BarrierDone {
+                group: Group::WORKERS,
+            },
+            Msg::BarrierFailed {
+                group: Group::WORKERS,
+                reason: "worker 1 died".into(),
+            },
+            Msg::Heartbeat,
+            Msg::NodeFailed {
+                id: NodeId(11),
+                reason: "gone".into(),
+            },
+            Msg::Finalize,
+            Msg::Shutdown,
+            Msg::Command {
+                ts: 3,
+                kind: CommandKind::SetOptimizer,
+                body: "{\"type\":\"sgd\"}".into(),
+            },
+            Msg::Push {
+                ts: 1,
+                key: u64::MAX,
+                flags: PushFlags {
+                    init: false,
+                    compressed: true,
+                    pull_back: true,
+                },
+                n_elems: 1 << 40,
+            },
+            Msg::Pull {
+                ts: 2,
+                key: 7,
+                n_elems: 9,
+            },
+            Msg::Done { ts: 5 },
+            Msg::Failed {
+                ts: 6,
+                reason: "nope".into(),
+            },
+        ]
+    }
+
+    #[test]
+    fn every_message_round_trips() {
+        for m in samples() {
+            assert_eq!(Msg::decode(&m.encode()), Ok(m.clone()), "{m:?}");
+        }
+    }
+
+    #[test]
+    fn rejects_bad_input() {
+        assert_eq!(Msg::decode(&[]), Err(DecodeError::Truncated));
+        assert_eq!(Msg::decode(&[2, 6]), Err(DecodeError::Version(2)));
+        assert_eq!(Msg::decode(&[1, 99]), Err(DecodeError::UnknownTag(99)));
+        assert_eq!(Msg::decode(&[1, 6, 0]), Err(DecodeError::Trailing(1)));
+        let mut huge = vec![1, 2];
+        huge.extend_from_slice(&9u64.to_le_bytes());
+        huge.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(Msg::decode(&huge), Err(DecodeError::Invalid(_))));
+        assert!(matches!(
+            Msg::decode(&[1, 3, 0]),
+            Err(DecodeError::Invalid("bad group"))
+        ));
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = Msg::decode(&bytes);
+        }
+
+        #[test]
+        fn truncations_of_valid_messages_are_errors(i in 0usize..14, cut in 0usize..64) {
+            let m = &samples()[i];
+            let bytes = m.encode();
+            if cut < bytes.len() {
+                prop_assert!(Msg::decode(&bytes[..cut]).is_err());
+            }
+        }
+    }
+}

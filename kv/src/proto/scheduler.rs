@@ -1,0 +1,330 @@
+//! The scheduler's state: registration and rank assignment, barriers, liveness, shutdown.
+//! No I/O and no clock: events come in through `handle_*` (with `now`), messages to send come
+//! out of [`SchedulerState::poll_transmit`].
+//!
+//! Ranks follow ps-lite's rule, so a job with fixed ports gets the same ranks every time:
+//! within each role, nodes are ordered by listening address (IP, then port) and numbered from
+//! 0 in that order. Launch order does not matter.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use psnet_transport::NodeId;
+
+use super::ids::{self, describe, Group, Role, SCHEDULER};
+use super::msg::{Msg, NodeInfo};
+
+/// What the scheduler knows about one assigned node.
+#[derive(Debug)]
+struct Member {
+    info: NodeInfo,
+    last_seen: Instant,
+}
+
+/// The scheduler of one job.
+pub struct SchedulerState {
+    num_servers: u32,
+    num_workers: u32,
+    heartbeat_timeout: Option<Duration>,
+    /// Registrations before assignment: provisional id, role, address.
+    pending: Vec<(NodeId, Role, SocketAddr)>,
+    members: BTreeMap<NodeId, Member>,
+    barriers: BTreeMap<u8, BTreeSet<NodeId>>,
+    dead: BTreeMap<NodeId, String>,
+    finalized: BTreeSet<NodeId>,
+    shutting_down: bool,
+    out: VecDeque<(NodeId, Msg)>,
+    scheduler_addr: SocketAddr,
+}
+
+impl SchedulerState {
+    /// A scheduler expecting `num_servers` and `num_workers`, listening at `addr`.
+    /// `heartbeat_timeout`: a node silent for longer is declared dead (None: never).
+    pub fn new(
+        num_servers: u32,
+        num_workers: u32,
+        addr: SocketAddr,
+        heartbeat_timeout: Option<Duration>,
+    ) -> Self {
+        SchedulerState {
+            num_servers,
+            num_workers,
+            heartbeat_timeout,
+            pending: Vec::new(),
+            members: BTreeMap::new(),
+            barriers: BTreeMap::new(),
+            dead: BTreeMap::new(),
+            finalized: BTreeSet::new(),
+            shutting_down: false,
+            out: VecDeque::new(),
+            scheduler_addr: addr,
+        }
+    }
+
+    /// The next message to send.
+    #[must_use]
+    pub fn poll_transmit(&mut self) -> Option<(NodeId, Msg)> {
+        self.out.pop_front()
+    }
+
+    /// Whether every node has been assigned.
+    pub fn is_assigned(&self) -> bool {
+        !self.members.is_empty()
+    }
+
+    /// Whether the job is over (shutdown sent).
+    pub fn is_finished(&self) -> bool {
+        self.shutting_down
+    }
+
+    /// The nodes that died, with what was seen.
+    pub fn dead(&self) -> &BTreeMap<NodeId, String> {
+        &self.dead
+    }
+
+    /// How many of each role have registered so far (for a bootstrap timeout message).
+    pub fn registered(&self) -> (u32, u32) {
+        let count = |role| self.pending.iter().filter(|p| p.1 == role).count() as u32;
+        if self.is_assigned() {
+            (self.num_servers, self.num_workers)
+        } else {
+            (count(Role::Server), count(Role::Worker))
+        }
+    }
+
+    /// A node (under its provisional id) registers.
+    pub fn handle_register(&mut self, from: NodeId, role: Role, addr: SocketAddr, now: Instant) {
+        let limit = match role {
+            Role::Server => self.num_servers,
+            Role::Worker => self.num_workers,
+            Role::Scheduler => 0,
+        };
+        let have = self.pending.iter().filter(|p| p.1 == role).count() as u32;
+        if self.is_assigned() || have >= limit || self.pending.iter().any(|p| p.0 == from) {
+            let reason = if role == Role::Scheduler {
+                "a second scheduler registered with this scheduler".to_string()
+            } else if self.pending.iter().any(|p| p.0 == from) {
+                format!("{role} at {addr} registered twice")
+            } else {
+                format!(
+                    "the job already has its {limit} {role}(s) (DMLC_NUM_SERVER={}, DMLC_NUM_WORKER={})",
+                    self.num_servers, self.num_workers
+                )
+            };
+            self.out
+                .push_back((from, Msg::NodeFailed { id: from, reason }));
+            return;
+        }
+        self.pending.push((from, role, addr));
+        if self.pending.len() as u32 == self.num_servers + self.num_workers {
+            self.assign(now);
+        }
+    }
+
+    fn assign(&mut self, now: Instant) {
+        let mut pending = std::mem::take(&mut self.pending);
+        // ps-lite's order: by address (IP, then port), per role.
+        pending.sort_by_key(|p| (p.1, p.2.ip(), p.2.port()));
+        let mut nodes = vec![NodeInfo {
+            id: SCHEDULER,
+            role: Role::Scheduler,
+            rank: 0,
+            addr: self.scheduler_addr,
+        }];
+        let mut provisional = Vec::new();
+        for role in [Role::Server, Role::Worker] {
+            for (rank, (prov, _, addr)) in pending.iter().filter(|p| p.1 == role).enumerate() {
+                let info = NodeInfo {
+                    id: ids::node_id(role, rank as u32),
+                    role,
+                    rank: rank as u32,
+                    addr: *addr,
+                };
+                provisional.push((*prov, info.id));
+                nodes.push(info);
+            }
+        }
+        for info in &nodes[1..] {
+            self.members.insert(
+                info.id,
+                Member {
+                    info: info.clone(),
+                    last_seen: now,
+                },
+            );
+        }
+        for (prov, id) in provisional {
+            self.out.push_back((
+                prov,
+                Msg::Assign {
+                    your_id: id,
+                    nodes: nodes.clone(),
+                },
+            ));
+        }
+    }
+
+    /// Any message from an assigned node counts as a sign of life.
+    pub fn handle_alive(&mut self, from: NodeId, now: Instant) {
+        if let Some(m) = self.members.get_mut(&from) {
+            m.last_seen = now;
+        }
+    }
+
+    /// A node enters a barrier of `group`.
+    pub fn handle_barrier(&mut self, from: NodeId, group: Group, now: Instant) {
+        self.handle_alive(from, now);
+        let Some(role) = self.members.get(&from).map(|m| m.info.role) else {
+            return;
+        };
+        if !group.contains(role) {
+            let reason = format!(
+                "{} entered a barrier of a group it is not in",
+                describe(from)
+            );
+            self.out
+                .push_back((from, Msg::BarrierFailed { group, reason }));
+            return;
+        }
+        self.barriers.entry(group.0).or_default().insert(from);
+        self.check_barrier(group);
+    }
+
+    fn group_members(&self, group: Group) -> Vec<NodeId> {
+        self.members
+            .values()
+            .filter(|m| group.contains(m.info.role))
+            .map(|m| m.info.id)
+            .collect()
+    }
+
+    fn check_barrier(&mut self, group: Group) {
+        let Some(entered) = self.barriers.get(&group.0) else {
+            return;
+        };
+        let members = self.group_members(group);
+        if let Some((id, why)) = members
+            .iter()
+            .find_map(|id| self.dead.get(id).map(|why| (*id, why.clone())))
+        {
+            let reason = format!("barrier cannot complete: {} is gone: {why}", describe(id));
+            let waiting: Vec<NodeId> = entered.iter().copied().collect();
+            self.barriers.remove(&group.0);
+            for to in waiting {
+                self.out.push_back((
+                    to,
+                    Msg::BarrierFailed {
+                        group,
+                        reason: reason.clone(),
+                    },
+                ));
+            }
+            return;
+        }
+        tracing::debug!(
+            group = group.0,
+            entered = entered.len(),
+            members = members.len(),
+            "barrier"
+        );
+        if members.iter().all(|id| entered.contains(id)) {
+            self.barriers.remove(&group.0);
+            for to in members {
+                self.out.push_back((to, Msg::BarrierDone { group }));
+            }
+        }
+    }
+
+    /// A node's connection ended or it stopped answering.
+    pub fn handle_lost(&mut self, id: NodeId, reason: &str) {
+        if self.shutting_down || ids::is_provisional(id) || self.dead.contains_key(&id) {
+            return;
+        }
+        if !self.members.contains_key(&id) || self.finalized.contains(&id) {
+            return;
+        }
+        tracing::warn!(node = %describe(id), %reason, "node lost");
+        self.dead.insert(id, reason.to_string());
+        let alive: Vec<NodeId> = self
+            .members
+            .keys()
+            .copied()
+            .filter(|m| !self.dead.contains_key(m))
+            .collect();
+        for to in alive {
+            self.out.push_back((
+                to,
+                Msg::NodeFailed {
+                    id,
+                    reason: reason.to_string(),
+                },
+            ));
+        }
+        let groups: Vec<u8> = self.barriers.keys().copied().collect();
+        for g in groups {
+            self.check_barrier(Group(g));
+        }
+        self.check_finished();
+    }
+
+    /// Time passes: nodes silent for longer than the heartbeat timeout are declared dead.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let Some(limit) = self.heartbeat_timeout else {
+            return;
+        };
+        let silent: Vec<(NodeId, Duration)> = self
+            .members
+            .values()
+            .filter(|m| !self.dead.contains_key(&m.info.id) && !self.finalized.contains(&m.info.id))
+            .filter_map(|m| {
+                let quiet = now.saturating_duration_since(m.last_seen);
+                (quiet > limit).then_some((m.info.id, quiet))
+            })
+            .collect();
+        for (id, quiet) in silent {
+            self.handle_lost(
+                id,
+                &format!(
+                    "no heartbeat for {:.1} s (PS_HEARTBEAT_TIMEOUT={} s)",
+                    quiet.as_secs_f64(),
+                    limit.as_secs()
+                ),
+            );
+        }
+    }
+
+    /// A worker is done.
+    pub fn handle_finalize(&mut self, from: NodeId, now: Instant) {
+        self.handle_alive(from, now);
+        if matches!(ids::role_rank(from), Some((Role::Worker, _))) {
+            self.finalized.insert(from);
+            self.check_finished();
+        }
+    }
+
+    fn check_finished(&mut self) {
+        if self.shutting_down || !self.is_assigned() {
+            return;
+        }
+        let workers_done = self
+            .group_members(Group::WORKERS)
+            .iter()
+            .all(|w| self.finalized.contains(w) || self.dead.contains_key(w));
+        if workers_done {
+            self.shutting_down = true;
+            let alive: Vec<NodeId> = self
+                .members
+                .keys()
+                .copied()
+                .filter(|m| !self.dead.contains_key(m))
+                .collect();
+            for to in alive {
+                self.out.push_back((to, Msg::Shutdown));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

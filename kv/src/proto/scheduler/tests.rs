@@ -1,0 +1,178 @@
+use super::*;
+use crate::proto::ids::{node_id, provisional_id};
+
+fn addr(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+fn drain(s: &mut SchedulerState) -> Vec<(NodeId, Msg)> {
+    std::iter::from_fn(|| s.poll_transmit()).collect()
+}
+
+/// A scheduler with 2 servers and 2 workers registered out of port order.
+fn assigned(now: Instant) -> SchedulerState {
+    let mut s = SchedulerState::new(2, 2, addr(9000), Some(Duration::from_secs(10)));
+    for (role, port) in [
+        (Role::Worker, 9300),
+        (Role::Server, 9200),
+        (Role::Worker, 9100),
+        (Role::Server, 9050),
+    ] {
+        s.handle_register(provisional_id(addr(port)), role, addr(port), now);
+    }
+    drain(&mut s);
+    s
+}
+
+#[test]
+fn ranks_follow_address_order_not_registration_order() {
+    let now = Instant::now();
+    let mut s = SchedulerState::new(2, 2, addr(9000), None);
+    let regs = [
+        (Role::Worker, 9300),
+        (Role::Server, 9200),
+        (Role::Worker, 9100),
+    ];
+    for (role, port) in regs {
+        s.handle_register(provisional_id(addr(port)), role, addr(port), now);
+        assert!(
+            drain(&mut s).is_empty(),
+            "assigned before everyone registered"
+        );
+    }
+    s.handle_register(provisional_id(addr(9050)), Role::Server, addr(9050), now);
+    let out = drain(&mut s);
+    assert_eq!(out.len(), 4);
+    let assigned: std::collections::HashMap<NodeId, NodeId> = out
+        .iter()
+        .map(|(to, m)| match m {
+            Msg::Assign { your_id, nodes } => {
+                assert_eq!(nodes.len(), 5, "everyone, scheduler included");
+                (*to, *your_id)
+            }
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        assigned[&provisional_id(addr(9050))],
+        node_id(Role::Server, 0)
+    );
+    assert_eq!(
+        assigned[&provisional_id(addr(9200))],
+        node_id(Role::Server, 1)
+    );
+    assert_eq!(
+        assigned[&provisional_id(addr(9100))],
+        node_id(Role::Worker, 0)
+    );
+    assert_eq!(
+        assigned[&provisional_id(addr(9300))],
+        node_id(Role::Worker, 1)
+    );
+}
+
+#[test]
+fn extra_nodes_are_refused_with_the_reason() {
+    let now = Instant::now();
+    let mut s = SchedulerState::new(1, 1, addr(9000), None);
+    s.handle_register(provisional_id(addr(1)), Role::Worker, addr(1), now);
+    s.handle_register(provisional_id(addr(2)), Role::Worker, addr(2), now);
+    match drain(&mut s).as_slice() {
+        [(to, Msg::NodeFailed { reason, .. })] => {
+            assert_eq!(*to, provisional_id(addr(2)));
+            assert!(reason.contains("DMLC_NUM_WORKER=1"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn barrier_releases_when_the_group_is_in() {
+    let now = Instant::now();
+    let mut s = assigned(now);
+    let (w0, w1) = (node_id(Role::Worker, 0), node_id(Role::Worker, 1));
+    s.handle_barrier(w0, Group::WORKERS, now);
+    assert!(drain(&mut s).is_empty());
+    s.handle_barrier(w1, Group::WORKERS, now);
+    let out = drain(&mut s);
+    assert_eq!(out.len(), 2);
+    assert!(out.iter().all(|(_, m)| *m
+        == Msg::BarrierDone {
+            group: Group::WORKERS
+        }));
+
+    // The all-group barrier counts the scheduler as present.
+    for id in [w0, w1, node_id(Role::Server, 0), node_id(Role::Server, 1)] {
+        s.handle_barrier(id, Group::ALL, now);
+    }
+    assert_eq!(drain(&mut s).len(), 4);
+}
+
+#[test]
+fn a_dead_member_fails_the_barrier_and_everyone_hears() {
+    let now = Instant::now();
+    let mut s = assigned(now);
+    let (w0, w1) = (node_id(Role::Worker, 0), node_id(Role::Worker, 1));
+    s.handle_barrier(w0, Group::WORKERS, now);
+    s.handle_lost(w1, "connection closed by the peer");
+    let out = drain(&mut s);
+    let failed: Vec<_> = out
+        .iter()
+        .filter(|(_, m)| matches!(m, Msg::BarrierFailed { .. }))
+        .collect();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].0, w0);
+    let notified = out
+        .iter()
+        .filter(|(_, m)| matches!(m, Msg::NodeFailed { id, .. } if *id == w1))
+        .count();
+    assert_eq!(notified, 3, "the three live nodes hear of it");
+    if let Msg::BarrierFailed { reason, .. } = &failed[0].1 {
+        assert!(reason.contains("worker 1 (node 11)"), "{reason}");
+    }
+    // A later barrier fails at once.
+    s.handle_barrier(w0, Group::WORKERS, now);
+    assert!(matches!(
+        drain(&mut s).as_slice(),
+        [(_, Msg::BarrierFailed { .. })]
+    ));
+}
+
+#[test]
+fn silence_past_the_heartbeat_timeout_is_death() {
+    let t0 = Instant::now();
+    let mut s = assigned(t0);
+    let later = t0 + Duration::from_secs(8);
+    for id in [
+        node_id(Role::Worker, 0),
+        node_id(Role::Server, 0),
+        node_id(Role::Server, 1),
+    ] {
+        s.handle_alive(id, later);
+    }
+    s.handle_timeout(t0 + Duration::from_secs(9));
+    assert!(s.dead().is_empty());
+    s.handle_timeout(t0 + Duration::from_secs(11));
+    let dead: Vec<NodeId> = s.dead().keys().copied().collect();
+    assert_eq!(dead, vec![node_id(Role::Worker, 1)]);
+    assert!(s.dead()[&node_id(Role::Worker, 1)].contains("no heartbeat"));
+}
+
+#[test]
+fn shutdown_when_every_worker_finalized_or_died() {
+    let now = Instant::now();
+    let mut s = assigned(now);
+    s.handle_finalize(node_id(Role::Worker, 0), now);
+    assert!(!s.is_finished());
+    assert!(drain(&mut s).is_empty());
+    s.handle_lost(node_id(Role::Worker, 1), "killed");
+    assert!(s.is_finished());
+    let shutdowns = drain(&mut s)
+        .into_iter()
+        .filter(|(_, m)| *m == Msg::Shutdown)
+        .count();
+    assert_eq!(shutdowns, 3, "servers and the finalized worker");
+    // Losses during shutdown are expected.
+    s.handle_lost(node_id(Role::Server, 0), "closed");
+    assert_eq!(s.dead().len(), 1);
+}

@@ -1,0 +1,433 @@
+//! A server's state: the stored shard of every key, `dist_sync` rounds, `dist_async` updates.
+//! No I/O: pushes, pulls and commands come in through `handle_*`, and what to answer comes out
+//! of [`ServerState::poll_output`]; the driver sends it.
+//!
+//! `dist_sync`: a round of a key completes when every worker has pushed it once. The pushes
+//! are summed in worker-rank order whatever order they arrive in (a push that arrives early
+//! is held, without copying, until the ranks before it are in), so results are
+//! bit-reproducible from run to run. Then the updater runs (or, without one, the sum
+//! replaces the stored value, as MXNet does), and every push of the round is answered. A
+//! second push by one worker within a round waits for the next round.
+//!
+//! `dist_async`: each push is applied at once; an updater is required.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use bytes::Bytes;
+use psnet_compression::{CompressionParams, Compressor};
+
+use super::msg::{CommandKind, PushFlags};
+use super::sum;
+use crate::updater::{OptimizerSpec, Updater};
+
+/// Synchronous or asynchronous updates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// `dist_sync`: merge every worker's push, then update.
+    Sync,
+    /// `dist_async`: update on every push.
+    Async,
+}
+
+/// A push as the server receives it.
+#[derive(Clone, Debug)]
+pub struct Push {
+    /// The pushing worker's rank.
+    pub rank: u32,
+    /// Its request id.
+    pub ts: u64,
+    /// The key.
+    pub key: u64,
+    /// Init / compressed / pull-back.
+    pub flags: PushFlags,
+    /// Elements of this server's part.
+    pub n_elems: u64,
+    /// f32 little-endian values, or compressed bytes.
+    pub payload: Bytes,
+}
+
+/// What the driver must send.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Output {
+    /// Request `ts` of worker `rank` is done; with `value` set, send that key's stored value.
+    Done {
+        /// Worker rank.
+        rank: u32,
+        /// Request id.
+        ts: u64,
+        /// Key whose value goes with the answer (pulls, push-pulls).
+        value: Option<u64>,
+    },
+    /// Request `ts` of worker `rank` failed.
+    Failed {
+        /// Worker rank.
+        rank: u32,
+        /// Request id.
+        ts: u64,
+        /// Why, naming the key and what was wrong.
+        reason: String,
+    },
+}
+
+/// A push waiting in a round.
+#[derive(Debug)]
+struct Arrived {
+    ts: u64,
+    pull_back: bool,
+    /// Held until the ranks before it are summed.
+    payload: Option<Bytes>,
+    compressed: bool,
+}
+
+#[derive(Debug, Default)]
+struct Round {
+    /// Sum of ranks `0..next`.
+    merged: Vec<f32>,
+    next: u32,
+    arrived: Vec<Option<Arrived>>,
+    count: u32,
+    deferred: VecDeque<Push>,
+}
+
+struct KeyState {
+    value: Vec<f32>,
+    round: Round,
+}
+
+/// One server's store and round bookkeeping.
+pub struct ServerState {
+    num_workers: u32,
+    mode: Mode,
+    updater: Option<Box<dyn Updater>>,
+    compressor: Option<Box<dyn Compressor>>,
+    keys: HashMap<u64, KeyState>,
+    dead: BTreeMap<u32, String>,
+    out: VecDeque<Output>,
+}
+
+impl ServerState {
+    /// A server for `num_workers` workers, in `dist_sync` mode, with no updater.
+    pub fn new(num_workers: u32) -> Self {
+        ServerState {
+            num_workers: num_workers.max(1),
+            mode: Mode::Sync,
+            updater: None,
+            compressor: None,
+            keys: HashMap::new(),
+            dead: BTreeMap::new(),
+            out: VecDeque::new(),
+        }
+    }
+
+    /// The current mode.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// The stored value of `key`.
+    pub fn value(&self, key: u64) -> Option<&[f32]> {
+        self.keys.get(&key).map(|k| k.value.as_slice())
+    }
+
+    /// The next answer to send.
+    #[must_use]
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.out.pop_front()
+    }
+
+    fn fail(&mut self, rank: u32, ts: u64, reason: String) {
+        self.out.push_back(Output::Failed { rank, ts, reason });
+    }
+
+    /// A worker's command: optimizer, compression, mode. `Err` is the reason to report.
+    pub fn handle_command(&mut self, kind: CommandKind, body: &str) -> Result<(), String> {
+        match kind {
+            CommandKind::SetOptimizer => {
+                let spec = OptimizerSpec::parse(body).map_err(|e| e.to_string())?;
+                self.updater = Some(spec.build());
+            }
+            CommandKind::SetCompression => {
+                let params = CompressionParams::parse(body).map_err(|e| e.to_string())?;
+                self.compressor = params.compressor().map_err(|e| e.to_string())?;
+            }
+            CommandKind::SetMode => {
+                self.mode = match body {
+                    "sync" => Mode::Sync,
+                    "async" => Mode::Async,
+                    other => return Err(format!("unknown mode {other:?}: use sync or async")),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A pull of `key` by worker `rank`.
+    pub fn handle_pull(&mut self, rank: u32, ts: u64, key: u64, n_elems: u64) {
+        match self.keys.get(&key) {
+            None => self.fail(
+                rank,
+                ts,
+                format!("key {key} was pulled before it was initialized"),
+            ),
+            Some(k) if k.value.len() as u64 != n_elems => {
+                let have = k.value.len();
+                self.fail(
+                    rank,
+                    ts,
+                    format!("key {key}: pulled {n_elems} elements, this server holds {have}"),
+                )
+            }
+            Some(_) => self.out.push_back(Output::Done {
+                rank,
+                ts,
+                value: Some(key),
+            }),
+        }
+    }
+
+    /// Worker `rank` is gone: rounds that wait for it can never complete, so every push
+    /// waiting in one fails now, naming it, and later `dist_sync` pushes fail at once.
+    pub fn handle_worker_lost(&mut self, rank: u32, reason: &str) {
+        let reason = format!("worker {rank} (node {}) is gone: {reason}", 9 + 2 * rank);
+        self.dead.insert(rank, reason.clone());
+        if self.mode == Mode::Async {
+            return;
+        }
+        let mut failed = Vec::new();
+        for (key, k) in self.keys.iter_mut() {
+            let round = std::mem::take(&mut k.round);
+            for (r, a) in round.arrived.into_iter().enumerate() {
+                if let Some(a) = a {
+                    failed.push((r as u32, a.ts, *key));
+                }
+            }
+            failed.extend(round.deferred.into_iter().map(|p| (p.rank, p.ts, *key)));
+            k.round.merged = round.merged;
+        }
+        for (r, ts, key) in failed {
+            self.fail(
+                r,
+                ts,
+                format!("dist_sync round of key {key} cannot complete: {reason}"),
+            );
+        }
+    }
+
+    /// A push from a worker.
+    pub fn handle_push(&mut self, p: Push) {
+        if p.flags.init {
+            return self.init(p);
+        }
+        if let Err(reason) = self.check(&p) {
+            return self.fail(p.rank, p.ts, reason);
+        }
+        match self.mode {
+            Mode::Async => self.apply_async(p),
+            Mode::Sync => self.add_to_round(p),
+        }
+    }
+
+    fn init(&mut self, p: Push) {
+        let Some(n) = sum::f32_count(&p.payload) else {
+            return self.fail(
+                p.rank,
+                p.ts,
+                format!("key {}: init payload is not f32 values", p.key),
+            );
+        };
+        if n as u64 != p.n_elems {
+            return self.fail(
+                p.rank,
+                p.ts,
+                format!(
+                    "key {}: init announces {} elements, carries {n}",
+                    p.key, p.n_elems
+                ),
+            );
+        }
+        let mut value = vec![0f32; n];
+        sum::copy_from_le(&mut value, &p.payload);
+        self.keys.insert(
+            p.key,
+            KeyState {
+                value,
+                round: Round::default(),
+            },
+        );
+        self.out.push_back(Output::Done {
+            rank: p.rank,
+            ts: p.ts,
+            value: p.flags.pull_back.then_some(p.key),
+        });
+    }
+
+    fn check(&self, p: &Push) -> Result<(), String> {
+        let key = p.key;
+        let k = self
+            .keys
+            .get(&key)
+            .ok_or_else(|| format!("key {key} was pushed before it was initialized"))?;
+        let n = k.value.len();
+        if p.n_elems != n as u64 {
+            return Err(format!(
+                "key {key}: pushed {} elements, this server holds {n}",
+                p.n_elems
+            ));
+        }
+        if p.rank >= self.num_workers {
+            return Err(format!(
+                "worker rank {} out of range ({} workers)",
+                p.rank, self.num_workers
+            ));
+        }
+        if p.flags.compressed {
+            let c = self.compressor.as_ref().ok_or_else(|| {
+                format!("key {key}: compressed push, but no compression was set on this server")
+            })?;
+            let want = c.compressed_len(n);
+            if p.payload.len() != want {
+                return Err(format!(
+                    "key {key}: compressed push of {} bytes, expected {want} for {n} elements",
+                    p.payload.len()
+                ));
+            }
+        } else if p.payload.len() != 4 * n {
+            return Err(format!(
+                "key {key}: push of {} bytes, expected {} ({n} f32)",
+                p.payload.len(),
+                4 * n
+            ));
+        }
+        if self.mode == Mode::Sync {
+            if let Some((_, why)) = self.dead.iter().next() {
+                return Err(format!(
+                    "dist_sync round of key {key} cannot complete: {why}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Decodes a checked payload into `dst` (`add`: accumulate instead of overwrite).
+    fn decode(
+        compressor: Option<&dyn Compressor>,
+        compressed: bool,
+        payload: &[u8],
+        dst: &mut [f32],
+        add: bool,
+    ) {
+        match (compressed, compressor) {
+            (true, Some(c)) => {
+                // Lengths were checked, so these cannot fail.
+                let r = if add {
+                    c.dequantize_add(payload, dst)
+                } else {
+                    c.dequantize(payload, dst)
+                };
+                debug_assert!(r.is_ok());
+            }
+            _ if add => sum::add_from_le(dst, payload),
+            _ => sum::copy_from_le(dst, payload),
+        }
+    }
+
+    fn apply_async(&mut self, p: Push) {
+        let Some(updater) = self.updater.as_mut() else {
+            return self.fail(
+                p.rank,
+                p.ts,
+                "dist_async needs an optimizer on the servers: call set_optimizer first".into(),
+            );
+        };
+        let k = self.keys.get_mut(&p.key).expect("checked");
+        let mut grad = std::mem::take(&mut k.round.merged);
+        grad.resize(k.value.len(), 0.0);
+        Self::decode(
+            self.compressor.as_deref(),
+            p.flags.compressed,
+            &p.payload,
+            &mut grad,
+            false,
+        );
+        let result = updater.update(p.key, &grad, &mut k.value);
+        k.round.merged = grad;
+        match result {
+            Ok(()) => self.out.push_back(Output::Done {
+                rank: p.rank,
+                ts: p.ts,
+                value: p.flags.pull_back.then_some(p.key),
+            }),
+            Err(e) => self.fail(p.rank, p.ts, format!("key {}: update failed: {e}", p.key)),
+        }
+    }
+
+    fn add_to_round(&mut self, p: Push) {
+        let workers = self.num_workers as usize;
+        let compressor = self.compressor.as_deref();
+        let k = self.keys.get_mut(&p.key).expect("checked");
+        let round = &mut k.round;
+        if round.arrived.len() != workers {
+            round.arrived.resize_with(workers, || None);
+        }
+        let rank = p.rank as usize;
+        if round.arrived[rank].is_some() {
+            // Already pushed this round: it counts for the next one.
+            round.deferred.push_back(p);
+            return;
+        }
+        round.arrived[rank] = Some(Arrived {
+            ts: p.ts,
+            pull_back: p.flags.pull_back,
+            payload: Some(p.payload),
+            compressed: p.flags.compressed,
+        });
+        round.count += 1;
+        // Sum every rank that is now next in line, in rank order.
+        while let Some(Some(a)) = round.arrived.get_mut(round.next as usize) {
+            let payload = a.payload.take().expect("held until summed");
+            if round.next == 0 {
+                round.merged.resize(k.value.len(), 0.0);
+                Self::decode(compressor, a.compressed, &payload, &mut round.merged, false);
+            } else {
+                Self::decode(compressor, a.compressed, &payload, &mut round.merged, true);
+            }
+            round.next += 1;
+        }
+        if round.count as usize == workers {
+            self.complete_round(p.key);
+        }
+    }
+
+    fn complete_round(&mut self, key: u64) {
+        let k = self.keys.get_mut(&key).expect("round of a known key");
+        let round = std::mem::take(&mut k.round);
+        let mut merged = round.merged;
+        let result = match self.updater.as_mut() {
+            Some(u) => u.update(key, &merged, &mut k.value),
+            None => {
+                // MXNet without an updater: the round's sum replaces the value.
+                std::mem::swap(&mut k.value, &mut merged);
+                Ok(())
+            }
+        };
+        k.round.merged = merged;
+        for (rank, a) in round.arrived.into_iter().enumerate() {
+            let Some(a) = a else { continue };
+            let rank = rank as u32;
+            match &result {
+                Ok(()) => self.out.push_back(Output::Done {
+                    rank,
+                    ts: a.ts,
+                    value: a.pull_back.then_some(key),
+                }),
+                Err(e) => self.fail(rank, a.ts, format!("key {key}: update failed: {e}")),
+            }
+        }
+        for p in round.deferred {
+            self.handle_push(p);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

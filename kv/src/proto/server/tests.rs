@@ -1,0 +1,303 @@
+use super::*;
+use proptest::prelude::*;
+use psnet_compression::TwoBitCompressor;
+
+fn bytes_of(v: &[f32]) -> Bytes {
+    Bytes::copy_from_slice(sum::as_bytes(v))
+}
+
+fn push(rank: u32, ts: u64, key: u64, values: &[f32]) -> Push {
+    Push {
+        rank,
+        ts,
+        key,
+        flags: PushFlags::default(),
+        n_elems: values.len() as u64,
+        payload: bytes_of(values),
+    }
+}
+
+fn init(state: &mut ServerState, key: u64, values: &[f32]) {
+    let mut p = push(0, 1000 + key, key, values);
+    p.flags.init = true;
+    state.handle_push(p);
+    assert_eq!(
+        state.poll_output(),
+        Some(Output::Done {
+            rank: 0,
+            ts: 1000 + key,
+            value: None
+        })
+    );
+}
+
+fn drain(state: &mut ServerState) -> Vec<Output> {
+    std::iter::from_fn(|| state.poll_output()).collect()
+}
+
+fn failed_reason(out: &[Output]) -> String {
+    match out {
+        [Output::Failed { reason, .. }] => reason.clone(),
+        other => panic!("expected one failure, got {other:?}"),
+    }
+}
+
+#[test]
+fn sync_round_answers_only_when_every_worker_pushed() {
+    let mut s = ServerState::new(3);
+    init(&mut s, 7, &[0.0; 2]);
+    s.handle_push(push(2, 1, 7, &[1.0, 2.0]));
+    s.handle_push(push(0, 2, 7, &[10.0, 20.0]));
+    assert!(
+        drain(&mut s).is_empty(),
+        "answered before the round completed"
+    );
+    s.handle_push(push(1, 3, 7, &[100.0, 200.0]));
+    let mut done = drain(&mut s);
+    done.sort_by_key(|o| match o {
+        Output::Done { rank, .. } => *rank,
+        _ => u32::MAX,
+    });
+    assert_eq!(
+        done,
+        vec![
+            Output::Done {
+                rank: 0,
+                ts: 2,
+                value: None
+            },
+            Output::Done {
+                rank: 1,
+                ts: 3,
+                value: None
+            },
+            Output::Done {
+                rank: 2,
+                ts: 1,
+                value: None
+            },
+        ]
+    );
+    // No updater: the round's sum replaces the value (MXNet).
+    assert_eq!(s.value(7), Some(&[111.0f32, 222.0][..]));
+    s.handle_push(push(0, 4, 7, &[1.0, 1.0]));
+    s.handle_push(push(1, 5, 7, &[1.0, 1.0]));
+    s.handle_push(push(2, 6, 7, &[1.0, 1.0]));
+    assert_eq!(drain(&mut s).len(), 3);
+    assert_eq!(
+        s.value(7),
+        Some(&[3.0f32, 3.0][..]),
+        "replaced, not accumulated"
+    );
+}
+
+#[test]
+fn second_push_in_a_round_waits_for_the_next() {
+    let mut s = ServerState::new(2);
+    init(&mut s, 1, &[0.0]);
+    s.handle_push(push(0, 1, 1, &[1.0]));
+    s.handle_push(push(0, 2, 1, &[5.0]));
+    assert!(
+        drain(&mut s).is_empty(),
+        "one worker completed a round alone"
+    );
+    s.handle_push(push(1, 3, 1, &[2.0]));
+    let out = drain(&mut s);
+    assert_eq!(out.len(), 2);
+    assert_eq!(s.value(1), Some(&[3.0f32][..]));
+    s.handle_push(push(1, 4, 1, &[7.0]));
+    let out = drain(&mut s);
+    assert!(out.contains(&Output::Done {
+        rank: 0,
+        ts: 2,
+        value: None
+    }));
+    assert_eq!(s.value(1), Some(&[12.0f32][..]));
+}
+
+#[test]
+fn pull_back_answers_carry_the_value() {
+    let mut s = ServerState::new(1);
+    init(&mut s, 3, &[1.0]);
+    let mut p = push(0, 9, 3, &[4.0]);
+    p.flags.pull_back = true;
+    s.handle_push(p);
+    assert_eq!(
+        drain(&mut s),
+        vec![Output::Done {
+            rank: 0,
+            ts: 9,
+            value: Some(3)
+        }]
+    );
+    s.handle_pull(0, 10, 3, 1);
+    assert_eq!(
+        drain(&mut s),
+        vec![Output::Done {
+            rank: 0,
+            ts: 10,
+            value: Some(3)
+        }]
+    );
+}
+
+#[test]
+fn bad_requests_fail_with_clear_reasons() {
+    let mut s = ServerState::new(2);
+    s.handle_push(push(0, 1, 5, &[1.0]));
+    assert!(failed_reason(&drain(&mut s)).contains("key 5 was pushed before it was initialized"));
+    s.handle_pull(1, 2, 5, 1);
+    assert!(failed_reason(&drain(&mut s)).contains("key 5 was pulled before it was initialized"));
+    init(&mut s, 5, &[0.0; 4]);
+    s.handle_push(push(0, 3, 5, &[1.0; 3]));
+    assert!(failed_reason(&drain(&mut s)).contains("pushed 3 elements, this server holds 4"));
+    s.handle_pull(0, 4, 5, 8);
+    assert!(failed_reason(&drain(&mut s)).contains("pulled 8 elements"));
+    let mut p = push(0, 5, 5, &[1.0; 4]);
+    p.flags.compressed = true;
+    s.handle_push(p);
+    assert!(failed_reason(&drain(&mut s)).contains("no compression was set"));
+    let mut p = push(0, 6, 5, &[1.0; 4]);
+    p.payload = p.payload.slice(..15);
+    s.handle_push(p);
+    assert!(failed_reason(&drain(&mut s)).contains("push of 15 bytes"));
+    s.handle_push(push(9, 7, 5, &[1.0; 4]));
+    assert!(failed_reason(&drain(&mut s)).contains("rank 9 out of range"));
+    assert!(s.handle_command(CommandKind::SetMode, "sometimes").is_err());
+    assert!(s
+        .handle_command(CommandKind::SetOptimizer, "{\"type\":\"nope\"}")
+        .is_err());
+    assert!(s
+        .handle_command(CommandKind::SetCompression, "{\"type\":\"3bit\"}")
+        .is_err());
+}
+
+#[test]
+fn async_needs_an_updater_and_applies_each_push() {
+    let mut s = ServerState::new(2);
+    s.handle_command(CommandKind::SetMode, "async").unwrap();
+    init(&mut s, 1, &[1.0, 1.0]);
+    s.handle_push(push(1, 1, 1, &[1.0, 2.0]));
+    assert!(failed_reason(&drain(&mut s)).contains("set_optimizer"));
+    s.handle_command(
+        CommandKind::SetOptimizer,
+        r#"{"type": "sgd", "learning_rate": 0.5}"#,
+    )
+    .unwrap();
+    s.handle_push(push(1, 2, 1, &[1.0, 2.0]));
+    assert_eq!(
+        drain(&mut s),
+        vec![Output::Done {
+            rank: 1,
+            ts: 2,
+            value: None
+        }]
+    );
+    assert_eq!(s.value(1), Some(&[0.5f32, 0.0][..]));
+}
+
+#[test]
+fn sync_with_updater_applies_it_to_the_sum() {
+    let mut s = ServerState::new(2);
+    s.handle_command(
+        CommandKind::SetOptimizer,
+        r#"{"type":"sgd","learning_rate":0.1}"#,
+    )
+    .unwrap();
+    init(&mut s, 1, &[1.0]);
+    s.handle_push(push(0, 1, 1, &[2.0]));
+    s.handle_push(push(1, 2, 1, &[3.0]));
+    assert_eq!(drain(&mut s).len(), 2);
+    assert_eq!(s.value(1), Some(&[1.0f32 - 0.1 * 5.0][..]));
+}
+
+#[test]
+fn lost_worker_fails_waiting_rounds_and_later_pushes() {
+    let mut s = ServerState::new(2);
+    init(&mut s, 1, &[0.0]);
+    s.handle_push(push(0, 1, 1, &[1.0]));
+    s.handle_worker_lost(1, "connection closed by the peer");
+    let reason = failed_reason(&drain(&mut s));
+    assert!(reason.contains("worker 1 (node 11) is gone"), "{reason}");
+    s.handle_push(push(0, 2, 1, &[1.0]));
+    assert!(failed_reason(&drain(&mut s)).contains("worker 1 (node 11)"));
+    s.handle_pull(0, 3, 1, 1);
+    assert_eq!(
+        drain(&mut s),
+        vec![Output::Done {
+            rank: 0,
+            ts: 3,
+            value: Some(1)
+        }]
+    );
+}
+
+#[test]
+fn compressed_pushes_sum_the_dequantized_values_in_rank_order() {
+    let mut s = ServerState::new(2);
+    s.handle_command(
+        CommandKind::SetCompression,
+        r#"{"type":"2bit","threshold":0.5}"#,
+    )
+    .unwrap();
+    init(&mut s, 4, &[0.0; 5]);
+    let c = TwoBitCompressor::new(0.5).unwrap();
+    let grads = [[0.6f32, -0.6, 0.1, 1.0, -2.0], [0.7, 0.7, -0.7, 0.0, 0.0]];
+    let mut expected = [0f32; 5];
+    for (rank, g) in grads.iter().enumerate().rev() {
+        let mut residual = [0f32; 5];
+        let mut out = vec![0u8; c.compressed_len(5)];
+        c.quantize(g, &mut residual, &mut out).unwrap();
+        s.handle_push(Push {
+            rank: rank as u32,
+            ts: rank as u64,
+            key: 4,
+            flags: PushFlags {
+                compressed: true,
+                ..PushFlags::default()
+            },
+            n_elems: 5,
+            payload: Bytes::from(out),
+        });
+    }
+    for g in &grads {
+        let mut residual = [0f32; 5];
+        let mut out = vec![0u8; c.compressed_len(5)];
+        c.quantize(g, &mut residual, &mut out).unwrap();
+        c.dequantize_add(&out, &mut expected).unwrap();
+    }
+    assert_eq!(drain(&mut s).len(), 2);
+    assert_eq!(s.value(4).unwrap(), &expected);
+    assert_eq!(expected, [1.0, 0.0, -0.5, 0.5, -0.5]);
+}
+
+proptest! {
+    /// Whatever order pushes arrive in, the result is the rank-ordered sum, bit for bit.
+    #[test]
+    fn arrival_order_never_changes_the_sum(
+        grads in proptest::collection::vec(proptest::collection::vec(-1e6f32..1e6, 8), 2..6),
+        order_seed in any::<u64>(),
+    ) {
+        let workers = grads.len();
+        let mut order: Vec<usize> = (0..workers).collect();
+        let mut seed = order_seed;
+        for i in (1..workers).rev() {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            order.swap(i, (seed >> 33) as usize % (i + 1));
+        }
+        let mut s = ServerState::new(workers as u32);
+        init(&mut s, 1, &[0.0; 8]);
+        for &r in &order {
+            s.handle_push(push(r as u32, r as u64, 1, &grads[r]));
+        }
+        let mut expected = grads[0].clone();
+        for g in &grads[1..] {
+            for (e, x) in expected.iter_mut().zip(g) {
+                *e += *x;
+            }
+        }
+        prop_assert_eq!(drain(&mut s).len(), workers);
+        let got = s.value(1).unwrap();
+        prop_assert!(got.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+}

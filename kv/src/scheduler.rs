@@ -1,0 +1,127 @@
+//! The scheduler's event loop: moves bytes between the transport and
+//! [`SchedulerState`](crate::proto::scheduler::SchedulerState).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use psnet_config::interface;
+use psnet_config::NodeAddress;
+use psnet_select::{AnyTransport, Selection};
+use psnet_transport::Transport;
+use tokio::time::Instant;
+
+use crate::config::KvConfig;
+use crate::error::KvError;
+use crate::proto::ids::{describe, SCHEDULER};
+use crate::proto::msg::Msg;
+use crate::proto::scheduler::SchedulerState;
+use crate::wire::{self, Received};
+
+/// Runs the scheduler until the job ends. `Err` if nodes died or never registered.
+pub async fn run_scheduler(config: &KvConfig) -> Result<(), KvError> {
+    Scheduler::bind(config).await?.run().await
+}
+
+/// A scheduler listening for its job's nodes.
+pub struct Scheduler {
+    t: AnyTransport,
+    config: KvConfig,
+}
+
+impl Scheduler {
+    /// Listens at the configured root address (port 0: any free port, see
+    /// [`Scheduler::addr`]), as ps-lite does at `DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT`.
+    pub async fn bind(config: &KvConfig) -> Result<Scheduler, KvError> {
+        let ip = config.root.ip();
+        let holder = interface::list_interfaces()
+            .ok()
+            .and_then(|ifs| ifs.into_iter().find(|i| i.addr == ip).map(|i| i.name));
+        let address = NodeAddress {
+            ip,
+            interface: holder,
+            reason: "DMLC_PS_ROOT_URI".into(),
+        };
+        let selection = Selection::for_address(address, config.transport)?;
+        selection.log();
+        let t = psnet_select::bind(SCHEDULER, &selection, config.root.port()).await?;
+        let mut config = config.clone();
+        config.root = t.listen_addr();
+        Ok(Scheduler { t, config })
+    }
+
+    /// Where nodes reach it.
+    pub fn addr(&self) -> SocketAddr {
+        self.t.listen_addr()
+    }
+
+    /// Runs until the job ends. `Err` if nodes died or never registered.
+    pub async fn run(self) -> Result<(), KvError> {
+        let Scheduler { t, config } = self;
+        let config = &config;
+        tracing::info!(addr = %t.listen_addr(), servers = config.num_servers, workers = config.num_workers, "scheduler up");
+        let mut state = SchedulerState::new(
+            config.num_servers,
+            config.num_workers,
+            t.listen_addr(),
+            config.heartbeat_timeout,
+        );
+        let started = Instant::now();
+        let tick_every = config
+            .heartbeat_interval
+            .unwrap_or(Duration::from_secs(1))
+            .min(Duration::from_secs(1));
+        let mut tick = tokio::time::interval(tick_every);
+        loop {
+            tokio::select! {
+                event = wire::recv(&t) => {
+                    let now = std::time::Instant::now();
+                    match event? {
+                        Received::Msg { from, msg, .. } => match msg {
+                            Msg::Register { role, addr } => state.handle_register(from, role, addr, now),
+                            Msg::Barrier { group } => state.handle_barrier(from, group, now),
+                            Msg::Heartbeat => state.handle_alive(from, now),
+                            Msg::Finalize => state.handle_finalize(from, now),
+                            other => tracing::warn!(from = %describe(from), ?other, "unexpected message at the scheduler"),
+                        },
+                        Received::Connected(peer) => state.handle_alive(peer, now),
+                        Received::Lost { peer, reason } => state.handle_lost(peer, &reason),
+                    }
+                }
+                _ = tick.tick() => {
+                    state.handle_timeout(std::time::Instant::now());
+                    if !state.is_assigned() && started.elapsed() > config.bootstrap_timeout {
+                        let (s, w) = state.registered();
+                        return Err(KvError::Bootstrap(format!(
+                            "only {s} of {} servers and {w} of {} workers registered within {:?} \
+                             (PSNET_BOOTSTRAP_TIMEOUT)",
+                            config.num_servers, config.num_workers, config.bootstrap_timeout
+                        )));
+                    }
+                }
+            }
+            while let Some((to, msg)) = state.poll_transmit() {
+                if let Err(e) = wire::send(&t, to, &msg, None).await {
+                    tracing::debug!(to = %describe(to), error = %e, "scheduler could not deliver");
+                }
+            }
+            if state.is_finished() {
+                break;
+            }
+        }
+        t.shutdown();
+        if state.dead().is_empty() {
+            tracing::info!("job finished");
+            Ok(())
+        } else {
+            let lost: Vec<String> = state
+                .dead()
+                .iter()
+                .map(|(id, why)| format!("{}: {why}", describe(*id)))
+                .collect();
+            Err(KvError::NodeLost {
+                node: format!("{} node(s)", lost.len()),
+                reason: lost.join("; "),
+            })
+        }
+    }
+}

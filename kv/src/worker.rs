@@ -1,0 +1,661 @@
+//! The worker: MXNet's kvstore API (`init`, `push`, `pull`, `pushpull`, `barrier`, ...) over
+//! the servers, with gradient compression and per-key error-feedback residuals.
+//!
+//! Every call sends all its requests first and then waits for the answers, so the parts of
+//! one array (and the keys of one call) are served by all servers at once. Values are sent
+//! straight from the caller's slices.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use psnet_compression::{CompressionParams, Compressor};
+use psnet_select::AnyTransport;
+use psnet_transport::{NodeId, Transport};
+use tokio::sync::{oneshot, Notify};
+use tokio::task::JoinHandle;
+
+use crate::bootstrap::{self, heartbeat_period};
+use crate::config::KvConfig;
+use crate::error::KvError;
+use crate::placement::Placement;
+use crate::proto::ids::{describe, Group, Role, SCHEDULER};
+use crate::proto::msg::{CommandKind, Msg, PushFlags};
+use crate::proto::server::Mode;
+use crate::proto::sum;
+use crate::updater::OptimizerSpec;
+use crate::wire::{self, Received};
+
+type Reply = Result<Option<Bytes>, KvError>;
+/// Requests waiting for an answer: request id to (server, where the answer goes).
+type PendingMap = HashMap<u64, (NodeId, oneshot::Sender<Reply>)>;
+/// The barrier in progress, if any.
+type BarrierSlot = Option<(Group, oneshot::Sender<Result<(), KvError>>)>;
+
+/// One server's share of a key.
+#[derive(Clone, Copy, Debug)]
+struct Part {
+    server: usize,
+    offset: usize,
+    len: usize,
+}
+
+#[derive(Clone, Debug)]
+struct Layout {
+    len: usize,
+    parts: Vec<Part>,
+}
+
+struct Shared {
+    t: Arc<AnyTransport>,
+    rank: u32,
+    servers: Vec<NodeId>,
+    num_workers: u32,
+    placement: Placement,
+    next_ts: AtomicU64,
+    pending: Mutex<PendingMap>,
+    barrier: Mutex<BarrierSlot>,
+    keys: Mutex<HashMap<u64, Layout>>,
+    residuals: Mutex<HashMap<u64, Vec<f32>>>,
+    compressor: Mutex<Option<Arc<dyn Compressor>>>,
+    dead: Mutex<BTreeMap<NodeId, String>>,
+    shutdown: AtomicBool,
+    shutdown_seen: Notify,
+    names: Mutex<HashMap<String, u64>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Nothing panics while holding these locks; a poisoned one is still consistent.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    /// Fails every request waiting on `node`.
+    fn fail_pending_to(&self, node: NodeId, reason: &str) {
+        let failed: Vec<oneshot::Sender<Reply>> = {
+            let mut pending = lock(&self.pending);
+            let ts: Vec<u64> = pending
+                .iter()
+                .filter(|(_, (to, _))| *to == node)
+                .map(|(ts, _)| *ts)
+                .collect();
+            ts.into_iter()
+                .filter_map(|ts| pending.remove(&ts).map(|(_, tx)| tx))
+                .collect()
+        };
+        for tx in failed {
+            let _ = tx.send(Err(KvError::NodeLost {
+                node: describe(node),
+                reason: reason.to_string(),
+            }));
+        }
+    }
+
+    fn fail_barrier(&self, reason: String) {
+        if let Some((_, tx)) = lock(&self.barrier).take() {
+            let _ = tx.send(Err(KvError::Barrier(reason)));
+        }
+    }
+
+    fn on_node_lost(&self, node: NodeId, reason: String) {
+        if self.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        tracing::warn!(node = %describe(node), %reason, "node lost");
+        lock(&self.dead).insert(node, reason.clone());
+        self.fail_pending_to(node, &reason);
+        if node == SCHEDULER {
+            self.fail_barrier(format!("the scheduler is gone: {reason}"));
+            self.shutdown_seen.notify_one();
+        }
+    }
+
+    /// Dispatches one received event.
+    fn handle(&self, event: Received) {
+        match event {
+            Received::Msg { from, msg, value } => match msg {
+                Msg::Done { ts } => {
+                    if let Some((_, tx)) = lock(&self.pending).remove(&ts) {
+                        let _ = tx.send(Ok(value));
+                    }
+                }
+                Msg::Failed { ts, reason } => {
+                    if let Some((_, tx)) = lock(&self.pending).remove(&ts) {
+                        let _ = tx.send(Err(KvError::Remote {
+                            node: describe(from),
+                            reason,
+                        }));
+                    }
+                }
+                Msg::BarrierDone { group } => {
+                    let mut b = lock(&self.barrier);
+                    if matches!(&*b, Some((g, _)) if *g == group) {
+                        if let Some((_, tx)) = b.take() {
+                            let _ = tx.send(Ok(()));
+                        }
+                    }
+                }
+                Msg::BarrierFailed { reason, .. } => self.fail_barrier(reason),
+                Msg::NodeFailed { id, reason } => self.on_node_lost(id, reason),
+                Msg::Shutdown => {
+                    self.shutdown.store(true, Ordering::Release);
+                    self.shutdown_seen.notify_one();
+                }
+                other => {
+                    tracing::warn!(from = %describe(from), ?other, "unexpected message at a worker")
+                }
+            },
+            Received::Lost { peer, reason } => self.on_node_lost(peer, reason),
+            Received::Connected(_) => {}
+        }
+    }
+
+    /// Registers a request and sends it; the receiver yields the answer.
+    async fn request(
+        &self,
+        to: NodeId,
+        msg: impl FnOnce(u64) -> Msg,
+        value: Option<&[u8]>,
+    ) -> Result<oneshot::Receiver<Reply>, KvError> {
+        if let Some(reason) = lock(&self.dead).get(&to) {
+            return Err(KvError::NodeLost {
+                node: describe(to),
+                reason: reason.clone(),
+            });
+        }
+        let ts = self.next_ts.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        lock(&self.pending).insert(ts, (to, tx));
+        if let Err(e) = wire::send(&*self.t, to, &msg(ts), value).await {
+            lock(&self.pending).remove(&ts);
+            return Err(e);
+        }
+        Ok(rx)
+    }
+}
+
+async fn answer(rx: oneshot::Receiver<Reply>) -> Reply {
+    rx.await.unwrap_or(Err(KvError::Shutdown))
+}
+
+/// A worker of a kv job.
+pub struct Worker {
+    shared: Arc<Shared>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        self.shared.t.shutdown();
+    }
+}
+
+impl Worker {
+    /// Joins the job described by `config` (its role must be worker). Needs a tokio runtime.
+    pub async fn join(config: &KvConfig) -> Result<Worker, KvError> {
+        if config.role != Role::Worker {
+            return Err(KvError::Invalid(format!(
+                "Worker::join with role {}",
+                config.role
+            )));
+        }
+        let mut joined = bootstrap::join(config).await?;
+        let early = std::mem::take(&mut joined.early);
+        let placement = Placement::new(joined.servers().len(), config.bigarray_bound)
+            .map_err(|e| KvError::Invalid(e.to_string()))?;
+        let shared = Arc::new(Shared {
+            t: joined.transport.clone(),
+            rank: joined.rank,
+            servers: joined.servers(),
+            num_workers: joined.num_workers(),
+            placement,
+            next_ts: AtomicU64::new(1),
+            pending: Mutex::new(HashMap::new()),
+            barrier: Mutex::new(None),
+            keys: Mutex::new(HashMap::new()),
+            residuals: Mutex::new(HashMap::new()),
+            compressor: Mutex::new(None),
+            dead: Mutex::new(BTreeMap::new()),
+            shutdown: AtomicBool::new(false),
+            shutdown_seen: Notify::new(),
+            names: Mutex::new(HashMap::new()),
+        });
+        for event in early {
+            shared.handle(event);
+        }
+        let receiver = {
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                while let Ok(event) = wire::recv(&*shared.t).await {
+                    shared.handle(event);
+                }
+                // Transport closed: nothing more will be answered.
+                let all: Vec<_> = lock(&shared.pending).drain().collect();
+                for (_, (_, tx)) in all {
+                    let _ = tx.send(Err(KvError::Shutdown));
+                }
+            })
+        };
+        let heartbeat = {
+            let shared = shared.clone();
+            let period = heartbeat_period(config);
+            let enabled = config.heartbeat_interval.is_some();
+            tokio::spawn(async move {
+                if !enabled {
+                    return;
+                }
+                let mut tick = tokio::time::interval(period);
+                loop {
+                    tick.tick().await;
+                    if wire::send(&*shared.t, SCHEDULER, &Msg::Heartbeat, None)
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+            })
+        };
+        tracing::info!(rank = shared.rank, "worker ready");
+        Ok(Worker {
+            shared,
+            tasks: vec![receiver, heartbeat],
+        })
+    }
+
+    /// This worker's rank.
+    pub fn rank(&self) -> u32 {
+        self.shared.rank
+    }
+
+    /// Number of workers in the job.
+    pub fn num_workers(&self) -> u32 {
+        self.shared.num_workers
+    }
+
+    /// Number of servers in the job.
+    pub fn num_servers(&self) -> u32 {
+        self.shared.servers.len() as u32
+    }
+
+    /// The integer key for a string key: assigned in order of first use on this worker,
+    /// from 0 (MXNet's rule, so every worker must name its keys in the same order).
+    pub fn key(&self, name: &str) -> u64 {
+        let mut names = lock(&self.shared.names);
+        let next = names.len() as u64;
+        *names.entry(name.to_string()).or_insert(next)
+    }
+
+    fn layout(&self, key: u64, len: usize) -> Result<Layout, KvError> {
+        let layout = lock(&self.shared.keys)
+            .get(&key)
+            .cloned()
+            .ok_or(KvError::UnknownKey(key))?;
+        if layout.len != len {
+            return Err(KvError::SizeMismatch {
+                key,
+                expected: layout.len,
+                got: len,
+            });
+        }
+        Ok(layout)
+    }
+
+    /// Sends `msg`-per-part requests and waits for all answers.
+    async fn command_all(&self, kind: CommandKind, body: String) -> Result<(), KvError> {
+        let mut waits = Vec::new();
+        for &server in &self.shared.servers {
+            let body = body.clone();
+            waits.push(
+                self.shared
+                    .request(server, move |ts| Msg::Command { ts, kind, body }, None)
+                    .await?,
+            );
+        }
+        for rx in waits {
+            answer(rx).await?;
+        }
+        Ok(())
+    }
+
+    /// Sets the servers' optimizer (`dist_async` needs one; with `dist_sync` and none, a round's
+    /// sum replaces the value). Every worker may call it; servers keep one updater.
+    pub async fn set_optimizer(&self, spec: &OptimizerSpec) -> Result<(), KvError> {
+        self.command_all(CommandKind::SetOptimizer, spec.to_json())
+            .await
+    }
+
+    /// `dist_sync` (default) or `dist_async`.
+    pub async fn set_mode(&self, mode: Mode) -> Result<(), KvError> {
+        let body = match mode {
+            Mode::Sync => "sync",
+            Mode::Async => "async",
+        };
+        self.command_all(CommandKind::SetMode, body.into()).await
+    }
+
+    /// Turns on gradient compression for pushes. Set it before `init` to get MXNet's split of
+    /// big arrays for compressed pushes; servers get the exact threshold (MXNet rounds it to six
+    /// decimals on the way).
+    pub async fn set_gradient_compression(&self, params: CompressionParams) -> Result<(), KvError> {
+        let compressor = params
+            .compressor()
+            .map_err(|e| KvError::Invalid(e.to_string()))?;
+        self.command_all(CommandKind::SetCompression, params.to_string())
+            .await?;
+        *lock(&self.shared.compressor) = compressor.map(Arc::from);
+        lock(&self.shared.residuals).clear();
+        Ok(())
+    }
+
+    /// Initializes keys: rank 0's values are stored on the servers, other ranks' values are
+    /// ignored (MXNet), and all workers wait for each other.
+    pub async fn init(&self, keys: &[u64], values: &[&[f32]]) -> Result<(), KvError> {
+        if keys.len() != values.len() {
+            return Err(KvError::Invalid(format!(
+                "init: {} keys but {} values",
+                keys.len(),
+                values.len()
+            )));
+        }
+        let per_word = lock(&self.shared.compressor)
+            .as_ref()
+            .map(|c| c.scheme().factor());
+        for (&key, v) in keys.iter().zip(values) {
+            let parts: Vec<Part> = match per_word {
+                Some(w) => self
+                    .shared
+                    .placement
+                    .compressed_parts(key, v.len(), w)
+                    .iter()
+                    .map(|p| Part {
+                        server: p.server,
+                        offset: p.offset,
+                        len: p.len,
+                    })
+                    .collect(),
+                None => self
+                    .shared
+                    .placement
+                    .parts(key, v.len())
+                    .iter()
+                    .map(|p| Part {
+                        server: p.server,
+                        offset: p.offset,
+                        len: p.len,
+                    })
+                    .collect(),
+            };
+            lock(&self.shared.keys).insert(
+                key,
+                Layout {
+                    len: v.len(),
+                    parts,
+                },
+            );
+        }
+        tracing::debug!(rank = self.shared.rank, keys = keys.len(), "init");
+        if self.shared.rank == 0 {
+            let flags = PushFlags {
+                init: true,
+                ..PushFlags::default()
+            };
+            let mut waits = Vec::new();
+            for (&key, v) in keys.iter().zip(values) {
+                waits.extend(self.send_parts(key, v, flags).await?);
+            }
+            for rx in waits {
+                answer(rx).await?;
+            }
+        }
+        self.barrier().await
+    }
+
+    /// Sends every part of `values` uncompressed.
+    async fn send_parts(
+        &self,
+        key: u64,
+        values: &[f32],
+        flags: PushFlags,
+    ) -> Result<Vec<oneshot::Receiver<Reply>>, KvError> {
+        let layout = self.layout(key, values.len())?;
+        let mut waits = Vec::with_capacity(layout.parts.len());
+        for p in &layout.parts {
+            let slice = &values[p.offset..p.offset + p.len];
+            let n = p.len as u64;
+            waits.push(
+                self.shared
+                    .request(
+                        self.shared.servers[p.server],
+                        move |ts| Msg::Push {
+                            ts,
+                            key,
+                            flags,
+                            n_elems: n,
+                        },
+                        Some(sum::as_bytes(slice)),
+                    )
+                    .await?,
+            );
+        }
+        Ok(waits)
+    }
+
+    /// Sends every part of a push (compressed when compression is on); returns the waits with
+    /// each part's element range.
+    async fn start_push(
+        &self,
+        key: u64,
+        values: &[f32],
+        pull_back: bool,
+    ) -> Result<Vec<(Part, oneshot::Receiver<Reply>)>, KvError> {
+        let layout = self.layout(key, values.len())?;
+        let compressor = lock(&self.shared.compressor).clone();
+        let mut waits = Vec::with_capacity(layout.parts.len());
+        for p in &layout.parts {
+            let slice = &values[p.offset..p.offset + p.len];
+            let n = p.len as u64;
+            let to = self.shared.servers[p.server];
+            let compressed;
+            let (payload, is_compressed) = match &compressor {
+                Some(c) => {
+                    let mut out = vec![0u8; c.compressed_len(p.len)];
+                    {
+                        let mut residuals = lock(&self.shared.residuals);
+                        let residual = residuals
+                            .entry(key)
+                            .or_insert_with(|| vec![0.0; layout.len]);
+                        c.quantize(slice, &mut residual[p.offset..p.offset + p.len], &mut out)
+                            .map_err(|e| KvError::Invalid(e.to_string()))?;
+                    }
+                    compressed = out;
+                    (&compressed[..], true)
+                }
+                None => (sum::as_bytes(slice), false),
+            };
+            let flags = PushFlags {
+                init: false,
+                compressed: is_compressed,
+                pull_back,
+            };
+            let rx = self
+                .shared
+                .request(
+                    to,
+                    move |ts| Msg::Push {
+                        ts,
+                        key,
+                        flags,
+                        n_elems: n,
+                    },
+                    Some(payload),
+                )
+                .await?;
+            waits.push((*p, rx));
+        }
+        Ok(waits)
+    }
+
+    /// Pushes `values` for `key` and waits until the servers have applied it (in `dist_sync`,
+    /// until every worker pushed this round).
+    pub async fn push(&self, key: u64, values: &[f32]) -> Result<(), KvError> {
+        self.push_many(&[key], &[values]).await
+    }
+
+    /// Pushes several keys at once.
+    pub async fn push_many(&self, keys: &[u64], values: &[&[f32]]) -> Result<(), KvError> {
+        check_lengths("push", keys.len(), values.len())?;
+        let mut waits = Vec::new();
+        for (&key, v) in keys.iter().zip(values) {
+            waits.extend(self.start_push(key, v, false).await?);
+        }
+        for (_, rx) in waits {
+            answer(rx).await?;
+        }
+        Ok(())
+    }
+
+    /// Pulls `key` into `out`.
+    pub async fn pull(&self, key: u64, out: &mut [f32]) -> Result<(), KvError> {
+        self.pull_many(&[key], &mut [out]).await
+    }
+
+    /// Pulls several keys at once.
+    pub async fn pull_many(&self, keys: &[u64], outs: &mut [&mut [f32]]) -> Result<(), KvError> {
+        check_lengths("pull", keys.len(), outs.len())?;
+        let mut waits = Vec::new();
+        for (i, (&key, out)) in keys.iter().zip(outs.iter()).enumerate() {
+            let layout = self.layout(key, out.len())?;
+            for p in &layout.parts {
+                let n = p.len as u64;
+                let rx = self
+                    .shared
+                    .request(
+                        self.shared.servers[p.server],
+                        move |ts| Msg::Pull {
+                            ts,
+                            key,
+                            n_elems: n,
+                        },
+                        None,
+                    )
+                    .await?;
+                waits.push((i, key, *p, rx));
+            }
+        }
+        for (i, key, p, rx) in waits {
+            let value = answer(rx).await?;
+            fill(
+                key,
+                &mut outs[i][p.offset..p.offset + p.len],
+                value,
+                self.shared.servers[p.server],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Pushes `values` and pulls the updated value into `out` in one exchange per server.
+    pub async fn pushpull(&self, key: u64, values: &[f32], out: &mut [f32]) -> Result<(), KvError> {
+        if out.len() != values.len() {
+            return Err(KvError::SizeMismatch {
+                key,
+                expected: values.len(),
+                got: out.len(),
+            });
+        }
+        let waits = self.start_push(key, values, true).await?;
+        for (p, rx) in waits {
+            let value = answer(rx).await?;
+            fill(
+                key,
+                &mut out[p.offset..p.offset + p.len],
+                value,
+                self.shared.servers[p.server],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every worker reaches this barrier (MXNet's `kv._barrier()`).
+    pub async fn barrier(&self) -> Result<(), KvError> {
+        self.barrier_of(Group::WORKERS).await
+    }
+
+    async fn barrier_of(&self, group: Group) -> Result<(), KvError> {
+        tracing::debug!(rank = self.shared.rank, group = group.0, "entering barrier");
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut b = lock(&self.shared.barrier);
+            if b.is_some() {
+                return Err(KvError::Invalid("a barrier is already in progress".into()));
+            }
+            *b = Some((group, tx));
+        }
+        if let Some((node, reason)) = lock(&self.shared.dead).iter().next() {
+            lock(&self.shared.barrier).take();
+            return Err(KvError::Barrier(format!(
+                "{} is gone: {reason}",
+                describe(*node)
+            )));
+        }
+        if let Err(e) = wire::send(&*self.shared.t, SCHEDULER, &Msg::Barrier { group }, None).await
+        {
+            lock(&self.shared.barrier).take();
+            return Err(e);
+        }
+        rx.await.unwrap_or(Err(KvError::Shutdown))
+    }
+
+    /// Leaves the job cleanly: tells the scheduler this worker is done and waits until the
+    /// scheduler ends the job (once every worker is done).
+    pub async fn finalize(self) -> Result<(), KvError> {
+        wire::send(&*self.shared.t, SCHEDULER, &Msg::Finalize, None).await?;
+        loop {
+            if self.shared.shutdown.load(Ordering::Acquire) {
+                tracing::info!(rank = self.shared.rank, "worker done");
+                return Ok(());
+            }
+            if let Some(reason) = lock(&self.shared.dead).get(&SCHEDULER) {
+                return Err(KvError::NodeLost {
+                    node: describe(SCHEDULER),
+                    reason: format!("lost before the job ended: {reason}"),
+                });
+            }
+            // `notify_one` keeps a permit, so a shutdown that lands between the checks above
+            // and this wait is not missed.
+            self.shared.shutdown_seen.notified().await;
+        }
+    }
+}
+
+fn check_lengths(op: &str, keys: usize, values: usize) -> Result<(), KvError> {
+    if keys == values {
+        Ok(())
+    } else {
+        Err(KvError::Invalid(format!(
+            "{op}: {keys} keys but {values} value buffers"
+        )))
+    }
+}
+
+/// Copies an answer's value into `out`, checking its size.
+fn fill(key: u64, out: &mut [f32], value: Option<Bytes>, from: NodeId) -> Result<(), KvError> {
+    let bytes = value.unwrap_or_default();
+    if bytes.len() != out.len() * 4 {
+        return Err(KvError::Protocol {
+            node: describe(from),
+            reason: format!(
+                "key {key}: answered {} bytes for {} elements",
+                bytes.len(),
+                out.len()
+            ),
+        });
+    }
+    sum::copy_from_le(out, &bytes);
+    Ok(())
+}

@@ -1,0 +1,223 @@
+//! Whole jobs inside one test process (scheduler, servers and workers as tasks over
+//! 127.0.0.1): the semantics end to end.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use psnet_compression::CompressionParams;
+use psnet_kv::updater::OptimizerSpec;
+use psnet_kv::{run_server, KvConfig, KvError, Mode, Role, Scheduler, Worker};
+use tokio::task::JoinHandle;
+
+struct Cluster {
+    workers: Vec<Arc<Worker>>,
+    scheduler: JoinHandle<Result<(), KvError>>,
+    servers: Vec<JoinHandle<Result<(), KvError>>>,
+}
+
+async fn cluster(servers: u32, workers: u32, bound: usize) -> Cluster {
+    psnet_config::logging::init();
+    let config = |role, root: SocketAddr| {
+        KvConfig::local(role, root, servers, workers)
+            .bigarray_bound(bound)
+            .heartbeats(
+                Some(Duration::from_millis(200)),
+                Some(Duration::from_secs(5)),
+            )
+            .bootstrap_timeout(Duration::from_secs(30))
+    };
+    let sched = Scheduler::bind(&config(Role::Scheduler, "127.0.0.1:0".parse().unwrap()))
+        .await
+        .expect("scheduler binds");
+    let root = sched.addr();
+    let scheduler = tokio::spawn(sched.run());
+    let servers = (0..servers)
+        .map(|_| {
+            let c = config(Role::Server, root);
+            tokio::spawn(async move { run_server(&c).await })
+        })
+        .collect();
+    let joins: Vec<_> = (0..workers)
+        .map(|_| {
+            let c = config(Role::Worker, root);
+            tokio::spawn(async move { Worker::join(&c).await })
+        })
+        .collect();
+    let mut ws = Vec::new();
+    for j in joins {
+        ws.push(Arc::new(j.await.unwrap().expect("worker joins")));
+    }
+    ws.sort_by_key(|w| w.rank());
+    Cluster {
+        workers: ws,
+        scheduler,
+        servers,
+    }
+}
+
+impl Cluster {
+    /// Every worker finalizes; every task ends cleanly.
+    async fn finish(self) {
+        let finals: Vec<_> = self
+            .workers
+            .into_iter()
+            .map(|w| {
+                let w = Arc::try_unwrap(w).unwrap_or_else(|_| panic!("worker still shared"));
+                tokio::spawn(async move { w.finalize().await })
+            })
+            .collect();
+        for f in finals {
+            f.await.unwrap().expect("worker finalizes");
+        }
+        for s in self.servers {
+            s.await.unwrap().expect("server ends cleanly");
+        }
+        self.scheduler
+            .await
+            .unwrap()
+            .expect("scheduler ends cleanly");
+    }
+}
+
+/// Runs `f(worker)` on every worker concurrently.
+async fn on_all<F, Fut>(workers: &[Arc<Worker>], f: F) -> Vec<Result<Vec<f32>, KvError>>
+where
+    F: Fn(Arc<Worker>) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<f32>, KvError>> + Send + 'static,
+{
+    let handles: Vec<_> = workers.iter().map(|w| tokio::spawn(f(w.clone()))).collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.unwrap());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_sums_small_and_sharded_keys() {
+    let c = cluster(2, 2, 100).await;
+    assert_eq!(c.workers[0].num_servers(), 2);
+    assert_eq!(c.workers[1].num_workers(), 2);
+    let results = on_all(&c.workers, |w| async move {
+        let small: Vec<f32> = vec![0.0; 10];
+        let big: Vec<f32> = vec![0.0; 250];
+        w.init(&[3, 4], &[&small, &big]).await?;
+        let r = w.rank() as f32 + 1.0;
+        let g_small = vec![r; 10];
+        let g_big: Vec<f32> = (0..250).map(|i| i as f32 * r).collect();
+        w.push_many(&[3, 4], &[&g_small, &g_big]).await?;
+        let mut out_small = vec![0.0; 10];
+        let mut out_big = vec![0.0; 250];
+        w.pull_many(&[3, 4], &mut [&mut out_small, &mut out_big])
+            .await?;
+        let mut all = out_small;
+        all.extend(out_big);
+        Ok(all)
+    })
+    .await;
+    for r in results {
+        let v = r.expect("worker ops");
+        assert!(v[..10].iter().all(|&x| x == 3.0), "{:?}", &v[..10]);
+        for (i, &x) in v[10..].iter().enumerate() {
+            assert_eq!(x, i as f32 * 3.0);
+        }
+    }
+    c.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushpull_with_optimizer_and_compression() {
+    let c = cluster(2, 2, 16).await;
+    let results = on_all(&c.workers, |w| async move {
+        w.set_gradient_compression(CompressionParams::two_bit(0.5).unwrap())
+            .await?;
+        w.set_optimizer(&OptimizerSpec::parse(r#"{"type":"test","rescale_grad":1.0}"#).unwrap())
+            .await?;
+        w.init(&[1], &[&[1.0; 35]]).await?;
+        let grad = vec![0.6f32; 35];
+        let mut out = vec![0.0; 35];
+        w.pushpull(1, &grad, &mut out).await?;
+        Ok(out)
+    })
+    .await;
+    for r in results {
+        // Each worker's 0.6 quantizes to +0.5; the test optimizer adds the sum.
+        assert_eq!(r.expect("pushpull"), vec![2.0f32; 35]);
+    }
+    c.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_mode_applies_each_push() {
+    let c = cluster(1, 2, 1_000_000).await;
+    let results = on_all(&c.workers, |w| async move {
+        w.set_mode(Mode::Async).await?;
+        w.set_optimizer(&OptimizerSpec::parse(r#"{"type":"sgd","learning_rate":1.0}"#).unwrap())
+            .await?;
+        w.init(&[9], &[&[0.0; 4]]).await?;
+        w.push(9, &[1.0; 4]).await?;
+        w.barrier().await?;
+        let mut out = vec![0.0; 4];
+        w.pull(9, &mut out).await?;
+        Ok(out)
+    })
+    .await;
+    for r in results {
+        assert_eq!(r.expect("async ops"), vec![-2.0f32; 4]);
+    }
+    c.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_are_clear() {
+    let c = cluster(1, 1, 1_000_000).await;
+    let w = &c.workers[0];
+    assert!(matches!(
+        w.push(5, &[1.0]).await,
+        Err(KvError::UnknownKey(5))
+    ));
+    w.init(&[5], &[&[0.0; 3]]).await.unwrap();
+    assert!(matches!(
+        w.push(5, &[1.0; 2]).await,
+        Err(KvError::SizeMismatch {
+            key: 5,
+            expected: 3,
+            got: 2
+        })
+    ));
+    w.set_mode(Mode::Async).await.unwrap();
+    let err = w.push(5, &[1.0; 3]).await.unwrap_err();
+    assert!(err.to_string().contains("set_optimizer"), "{err}");
+    assert!(err.to_string().contains("server 0 (node 8)"), "{err}");
+    assert_eq!(w.key("weight"), 0);
+    assert_eq!(w.key("bias"), 1);
+    assert_eq!(w.key("weight"), 0);
+    c.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_worker_fails_the_others_instead_of_hanging() {
+    let mut c = cluster(1, 2, 1_000_000).await;
+    let results = on_all(&c.workers, |w| async move {
+        w.init(&[1], &[&[0.0; 8]]).await?;
+        Ok(vec![])
+    })
+    .await;
+    assert!(results.iter().all(|r| r.is_ok()));
+    let gone = Arc::try_unwrap(c.workers.pop().unwrap()).unwrap_or_else(|_| panic!("shared"));
+    assert_eq!(gone.rank(), 1);
+    let survivor = &c.workers[0];
+    let push = survivor.push(1, &[1.0; 8]);
+    drop(gone);
+    let err = tokio::time::timeout(Duration::from_secs(20), push)
+        .await
+        .expect("the push must fail, not hang")
+        .expect_err("its round can never complete");
+    assert!(err.to_string().contains("worker 1 (node 11)"), "{err}");
+    let err = survivor
+        .barrier()
+        .await
+        .expect_err("barrier with a dead worker");
+    assert!(err.to_string().contains("worker 1 (node 11)"), "{err}");
+}
