@@ -1,0 +1,302 @@
+//! Starts every process of a psnet job on this host, as MXNet's `tools/launch.py --launcher
+//! local` does: one scheduler, `servers` servers and `workers` workers, all running the same
+//! command, told their role through `DMLC_ROLE` and the job's shape through `DMLC_PS_ROOT_URI`,
+//! `DMLC_PS_ROOT_PORT`, `DMLC_NUM_SERVER` and `DMLC_NUM_WORKER`.
+//!
+//! If any process fails, the others are stopped after a grace period, so a broken job never
+//! lingers; the outcome says which process failed first.
+#![deny(missing_docs)]
+
+use std::net::TcpListener;
+use std::process::{Child, Command, ExitStatus};
+use std::time::{Duration, Instant};
+
+/// The role of a launched process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The scheduler.
+    Scheduler,
+    /// A server.
+    Server,
+    /// A worker.
+    Worker,
+}
+
+impl Role {
+    /// `DMLC_ROLE`'s value.
+    pub fn as_env(self) -> &'static str {
+        match self {
+            Role::Scheduler => "scheduler",
+            Role::Server => "server",
+            Role::Worker => "worker",
+        }
+    }
+}
+
+/// What to launch.
+#[derive(Clone, Debug)]
+pub struct JobSpec {
+    /// Number of servers (at least 1).
+    pub servers: u32,
+    /// Number of workers (at least 1).
+    pub workers: u32,
+    /// The program and its arguments, run in every role.
+    pub command: Vec<String>,
+    /// Extra environment for every process.
+    pub env: Vec<(String, String)>,
+    /// The scheduler's address (default 127.0.0.1).
+    pub root_host: String,
+    /// The scheduler's port (0: a free one).
+    pub root_port: u16,
+    /// How long the others may run on after one process failed.
+    pub grace: Duration,
+}
+
+impl JobSpec {
+    /// A local job of `servers` and `workers` running `command`.
+    pub fn new(servers: u32, workers: u32, command: Vec<String>) -> Self {
+        JobSpec {
+            servers,
+            workers,
+            command,
+            env: Vec::new(),
+            root_host: "127.0.0.1".into(),
+            root_port: 0,
+            grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// How one process ended.
+#[derive(Debug)]
+pub struct Ended {
+    /// Its role.
+    pub role: Role,
+    /// Launch index within the role (not its rank: ranks follow listening addresses).
+    pub index: u32,
+    /// Exit status (None if it was killed by the launcher).
+    pub status: Option<ExitStatus>,
+}
+
+/// The job's outcome.
+#[derive(Debug)]
+pub struct Outcome {
+    /// Every process, in the order they ended.
+    pub ended: Vec<Ended>,
+    /// The first process that failed, if any.
+    pub first_failure: Option<(Role, u32, String)>,
+}
+
+impl Outcome {
+    /// Whether every process exited with status 0.
+    pub fn success(&self) -> bool {
+        self.first_failure.is_none()
+    }
+}
+
+/// Why a job could not be launched.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// Bad specification.
+    #[error("{0}")]
+    Invalid(String),
+    /// A process could not be started.
+    #[error("cannot start {role:?} {index} ({program}): {source}")]
+    Spawn {
+        /// Role.
+        role: Role,
+        /// Index within the role.
+        index: u32,
+        /// The program.
+        program: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Waiting on a process failed.
+    #[error("waiting for a process: {0}")]
+    Wait(std::io::Error),
+}
+
+/// A free TCP port on `host` for the scheduler.
+pub fn free_port(host: &str) -> Result<u16, LaunchError> {
+    let l = TcpListener::bind((host, 0))
+        .map_err(|e| LaunchError::Invalid(format!("no free port on {host}: {e}")))?;
+    l.local_addr()
+        .map(|a| a.port())
+        .map_err(|e| LaunchError::Invalid(e.to_string()))
+}
+
+/// The environment of one process of the job.
+pub fn process_env(spec: &JobSpec, role: Role, port: u16) -> Vec<(String, String)> {
+    let mut env = vec![
+        ("DMLC_ROLE".to_string(), role.as_env().to_string()),
+        ("DMLC_PS_ROOT_URI".to_string(), spec.root_host.clone()),
+        ("DMLC_PS_ROOT_PORT".to_string(), port.to_string()),
+        ("DMLC_NUM_SERVER".to_string(), spec.servers.to_string()),
+        ("DMLC_NUM_WORKER".to_string(), spec.workers.to_string()),
+    ];
+    // A job on loopback keeps its nodes on loopback too, unless told otherwise.
+    let told =
+        |name: &str| std::env::var_os(name).is_some() || spec.env.iter().any(|(k, _)| k == name);
+    let loopback = spec
+        .root_host
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_loopback());
+    if loopback && !told("DMLC_INTERFACE") && !told("DMLC_NODE_HOST") {
+        env.push(("DMLC_NODE_HOST".to_string(), spec.root_host.clone()));
+    }
+    env.extend(spec.env.iter().cloned());
+    env
+}
+
+/// Launches the job and waits for every process.
+pub fn launch_local(spec: &JobSpec) -> Result<Outcome, LaunchError> {
+    if spec.servers == 0 || spec.workers == 0 {
+        return Err(LaunchError::Invalid(
+            "a job needs at least one server and one worker".into(),
+        ));
+    }
+    let Some(program) = spec.command.first() else {
+        return Err(LaunchError::Invalid("no command to launch".into()));
+    };
+    let port = if spec.root_port == 0 {
+        free_port(&spec.root_host)?
+    } else {
+        spec.root_port
+    };
+    let mut roles = vec![(Role::Scheduler, 0)];
+    roles.extend((0..spec.servers).map(|i| (Role::Server, i)));
+    roles.extend((0..spec.workers).map(|i| (Role::Worker, i)));
+    let mut children: Vec<(Role, u32, Child)> = Vec::new();
+    for (role, index) in roles {
+        let mut cmd = Command::new(program);
+        cmd.args(&spec.command[1..]);
+        cmd.envs(process_env(spec, role, port));
+        match cmd.spawn() {
+            Ok(child) => children.push((role, index, child)),
+            Err(source) => {
+                for (_, _, mut c) in children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(LaunchError::Spawn {
+                    role,
+                    index,
+                    program: program.clone(),
+                    source,
+                });
+            }
+        }
+    }
+    wait_all(children, spec.grace)
+}
+
+fn wait_all(mut running: Vec<(Role, u32, Child)>, grace: Duration) -> Result<Outcome, LaunchError> {
+    let mut ended = Vec::new();
+    let mut first_failure: Option<(Role, u32, String)> = None;
+    let mut kill_at: Option<Instant> = None;
+    while !running.is_empty() {
+        let mut i = 0;
+        while i < running.len() {
+            match running[i].2.try_wait().map_err(LaunchError::Wait)? {
+                Some(status) => {
+                    let (role, index, _) = running.swap_remove(i);
+                    if !status.success() && first_failure.is_none() {
+                        first_failure = Some((role, index, status.to_string()));
+                        kill_at = Some(Instant::now() + grace);
+                    }
+                    ended.push(Ended {
+                        role,
+                        index,
+                        status: Some(status),
+                    });
+                }
+                None => i += 1,
+            }
+        }
+        if kill_at.is_some_and(|t| Instant::now() >= t) {
+            for (role, index, mut child) in running.drain(..) {
+                let _ = child.kill();
+                let _ = child.wait();
+                ended.push(Ended {
+                    role,
+                    index,
+                    status: None,
+                });
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(Outcome {
+        ended,
+        first_failure,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn environment_names_role_and_shape() {
+        let mut spec = JobSpec::new(2, 3, vec!["prog".into()]);
+        spec.env.push(("PS_VERBOSE".into(), "1".into()));
+        let env = process_env(&spec, Role::Server, 9000);
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("DMLC_ROLE"), Some("server"));
+        assert_eq!(get("DMLC_PS_ROOT_URI"), Some("127.0.0.1"));
+        assert_eq!(get("DMLC_PS_ROOT_PORT"), Some("9000"));
+        assert_eq!(get("DMLC_NUM_SERVER"), Some("2"));
+        assert_eq!(get("DMLC_NUM_WORKER"), Some("3"));
+        assert_eq!(get("PS_VERBOSE"), Some("1"));
+        if std::env::var_os("DMLC_INTERFACE").is_none()
+            && std::env::var_os("DMLC_NODE_HOST").is_none()
+        {
+            assert_eq!(
+                get("DMLC_NODE_HOST"),
+                Some("127.0.0.1"),
+                "a loopback job stays on loopback"
+            );
+        }
+        spec.env.push(("DMLC_INTERFACE".into(), "eth0".into()));
+        let env = process_env(&spec, Role::Worker, 9000);
+        assert!(!env.iter().any(|(k, _)| k == "DMLC_NODE_HOST"));
+    }
+
+    #[test]
+    fn every_process_runs_and_success_is_reported() {
+        let spec = JobSpec::new(
+            2,
+            2,
+            vec!["sh".into(), "-c".into(), "test -n \"$DMLC_ROLE\"".into()],
+        );
+        let out = launch_local(&spec).unwrap();
+        assert!(out.success(), "{out:?}");
+        assert_eq!(out.ended.len(), 5);
+    }
+
+    #[test]
+    fn one_failure_stops_the_rest_after_the_grace_period() {
+        let script = "if [ \"$DMLC_ROLE\" = worker ]; then exit 3; else sleep 30; fi";
+        let mut spec = JobSpec::new(1, 1, vec!["sh".into(), "-c".into(), script.into()]);
+        spec.grace = Duration::from_millis(200);
+        let started = Instant::now();
+        let out = launch_local(&spec).unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "others were not stopped"
+        );
+        let (role, _, status) = out.first_failure.expect("failure reported");
+        assert_eq!(role, Role::Worker);
+        assert!(status.contains('3'), "{status}");
+        assert_eq!(out.ended.iter().filter(|e| e.status.is_none()).count(), 2);
+    }
+
+    #[test]
+    fn bad_specs_are_refused() {
+        assert!(launch_local(&JobSpec::new(0, 1, vec!["true".into()])).is_err());
+        assert!(launch_local(&JobSpec::new(1, 1, vec![])).is_err());
+        let err = launch_local(&JobSpec::new(1, 1, vec!["/no/such/program".into()])).unwrap_err();
+        assert!(err.to_string().contains("/no/such/program"), "{err}");
+    }
+}

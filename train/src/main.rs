@@ -1,0 +1,121 @@
+//! `psnet-train`: trains softmax regression on generated data over psnet's kv store, and
+//! prints the loss per epoch.
+//!
+//! - Without `DMLC_ROLE`, it launches a whole job on this host (`--servers`, `--workers`)
+//!   running itself in every role, like `tools/launch.py --launcher local python train.py`.
+//! - With `DMLC_ROLE` (set by a launcher), it is one process of the job.
+//! - `--reference` trains in one process, applying the rank-ordered sum of every worker's
+//!   gradients itself: a `dist_sync` run must end with bit-identical weights.
+
+mod data;
+mod model;
+mod train;
+
+use std::process::ExitCode;
+
+use clap::{Parser, ValueEnum};
+
+/// Synchronization mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ModeArg {
+    /// dist_sync.
+    Sync,
+    /// dist_async.
+    Async,
+}
+
+/// Command line.
+#[derive(Parser, Clone, Debug)]
+#[command(
+    name = "psnet-train",
+    version,
+    about = "Train softmax regression over psnet's kv store"
+)]
+pub struct Args {
+    /// Servers to launch (when not started by a launcher).
+    #[arg(long, default_value_t = 2)]
+    pub servers: u32,
+    /// Workers to launch (when not started by a launcher).
+    #[arg(long, default_value_t = 2)]
+    pub workers: u32,
+    /// dist_sync or dist_async.
+    #[arg(long, value_enum, default_value_t = ModeArg::Sync)]
+    pub mode: ModeArg,
+    /// Gradient compression: none, 2bit or 1bit.
+    #[arg(long, default_value = "none")]
+    pub compression: String,
+    /// Compression threshold.
+    #[arg(long, default_value_t = 0.5)]
+    pub threshold: f32,
+    /// Learning rate (SGD on the servers).
+    #[arg(long, default_value_t = 0.5)]
+    pub lr: f64,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.0)]
+    pub momentum: f64,
+    /// Epochs.
+    #[arg(long, default_value_t = 5)]
+    pub epochs: usize,
+    /// Samples per worker step.
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    /// Samples in the data set (split evenly over the workers).
+    #[arg(long, default_value_t = 4096)]
+    pub samples: usize,
+    /// Inputs per sample.
+    #[arg(long, default_value_t = 20)]
+    pub features: usize,
+    /// Classes.
+    #[arg(long, default_value_t = 5)]
+    pub classes: usize,
+    /// Data seed.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Write the final weights (f32 little-endian, w then b) here (rank 0).
+    #[arg(long)]
+    pub dump: Option<std::path::PathBuf>,
+    /// Train in this process, applying the rank-ordered gradient sums itself.
+    #[arg(long)]
+    pub reference: bool,
+    /// Pause per step (to test failures mid-run).
+    #[arg(long, default_value_t = 0)]
+    pub step_delay_ms: u64,
+}
+
+fn main() -> ExitCode {
+    psnet_config::logging::init();
+    let args = Args::parse();
+    let result = if args.reference {
+        train::reference(&args)
+    } else if std::env::var_os("DMLC_ROLE").is_some() {
+        match psnet_kv::launch_from_env() {
+            // Scheduler and server processes never return from launch_from_env.
+            Ok(config) => train::worker(&args, config),
+            Err(e) => Err(e.to_string()),
+        }
+    } else {
+        launch(&args)
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("psnet-train: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs the whole job on this host: this program in every role.
+fn launch(args: &Args) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    let mut command = vec![exe.to_string_lossy().into_owned()];
+    command.extend(std::env::args().skip(1));
+    let spec = psnet_launch::JobSpec::new(args.servers, args.workers, command);
+    let outcome = psnet_launch::launch_local(&spec).map_err(|e| e.to_string())?;
+    match outcome.first_failure {
+        None => Ok(()),
+        Some((role, index, status)) => {
+            Err(format!("{} {index} failed first ({status})", role.as_env()))
+        }
+    }
+}

@@ -1,0 +1,252 @@
+//! Whole jobs as separate processes on 127.0.0.1: psnet-train launches itself in every role.
+//! `dist_sync` runs must match the single-process reference bit for bit.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn train() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_psnet-train"));
+    for var in [
+        "DMLC_ROLE",
+        "DMLC_INTERFACE",
+        "DMLC_NODE_HOST",
+        "PSNET_TRANSPORT",
+        "RUST_LOG",
+        "PS_VERBOSE",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.env("PS_HEARTBEAT_INTERVAL", "0.2");
+    cmd
+}
+
+fn tmp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("psnet-train-{}-{name}.bin", std::process::id()))
+}
+
+fn ok(out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "job failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn epochs(stdout: &str) -> Vec<&str> {
+    stdout.lines().filter(|l| l.starts_with("epoch ")).collect()
+}
+
+/// Runs a distributed job and the reference with the same arguments; both must agree exactly.
+fn matches_reference(name: &str, args: &[&str], env: &[(&str, &str)]) {
+    let (dist, refr) = (tmp(&format!("{name}-dist")), tmp(&format!("{name}-ref")));
+    let distributed = ok(train()
+        .args(args)
+        .args(["--epochs", "3", "--dump"])
+        .arg(&dist)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap());
+    let reference = ok(train()
+        .args(args)
+        .args(["--epochs", "3", "--reference", "--dump"])
+        .arg(&refr)
+        .output()
+        .unwrap());
+    assert_eq!(epochs(&distributed).len(), 3, "{distributed}");
+    assert_eq!(
+        epochs(&distributed),
+        epochs(&reference),
+        "loss per epoch differs"
+    );
+    let (a, b) = (std::fs::read(&dist).unwrap(), std::fs::read(&refr).unwrap());
+    let _ = (std::fs::remove_file(&dist), std::fs::remove_file(&refr));
+    assert!(!a.is_empty());
+    assert!(a == b, "final weights differ from the reference");
+}
+
+#[test]
+fn sync_two_servers_two_workers_unsharded() {
+    matches_reference("2s2w", &["--servers", "2", "--workers", "2"], &[]);
+}
+
+#[test]
+fn sync_sharded_keys_with_momentum() {
+    // 100 weights with a bound of 50: split over both servers; the 5 biases stay on one.
+    matches_reference(
+        "sharded",
+        &[
+            "--servers",
+            "2",
+            "--workers",
+            "2",
+            "--momentum",
+            "0.9",
+            "--lr",
+            "0.2",
+        ],
+        &[("MXNET_KVSTORE_BIGARRAY_BOUND", "50")],
+    );
+}
+
+#[test]
+fn sync_two_bit_compression_sharded() {
+    matches_reference(
+        "2bit",
+        &[
+            "--servers",
+            "2",
+            "--workers",
+            "2",
+            "--compression",
+            "2bit",
+            "--threshold",
+            "0.25",
+        ],
+        &[("MXNET_KVSTORE_BIGARRAY_BOUND", "50")],
+    );
+}
+
+#[test]
+fn sync_one_bit_one_server_three_workers() {
+    matches_reference(
+        "1bit",
+        &[
+            "--servers",
+            "1",
+            "--workers",
+            "3",
+            "--compression",
+            "1bit",
+            "--threshold",
+            "0",
+            "--lr",
+            "0.05",
+        ],
+        &[],
+    );
+}
+
+#[test]
+fn sync_one_server_one_worker() {
+    matches_reference("1s1w", &["--servers", "1", "--workers", "1"], &[]);
+}
+
+#[test]
+fn async_training_learns() {
+    let out = ok(train()
+        .args([
+            "--servers",
+            "2",
+            "--workers",
+            "2",
+            "--mode",
+            "async",
+            "--epochs",
+            "4",
+        ])
+        .output()
+        .unwrap());
+    let losses: Vec<f32> = epochs(&out)
+        .iter()
+        .map(|l| l.split_whitespace().nth(3).unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(losses.len(), 4, "{out}");
+    assert!(losses[3] < losses[0], "loss did not go down: {losses:?}");
+}
+
+#[test]
+fn reference_refuses_async() {
+    let out = train()
+        .args(["--reference", "--mode", "async"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("dist_sync only"));
+}
+
+fn role(cmd: &mut Command, role: &str, port: u16, workers: u32) -> Child {
+    cmd.env("DMLC_ROLE", role)
+        .env("DMLC_PS_ROOT_URI", "127.0.0.1")
+        .env("DMLC_PS_ROOT_PORT", port.to_string())
+        .env("DMLC_NUM_SERVER", "1")
+        .env("DMLC_NUM_WORKER", workers.to_string())
+        .env("DMLC_NODE_HOST", "127.0.0.1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn wait_within(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    None
+}
+
+#[test]
+fn a_killed_worker_is_reported_to_the_others_in_bounded_time() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let slow = ["--epochs", "1000", "--step-delay-ms", "5"];
+    let mut scheduler = role(train().args(slow), "scheduler", port, 2);
+    let mut server = role(train().args(slow), "server", port, 2);
+    let mut w0 = role(train().args(slow), "worker", port, 2);
+    let mut w1 = role(train().args(slow), "worker", port, 2);
+    // Wait until training is under way (one of the workers is rank 0 and prints epochs).
+    let stdout0 = w0.stdout.take().unwrap();
+    let stdout1 = w1.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    for (i, s) in [(0, stdout0), (1, stdout1)] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(s).lines().map_while(Result::ok) {
+                if line.starts_with("epoch") {
+                    let _ = tx.send(i);
+                    return;
+                }
+            }
+        });
+    }
+    let rank0 = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("training started");
+    // Kill the other one, hard.
+    let (victim, survivor) = if rank0 == 0 {
+        (&mut w1, &mut w0)
+    } else {
+        (&mut w0, &mut w1)
+    };
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    let status =
+        wait_within(survivor, Duration::from_secs(30)).expect("the survivor must not hang");
+    assert!(
+        !status.success(),
+        "the survivor cannot finish a dist_sync job alone"
+    );
+    let mut err = String::new();
+    std::io::Read::read_to_string(survivor.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(
+        err.contains("worker 1 (node 11)") && err.contains("gone"),
+        "{err}"
+    );
+    assert!(
+        wait_within(&mut server, Duration::from_secs(30)).is_some(),
+        "server hangs"
+    );
+    let sched = wait_within(&mut scheduler, Duration::from_secs(30)).expect("scheduler hangs");
+    assert!(!sched.success(), "the scheduler reports the lost node");
+}
