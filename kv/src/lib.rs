@@ -45,8 +45,7 @@ pub fn launch_from_env() -> Result<KvConfig, KvError> {
     if config.role == Role::Worker {
         return Ok(config);
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| KvError::Invalid(format!("cannot start the runtime: {e}")))?;

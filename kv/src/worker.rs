@@ -561,21 +561,39 @@ impl Worker {
 
     /// Pushes `values` and pulls the updated value into `out` in one exchange per server.
     pub async fn pushpull(&self, key: u64, values: &[f32], out: &mut [f32]) -> Result<(), KvError> {
-        if out.len() != values.len() {
-            return Err(KvError::SizeMismatch {
-                key,
-                expected: values.len(),
-                got: out.len(),
-            });
+        self.pushpull_many(&[key], &[values], &mut [out]).await
+    }
+
+    /// `pushpull` for several keys at once.
+    pub async fn pushpull_many<O: AsMut<[f32]>>(
+        &self,
+        keys: &[u64],
+        values: &[&[f32]],
+        outs: &mut [O],
+    ) -> Result<(), KvError> {
+        check_lengths("pushpull", keys.len(), values.len())?;
+        check_lengths("pushpull", keys.len(), outs.len())?;
+        let mut waits = Vec::new();
+        for (i, ((&key, v), out)) in keys.iter().zip(values).zip(outs.iter_mut()).enumerate() {
+            if out.as_mut().len() != v.len() {
+                return Err(KvError::SizeMismatch {
+                    key,
+                    expected: v.len(),
+                    got: out.as_mut().len(),
+                });
+            }
+            for (p, rx) in self.start_push(key, v, true).await? {
+                waits.push((i, key, p, rx));
+            }
         }
-        let waits = self.start_push(key, values, true).await?;
-        for (p, rx) in waits {
+        for (i, key, p, rx) in waits {
             let value = answer(rx).await?;
+            let server = self.shared.servers[p.server];
             fill(
                 key,
-                &mut out[p.offset..p.offset + p.len],
+                &mut outs[i].as_mut()[p.offset..p.offset + p.len],
                 value,
-                self.shared.servers[p.server],
+                server,
             )?;
         }
         Ok(())

@@ -9,6 +9,7 @@
 mod baseline;
 mod bw;
 mod compress;
+mod kv;
 mod lat;
 mod protocol;
 mod report;
@@ -60,6 +61,27 @@ enum Command {
         /// Repetitions (the median is reported).
         #[arg(long, default_value_t = 10)]
         reps: usize,
+        /// Print JSON (units in the field names).
+        #[arg(long)]
+        json: bool,
+    },
+    /// kv store goodput (push, pull, push+pull) per worker, for each value size.
+    Kv {
+        /// Servers to launch (when not started by a launcher).
+        #[arg(long, default_value_t = 2)]
+        servers: u32,
+        /// Workers to launch (when not started by a launcher).
+        #[arg(long, default_value_t = 2)]
+        workers: u32,
+        /// Value sizes (bytes, with K/M/G suffixes), comma-separated.
+        #[arg(long, value_delimiter = ',', value_parser = size::parse_size, default_value = "4K,64K,1M,16M,64M")]
+        sizes: Vec<u64>,
+        /// Timed operations per size (default: bounded by volume).
+        #[arg(short = 'n', long)]
+        iters: Option<usize>,
+        /// Keys in flight per operation (ps-lite's benchmark keeps 4 per server).
+        #[arg(long, default_value_t = 1)]
+        keys: usize,
         /// Print JSON (units in the field names).
         #[arg(long)]
         json: bool,
@@ -122,6 +144,14 @@ fn main() -> ExitCode {
             Some(Command::Bw(args)) => run_test(Test::Bw, args),
             Some(Command::Lat(args)) => run_test(Test::Lat, args),
             Some(Command::Select { json, transport }) => print_selection(json, transport),
+            Some(Command::Kv {
+                servers,
+                workers,
+                sizes,
+                iters,
+                keys,
+                json,
+            }) => run_kv(servers, workers, &sizes, iters, keys, json),
             Some(Command::Compress {
                 elems,
                 scheme,
@@ -144,12 +174,42 @@ fn main() -> ExitCode {
     }
 }
 
+fn run_kv(
+    servers: u32,
+    workers: u32,
+    sizes: &[u64],
+    iters: Option<usize>,
+    keys: usize,
+    json: bool,
+) -> PerfResult<()> {
+    if sizes.contains(&0) || iters == Some(0) || keys == 0 {
+        return Err("sizes, -n and --keys must be at least 1".into());
+    }
+    if std::env::var_os("DMLC_ROLE").is_some() {
+        // Scheduler and server processes run inside launch_from_env and exit there.
+        let config = psnet_kv::launch_from_env().map_err(|e| e.to_string())?;
+        return kv::run_worker(config, sizes, iters, keys, json);
+    }
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut command = vec![exe.to_string_lossy().into_owned()];
+    command.extend(std::env::args().skip(1));
+    let spec = psnet_launch::JobSpec::new(servers, workers, command);
+    let outcome = psnet_launch::launch_local(&spec).map_err(|e| e.to_string())?;
+    match outcome.first_failure {
+        None => Ok(()),
+        Some((role, index, status)) => Err(format!("{} {index} failed ({status})", role.as_env())),
+    }
+}
+
 fn print_env() {
     println!(
         "{:<32} {:<12} {:<14} DESCRIPTION",
         "VARIABLE", "DEFAULT", "CURRENT"
     );
-    for var in psnet_config::env::ALL {
+    for var in psnet_config::env::ALL
+        .iter()
+        .chain(psnet_kv::config::KV_VARS)
+    {
         let current = var.get().unwrap_or_else(|| "-".into());
         let default = if var.default.is_empty() {
             "-"

@@ -258,3 +258,51 @@ fn compress_reports_throughput_next_to_memcpy() {
         .unwrap();
     assert!(!out.status.success());
 }
+
+#[test]
+fn kv_goodput_launches_a_job_and_reports_every_size() {
+    let out = run_ok(
+        perf()
+            .args([
+                "kv",
+                "--servers",
+                "2",
+                "--workers",
+                "2",
+                "--sizes",
+                "4K,2M",
+                "-n",
+                "5",
+                "--json",
+            ])
+            .env("MXNET_KVSTORE_BIGARRAY_BOUND", "100000"),
+    );
+    let doc = json(&out);
+    assert_eq!(
+        (doc["servers"].as_u64(), doc["workers"].as_u64()),
+        (Some(2), Some(2))
+    );
+    let rows = doc["results"].as_array().unwrap();
+    let sizes: Vec<u64> = rows.iter().map(|r| r["bytes"].as_u64().unwrap()).collect();
+    assert_eq!(sizes, vec![4096, 2 << 20]);
+    for row in rows {
+        for field in ["push_mb_s", "pull_mb_s", "pushpull_mb_s", "pushpull_gbit_s"] {
+            assert!(row[field].as_f64().unwrap_or(0.0) > 0.0, "{field}: {row}");
+        }
+    }
+    let table = run_ok(perf().args([
+        "kv",
+        "--servers",
+        "1",
+        "--workers",
+        "1",
+        "--sizes",
+        "64K",
+        "-n",
+        "3",
+    ]));
+    assert!(
+        table.contains("push+pull[MB/s]") && table.contains("65536"),
+        "{table}"
+    );
+}

@@ -65,8 +65,7 @@ fn dump(args: &Args, params: &Params) -> Result<(), String> {
 
 /// One worker of a job started by a launcher.
 pub fn worker(args: &Args, config: KvConfig) -> Result<(), String> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
