@@ -1,6 +1,9 @@
 //! A server's event loop: moves bytes between the transport and
 //! [`ServerState`](crate::proto::server::ServerState).
 
+use std::sync::Arc;
+
+use psnet_select::AnyTransport;
 use psnet_transport::{NodeId, Transport};
 
 use crate::bootstrap::{self, heartbeat_period};
@@ -74,32 +77,33 @@ pub async fn run_server(config: &KvConfig) -> Result<(), KvError> {
                 let _ = wire::send(&*t, SCHEDULER, &Msg::Heartbeat, None).await;
             }
         }
-        flush(&*t, &mut state).await;
+        flush(&t, &mut state);
     }
     tracing::info!(node = %describe(joined.id), "server done");
     t.shutdown();
     Ok(())
 }
 
-/// Sends every answer the state has ready.
-async fn flush<T: Transport>(t: &T, state: &mut ServerState) {
+/// Sends every answer the state has ready, each in its own task: answers to different workers
+/// go out in parallel, and the loop goes on taking requests meanwhile. Values are shared with
+/// the state, not copied.
+fn flush(t: &Arc<AnyTransport>, state: &mut ServerState) {
     while let Some(out) = state.poll_output() {
-        let (rank, result) = match out {
-            Output::Done { rank, ts, value } => {
-                let bytes = value.and_then(|k| state.value(k)).map(sum::as_bytes);
-                let to = ids::node_id(Role::Worker, rank);
-                (rank, wire::send(t, to, &Msg::Done { ts }, bytes).await)
-            }
-            Output::Failed { rank, ts, reason } => {
-                let to = ids::node_id(Role::Worker, rank);
-                (
-                    rank,
-                    wire::send(t, to, &Msg::Failed { ts, reason }, None).await,
-                )
-            }
+        let (rank, msg, value) = match out {
+            Output::Done { rank, ts, value } => (
+                rank,
+                Msg::Done { ts },
+                value.and_then(|k| state.shared_value(k)),
+            ),
+            Output::Failed { rank, ts, reason } => (rank, Msg::Failed { ts, reason }, None),
         };
-        if let Err(e) = result {
-            tracing::debug!(worker = rank, error = %e, "answer lost");
-        }
+        let t = t.clone();
+        tokio::spawn(async move {
+            let to = ids::node_id(Role::Worker, rank);
+            let bytes = value.as_deref().map(|v| sum::as_bytes(v));
+            if let Err(e) = wire::send(&*t, to, &msg, bytes).await {
+                tracing::debug!(worker = rank, error = %e, "answer lost");
+            }
+        });
     }
 }

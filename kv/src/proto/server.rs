@@ -12,6 +12,7 @@
 //! `dist_async`: each push is applied at once; an updater is required.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use psnet_compression::{CompressionParams, Compressor};
@@ -90,7 +91,9 @@ struct Round {
 }
 
 struct KeyState {
-    value: Vec<f32>,
+    /// Shared with answers still being sent; updated in place once they are gone (a copy is
+    /// made only if an update overtakes a send).
+    value: Arc<Vec<f32>>,
     round: Round,
 }
 
@@ -127,6 +130,11 @@ impl ServerState {
     /// The stored value of `key`.
     pub fn value(&self, key: u64) -> Option<&[f32]> {
         self.keys.get(&key).map(|k| k.value.as_slice())
+    }
+
+    /// The stored value of `key`, shared (to send without copying while the state goes on).
+    pub fn shared_value(&self, key: u64) -> Option<Arc<Vec<f32>>> {
+        self.keys.get(&key).map(|k| k.value.clone())
     }
 
     /// The next answer to send.
@@ -250,7 +258,7 @@ impl ServerState {
         self.keys.insert(
             p.key,
             KeyState {
-                value,
+                value: Arc::new(value),
                 round: Round::default(),
             },
         );
@@ -349,7 +357,7 @@ impl ServerState {
             &mut grad,
             false,
         );
-        let result = updater.update(p.key, &grad, &mut k.value);
+        let result = updater.update(p.key, &grad, Arc::make_mut(&mut k.value).as_mut_slice());
         k.round.merged = grad;
         match result {
             Ok(()) => self.out.push_back(Output::Done {
@@ -403,10 +411,12 @@ impl ServerState {
         let round = std::mem::take(&mut k.round);
         let mut merged = round.merged;
         let result = match self.updater.as_mut() {
-            Some(u) => u.update(key, &merged, &mut k.value),
+            Some(u) => u.update(key, &merged, Arc::make_mut(&mut k.value).as_mut_slice()),
             None => {
-                // MXNet without an updater: the round's sum replaces the value.
-                std::mem::swap(&mut k.value, &mut merged);
+                // MXNet without an updater: the round's sum replaces the value. The old buffer
+                // becomes the next round's scratch space unless an answer still holds it.
+                let old = std::mem::replace(&mut k.value, Arc::new(merged));
+                merged = Arc::try_unwrap(old).unwrap_or_default();
                 Ok(())
             }
         };
