@@ -17,6 +17,7 @@
 //! [`run_server`] and [`Worker`] only move bytes.
 #![deny(missing_docs)]
 
+pub mod blocking;
 mod bootstrap;
 pub mod config;
 mod error;
