@@ -191,6 +191,15 @@ impl SchedulerState {
         self.check_barrier(group);
     }
 
+    /// Assigned nodes not known dead.
+    fn alive(&self) -> Vec<NodeId> {
+        self.members
+            .keys()
+            .copied()
+            .filter(|m| !self.dead.contains_key(m))
+            .collect()
+    }
+
     fn group_members(&self, group: Group) -> Vec<NodeId> {
         self.members
             .values()
@@ -246,13 +255,7 @@ impl SchedulerState {
         }
         tracing::warn!(node = %describe(id), %reason, "node lost");
         self.dead.insert(id, reason.to_string());
-        let alive: Vec<NodeId> = self
-            .members
-            .keys()
-            .copied()
-            .filter(|m| !self.dead.contains_key(m))
-            .collect();
-        for to in alive {
+        for to in self.alive() {
             self.out.push_back((
                 to,
                 Msg::NodeFailed {
@@ -313,13 +316,7 @@ impl SchedulerState {
             .all(|w| self.finalized.contains(w) || self.dead.contains_key(w));
         if workers_done {
             self.shutting_down = true;
-            let alive: Vec<NodeId> = self
-                .members
-                .keys()
-                .copied()
-                .filter(|m| !self.dead.contains_key(m))
-                .collect();
-            for to in alive {
+            for to in self.alive() {
                 self.out.push_back((to, Msg::Shutdown));
             }
         }
