@@ -250,3 +250,72 @@ fn a_killed_worker_is_reported_to_the_others_in_bounded_time() {
     let sched = wait_within(&mut scheduler, Duration::from_secs(30)).expect("scheduler hangs");
     assert!(!sched.success(), "the scheduler reports the lost node");
 }
+
+#[test]
+fn a_frozen_worker_is_declared_dead_after_the_heartbeat_timeout() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let slow = ["--epochs", "1000", "--step-delay-ms", "5"];
+    let timeout = [("PS_HEARTBEAT_TIMEOUT", "2")];
+    let mut scheduler = role(train().args(slow).envs(timeout), "scheduler", port, 2);
+    let mut server = role(train().args(slow).envs(timeout), "server", port, 2);
+    let mut w0 = role(train().args(slow).envs(timeout), "worker", port, 2);
+    let mut w1 = role(train().args(slow).envs(timeout), "worker", port, 2);
+    let (tx, rx) = std::sync::mpsc::channel();
+    for (i, s) in [
+        (0, w0.stdout.take().unwrap()),
+        (1, w1.stdout.take().unwrap()),
+    ] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(s).lines().map_while(Result::ok) {
+                if line.starts_with("epoch") {
+                    let _ = tx.send(i);
+                    return;
+                }
+            }
+        });
+    }
+    let rank0 = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("training started");
+    let (victim, survivor) = if rank0 == 0 {
+        (&mut w1, &mut w0)
+    } else {
+        (&mut w0, &mut w1)
+    };
+    // Freeze it: its connections stay open, only its heartbeats stop.
+    let stopped = Command::new("kill")
+        .args(["-STOP", &victim.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    let started = Instant::now();
+    let status =
+        wait_within(survivor, Duration::from_secs(30)).expect("the survivor must not hang");
+    let waited = started.elapsed();
+    let _ = victim.kill();
+    let _ = victim.wait();
+    assert!(!status.success());
+    let mut err = String::new();
+    std::io::Read::read_to_string(survivor.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(
+        err.contains("worker 1 (node 11)") && err.contains("no heartbeat"),
+        "{err}"
+    );
+    assert!(
+        waited >= Duration::from_secs(1),
+        "declared dead before the timeout: {waited:?}"
+    );
+    assert!(
+        wait_within(&mut server, Duration::from_secs(30)).is_some(),
+        "server hangs"
+    );
+    assert!(
+        wait_within(&mut scheduler, Duration::from_secs(30)).is_some(),
+        "scheduler hangs"
+    );
+}
