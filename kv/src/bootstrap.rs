@@ -15,12 +15,13 @@ use crate::config::KvConfig;
 use crate::error::KvError;
 use crate::proto::ids::{self, describe, Group, Role, SCHEDULER};
 use crate::proto::msg::{Msg, NodeInfo};
+use crate::reliable::Link;
 use crate::wire::{self, Received};
 
 /// A node that has joined its job.
 pub struct Joined {
-    /// The transport, under the assigned id.
-    pub transport: Arc<AnyTransport>,
+    /// The transport under the assigned id, with `PS_RESEND` if configured.
+    pub link: Arc<Link<AnyTransport>>,
     /// The assigned id.
     pub id: NodeId,
     /// Rank within the role.
@@ -128,20 +129,25 @@ pub async fn join(config: &KvConfig) -> Result<Joined, KvError> {
         .filter(|(r, _)| *r == config.role)
         .ok_or_else(|| KvError::Bootstrap(format!("the scheduler assigned an invalid id {id}")))?;
     tracing::info!(node = %describe(id), addr = %listen, "joined the job");
-    // Reconnect to the scheduler under the assigned id.
+    // Reconnect to the scheduler under the assigned id. From here on, messages go through
+    // the link (PS_RESEND, if on, covers every message between assigned ids).
     transport.set_local_id(id);
+    let link = Link::new(Arc::new(transport), config.resend);
+    link.learn_nodes(&nodes);
+    link.learn(SCHEDULER, config.root);
+    let transport = link.transport();
     transport.disconnect(SCHEDULER);
     transport.connect(SCHEDULER, config.root).await?;
     // After this barrier every node answers under its assigned id, so workers can dial the
     // servers and check who answers.
-    let early = barrier_inline(&transport, Group::ALL, deadline).await?;
+    let early = barrier_inline(&link, Group::ALL, deadline).await?;
     if role == Role::Worker {
         for server in nodes.iter().filter(|n| n.role == Role::Server) {
-            transport.connect(server.id, server.addr).await?;
+            link.transport().connect(server.id, server.addr).await?;
         }
     }
     Ok(Joined {
-        transport: Arc::new(transport),
+        link: Arc::new(link),
         id,
         rank,
         nodes,
@@ -152,14 +158,14 @@ pub async fn join(config: &KvConfig) -> Result<Joined, KvError> {
 /// A barrier before the node's own event loop runs. Everything else that arrives meanwhile
 /// is kept, in order, and returned.
 async fn barrier_inline(
-    t: &AnyTransport,
+    link: &Link<AnyTransport>,
     group: Group,
     deadline: Instant,
 ) -> Result<Vec<Received>, KvError> {
-    wire::send(t, SCHEDULER, &Msg::Barrier { group }, None).await?;
+    link.send(SCHEDULER, &Msg::Barrier { group }, None).await?;
     let mut early = Vec::new();
     loop {
-        let event = timeout_at(deadline, wire::recv(t)).await.map_err(|_| {
+        let event = timeout_at(deadline, link.recv()).await.map_err(|_| {
             KvError::Bootstrap("the start-up barrier did not complete in time".into())
         })??;
         match event {

@@ -9,6 +9,7 @@ use psnet_config::ConfigError;
 use psnet_select::TransportPref;
 
 use crate::proto::ids::Role;
+use crate::proto::resend::MAX_TIMEOUT;
 
 /// `DMLC_ROLE`.
 pub const DMLC_ROLE: EnvVar = EnvVar {
@@ -66,6 +67,21 @@ pub const PSNET_BOOTSTRAP_TIMEOUT: EnvVar = EnvVar {
         "seconds the scheduler waits for every node to register (and nodes for their rank)",
 };
 
+/// `PS_RESEND`.
+pub const PS_RESEND: EnvVar = EnvVar {
+    name: "PS_RESEND",
+    default: "0",
+    description: "non-zero: acknowledged delivery; unacknowledged messages are resent, \
+                  duplicates dropped, a peer silent past the retry limit fails what depends on it",
+};
+/// `PS_RESEND_TIMEOUT`.
+pub const PS_RESEND_TIMEOUT: EnvVar = EnvVar {
+    name: "PS_RESEND_TIMEOUT",
+    default: "1000",
+    description: "milliseconds before an unacknowledged message is resent (with PS_RESEND); \
+                  a peer is given up after 10 resends",
+};
+
 /// Every variable the kv store reads beyond `psnet_config::env::ALL`.
 pub const KV_VARS: &[EnvVar] = &[
     DMLC_ROLE,
@@ -77,6 +93,8 @@ pub const KV_VARS: &[EnvVar] = &[
     PS_HEARTBEAT_TIMEOUT,
     MXNET_KVSTORE_BIGARRAY_BOUND,
     PSNET_BOOTSTRAP_TIMEOUT,
+    PS_RESEND,
+    PS_RESEND_TIMEOUT,
 ];
 
 /// Everything a kv node needs to join a job.
@@ -103,6 +121,9 @@ pub struct KvConfig {
     /// Listen on 127.0.0.1 instead of the address chosen from `DMLC_INTERFACE` /
     /// `DMLC_NODE_HOST` (single-host jobs started from code).
     pub loopback: bool,
+    /// `PS_RESEND`: acknowledged delivery with this resend timeout (`PS_RESEND_TIMEOUT`);
+    /// None: off. See [`crate::proto::resend`].
+    pub resend: Option<Duration>,
 }
 
 fn seconds(var: EnvVar) -> Result<Option<Duration>, ConfigError> {
@@ -128,6 +149,32 @@ fn count(var: EnvVar, min: u32) -> Result<u32, ConfigError> {
         });
     }
     Ok(n)
+}
+
+/// `PS_RESEND` (an integer, non-zero: on, as in ps-lite) and `PS_RESEND_TIMEOUT` (ms, > 0).
+fn resend() -> Result<Option<Duration>, ConfigError> {
+    let on = match PS_RESEND.get() {
+        None => false,
+        Some(raw) => {
+            raw.trim()
+                .parse::<i64>()
+                .map_err(|_| ConfigError::Invalid {
+                    name: PS_RESEND.name,
+                    value: raw.clone(),
+                    reason: "must be an integer (0: off, non-zero: on)".into(),
+                })?
+                != 0
+        }
+    };
+    let ms: u64 = PS_RESEND_TIMEOUT.parse_or_default()?;
+    if ms == 0 || ms > 3_600_000 {
+        return Err(ConfigError::Invalid {
+            name: PS_RESEND_TIMEOUT.name,
+            value: ms.to_string(),
+            reason: "must be between 1 and 3600000 milliseconds".into(),
+        });
+    }
+    Ok(on.then(|| Duration::from_millis(ms)))
 }
 
 /// Resolves `host:port` for the scheduler.
@@ -162,13 +209,14 @@ impl KvConfig {
             bootstrap_timeout: Duration::from_secs(120),
             transport: None,
             loopback: true,
+            resend: None,
         }
     }
 
     /// Reads `DMLC_ROLE`, `DMLC_PS_ROOT_URI`, `DMLC_PS_ROOT_PORT`, `DMLC_NUM_SERVER`,
     /// `DMLC_NUM_WORKER`, `PS_HEARTBEAT_INTERVAL`, `PS_HEARTBEAT_TIMEOUT`,
-    /// `MXNET_KVSTORE_BIGARRAY_BOUND`, `PSNET_BOOTSTRAP_TIMEOUT`. A missing or malformed
-    /// variable is an error naming it.
+    /// `MXNET_KVSTORE_BIGARRAY_BOUND`, `PSNET_BOOTSTRAP_TIMEOUT`, `PS_RESEND`,
+    /// `PS_RESEND_TIMEOUT`. A missing or malformed variable is an error naming it.
     pub fn from_env() -> Result<Self, ConfigError> {
         let role_text = DMLC_ROLE.require()?;
         let role = Role::parse(&role_text).ok_or_else(|| ConfigError::Invalid {
@@ -199,6 +247,7 @@ impl KvConfig {
                 .unwrap_or(Duration::from_secs(u64::from(u32::MAX))),
             transport: env::PSNET_TRANSPORT.parse()?,
             loopback: false,
+            resend: resend()?,
         })
     }
 
@@ -212,6 +261,13 @@ impl KvConfig {
     /// Sets `MXNET_KVSTORE_BIGARRAY_BOUND`.
     pub fn bigarray_bound(mut self, bound: usize) -> Self {
         self.bigarray_bound = bound.max(1);
+        self
+    }
+
+    /// Turns `PS_RESEND` on with this resend timeout (`PS_RESEND_TIMEOUT`, kept within 1 ms
+    /// and one hour), or off (None).
+    pub fn resend(mut self, timeout: Option<Duration>) -> Self {
+        self.resend = timeout.map(|t| t.clamp(Duration::from_millis(1), MAX_TIMEOUT));
         self
     }
 
@@ -242,5 +298,34 @@ mod tests {
             seconds(PS_HEARTBEAT_INTERVAL),
             Ok(Some(Duration::from_secs(1)))
         );
+    }
+
+    #[test]
+    fn resend_is_off_by_default_and_parses_like_ps_lite() {
+        std::env::remove_var("PS_RESEND");
+        std::env::remove_var("PS_RESEND_TIMEOUT");
+        assert_eq!(resend(), Ok(None));
+        std::env::set_var("PS_RESEND", "1");
+        assert_eq!(resend(), Ok(Some(Duration::from_millis(1000))));
+        std::env::set_var("PS_RESEND_TIMEOUT", "250");
+        assert_eq!(resend(), Ok(Some(Duration::from_millis(250))));
+        std::env::set_var("PS_RESEND", "0");
+        assert_eq!(resend(), Ok(None));
+        std::env::set_var("PS_RESEND", "yes");
+        let err = resend().unwrap_err().to_string();
+        assert!(err.contains("PS_RESEND"), "{err}");
+        std::env::set_var("PS_RESEND", "1");
+        for bad in ["0", "3600001", "soon"] {
+            std::env::set_var("PS_RESEND_TIMEOUT", bad);
+            let err = resend().unwrap_err().to_string();
+            assert!(err.contains("PS_RESEND_TIMEOUT"), "{err}");
+        }
+        std::env::remove_var("PS_RESEND");
+        std::env::remove_var("PS_RESEND_TIMEOUT");
+        assert!(KV_VARS.contains(&PS_RESEND) && KV_VARS.contains(&PS_RESEND_TIMEOUT));
+        let c = KvConfig::local(Role::Worker, "127.0.0.1:1".parse().unwrap(), 1, 1);
+        assert_eq!(c.resend, None);
+        let c = c.resend(Some(Duration::from_millis(300)));
+        assert_eq!(c.resend, Some(Duration::from_millis(300)));
     }
 }

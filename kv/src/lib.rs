@@ -12,6 +12,10 @@
 //!   `dist_async` updates, with server-side optimizers ([`updater`]).
 //! - A node that dies never causes a silent hang: operations waiting on it fail with an error
 //!   naming it (connection loss at once, a frozen node after `PS_HEARTBEAT_TIMEOUT`).
+//! - `PS_RESEND=1` (timeout `PS_RESEND_TIMEOUT` ms): acknowledged delivery with per-peer
+//!   sequence numbers; a dropped connection is re-established and what it lost resent, and
+//!   duplicates are dropped, so a push is applied exactly once. A peer is declared gone only
+//!   after the retry limit ([`proto::resend`]).
 //!
 //! The protocol lives in [`proto`] as plain state machines without I/O; [`run_scheduler`],
 //! [`run_server`] and [`Worker`] only move bytes.
@@ -23,6 +27,7 @@ pub mod config;
 mod error;
 pub mod placement;
 pub mod proto;
+mod reliable;
 mod scheduler;
 mod server;
 pub mod updater;

@@ -2,6 +2,7 @@
 //! [`SchedulerState`](crate::proto::scheduler::SchedulerState).
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use psnet_config::interface;
@@ -15,7 +16,8 @@ use crate::error::KvError;
 use crate::proto::ids::{describe, SCHEDULER};
 use crate::proto::msg::Msg;
 use crate::proto::scheduler::SchedulerState;
-use crate::wire::{self, Received};
+use crate::reliable::Link;
+use crate::wire::Received;
 
 /// Runs the scheduler until the job ends. `Err` if nodes died or never registered.
 pub async fn run_scheduler(config: &KvConfig) -> Result<(), KvError> {
@@ -58,6 +60,8 @@ impl Scheduler {
     pub async fn run(self) -> Result<(), KvError> {
         let Scheduler { t, config } = self;
         let config = &config;
+        let link = Link::new(Arc::new(t), config.resend);
+        let t = link.transport();
         tracing::info!(addr = %t.listen_addr(), servers = config.num_servers, workers = config.num_workers, "scheduler up");
         let mut state = SchedulerState::new(
             config.num_servers,
@@ -73,7 +77,7 @@ impl Scheduler {
         let mut tick = tokio::time::interval(tick_every);
         loop {
             tokio::select! {
-                event = wire::recv(&t) => {
+                event = link.recv() => {
                     let now = std::time::Instant::now();
                     match event? {
                         Received::Msg { from, msg, .. } => match msg {
@@ -100,7 +104,11 @@ impl Scheduler {
                 }
             }
             while let Some((to, msg)) = state.poll_transmit() {
-                if let Err(e) = wire::send(&t, to, &msg, None).await {
+                if let Msg::Assign { nodes, .. } = &msg {
+                    // Where to redial nodes whose connection drops (PS_RESEND).
+                    link.learn_nodes(nodes);
+                }
+                if let Err(e) = link.send(to, &msg, None).await {
                     tracing::debug!(to = %describe(to), error = %e, "scheduler could not deliver");
                 }
             }
@@ -108,7 +116,7 @@ impl Scheduler {
                 break;
             }
         }
-        t.shutdown();
+        link.close();
         if state.dead().is_empty() {
             tracing::info!("job finished");
             Ok(())

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use psnet_select::AnyTransport;
-use psnet_transport::{NodeId, Transport};
+use psnet_transport::NodeId;
 
 use crate::bootstrap::{self, heartbeat_period};
 use crate::config::KvConfig;
@@ -13,12 +13,13 @@ use crate::proto::ids::{self, describe, Role, SCHEDULER};
 use crate::proto::msg::Msg;
 use crate::proto::server::{Output, Push, ServerState};
 use crate::proto::sum;
-use crate::wire::{self, Received};
+use crate::reliable::Link;
+use crate::wire::Received;
 
 /// Joins the job as a server and serves until the scheduler ends the job.
 pub async fn run_server(config: &KvConfig) -> Result<(), KvError> {
     let mut joined = bootstrap::join(config).await?;
-    let t = joined.transport.clone();
+    let link = joined.link.clone();
     let mut state = ServerState::new(joined.num_workers());
     let mut heartbeat = tokio::time::interval(heartbeat_period(config));
     let worker_rank = |id: NodeId| match ids::role_rank(id) {
@@ -30,7 +31,7 @@ pub async fn run_server(config: &KvConfig) -> Result<(), KvError> {
         let next = async {
             match early.next() {
                 Some(event) => Ok(event),
-                None => wire::recv(&*t).await,
+                None => link.recv().await,
             }
         };
         tokio::select! {
@@ -50,7 +51,7 @@ pub async fn run_server(config: &KvConfig) -> Result<(), KvError> {
                             Ok(()) => Msg::Done { ts },
                             Err(reason) => Msg::Failed { ts, reason },
                         };
-                        if let Err(e) = wire::send(&*t, from, &reply, None).await {
+                        if let Err(e) = link.send(from, &reply, None).await {
                             tracing::debug!(to = %describe(from), error = %e, "reply lost");
                         }
                     }
@@ -74,20 +75,20 @@ pub async fn run_server(config: &KvConfig) -> Result<(), KvError> {
             },
             _ = heartbeat.tick() => {
                 // A failed heartbeat means the scheduler is gone: its loss arrives as an event.
-                let _ = wire::send(&*t, SCHEDULER, &Msg::Heartbeat, None).await;
+                let _ = link.send(SCHEDULER, &Msg::Heartbeat, None).await;
             }
         }
-        flush(&t, &mut state);
+        flush(&link, &mut state);
     }
     tracing::info!(node = %describe(joined.id), "server done");
-    t.shutdown();
+    link.close();
     Ok(())
 }
 
 /// Sends every answer the state has ready, each in its own task: answers to different workers
 /// go out in parallel, and the loop goes on taking requests meanwhile. Values are shared with
 /// the state, not copied.
-fn flush(t: &Arc<AnyTransport>, state: &mut ServerState) {
+fn flush(link: &Arc<Link<AnyTransport>>, state: &mut ServerState) {
     while let Some(out) = state.poll_output() {
         let (rank, msg, value) = match out {
             Output::Done { rank, ts, value } => (
@@ -97,11 +98,11 @@ fn flush(t: &Arc<AnyTransport>, state: &mut ServerState) {
             ),
             Output::Failed { rank, ts, reason } => (rank, Msg::Failed { ts, reason }, None),
         };
-        let t = t.clone();
+        let link = link.clone();
         tokio::spawn(async move {
             let to = ids::node_id(Role::Worker, rank);
             let bytes = value.as_deref().map(|v| sum::as_bytes(v));
-            if let Err(e) = wire::send(&*t, to, &msg, bytes).await {
+            if let Err(e) = link.send(to, &msg, bytes).await {
                 tracing::debug!(worker = rank, error = %e, "answer lost");
             }
         });

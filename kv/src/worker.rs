@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use psnet_compression::{CompressionParams, Compressor};
 use psnet_select::AnyTransport;
-use psnet_transport::{NodeId, Transport};
+use psnet_transport::NodeId;
 use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinHandle;
 
@@ -22,10 +22,12 @@ use crate::error::KvError;
 use crate::placement::Placement;
 use crate::proto::ids::{describe, Group, Role, SCHEDULER};
 use crate::proto::msg::{CommandKind, Msg, PushFlags};
+use crate::proto::resend::Stats;
 use crate::proto::server::Mode;
 use crate::proto::sum;
+use crate::reliable::Link;
 use crate::updater::OptimizerSpec;
-use crate::wire::{self, Received};
+use crate::wire::Received;
 
 type Reply = Result<Option<Bytes>, KvError>;
 /// Requests waiting for an answer: request id to (server, where the answer goes).
@@ -48,7 +50,7 @@ struct Layout {
 }
 
 struct Shared {
-    t: Arc<AnyTransport>,
+    link: Arc<Link<AnyTransport>>,
     rank: u32,
     servers: Vec<NodeId>,
     num_workers: u32,
@@ -167,7 +169,7 @@ impl Shared {
         let ts = self.next_ts.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         lock(&self.pending).insert(ts, (to, tx));
-        if let Err(e) = wire::send(&*self.t, to, &msg(ts), value).await {
+        if let Err(e) = self.link.send(to, &msg(ts), value).await {
             lock(&self.pending).remove(&ts);
             return Err(e);
         }
@@ -190,7 +192,7 @@ impl Drop for Worker {
         for t in &self.tasks {
             t.abort();
         }
-        self.shared.t.shutdown();
+        self.shared.link.close();
     }
 }
 
@@ -203,15 +205,15 @@ impl Worker {
                 config.role
             )));
         }
-        let mut joined = bootstrap::join(config).await?;
-        let early = std::mem::take(&mut joined.early);
+        let joined = bootstrap::join(config).await?;
         let placement = Placement::new(joined.servers().len(), config.bigarray_bound)
             .map_err(|e| KvError::Invalid(e.to_string()))?;
+        let (servers, num_workers) = (joined.servers(), joined.num_workers());
         let shared = Arc::new(Shared {
-            t: joined.transport.clone(),
+            link: joined.link,
             rank: joined.rank,
-            servers: joined.servers(),
-            num_workers: joined.num_workers(),
+            servers,
+            num_workers,
             placement,
             next_ts: AtomicU64::new(1),
             pending: Mutex::new(HashMap::new()),
@@ -224,13 +226,13 @@ impl Worker {
             shutdown_seen: Notify::new(),
             names: Mutex::new(HashMap::new()),
         });
-        for event in early {
+        for event in joined.early {
             shared.handle(event);
         }
         let receiver = {
             let shared = shared.clone();
             tokio::spawn(async move {
-                while let Ok(event) = wire::recv(&*shared.t).await {
+                while let Ok(event) = shared.link.recv().await {
                     shared.handle(event);
                 }
                 // Transport closed: nothing more will be answered.
@@ -251,7 +253,9 @@ impl Worker {
                 let mut tick = tokio::time::interval(period);
                 loop {
                     tick.tick().await;
-                    if wire::send(&*shared.t, SCHEDULER, &Msg::Heartbeat, None)
+                    if shared
+                        .link
+                        .send(SCHEDULER, &Msg::Heartbeat, None)
                         .await
                         .is_err()
                     {
@@ -280,6 +284,18 @@ impl Worker {
     /// Number of servers in the job.
     pub fn num_servers(&self) -> u32 {
         self.shared.servers.len() as u32
+    }
+
+    /// Test hook: the transport, e.g. to drop a connection (`disconnect`).
+    #[doc(hidden)]
+    pub fn debug_transport(&self) -> &AnyTransport {
+        self.shared.link.transport()
+    }
+
+    /// Test hook: `PS_RESEND`'s counters (None when it is off).
+    #[doc(hidden)]
+    pub fn debug_resend_stats(&self) -> Option<Stats> {
+        self.shared.link.resend_stats()
     }
 
     /// The integer key for a string key: assigned in order of first use on this worker,
@@ -621,7 +637,11 @@ impl Worker {
                 describe(*node)
             )));
         }
-        if let Err(e) = wire::send(&*self.shared.t, SCHEDULER, &Msg::Barrier { group }, None).await
+        if let Err(e) = self
+            .shared
+            .link
+            .send(SCHEDULER, &Msg::Barrier { group }, None)
+            .await
         {
             lock(&self.shared.barrier).take();
             return Err(e);
@@ -632,7 +652,10 @@ impl Worker {
     /// Leaves the job cleanly: tells the scheduler this worker is done and waits until the
     /// scheduler ends the job (once every worker is done).
     pub async fn finalize(self) -> Result<(), KvError> {
-        wire::send(&*self.shared.t, SCHEDULER, &Msg::Finalize, None).await?;
+        self.shared
+            .link
+            .send(SCHEDULER, &Msg::Finalize, None)
+            .await?;
         loop {
             if self.shared.shutdown.load(Ordering::Acquire) {
                 tracing::info!(rank = self.shared.rank, "worker done");

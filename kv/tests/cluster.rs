@@ -1,97 +1,25 @@
 //! Whole jobs inside one test process (scheduler, servers and workers as tasks over
 //! 127.0.0.1): the semantics end to end.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use psnet_compression::CompressionParams;
 use psnet_kv::updater::OptimizerSpec;
-use psnet_kv::{run_server, KvConfig, KvError, Mode, Role, Scheduler, Worker};
-use tokio::task::JoinHandle;
+use psnet_kv::{KvError, Mode};
 
-struct Cluster {
-    workers: Vec<Arc<Worker>>,
-    scheduler: JoinHandle<Result<(), KvError>>,
-    servers: Vec<JoinHandle<Result<(), KvError>>>,
-}
+mod common;
+
+use common::{cluster_with, on_all, Cluster};
 
 async fn cluster(servers: u32, workers: u32, bound: usize) -> Cluster {
-    psnet_config::logging::init();
-    let config = |role, root: SocketAddr| {
-        KvConfig::local(role, root, servers, workers)
-            .bigarray_bound(bound)
-            .heartbeats(
-                Some(Duration::from_millis(200)),
-                Some(Duration::from_secs(5)),
-            )
-            .bootstrap_timeout(Duration::from_secs(30))
-    };
-    let sched = Scheduler::bind(&config(Role::Scheduler, "127.0.0.1:0".parse().unwrap()))
-        .await
-        .expect("scheduler binds");
-    let root = sched.addr();
-    let scheduler = tokio::spawn(sched.run());
-    let servers = (0..servers)
-        .map(|_| {
-            let c = config(Role::Server, root);
-            tokio::spawn(async move { run_server(&c).await })
-        })
-        .collect();
-    let joins: Vec<_> = (0..workers)
-        .map(|_| {
-            let c = config(Role::Worker, root);
-            tokio::spawn(async move { Worker::join(&c).await })
-        })
-        .collect();
-    let mut ws = Vec::new();
-    for j in joins {
-        ws.push(Arc::new(j.await.unwrap().expect("worker joins")));
-    }
-    ws.sort_by_key(|w| w.rank());
-    Cluster {
-        workers: ws,
-        scheduler,
-        servers,
-    }
-}
-
-impl Cluster {
-    /// Every worker finalizes; every task ends cleanly.
-    async fn finish(self) {
-        let finals: Vec<_> = self
-            .workers
-            .into_iter()
-            .map(|w| {
-                let w = Arc::try_unwrap(w).unwrap_or_else(|_| panic!("worker still shared"));
-                tokio::spawn(async move { w.finalize().await })
-            })
-            .collect();
-        for f in finals {
-            f.await.unwrap().expect("worker finalizes");
-        }
-        for s in self.servers {
-            s.await.unwrap().expect("server ends cleanly");
-        }
-        self.scheduler
-            .await
-            .unwrap()
-            .expect("scheduler ends cleanly");
-    }
-}
-
-/// Runs `f(worker)` on every worker concurrently.
-async fn on_all<F, Fut>(workers: &[Arc<Worker>], f: F) -> Vec<Result<Vec<f32>, KvError>>
-where
-    F: Fn(Arc<Worker>) -> Fut,
-    Fut: std::future::Future<Output = Result<Vec<f32>, KvError>> + Send + 'static,
-{
-    let handles: Vec<_> = workers.iter().map(|w| tokio::spawn(f(w.clone()))).collect();
-    let mut out = Vec::new();
-    for h in handles {
-        out.push(h.await.unwrap());
-    }
-    out
+    cluster_with(servers, workers, |c| {
+        c.bigarray_bound(bound).heartbeats(
+            Some(Duration::from_millis(200)),
+            Some(Duration::from_secs(5)),
+        )
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,9 +1,10 @@
 //! The kv store's protocol, free of I/O: node ids and groups, the message codec, and the
-//! state machines of the scheduler and the servers. Drivers in the parent module only move
-//! the bytes these types produce and consume.
+//! state machines of the scheduler, the servers and `PS_RESEND`'s acknowledged delivery.
+//! Drivers in the parent module only move the bytes these types produce and consume.
 
 pub mod ids;
 pub mod msg;
+pub mod resend;
 pub mod scheduler;
 pub mod server;
 pub mod sum;

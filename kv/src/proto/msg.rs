@@ -4,6 +4,11 @@
 //! Values travel as data segments of the transport message, never inside the metadata: a push
 //! carries its values (f32 little-endian, or compressed bytes) in segment 0; a pull answer and
 //! a push-pull acknowledgement carry the value in segment 0.
+//!
+//! With `PS_RESEND` on, the metadata of messages between registered nodes starts with an
+//! [`Envelope`] (a sequence number and/or an acknowledgement, see [`super::resend`]); its first
+//! byte, [`ENVELOPE`], can never start a bare message, so [`decode_frame`] tells them apart
+//! and a node without `PS_RESEND` refuses enveloped messages with a clear error.
 
 use std::net::SocketAddr;
 
@@ -17,6 +22,14 @@ pub const VERSION: u8 = 1;
 pub const MAX_STRING: usize = 64 << 10;
 /// Most nodes in an assignment.
 pub const MAX_NODES: usize = 1 << 16;
+/// First byte of a `PS_RESEND` envelope: `0xE0` marks an envelope, the low nibble is the
+/// envelope's version (1). Bare messages start with [`VERSION`].
+pub const ENVELOPE: u8 = 0xE1;
+/// Most bytes an envelope adds in front of a message (marker, flags, sequence number, ack).
+pub const ENVELOPE_LEN: usize = 18;
+
+const HAS_SEQ: u8 = 1;
+const HAS_ACK: u8 = 2;
 
 /// A node of the job, as the scheduler announces it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -197,6 +210,80 @@ pub enum DecodeError {
     /// Bytes left over after the message.
     #[error("{0} trailing bytes after the kv message")]
     Trailing(usize),
+    /// A `PS_RESEND` envelope reached a decoder of bare messages.
+    #[error(
+        "the message carries a PS_RESEND envelope but this node runs without PS_RESEND \
+         (set PS_RESEND the same on every node)"
+    )]
+    Enveloped,
+}
+
+/// `PS_RESEND`'s envelope around a kv message: the message's sequence number on its
+/// sender-to-receiver direction, an acknowledgement for the opposite direction, or both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Envelope {
+    /// Sequence number of the enclosed message (from 1); None: no message, an ack alone.
+    pub seq: Option<u64>,
+    /// Cumulative acknowledgement: every message with a lower sequence number sent by the
+    /// receiver of this envelope to its sender has arrived (at least 1).
+    pub ack: Option<u64>,
+}
+
+impl Envelope {
+    /// The metadata block: the envelope, then `msg` (an encoded [`Msg`]; empty exactly when
+    /// `seq` is None).
+    pub fn encode(&self, msg: &[u8]) -> Vec<u8> {
+        let mut w = Writer(Vec::with_capacity(ENVELOPE_LEN + msg.len()));
+        let flags = self.seq.map_or(0, |_| HAS_SEQ) | self.ack.map_or(0, |_| HAS_ACK);
+        w.u8(ENVELOPE).u8(flags);
+        if let Some(seq) = self.seq {
+            w.u64(seq);
+        }
+        if let Some(ack) = self.ack {
+            w.u64(ack);
+        }
+        w.0.extend_from_slice(msg);
+        w.0
+    }
+}
+
+/// Parses a metadata block that may start with an [`Envelope`]: a bare message gives
+/// `(None, Some(msg))`, an enveloped one `(Some(envelope), msg)` where `msg` is present
+/// exactly when the envelope has a sequence number. Any malformed input is an error.
+pub fn decode_frame(bytes: &[u8]) -> Result<(Option<Envelope>, Option<Msg>), DecodeError> {
+    if bytes.first() != Some(&ENVELOPE) {
+        return Ok((None, Some(Msg::decode(bytes)?)));
+    }
+    let mut r = Reader(&bytes[1..]);
+    let flags = r.u8()?;
+    if flags == 0 || flags & !(HAS_SEQ | HAS_ACK) != 0 {
+        return Err(DecodeError::Invalid("bad envelope flags"));
+    }
+    let seq = if flags & HAS_SEQ != 0 {
+        Some(r.u64()?)
+    } else {
+        None
+    };
+    let ack = if flags & HAS_ACK != 0 {
+        Some(r.u64()?)
+    } else {
+        None
+    };
+    if seq == Some(0) || ack == Some(0) {
+        return Err(DecodeError::Invalid("envelope numbers start at 1"));
+    }
+    let msg = match (seq, r.0.is_empty()) {
+        (Some(_), true) => return Err(DecodeError::Invalid("envelope without its message")),
+        (Some(_), false) => {
+            if r.0[0] == ENVELOPE {
+                return Err(DecodeError::Invalid("nested envelope"));
+            }
+            Some(Msg::decode(r.0)?)
+        }
+        (None, true) => None,
+        (None, false) => return Err(DecodeError::Trailing(r.0.len())),
+    };
+    Ok((Some(Envelope { seq, ack }), msg))
 }
 
 struct Writer(Vec<u8>);
@@ -349,6 +436,9 @@ impl Msg {
     pub fn decode(bytes: &[u8]) -> Result<Msg, DecodeError> {
         let mut r = Reader(bytes);
         let version = r.u8()?;
+        if version == ENVELOPE {
+            return Err(DecodeError::Enveloped);
+        }
         if version != VERSION {
             return Err(DecodeError::Version(version));
         }
@@ -506,10 +596,103 @@ mod tests {
         ));
     }
 
+    #[test]
+    fn envelopes_round_trip() {
+        for m in samples() {
+            let body = m.encode();
+            let env = Envelope {
+                seq: Some(7),
+                ack: Some(u64::MAX),
+            };
+            let bytes = env.encode(&body);
+            assert_eq!(bytes.len(), ENVELOPE_LEN + body.len());
+            assert_eq!(decode_frame(&bytes), Ok((Some(env), Some(m.clone()))));
+            let seq_only = Envelope {
+                seq: Some(1),
+                ack: None,
+            };
+            assert_eq!(
+                decode_frame(&seq_only.encode(&body)),
+                Ok((Some(seq_only), Some(m.clone())))
+            );
+            assert_eq!(decode_frame(&body), Ok((None, Some(m.clone()))));
+            // A node without PS_RESEND refuses enveloped messages, saying why.
+            assert_eq!(Msg::decode(&bytes), Err(DecodeError::Enveloped));
+        }
+        let ack = Envelope {
+            seq: None,
+            ack: Some(3),
+        };
+        assert_eq!(decode_frame(&ack.encode(&[])), Ok((Some(ack), None)));
+        assert!(DecodeError::Enveloped.to_string().contains("PS_RESEND"));
+    }
+
+    #[test]
+    fn rejects_bad_envelopes() {
+        let body = Msg::Heartbeat.encode();
+        let bad = |bytes: Vec<u8>| assert!(decode_frame(&bytes).is_err(), "{bytes:?}");
+        bad(vec![ENVELOPE]);
+        bad(vec![ENVELOPE, 0]);
+        bad(vec![ENVELOPE, 4]);
+        // A sequence number without its message, a message without a sequence number.
+        bad(Envelope {
+            seq: Some(1),
+            ack: None,
+        }
+        .encode(&[]));
+        bad(Envelope {
+            seq: None,
+            ack: Some(1),
+        }
+        .encode(&body));
+        // Zero is never a sequence number or an ack.
+        bad(Envelope {
+            seq: Some(0),
+            ack: None,
+        }
+        .encode(&body));
+        bad(Envelope {
+            seq: None,
+            ack: Some(0),
+        }
+        .encode(&[]));
+        // Envelopes do not nest.
+        let inner = Envelope {
+            seq: Some(1),
+            ack: None,
+        }
+        .encode(&body);
+        bad(Envelope {
+            seq: Some(2),
+            ack: None,
+        }
+        .encode(&inner));
+    }
+
     proptest! {
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
             let _ = Msg::decode(&bytes);
+            let _ = decode_frame(&bytes);
+        }
+
+        #[test]
+        fn arbitrary_envelope_bodies_never_panic(
+            flags in any::<u8>(),
+            rest in proptest::collection::vec(any::<u8>(), 0..200),
+        ) {
+            let mut bytes = vec![ENVELOPE, flags];
+            bytes.extend_from_slice(&rest);
+            let _ = decode_frame(&bytes);
+        }
+
+        #[test]
+        fn truncated_envelopes_are_errors(i in 0usize..14, cut in 0usize..80, seq in 1u64.., ack in 1u64..) {
+            let env = Envelope { seq: Some(seq), ack: Some(ack) };
+            let bytes = env.encode(&samples()[i].encode());
+            if cut < bytes.len() {
+                prop_assert!(decode_frame(&bytes[..cut]).is_err());
+            }
         }
 
         #[test]
