@@ -103,18 +103,27 @@ impl EnvVar {
     }
 }
 
-macro_rules! env_vars {
-    ($($ident:ident = $name:literal, $default:literal, $desc:literal;)*) => {
+/// Declares environment variables once each, as `EnvVar` constants (documented with their
+/// description), plus a list of them all for `--print-env`:
+/// `declare_env_vars!(LIST; IDENT = "NAME", "default", "description"; ...)`.
+#[macro_export]
+macro_rules! declare_env_vars {
+    ($list:ident; $($ident:ident = $name:literal, $default:literal, $desc:literal;)*) => {
         $(
             #[doc = $desc]
-            pub const $ident: EnvVar = EnvVar { name: $name, default: $default, description: $desc };
+            pub const $ident: $crate::env::EnvVar = $crate::env::EnvVar {
+                name: $name,
+                default: $default,
+                description: $desc,
+            };
         )*
-        /// Every variable psnet reads, in declaration order.
-        pub const ALL: &[EnvVar] = &[$($ident),*];
+        /// Every variable declared here, in declaration order.
+        pub const $list: &[$crate::env::EnvVar] = &[$($ident),*];
     };
 }
 
-env_vars! {
+crate::declare_env_vars! {
+    ALL;
     DMLC_NODE_HOST = "DMLC_NODE_HOST", "",
         "This node's IP address (or host name), used verbatim; beats DMLC_INTERFACE.";
     DMLC_INTERFACE = "DMLC_INTERFACE", "",

@@ -11,91 +11,26 @@ use psnet_select::TransportPref;
 use crate::proto::ids::Role;
 use crate::proto::resend::MAX_TIMEOUT;
 
-/// `DMLC_ROLE`.
-pub const DMLC_ROLE: EnvVar = EnvVar {
-    name: "DMLC_ROLE",
-    default: "",
-    description: "scheduler | server | worker",
-};
-/// `DMLC_PS_ROOT_URI`.
-pub const DMLC_PS_ROOT_URI: EnvVar = EnvVar {
-    name: "DMLC_PS_ROOT_URI",
-    default: "",
-    description: "the scheduler's IP address or host name",
-};
-/// `DMLC_PS_ROOT_PORT`.
-pub const DMLC_PS_ROOT_PORT: EnvVar = EnvVar {
-    name: "DMLC_PS_ROOT_PORT",
-    default: "",
-    description: "the scheduler's port",
-};
-/// `DMLC_NUM_SERVER`.
-pub const DMLC_NUM_SERVER: EnvVar = EnvVar {
-    name: "DMLC_NUM_SERVER",
-    default: "",
-    description: "number of server processes",
-};
-/// `DMLC_NUM_WORKER`.
-pub const DMLC_NUM_WORKER: EnvVar = EnvVar {
-    name: "DMLC_NUM_WORKER",
-    default: "",
-    description: "number of worker processes",
-};
-/// `PS_HEARTBEAT_INTERVAL`.
-pub const PS_HEARTBEAT_INTERVAL: EnvVar = EnvVar {
-    name: "PS_HEARTBEAT_INTERVAL",
-    default: "1",
-    description: "seconds between heartbeats to the scheduler (0: off)",
-};
-/// `PS_HEARTBEAT_TIMEOUT`.
-pub const PS_HEARTBEAT_TIMEOUT: EnvVar = EnvVar {
-    name: "PS_HEARTBEAT_TIMEOUT",
-    default: "10",
-    description: "seconds of silence after which the scheduler declares a node dead (0: never)",
-};
-/// `MXNET_KVSTORE_BIGARRAY_BOUND`.
-pub const MXNET_KVSTORE_BIGARRAY_BOUND: EnvVar = EnvVar {
-    name: "MXNET_KVSTORE_BIGARRAY_BOUND",
-    default: "1000000",
-    description: "arrays with at least this many elements are split over all servers",
-};
-/// `PSNET_BOOTSTRAP_TIMEOUT`.
-pub const PSNET_BOOTSTRAP_TIMEOUT: EnvVar = EnvVar {
-    name: "PSNET_BOOTSTRAP_TIMEOUT",
-    default: "120",
-    description:
-        "seconds the scheduler waits for every node to register (and nodes for their rank)",
-};
-
-/// `PS_RESEND`.
-pub const PS_RESEND: EnvVar = EnvVar {
-    name: "PS_RESEND",
-    default: "0",
-    description: "non-zero: acknowledged delivery; unacknowledged messages are resent, \
-                  duplicates dropped, a peer silent past the retry limit fails what depends on it",
-};
-/// `PS_RESEND_TIMEOUT`.
-pub const PS_RESEND_TIMEOUT: EnvVar = EnvVar {
-    name: "PS_RESEND_TIMEOUT",
-    default: "1000",
-    description: "milliseconds before an unacknowledged message is resent (with PS_RESEND); \
-                  a peer is given up after 10 resends",
-};
-
-/// Every variable the kv store reads beyond `psnet_config::env::ALL`.
-pub const KV_VARS: &[EnvVar] = &[
-    DMLC_ROLE,
-    DMLC_PS_ROOT_URI,
-    DMLC_PS_ROOT_PORT,
-    DMLC_NUM_SERVER,
-    DMLC_NUM_WORKER,
-    PS_HEARTBEAT_INTERVAL,
-    PS_HEARTBEAT_TIMEOUT,
-    MXNET_KVSTORE_BIGARRAY_BOUND,
-    PSNET_BOOTSTRAP_TIMEOUT,
-    PS_RESEND,
-    PS_RESEND_TIMEOUT,
-];
+psnet_config::declare_env_vars! {
+    KV_VARS;
+    DMLC_ROLE = "DMLC_ROLE", "", "scheduler | server | worker";
+    DMLC_PS_ROOT_URI = "DMLC_PS_ROOT_URI", "", "the scheduler's IP address or host name";
+    DMLC_PS_ROOT_PORT = "DMLC_PS_ROOT_PORT", "", "the scheduler's port";
+    DMLC_NUM_SERVER = "DMLC_NUM_SERVER", "", "number of server processes";
+    DMLC_NUM_WORKER = "DMLC_NUM_WORKER", "", "number of worker processes";
+    PS_HEARTBEAT_INTERVAL = "PS_HEARTBEAT_INTERVAL", "1",
+        "seconds between heartbeats to the scheduler (0: off)";
+    PS_HEARTBEAT_TIMEOUT = "PS_HEARTBEAT_TIMEOUT", "10",
+        "seconds of silence after which the scheduler declares a node dead (0: never)";
+    MXNET_KVSTORE_BIGARRAY_BOUND = "MXNET_KVSTORE_BIGARRAY_BOUND", "1000000",
+        "arrays with at least this many elements are split over all servers";
+    PSNET_BOOTSTRAP_TIMEOUT = "PSNET_BOOTSTRAP_TIMEOUT", "120",
+        "seconds the scheduler waits for every node to register (and nodes for their rank)";
+    PS_RESEND = "PS_RESEND", "0",
+        "non-zero: acknowledged delivery; unacknowledged messages are resent, duplicates dropped, a peer silent past the retry limit fails what depends on it";
+    PS_RESEND_TIMEOUT = "PS_RESEND_TIMEOUT", "1000",
+        "milliseconds before an unacknowledged message is resent (with PS_RESEND); a peer is given up after 10 resends";
+}
 
 /// Everything a kv node needs to join a job.
 #[derive(Clone, Debug)]
