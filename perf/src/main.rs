@@ -206,10 +206,17 @@ fn print_env() {
         "{:<32} {:<12} {:<14} DESCRIPTION",
         "VARIABLE", "DEFAULT", "CURRENT"
     );
-    for var in psnet_config::env::ALL
+    let compression = psnet_config::env::EnvVar {
+        name: psnet_compression::SIMD_ENV_VAR,
+        default: "",
+        description:
+            "caps gradient compression's SIMD level: avx2, sse2 or scalar (default: the best this CPU has)",
+    };
+    let all = psnet_config::env::ALL
         .iter()
         .chain(psnet_kv::config::KV_VARS)
-    {
+        .chain(std::iter::once(&compression));
+    for var in all {
         let current = var.get().unwrap_or_else(|| "-".into());
         let default = if var.default.is_empty() {
             "-"
