@@ -18,6 +18,9 @@ pub struct TcpConfig {
     pub inbox_bytes: usize,
     /// `SO_SNDBUF` / `SO_RCVBUF`; `None` leaves the kernel's autotuning on.
     pub socket_buffer: Option<usize>,
+    /// Bytes of the shared-memory ring offered to a peer on this host, per direction, once
+    /// the first large message goes to it (0: never; the socket carries everything).
+    pub shm_ring: usize,
 }
 
 impl TcpConfig {
@@ -30,6 +33,7 @@ impl TcpConfig {
             handshake_timeout: Duration::from_secs(10),
             inbox_bytes: 256 << 20,
             socket_buffer: None,
+            shm_ring: crate::shm::DEFAULT_RING,
         }
     }
 }

@@ -3,14 +3,16 @@
 use std::io::{self, IoSlice};
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use psnet_transport::codec::HeaderBuf;
-use psnet_transport::{NodeId, Segment};
+use psnet_transport::codec::{FrameHeader, HeaderBuf};
+use psnet_transport::{FrameKind, Limits, NodeId, OutMessage, Segment};
 use smallvec::SmallVec;
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::task::AbortHandle;
+
+use crate::shm::{Control, SendRing};
 
 /// Most buffers one `writev` takes (Linux's IOV_MAX).
 const IOV_MAX: usize = 1024;
@@ -23,30 +25,101 @@ pub(crate) struct Conn {
     writer: tokio::sync::Mutex<OwnedWriteHalf>,
     /// A duplicate of the socket, to shut it down from synchronous code while a send may hold
     /// the writer.
-    control: std::net::TcpStream,
+    control_socket: std::net::TcpStream,
     broken: AtomicBool,
     reader: Mutex<Option<AbortHandle>>,
+    /// This side's ring for large messages to the peer, once offered.
+    send_ring: Mutex<Option<Arc<SendRing>>>,
+    /// Whether the peer is on this host (loopback, or our own address).
+    same_host: bool,
+    ring_offered: AtomicBool,
+    /// Frames the control task writes (ring offers and answers, released regions).
+    pub(crate) control: Arc<Control>,
+    control_task: Mutex<Option<AbortHandle>>,
 }
 
 impl Conn {
     pub(crate) fn new(
         peer: NodeId,
         dialed_by_us: bool,
+        same_host: bool,
         writer: OwnedWriteHalf,
-        control: std::net::TcpStream,
+        control_socket: std::net::TcpStream,
     ) -> Self {
         Conn {
             peer,
             dialed_by_us,
             writer: tokio::sync::Mutex::new(writer),
-            control,
+            control_socket,
             broken: AtomicBool::new(false),
             reader: Mutex::new(None),
+            send_ring: Mutex::new(None),
+            same_host,
+            ring_offered: AtomicBool::new(false),
+            control: Arc::new(Control::default()),
+            control_task: Mutex::new(None),
         }
     }
 
     pub(crate) fn set_reader(&self, handle: AbortHandle) {
         *self.reader.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
+    }
+
+    pub(crate) fn set_control_task(&self, handle: AbortHandle) {
+        *self.control_task.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
+    }
+
+    /// Offers a shared-memory ring of `size` bytes to the peer, once per connection, when it
+    /// is on this host (a peer elsewhere could not map it anyway).
+    pub(crate) fn offer_ring(&self, size: usize) {
+        if size == 0 || !self.same_host || self.ring_offered.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        match SendRing::create(size) {
+            Ok(ring) => {
+                self.control.push(FrameKind::ShmOffer, ring.offer());
+                *self.send_ring.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ring));
+            }
+            Err(e) => tracing::debug!(peer = %self.peer, error = %e, "no shared-memory ring"),
+        }
+    }
+
+    /// The ring, once the peer has accepted it.
+    pub(crate) fn active_ring(&self) -> Option<Arc<SendRing>> {
+        self.send_ring
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .filter(|r| r.is_active())
+            .cloned()
+    }
+
+    /// The peer's answer to our offer.
+    pub(crate) fn ring_answer(&self, accepted: bool) {
+        let mut slot = self.send_ring.lock().unwrap_or_else(|p| p.into_inner());
+        match (accepted, slot.as_ref()) {
+            (true, Some(ring)) => ring.activate(),
+            _ => *slot = None,
+        }
+    }
+
+    /// The peer released regions of our ring; false if it named one we never handed out.
+    pub(crate) fn ring_free(&self, regions: &[(usize, usize)]) -> bool {
+        let slot = self.send_ring.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(ring) = slot.as_ref() else {
+            return false;
+        };
+        regions.iter().all(|&(o, l)| ring.free(o, l))
+    }
+
+    /// Writes one control frame (the control task's only job).
+    pub(crate) async fn write_control(&self, kind: FrameKind, body: &[u8]) -> io::Result<()> {
+        let msg = OutMessage::new(body, &[]);
+        let header = FrameHeader::for_message(kind, &msg, &Limits::default())
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        let mut head = HeaderBuf::new();
+        header.encode_into(&mut head);
+        self.write_frame(&head, body, &[]).await
     }
 
     pub(crate) fn is_broken(&self) -> bool {
@@ -56,7 +129,15 @@ impl Conn {
     /// Shuts the socket down both ways: pending and later writes fail, the reader sees the end.
     pub(crate) fn close(&self) {
         self.broken.store(true, Ordering::Release);
-        let _ = self.control.shutdown(Shutdown::Both);
+        let _ = self.control_socket.shutdown(Shutdown::Both);
+        if let Some(h) = self
+            .control_task
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            h.abort();
+        }
     }
 
     /// Stops the reader task too (transport shutdown).

@@ -12,6 +12,7 @@ use tokio::net::tcp::OwnedReadHalf;
 
 use crate::conn::Conn;
 use crate::inbox::Inbox;
+use crate::shm::{self, RecvRing};
 
 /// Reads are at least this large, so small messages cost about one syscall per batch.
 const MIN_READ: usize = 64 << 10;
@@ -66,6 +67,8 @@ pub(crate) async fn read_loop(
     limits: Limits,
 ) -> ReadEnd {
     let mut large = LargeBuffers::default();
+    // The peer's shared-memory ring, once it offered one.
+    let mut ring: Option<Arc<RecvRing>> = None;
     loop {
         let (header, header_len) = loop {
             match FrameHeader::decode(&buf, &limits) {
@@ -83,12 +86,6 @@ pub(crate) async fn read_loop(
                 Err(e) => return ReadEnd::Failed(e.to_string()),
             }
         };
-        if header.kind != FrameKind::Data {
-            return ReadEnd::Failed(format!(
-                "unexpected {:?} frame after the handshake",
-                header.kind
-            ));
-        }
         buf.advance(header_len);
         // The header was checked against the limits, so this allocation is bounded.
         let body_len = usize::try_from(header.body_len()).unwrap_or(usize::MAX);
@@ -110,10 +107,56 @@ pub(crate) async fn read_loop(
             buf.split_to(body_len).freeze()
         };
         let frame = header.split_body(body);
+        let segments = match frame.kind {
+            FrameKind::Data => frame.segments,
+            FrameKind::ShmData => {
+                let Some(ring) = ring.as_ref() else {
+                    return ReadEnd::Failed(
+                        "shared-memory message before a ring was offered".into(),
+                    );
+                };
+                let Some(descriptor) = frame.segments.first() else {
+                    return ReadEnd::Failed("shared-memory message without a descriptor".into());
+                };
+                match ring.segments(descriptor, &conn.control) {
+                    Ok(segments) => segments,
+                    Err(e) => return ReadEnd::Failed(e),
+                }
+            }
+            FrameKind::ShmOffer => {
+                match RecvRing::open(&frame.meta) {
+                    Ok(r) => {
+                        ring = Some(Arc::new(r));
+                        conn.control.push(FrameKind::ShmAccept, Vec::new());
+                    }
+                    Err(e) => conn
+                        .control
+                        .push(FrameKind::ShmReject, e.to_string().into_bytes()),
+                }
+                continue;
+            }
+            FrameKind::ShmAccept | FrameKind::ShmReject => {
+                conn.ring_answer(frame.kind == FrameKind::ShmAccept);
+                continue;
+            }
+            FrameKind::ShmFree => {
+                match shm::parse_free(&frame.meta) {
+                    Some(regions) if conn.ring_free(&regions) => {}
+                    _ => return ReadEnd::Failed("bad shared-memory release".into()),
+                }
+                continue;
+            }
+            FrameKind::Hello | FrameKind::HelloAck | FrameKind::HelloReject => {
+                return ReadEnd::Failed(format!(
+                    "unexpected {:?} frame after the handshake",
+                    frame.kind
+                ))
+            }
+        };
         let msg = Incoming {
             peer: conn.peer,
             meta: frame.meta,
-            segments: frame.segments,
+            segments,
         };
         tracing::trace!(peer = %conn.peer, bytes = body_len, "received message");
         if !inbox.push_message(msg).await {

@@ -7,7 +7,8 @@ use std::time::Duration;
 use bytes::BytesMut;
 use psnet_transport::codec::{FrameHeader, HeaderBuf};
 use psnet_transport::{
-    Capabilities, Event, FrameKind, NodeId, OutMessage, RegisteredBuf, Transport, TransportError,
+    Capabilities, Event, FrameKind, NodeId, OutMessage, RegisteredBuf, Segment, Transport,
+    TransportError,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
@@ -19,6 +20,7 @@ use crate::handshake::{self, Answer};
 use crate::inbox::Inbox;
 use crate::peers::{decide_hello, HelloDecision, Peers, PendingGuard, Slot, SIMULTANEOUS};
 use crate::reader::{read_loop, ReadEnd};
+use crate::shm::{self, SHM_MIN};
 use crate::socket::tune;
 
 /// The TCP implementation of [`Transport`].
@@ -119,7 +121,14 @@ impl Inner {
         let dup = control.try_clone()?;
         let stream = TcpStream::from_std(control)?;
         let (read, write) = stream.into_split();
-        let conn = Arc::new(Conn::new(peer, side == Side::Dialled, write, dup));
+        let same_host = addr.ip().is_loopback() || addr.ip() == self.listen_addr.ip();
+        let conn = Arc::new(Conn::new(
+            peer,
+            side == Side::Dialled,
+            same_host,
+            write,
+            dup,
+        ));
         match side {
             Side::Dialled => self.peers.install_dialled(peer, conn.clone()),
             Side::Accepted(token) => {
@@ -143,6 +152,18 @@ impl Inner {
             inner.connection_ended(&reader_conn, end);
         });
         conn.set_reader(task.abort_handle());
+        let control_conn = conn.clone();
+        let control = tokio::spawn(async move {
+            loop {
+                control_conn.control.notify.notified().await;
+                for (kind, body) in control_conn.control.take() {
+                    if control_conn.write_control(kind, &body).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        conn.set_control_task(control.abort_handle());
         if self.is_closed() {
             conn.close_and_stop_reader();
             return Ok(false);
@@ -425,14 +446,36 @@ impl Transport for TcpTransport {
             .peers
             .get(peer)
             .ok_or(TransportError::NotConnected { peer })?;
+        let lost = |e: std::io::Error| TransportError::PeerLost {
+            peer,
+            reason: e.to_string(),
+        };
         let mut head = HeaderBuf::new();
+        if header.body_len() - u64::from(header.meta_len) >= SHM_MIN as u64 {
+            // The first large message to a peer on this host offers the bulk path; it goes
+            // through the socket itself, later ones through the ring once accepted.
+            conn.offer_ring(inner.config.shm_ring);
+            if let Some(descriptor) = conn
+                .active_ring()
+                .and_then(|ring| ring.put(msg.segments))
+                .map(|(off, _)| shm::descriptor(off, msg.segments))
+            {
+                let segs = [Segment::new(&descriptor)];
+                let out = OutMessage::new(msg.meta, &segs);
+                let header =
+                    FrameHeader::for_message(FrameKind::ShmData, &out, &inner.config.limits)
+                        .map_err(|source| TransportError::Invalid { peer, source })?;
+                header.encode_into(&mut head);
+                return conn
+                    .write_frame(&head, out.meta, out.segments)
+                    .await
+                    .map_err(lost);
+            }
+        }
         header.encode_into(&mut head);
         conn.write_frame(&head, msg.meta, msg.segments)
             .await
-            .map_err(|e| TransportError::PeerLost {
-                peer,
-                reason: e.to_string(),
-            })
+            .map_err(lost)
     }
 
     fn recv(&self) -> impl std::future::Future<Output = Result<Event, TransportError>> + Send + '_ {

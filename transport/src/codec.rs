@@ -7,7 +7,7 @@
 //! offset  size  field
 //! 0       2     magic "PN"
 //! 2       1     version (1)
-//! 3       1     kind (0 data, 1 hello, 2 hello-ack, 3 hello-reject)
+//! 3       1     kind (0 data, 1 hello, 2 hello-ack, 3 hello-reject, 4..8 shared memory)
 //! 4       2     segment count n (u16 LE)
 //! 6       2     reserved, must be 0
 //! 8       4     metadata length (u32 LE)
@@ -48,6 +48,16 @@ pub enum FrameKind {
     HelloAck = 2,
     /// The acceptor refuses (e.g. a simultaneous connect it wins); carries a reason.
     HelloReject = 3,
+    /// Same-host bulk path: the sender offers a shared-memory ring (size, cookie, path).
+    ShmOffer = 4,
+    /// The receiver mapped the offered ring.
+    ShmAccept = 5,
+    /// The receiver cannot map it (another host); plain frames go on.
+    ShmReject = 6,
+    /// An application message whose segments sit in the ring; one descriptor segment.
+    ShmData = 7,
+    /// Ring regions the receiver is done with: (offset, length) pairs.
+    ShmFree = 8,
 }
 
 impl FrameKind {
@@ -57,6 +67,11 @@ impl FrameKind {
             1 => Ok(FrameKind::Hello),
             2 => Ok(FrameKind::HelloAck),
             3 => Ok(FrameKind::HelloReject),
+            4 => Ok(FrameKind::ShmOffer),
+            5 => Ok(FrameKind::ShmAccept),
+            6 => Ok(FrameKind::ShmReject),
+            7 => Ok(FrameKind::ShmData),
+            8 => Ok(FrameKind::ShmFree),
             other => Err(CodecError::UnknownKind(other)),
         }
     }
