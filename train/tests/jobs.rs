@@ -193,115 +193,107 @@ fn wait_within(child: &mut Child, limit: Duration) -> Option<std::process::ExitS
     None
 }
 
+/// A slow 1-server, 2-worker job started role by role, once training is under way.
+struct SlowJob {
+    scheduler: Child,
+    server: Child,
+    /// The worker that is not rank 0 (rank 1, node 11), and rank 0.
+    victim: Child,
+    survivor: Child,
+}
+
+impl SlowJob {
+    fn start(env: &[(&str, &str)]) -> SlowJob {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let slow = ["--epochs", "1000", "--step-delay-ms", "5"];
+        let start = |r| role(train().args(slow).envs(env.iter().copied()), r, port, 2);
+        let (scheduler, server) = (start("scheduler"), start("server"));
+        let (mut w0, mut w1) = (start("worker"), start("worker"));
+        // Rank 0 prints the epochs: the first line tells which one it is.
+        let (tx, rx) = std::sync::mpsc::channel();
+        for (i, s) in [
+            (0, w0.stdout.take().unwrap()),
+            (1, w1.stdout.take().unwrap()),
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(s).lines().map_while(Result::ok) {
+                    if line.starts_with("epoch") {
+                        let _ = tx.send(i);
+                        return;
+                    }
+                }
+            });
+        }
+        let rank0 = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("training started");
+        let (victim, survivor) = if rank0 == 0 { (w1, w0) } else { (w0, w1) };
+        SlowJob {
+            scheduler,
+            server,
+            victim,
+            survivor,
+        }
+    }
+
+    /// Waits for the survivor, which must fail; returns its stderr and how long it took.
+    fn survivor_fails(&mut self) -> (String, Duration) {
+        let started = Instant::now();
+        let status = wait_within(&mut self.survivor, Duration::from_secs(30))
+            .expect("the survivor must not hang");
+        let waited = started.elapsed();
+        assert!(
+            !status.success(),
+            "the survivor cannot finish a dist_sync job alone"
+        );
+        let mut err = String::new();
+        std::io::Read::read_to_string(self.survivor.stderr.as_mut().unwrap(), &mut err).unwrap();
+        (err, waited)
+    }
+
+    /// The server and the scheduler end too; returns the scheduler's status.
+    fn rest_exits(&mut self) -> std::process::ExitStatus {
+        assert!(
+            wait_within(&mut self.server, Duration::from_secs(30)).is_some(),
+            "server hangs"
+        );
+        wait_within(&mut self.scheduler, Duration::from_secs(30)).expect("scheduler hangs")
+    }
+}
+
 #[test]
 fn a_killed_worker_is_reported_to_the_others_in_bounded_time() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let slow = ["--epochs", "1000", "--step-delay-ms", "5"];
-    let mut scheduler = role(train().args(slow), "scheduler", port, 2);
-    let mut server = role(train().args(slow), "server", port, 2);
-    let mut w0 = role(train().args(slow), "worker", port, 2);
-    let mut w1 = role(train().args(slow), "worker", port, 2);
-    // Wait until training is under way (one of the workers is rank 0 and prints epochs).
-    let stdout0 = w0.stdout.take().unwrap();
-    let stdout1 = w1.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    for (i, s) in [(0, stdout0), (1, stdout1)] {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(s).lines().map_while(Result::ok) {
-                if line.starts_with("epoch") {
-                    let _ = tx.send(i);
-                    return;
-                }
-            }
-        });
-    }
-    let rank0 = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("training started");
-    // Kill the other one, hard.
-    let (victim, survivor) = if rank0 == 0 {
-        (&mut w1, &mut w0)
-    } else {
-        (&mut w0, &mut w1)
-    };
-    victim.kill().unwrap();
-    victim.wait().unwrap();
-    let status =
-        wait_within(survivor, Duration::from_secs(30)).expect("the survivor must not hang");
-    assert!(
-        !status.success(),
-        "the survivor cannot finish a dist_sync job alone"
-    );
-    let mut err = String::new();
-    std::io::Read::read_to_string(survivor.stderr.as_mut().unwrap(), &mut err).unwrap();
+    let mut job = SlowJob::start(&[]);
+    job.victim.kill().unwrap();
+    job.victim.wait().unwrap();
+    let (err, _) = job.survivor_fails();
     assert!(
         err.contains("worker 1 (node 11)") && err.contains("gone"),
         "{err}"
     );
     assert!(
-        wait_within(&mut server, Duration::from_secs(30)).is_some(),
-        "server hangs"
+        !job.rest_exits().success(),
+        "the scheduler reports the lost node"
     );
-    let sched = wait_within(&mut scheduler, Duration::from_secs(30)).expect("scheduler hangs");
-    assert!(!sched.success(), "the scheduler reports the lost node");
 }
 
 #[test]
 fn a_frozen_worker_is_declared_dead_after_the_heartbeat_timeout() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let slow = ["--epochs", "1000", "--step-delay-ms", "5"];
-    let timeout = [("PS_HEARTBEAT_TIMEOUT", "2")];
-    let mut scheduler = role(train().args(slow).envs(timeout), "scheduler", port, 2);
-    let mut server = role(train().args(slow).envs(timeout), "server", port, 2);
-    let mut w0 = role(train().args(slow).envs(timeout), "worker", port, 2);
-    let mut w1 = role(train().args(slow).envs(timeout), "worker", port, 2);
-    let (tx, rx) = std::sync::mpsc::channel();
-    for (i, s) in [
-        (0, w0.stdout.take().unwrap()),
-        (1, w1.stdout.take().unwrap()),
-    ] {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(s).lines().map_while(Result::ok) {
-                if line.starts_with("epoch") {
-                    let _ = tx.send(i);
-                    return;
-                }
-            }
-        });
-    }
-    let rank0 = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("training started");
-    let (victim, survivor) = if rank0 == 0 {
-        (&mut w1, &mut w0)
-    } else {
-        (&mut w0, &mut w1)
-    };
+    let mut job = SlowJob::start(&[("PS_HEARTBEAT_TIMEOUT", "2")]);
     // Freeze it: its connections stay open, only its heartbeats stop.
     let stopped = Command::new("kill")
-        .args(["-STOP", &victim.id().to_string()])
+        .args(["-STOP", &job.victim.id().to_string()])
         .status()
         .unwrap();
     assert!(stopped.success());
-    let started = Instant::now();
-    let status =
-        wait_within(survivor, Duration::from_secs(30)).expect("the survivor must not hang");
-    let waited = started.elapsed();
-    let _ = victim.kill();
-    let _ = victim.wait();
-    assert!(!status.success());
-    let mut err = String::new();
-    std::io::Read::read_to_string(survivor.stderr.as_mut().unwrap(), &mut err).unwrap();
+    let (err, waited) = job.survivor_fails();
+    let _ = job.victim.kill();
+    let _ = job.victim.wait();
     assert!(
         err.contains("worker 1 (node 11)") && err.contains("no heartbeat"),
         "{err}"
@@ -310,12 +302,5 @@ fn a_frozen_worker_is_declared_dead_after_the_heartbeat_timeout() {
         waited >= Duration::from_secs(1),
         "declared dead before the timeout: {waited:?}"
     );
-    assert!(
-        wait_within(&mut server, Duration::from_secs(30)).is_some(),
-        "server hangs"
-    );
-    assert!(
-        wait_within(&mut scheduler, Duration::from_secs(30)).is_some(),
-        "scheduler hangs"
-    );
+    job.rest_exits();
 }
