@@ -286,6 +286,11 @@ impl Worker {
         self.shared.servers.len() as u32
     }
 
+    /// The transport this worker runs on (`"tcp"`, `"rdma"`).
+    pub fn transport_name(&self) -> &'static str {
+        psnet_transport::Transport::capabilities(&**self.shared.link.transport()).name
+    }
+
     /// Test hook: the transport, e.g. to drop a connection (`disconnect`).
     #[doc(hidden)]
     pub fn debug_transport(&self) -> &AnyTransport {

@@ -156,6 +156,7 @@ pub fn run_worker(
         let kv = Worker::join(&config).await.map_err(|e| e.to_string())?;
         let rows = measure(&kv, sizes, iters, in_flight).await;
         let (servers, workers, rank) = (kv.num_servers(), kv.num_workers(), kv.rank());
+        let transport = kv.transport_name();
         kv.finalize().await.map_err(|e| e.to_string())?;
         let rows = rows?;
         if rank == 0 {
@@ -164,11 +165,12 @@ pub fn run_worker(
                     "test": "kv",
                     "servers": servers,
                     "workers": workers,
+                    "transport": transport,
                     "results": rows,
                 });
                 println!("{doc}");
             } else {
-                print!("{}", table(&rows, servers, workers, "tcp"));
+                print!("{}", table(&rows, servers, workers, transport));
             }
         }
         Ok(())
