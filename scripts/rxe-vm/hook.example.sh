@@ -9,6 +9,6 @@ rc=0
 for t in "$RXE_SHARE"/tests/*; do
   [ -x "$t" ] || continue
   echo "hook: running $t"
-  "$t" --test-threads=1 || { echo "hook: $t FAILED"; rc=1; }
+  "$t" --test-threads=1 --nocapture || { echo "hook: $t FAILED"; rc=1; }
 done
 exit $rc
