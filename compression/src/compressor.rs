@@ -120,6 +120,47 @@ pub(crate) fn check_dequantize(
     )
 }
 
+/// The settings every compressor type shares: SIMD level and thread split, with their
+/// builders and getters, and the threshold getter. The type needs the fields `threshold`,
+/// `simd` and `parallelism`.
+macro_rules! compressor_settings {
+    ($ty:ident) => {
+        impl $ty {
+            /// Forces a SIMD level; an error if this CPU does not support it.
+            pub fn with_simd(
+                mut self,
+                level: $crate::simd::SimdLevel,
+            ) -> Result<Self, $crate::error::CompressionError> {
+                self.simd = level.check()?;
+                Ok(self)
+            }
+
+            /// Sets how large arrays are split across threads.
+            #[must_use]
+            pub fn with_parallelism(mut self, parallelism: $crate::parallel::Parallelism) -> Self {
+                self.parallelism = parallelism;
+                self
+            }
+
+            /// The threshold the compressor was created with.
+            pub fn threshold(&self) -> f32 {
+                self.threshold
+            }
+
+            /// The SIMD level in use.
+            pub fn simd(&self) -> $crate::simd::SimdLevel {
+                self.simd
+            }
+
+            /// The thread split in use.
+            pub fn parallelism(&self) -> $crate::parallel::Parallelism {
+                self.parallelism
+            }
+        }
+    };
+}
+pub(crate) use compressor_settings;
+
 #[cfg(test)]
 mod tests {
     use super::*;

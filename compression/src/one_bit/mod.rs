@@ -60,6 +60,8 @@ pub struct OneBitCompressor {
     parallelism: Parallelism,
 }
 
+crate::compressor::compressor_settings!(OneBitCompressor);
+
 impl OneBitCompressor {
     /// A compressor deciding at `threshold` (anything but NaN), with the detected SIMD level
     /// and [`Parallelism::auto`].
@@ -69,34 +71,6 @@ impl OneBitCompressor {
             simd: SimdLevel::detect(),
             parallelism: Parallelism::auto(),
         })
-    }
-
-    /// Forces a SIMD level; an error if this CPU does not support it.
-    pub fn with_simd(mut self, level: SimdLevel) -> Result<Self, CompressionError> {
-        self.simd = level.check()?;
-        Ok(self)
-    }
-
-    /// Sets how large arrays are split across threads.
-    #[must_use]
-    pub fn with_parallelism(mut self, parallelism: Parallelism) -> Self {
-        self.parallelism = parallelism;
-        self
-    }
-
-    /// The decision threshold.
-    pub fn threshold(&self) -> f32 {
-        self.threshold
-    }
-
-    /// The SIMD level in use.
-    pub fn simd(&self) -> SimdLevel {
-        self.simd
-    }
-
-    /// The thread split in use.
-    pub fn parallelism(&self) -> Parallelism {
-        self.parallelism
     }
 
     /// Size in bytes of `n` compressed elements (see [`compressed_size`]).

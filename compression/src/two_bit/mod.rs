@@ -59,6 +59,8 @@ pub struct TwoBitCompressor {
     parallelism: Parallelism,
 }
 
+crate::compressor::compressor_settings!(TwoBitCompressor);
+
 impl TwoBitCompressor {
     /// A compressor for `threshold` (finite and `> 0`), with the detected SIMD level and
     /// [`Parallelism::auto`].
@@ -68,34 +70,6 @@ impl TwoBitCompressor {
             simd: SimdLevel::detect(),
             parallelism: Parallelism::auto(),
         })
-    }
-
-    /// Forces a SIMD level; an error if this CPU does not support it.
-    pub fn with_simd(mut self, level: SimdLevel) -> Result<Self, CompressionError> {
-        self.simd = level.check()?;
-        Ok(self)
-    }
-
-    /// Sets how large arrays are split across threads.
-    #[must_use]
-    pub fn with_parallelism(mut self, parallelism: Parallelism) -> Self {
-        self.parallelism = parallelism;
-        self
-    }
-
-    /// The threshold `t`.
-    pub fn threshold(&self) -> f32 {
-        self.threshold
-    }
-
-    /// The SIMD level in use.
-    pub fn simd(&self) -> SimdLevel {
-        self.simd
-    }
-
-    /// The thread split in use.
-    pub fn parallelism(&self) -> Parallelism {
-        self.parallelism
     }
 
     /// Size in bytes of `n` compressed elements (see [`compressed_size`]).
