@@ -146,6 +146,12 @@ crate::declare_env_vars! {
         "Bytes of shared memory (in /dev/shm) a node offers a peer on the same host, per direction, for large messages; 0: only sockets.";
     PSNET_INBOX_BYTES = "PSNET_INBOX_BYTES", "268435456",
         "Bytes of received messages that may wait for the application before connections stop reading (back-pressure).";
+    PSNET_RDMA_EAGER = "PSNET_RDMA_EAGER", "16384",
+        "RDMA: bytes of each pre-posted receive buffer; messages up to this size (header included) are copied (eager), larger ones are written by RDMA (rendezvous). Must match on every node.";
+    PSNET_RDMA_RECV_DEPTH = "PSNET_RDMA_RECV_DEPTH", "64",
+        "RDMA: receive buffers posted per peer (the peer's send credits).";
+    PSNET_RDMA_REG_CACHE = "PSNET_RDMA_REG_CACHE", "0",
+        "RDMA: registrations of plain (unregistered) user buffers kept for reuse, keyed by address and length; 0 registers per send. Only safe if sent buffers are not freed and reallocated at the same address while cached.";
     PS_VERBOSE = "PS_VERBOSE", "0",
         "Logging: 0 warnings and start-up choices, 1 lifecycle, 2 every message. RUST_LOG, if set, wins.";
 }

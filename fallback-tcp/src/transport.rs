@@ -138,6 +138,9 @@ impl Inner {
                 }
             }
         }
+        // Announced before the reader starts, so that the connection's first message never
+        // reaches the inbox ahead of its PeerConnected.
+        self.inbox.push_event(Event::PeerConnected { peer, addr });
         let inner = self.clone();
         let reader_conn = conn.clone();
         let task = tokio::spawn(async move {
@@ -169,7 +172,6 @@ impl Inner {
             return Ok(false);
         }
         tracing::debug!(local = %self.local(), %peer, %addr, "connected");
-        self.inbox.push_event(Event::PeerConnected { peer, addr });
         Ok(true)
     }
 

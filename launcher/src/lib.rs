@@ -44,7 +44,9 @@ pub struct JobSpec {
     pub command: Vec<String>,
     /// Extra environment for every process.
     pub env: Vec<(String, String)>,
-    /// The scheduler's address (default 127.0.0.1).
+    /// The scheduler's address: by default the address `DMLC_NODE_HOST` / `DMLC_INTERFACE`
+    /// choose when one is set (so the scheduler runs over the same interface and transport as
+    /// the others), else 127.0.0.1.
     pub root_host: String,
     /// The scheduler's port (0: a free one).
     pub root_port: u16,
@@ -60,7 +62,7 @@ impl JobSpec {
             workers,
             command,
             env: Vec::new(),
-            root_host: "127.0.0.1".into(),
+            root_host: default_root_host(),
             root_port: 0,
             grace: Duration::from_secs(10),
         }
@@ -115,6 +117,19 @@ pub enum LaunchError {
     /// Waiting on a process failed.
     #[error("waiting for a process: {0}")]
     Wait(std::io::Error),
+}
+
+/// The scheduler's address for a job on this host (see [`JobSpec::root_host`]).
+pub fn default_root_host() -> String {
+    let chosen = ["DMLC_NODE_HOST", "DMLC_INTERFACE"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some_and(|s| !s.is_empty()));
+    if chosen {
+        if let Ok(address) = psnet_config::interface::node_address_from_env() {
+            return address.ip.to_string();
+        }
+    }
+    "127.0.0.1".into()
 }
 
 /// A free TCP port on `host` for the scheduler.

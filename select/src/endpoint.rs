@@ -6,7 +6,8 @@ use psnet_config::interface::{self, NodeAddress};
 use psnet_config::ConfigError;
 use psnet_fallback_tcp::{TcpConfig, TcpTransport};
 use psnet_transport::{Limits, NodeId, TransportError};
-use psnet_verbs::discovery;
+use psnet_verbs::discovery::{self, RdmaBinding};
+use psnet_verbs::{DeviceSpec, VerbsConfig, VerbsTransport};
 
 use crate::any::AnyTransport;
 use crate::decide::{decide, Decision, TransportKind, TransportPref};
@@ -18,6 +19,8 @@ pub struct Selection {
     pub address: NodeAddress,
     /// The transport.
     pub decision: Decision,
+    /// What was asked for (`auto` falls back to TCP if the RDMA device cannot be opened).
+    pub pref: TransportPref,
 }
 
 /// Why a node could not choose or build its transport.
@@ -74,7 +77,11 @@ impl Selection {
         };
         let decision = decide(pref, address.interface.as_deref(), binding, RDMA_DATA_PATH)
             .map_err(SelectError::Rdma)?;
-        Ok(Selection { address, decision })
+        Ok(Selection {
+            address,
+            decision,
+            pref,
+        })
     }
 }
 
@@ -91,7 +98,7 @@ impl Selection {
 }
 
 /// Whether this build moves data over RDMA (the verbs data path).
-const RDMA_DATA_PATH: bool = false;
+const RDMA_DATA_PATH: bool = true;
 
 /// TCP settings from the environment, listening on `bind`.
 pub fn tcp_config_from_env(bind: SocketAddr) -> Result<TcpConfig, ConfigError> {
@@ -121,11 +128,48 @@ pub async fn bind(
         TransportKind::Tcp => Ok(AnyTransport::Tcp(
             TcpTransport::bind(id, tcp_config_from_env(addr)?).await?,
         )),
-        TransportKind::Rdma(b) => Err(SelectError::Rdma(format!(
-            "RDMA device {} was chosen but this build has no verbs data path",
-            b.device
-        ))),
+        TransportKind::Rdma(b) => {
+            match VerbsTransport::bind(id, verbs_config_from_env(addr, b)?).await {
+                Ok(t) => Ok(AnyTransport::Rdma(t)),
+                Err(e) if selection.pref == TransportPref::Auto => {
+                    tracing::warn!(device = %b.device, error = %e,
+                        "RDMA device unusable, falling back to TCP (PSNET_TRANSPORT=rdma makes this an error)");
+                    Ok(AnyTransport::Tcp(
+                        TcpTransport::bind(id, tcp_config_from_env(addr)?).await?,
+                    ))
+                }
+                Err(e) => Err(SelectError::Rdma(format!(
+                    "PSNET_TRANSPORT=rdma, but RDMA device {} cannot be used: {e}",
+                    b.device
+                ))),
+            }
+        }
     }
+}
+
+/// RDMA settings from the environment for `binding`, listening (for the queue-pair handshake)
+/// on `bind`.
+pub fn verbs_config_from_env(
+    bind: SocketAddr,
+    binding: &RdmaBinding,
+) -> Result<VerbsConfig, ConfigError> {
+    let port = u8::try_from(binding.port).map_err(|_| ConfigError::Invalid {
+        name: env::PSNET_IB_PORT.name,
+        value: binding.port.to_string(),
+        reason: "RDMA ports are numbered 1..=255".into(),
+    })?;
+    let spec = DeviceSpec {
+        device: binding.device.clone(),
+        port,
+        gid_index: env::PSNET_GID_INDEX.parse::<u32>()?,
+        ip: bind.ip(),
+    };
+    let mut config = VerbsConfig::new(bind, spec);
+    config.tcp = tcp_config_from_env(bind)?;
+    config.eager_bytes = env::PSNET_RDMA_EAGER.parse_or_default()?;
+    config.recv_depth = env::PSNET_RDMA_RECV_DEPTH.parse_or_default()?;
+    config.reg_cache = env::PSNET_RDMA_REG_CACHE.parse_or_default()?;
+    Ok(config)
 }
 
 /// Chooses from the environment, logs the choice once, and builds the transport.

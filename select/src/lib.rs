@@ -15,4 +15,6 @@ mod endpoint;
 
 pub use any::AnyTransport;
 pub use decide::{decide, Decision, TransportKind, TransportPref};
-pub use endpoint::{bind, bind_from_env, tcp_config_from_env, SelectError, Selection};
+pub use endpoint::{
+    bind, bind_from_env, tcp_config_from_env, verbs_config_from_env, SelectError, Selection,
+};

@@ -22,6 +22,12 @@ pub trait TransportFactory: Send + Sync + 'static {
     type T: Transport;
     /// A new endpoint with id `id`, listening and ready.
     fn create(&self, id: NodeId) -> impl Future<Output = Result<Self::T, TransportError>> + Send;
+
+    /// Why the suite cannot run here (e.g. no RDMA device); the cases then print the reason
+    /// and pass without running.
+    fn skip_reason(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Generates one `#[tokio::test]` per conformance case for the factory expression `$factory`.
@@ -47,6 +53,12 @@ macro_rules! conformance_tests {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $case() {
                 let factory = $factory;
+                if let Some(why) =
+                    $crate::conformance::TransportFactory::skip_reason(&factory)
+                {
+                    eprintln!("SKIPPED {}: {why}", stringify!($case));
+                    return;
+                }
                 $crate::conformance::run_case(
                     stringify!($case),
                     $crate::conformance::$case(&factory),

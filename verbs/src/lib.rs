@@ -1,12 +1,27 @@
-//! psnet's RDMA transport.
+//! psnet's RDMA transport: the `psnet_transport::Transport` contract over libibverbs
+//! reliable-connected queue pairs.
 //!
-//! This version holds device discovery: [`discovery`] finds the RDMA device and port bound to
-//! a network interface by reading sysfs (how psnet decides between RDMA and TCP), and
-//! [`devices`] lists what libibverbs reports, loading it at run time so that the same binary
-//! starts on hosts without rdma-core. The verbs data path (queue pairs, registration cache,
-//! eager and rendezvous protocols) comes with the verbs issue and implements the same
-//! `psnet_transport::Transport` contract as the TCP transport.
+//! - [`discovery`] finds the RDMA device and port bound to a network interface (sysfs), which
+//!   is how psnet chooses between RDMA and TCP; [`devices`] lists what libibverbs reports.
+//! - [`proto`] holds the protocol as plain types: the header codec, credits, in-order delivery.
+//! - [`transport::VerbsTransport`] moves bytes: eager sends into pre-posted buffers for small
+//!   messages, a rendezvous (request-to-send, clear-to-send, RDMA WRITE WITH IMMEDIATE into a
+//!   pooled registered buffer of the receiver) for large ones.
+//!
+//! libibverbs is loaded at run time (through `sideway`), so one binary starts everywhere and
+//! reports [`psnet_transport::TransportError::Unavailable`] where no device exists.
 #![deny(missing_docs)]
 
+pub mod control;
+pub mod device;
 pub mod devices;
 pub mod discovery;
+pub mod link;
+pub mod memory;
+pub mod proto;
+pub mod regcache;
+mod sys;
+pub mod transport;
+
+pub use device::DeviceSpec;
+pub use transport::{VerbsConfig, VerbsTransport};

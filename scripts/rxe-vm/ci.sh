@@ -1,0 +1,23 @@
+#!/bin/bash
+# Builds psnet's binaries and verbs test binaries on the host, stages them with
+# psnet-checks.sh as the guest's hook, and runs the Soft-RoCE guest (run.sh).
+# Exit status 0 only if every check in the guest passed. Needs root (run.sh does).
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+SHARE=${SHARE:-$(mktemp -d /tmp/psnet-rxe-share.XXXXXX)}
+cd "$ROOT"
+echo "rxe-ci: building release binaries"
+cargo build --release --locked -p psnet-perf -p psnet-launch -p psnet-train
+tests=$(cargo test --release --locked -p psnet-verbs --test conformance --no-run --message-format=json \
+  | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
+mkdir -p "$SHARE/bin" "$SHARE/tests"
+cp target/release/psnet-perf target/release/psnet-launch target/release/psnet-train "$SHARE/bin/"
+for t in $tests; do cp "$t" "$SHARE/tests/verbs-$(basename "$t" | sed 's/-[0-9a-f]*$//')"; done
+cp "$HERE/psnet-checks.sh" "$SHARE/hook.sh"
+echo "rxe-ci: running the guest (share $SHARE)"
+rc=0
+SHARE="$SHARE" GUEST_DEADLINE=${GUEST_DEADLINE:-900} bash "$HERE/run.sh" | tee "$SHARE/run.log" || rc=$?
+echo "rxe-ci: summary"
+grep -E "CHECK |FIGURE " "$SHARE/run.log" | sed 's/^GUEST[^:]*: //' || true
+exit $rc

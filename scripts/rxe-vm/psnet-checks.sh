@@ -1,0 +1,88 @@
+#!/bin/sh
+# psnet's checks inside the Soft-RoCE guest (run as share/hook.sh by guest-init.sh).
+# ci.sh stages the binaries in $RXE_SHARE/bin and the test binaries in $RXE_SHARE/tests.
+# Env from guest-init.sh: RXE_DEV RXE_GID_INDEX RXE_ADDR RXE_NETDEV RXE_SHARE.
+# Every check prints "CHECK <name> PASS|FAIL"; figures are printed as "FIGURE ..." lines.
+# Exit status non-zero if any check failed (=> RXE-RESULT: FAIL => CI fails).
+B=$RXE_SHARE/bin
+OUT=/tmp/psnet-checks
+mkdir -p $OUT
+ulimit -l unlimited
+FAILED=0
+check() { # check NAME STATUS
+  if [ "$2" = 0 ]; then echo "CHECK $1 PASS"; else echo "CHECK $1 FAIL (rc=$2)"; FAILED=1; fi
+}
+export PS_VERBOSE=0
+
+# 1. The transport's integration tests (the conformance suite) over rxe0.
+for t in "$RXE_SHARE"/tests/*; do
+  [ -x "$t" ] || continue
+  name=$(basename "$t")
+  timeout -k 5 300 "$t" --test-threads=1 > $OUT/$name.log 2>&1
+  rc=$?
+  grep -E "^test |test result" $OUT/$name.log
+  [ $rc = 0 ] || tail -60 $OUT/$name.log
+  check "tests/$name" $rc
+done
+
+# 2. Bandwidth: perftest's ib_write_bw and psnet-perf bw over the same device, same run.
+# Both send 1 MiB / 4 MiB messages from one registered buffer to a server on this host.
+bw_pair() { # bw_pair SIZE ITERS
+  timeout -k 5 120 ib_write_bw -d $RXE_DEV -x $RXE_GID_INDEX -s $1 -n $2 -F > $OUT/ibbw-srv.$1 2>&1 &
+  sleep 1
+  timeout -k 5 120 ib_write_bw -d $RXE_DEV -x $RXE_GID_INDEX -s $1 -n $2 -F $RXE_ADDR > $OUT/ibbw.$1 2>&1
+  rc1=$?; wait
+  ib=$(awk '$1 ~ /^[0-9]+$/ && NF >= 5 {print $4}' $OUT/ibbw.$1 | tail -1)
+  DMLC_INTERFACE=$RXE_NETDEV timeout -k 5 120 $B/psnet-perf bw --transport rdma > $OUT/psbw-srv.$1 2>&1 &
+  sleep 1
+  DMLC_INTERFACE=$RXE_NETDEV timeout -k 5 120 $B/psnet-perf bw --transport rdma -s $1 -n $2 --json $RXE_ADDR > $OUT/psbw.$1 2>&1
+  rc2=$?; wait
+  ps=$(sed -n 's/.*"bw_avg_mib_s": *\([0-9.]*\).*/\1/p' $OUT/psbw.$1 | tail -1)
+  [ $rc2 = 0 ] || { cat $OUT/psbw.$1 $OUT/psbw-srv.$1 | tail -30; }
+  echo "FIGURE bw size=$1 ib_write_bw_MBps=$ib psnet_rdma_MiBps=$ps ratio=$(awk -v a="$ps" -v b="$ib" 'BEGIN{ if (b > 0) printf "%.2f", a/b; else print "n/a" }')"
+  check "bw $1 (ib_write_bw rc=$rc1, psnet-perf rc=$rc2)" $(( rc1 != 0 || rc2 != 0 ))
+}
+bw_pair 1048576 200
+bw_pair 4194304 50
+
+# 3. Latency: ib_write_lat and psnet-perf lat (round trip / 2 vs perftest's one-way figure).
+timeout -k 5 60 ib_write_lat -d $RXE_DEV -x $RXE_GID_INDEX -s 8 -n 1000 -F > $OUT/iblat-srv 2>&1 &
+sleep 1
+timeout -k 5 60 ib_write_lat -d $RXE_DEV -x $RXE_GID_INDEX -s 8 -n 1000 -F $RXE_ADDR > $OUT/iblat 2>&1
+rc1=$?; wait
+DMLC_INTERFACE=$RXE_NETDEV timeout -k 5 60 $B/psnet-perf lat --transport rdma > $OUT/pslat-srv 2>&1 &
+sleep 1
+DMLC_INTERFACE=$RXE_NETDEV timeout -k 5 60 $B/psnet-perf lat --transport rdma -s 8 -n 1000 $RXE_ADDR > $OUT/pslat 2>&1
+rc2=$?; wait
+grep -A3 "#bytes" $OUT/iblat | tail -2
+tail -4 $OUT/pslat
+check "lat (ib_write_lat rc=$rc1, psnet-perf rc=$rc2)" $(( rc1 != 0 || rc2 != 0 ))
+
+# 4. The kv store: 1 scheduler + 1 server + 2 workers, dist_sync training, on the rxe-bound
+# interface (RDMA) and on an interface without RDMA (TCP); both must end bit-identical to
+# the single-process reference.
+ip link add eth1 type dummy 2>/dev/null; ip addr add 192.168.78.1/24 dev eth1 2>/dev/null; ip link set eth1 up
+$B/psnet-train --reference --workers 2 --epochs 2 --dump $OUT/ref.bin > $OUT/ref.log 2>&1
+check "train reference" $?
+for pair in "$RXE_NETDEV:rdma" "eth1:tcp"; do
+  iface=${pair%%:*}; want=${pair##*:}
+  rm -f $OUT/w.$iface.bin
+  DMLC_INTERFACE=$iface PS_VERBOSE=1 timeout -k 5 240 $B/psnet-train --servers 1 --workers 2 --epochs 2 \
+    --dump $OUT/w.$iface.bin > $OUT/train.$iface.log 2>&1
+  rc=$?
+  n=$(grep "psnet transport selected" $OUT/train.$iface.log | grep -c "$want")
+  echo "train over $iface: $n processes chose $want"
+  [ $rc = 0 ] || tail -30 $OUT/train.$iface.log
+  cmp -s $OUT/ref.bin $OUT/w.$iface.bin; same=$?
+  check "kv 1+1+2 over $iface ($want: $n of 4 processes, weights identical to reference: $([ $same = 0 ] && echo yes || echo no))" \
+    $(( rc != 0 || same != 0 || n != 4 ))
+done
+
+# 5. kv throughput over RDMA (for the record).
+DMLC_INTERFACE=$RXE_NETDEV timeout -k 5 240 $B/psnet-perf kv --servers 1 --workers 2 --sizes 4K,1M > $OUT/kv 2>&1
+rc=$?
+cat $OUT/kv | tail -8
+check "psnet-perf kv over $RXE_NETDEV" $rc
+
+[ $FAILED = 0 ] && echo "psnet-checks: all passed" || echo "psnet-checks: FAILED"
+exit $FAILED

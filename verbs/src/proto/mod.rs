@@ -1,0 +1,7 @@
+//! The verbs protocol as plain types, free of I/O (quinn-proto's lesson): the message header
+//! codec, credit accounting and in-order delivery. The transport only moves bytes between
+//! these types and the queue pairs, so all of this is tested without an RDMA device.
+
+pub mod credits;
+pub mod order;
+pub mod wire;

@@ -1,0 +1,93 @@
+//! The few libibverbs calls `sideway` does not wrap, and the process limits RDMA depends on.
+//! Every `unsafe` block of the data path's FFI lives here.
+
+use std::io;
+use std::sync::{Arc, OnceLock};
+
+use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue};
+
+/// Calls `ibv_fork_init` once per process, before the first registration, so that a child
+/// forked by a data loader does not corrupt registered pages (on kernels that need it).
+pub fn fork_init_once() {
+    static DONE: OnceLock<i32> = OnceLock::new();
+    let rc = *DONE.get_or_init(|| {
+        // SAFETY: ibv_fork_init takes no arguments and is called before any memory of this
+        // process is registered (the first transport calls it before creating its slabs).
+        unsafe { rdma_mummy_sys::ibv_fork_init() }
+    });
+    if rc != 0 {
+        tracing::warn!(
+            error = %io::Error::from_raw_os_error(rc.abs()),
+            "ibv_fork_init failed: children forked by this process must not touch registered memory"
+        );
+    }
+}
+
+/// Checks that this process may lock `need` bytes, with a message saying how to fix it.
+pub fn check_memlock(need: u64) -> Result<(), String> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into the valid pointer it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } != 0 {
+        return Ok(());
+    }
+    // SAFETY: geteuid has no preconditions. Root holds CAP_IPC_LOCK, which lifts the limit.
+    let root = unsafe { libc::geteuid() } == 0;
+    if root || lim.rlim_cur == libc::RLIM_INFINITY || lim.rlim_cur >= need {
+        return Ok(());
+    }
+    Err(format!(
+        "RLIMIT_MEMLOCK is {} KiB but psnet's RDMA buffers need at least {} KiB: raise it with \
+         `ulimit -l unlimited` (or `* - memlock unlimited` in /etc/security/limits.conf, \
+         `LimitMEMLOCK=infinity` for systemd, `--ulimit memlock=-1` for docker), or use \
+         PSNET_TRANSPORT=tcp",
+        lim.rlim_cur / 1024,
+        need / 1024
+    ))
+}
+
+/// Arms the completion queue: the channel becomes readable at its next completion.
+pub fn req_notify(cq: &Arc<BasicCompletionQueue>) -> io::Result<()> {
+    // SAFETY: the CQ pointer is valid while `cq` is alive; req_notify_cq only arms it.
+    let rc = unsafe { rdma_mummy_sys::ibv_req_notify_cq(cq.cq().as_ptr(), 0) };
+    if rc != 0 {
+        return Err(io::Error::from_raw_os_error(rc.abs()));
+    }
+    Ok(())
+}
+
+/// Takes the pending completion events from a non-blocking channel and acknowledges them;
+/// returns how many there were.
+pub fn drain_cq_events(channel: &Arc<CompletionChannel>) -> u32 {
+    let mut n = 0;
+    loop {
+        let mut cq: *mut rdma_mummy_sys::ibv_cq = std::ptr::null_mut();
+        let mut ctx: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: the channel is valid while `channel` is alive and non-blocking, so this
+        // returns at once; on success it stores the CQ the event belongs to in `cq`.
+        let rc = unsafe {
+            rdma_mummy_sys::ibv_get_cq_event(channel.comp_channel().as_ptr(), &mut cq, &mut ctx)
+        };
+        if rc != 0 || cq.is_null() {
+            return n;
+        }
+        // SAFETY: `cq` was just returned by ibv_get_cq_event for one event; every event must be
+        // acknowledged before the CQ is destroyed.
+        unsafe { rdma_mummy_sys::ibv_ack_cq_events(cq, 1) };
+        n += 1;
+    }
+}
+
+/// Registers the (non-blocking) completion channel with tokio's reactor.
+pub fn watch_channel(
+    channel: Arc<CompletionChannel>,
+) -> io::Result<tokio::io::unix::AsyncFd<Arc<CompletionChannel>>> {
+    // SAFETY: the channel owns its file descriptor and closes it only when dropped; the
+    // AsyncFd holds an Arc to it, so the descriptor stays open while registered.
+    unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(channel, tokio::io::Interest::READABLE)
+    }
+    .map_err(|e| io::Error::other(e.to_string()))
+}

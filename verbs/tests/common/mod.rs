@@ -1,0 +1,63 @@
+//! Endpoints on the RDMA device the environment names, for the tests.
+
+use std::net::{IpAddr, SocketAddr};
+
+use psnet_transport::conformance::TransportFactory;
+use psnet_transport::{NodeId, TransportError};
+use psnet_verbs::{DeviceSpec, VerbsConfig, VerbsTransport};
+
+/// Builds verbs endpoints on `RXE_DEV` (port 1) at `RXE_ADDR`.
+pub struct VerbsFactory {
+    spec: Result<DeviceSpec, String>,
+}
+
+impl VerbsFactory {
+    /// From `RXE_DEV` / `RXE_ADDR` (set by the Soft-RoCE guest), or the reason there is none.
+    pub fn from_env() -> Self {
+        let spec = match (std::env::var("RXE_DEV"), std::env::var("RXE_ADDR")) {
+            (Ok(device), Ok(addr)) => addr
+                .parse::<IpAddr>()
+                .map(|ip| DeviceSpec {
+                    device,
+                    port: 1,
+                    gid_index: std::env::var("RXE_GID_INDEX")
+                        .ok()
+                        .and_then(|g| g.parse().ok()),
+                    ip,
+                })
+                .map_err(|e| format!("RXE_ADDR={addr}: {e}")),
+            _ => Err(match psnet_verbs::devices::verbs_devices() {
+                Err(e) => format!("{e} (RXE_DEV/RXE_ADDR unset: run inside scripts/rxe-vm)"),
+                Ok(d) => format!(
+                    "RXE_DEV/RXE_ADDR unset (devices here: {:?}); set them to run over RDMA",
+                    d.iter().map(|d| d.name.clone()).collect::<Vec<_>>()
+                ),
+            }),
+        };
+        VerbsFactory { spec }
+    }
+
+    /// The device spec, if tests can run.
+    #[allow(dead_code)]
+    pub fn spec(&self) -> Option<&DeviceSpec> {
+        self.spec.as_ref().ok()
+    }
+
+    /// A config on the device, listening on any port.
+    pub fn config(&self) -> VerbsConfig {
+        let spec = self.spec.clone().expect("checked by skip_reason");
+        VerbsConfig::new(SocketAddr::new(spec.ip, 0), spec)
+    }
+}
+
+impl TransportFactory for VerbsFactory {
+    type T = VerbsTransport;
+
+    async fn create(&self, id: NodeId) -> Result<VerbsTransport, TransportError> {
+        VerbsTransport::bind(id, self.config()).await
+    }
+
+    fn skip_reason(&self) -> Option<String> {
+        self.spec.as_ref().err().cloned()
+    }
+}
