@@ -418,6 +418,7 @@ impl Inner {
     }
 
     async fn on_control(&self, peer: NodeId, msg: Control) {
+        tracing::debug!(local = %self.tcp.local_id(), %peer, ?msg, "RDMA handshake message");
         match msg {
             Control::Request { nonce, info } => {
                 let repeat = {
@@ -439,7 +440,6 @@ impl Inner {
                     let _ = self.send_control(peer, reply).await;
                     return;
                 }
-                self.remove_link(peer, None, "replaced by a new queue pair");
                 let reply_nonce = random_u64();
                 let link = match self
                     .new_link(peer, reply_nonce)
@@ -457,15 +457,38 @@ impl Inner {
                     nonce: reply_nonce,
                     info: link.local_info(),
                 };
-                lock(&self.links).insert(
-                    peer,
-                    Current {
-                        link,
-                        phase: Phase::Connected,
-                        announced: true,
-                        answered: Some((nonce, reply)),
-                    },
-                );
+                // Swap under one lock hold: a `connect` racing with us must never see the peer
+                // without a link (it would start a request of its own).
+                let replaced = {
+                    let mut links = lock(&self.links);
+                    let superseded = links.get(&peer).is_some_and(|c| match c.phase {
+                        Phase::Requested => c.link.nonce > nonce,
+                        Phase::Connected => true,
+                    });
+                    if superseded {
+                        None
+                    } else {
+                        Some(links.insert(
+                            peer,
+                            Current {
+                                link: link.clone(),
+                                phase: Phase::Connected,
+                                announced: true,
+                                answered: Some((nonce, reply)),
+                            },
+                        ))
+                    }
+                };
+                let Some(old) = replaced else {
+                    link.fail("superseded during the handshake");
+                    lock(&self.by_id).remove(&link.id);
+                    return;
+                };
+                if let Some(old) = old {
+                    old.link.fail("replaced by a new queue pair");
+                    lock(&self.by_id).remove(&old.link.id);
+                }
+                self.links_changed.notify_waiters();
                 self.announce(peer);
                 if self.send_control(peer, reply).await.is_err() {
                     self.remove_link(peer, None, "control connection lost");

@@ -14,6 +14,11 @@ pub struct VerbsFactory {
 impl VerbsFactory {
     /// From `RXE_DEV` / `RXE_ADDR` (set by the Soft-RoCE guest), or the reason there is none.
     pub fn from_env() -> Self {
+        // RUST_LOG=psnet_verbs=debug shows the handshake when a case fails in the guest.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .try_init();
         let spec = match (std::env::var("RXE_DEV"), std::env::var("RXE_ADDR")) {
             (Ok(device), Ok(addr)) => addr
                 .parse::<IpAddr>()
