@@ -12,7 +12,8 @@ cargo build --release --locked -p psnet-perf -p psnet-launch -p psnet-train
 tests=$(cargo test --release --locked -p psnet-verbs --test conformance --no-run --message-format=json \
   | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
 mkdir -p "$SHARE/bin" "$SHARE/tests"
-cp target/release/psnet-perf target/release/psnet-launch target/release/psnet-train "$SHARE/bin/"
+TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
+cp "$TARGET/release/psnet-perf" "$TARGET/release/psnet-launch" "$TARGET/release/psnet-train" "$SHARE/bin/"
 for t in $tests; do cp "$t" "$SHARE/tests/verbs-$(basename "$t" | sed 's/-[0-9a-f]*$//')"; done
 cp "$HERE/psnet-checks.sh" "$SHARE/hook.sh"
 echo "rxe-ci: running the guest (share $SHARE)"
