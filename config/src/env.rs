@@ -152,6 +152,10 @@ crate::declare_env_vars! {
         "RDMA: receive buffers posted per peer (the peer's send credits).";
     PSNET_RDMA_REG_CACHE = "PSNET_RDMA_REG_CACHE", "0",
         "RDMA: registrations of plain (unregistered) user buffers kept for reuse, keyed by address and length; 0 registers per send. Only safe if sent buffers are not freed and reallocated at the same address while cached.";
+    PSNET_RDMA_INLINE = "PSNET_RDMA_INLINE", "128",
+        "RDMA: messages up to this many bytes (header included) are sent inline (copied into the work request; no DMA read of a buffer); 0: never. Lowered to 0 if the device refuses it.";
+    PSNET_RDMA_SPIN_US = "PSNET_RDMA_SPIN_US", "200",
+        "RDMA: microseconds the completion poller keeps polling after the last completion before it sleeps on the completion channel (latency against idle CPU).";
     PS_VERBOSE = "PS_VERBOSE", "0",
         "Logging: 0 warnings and start-up choices, 1 lifecycle, 2 every message. RUST_LOG, if set, wins.";
 }

@@ -1,6 +1,7 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
+use psnet_transport::codec::DataPath;
 use psnet_transport::Limits;
 
 /// Settings of a [`crate::TcpTransport`].
@@ -21,6 +22,9 @@ pub struct TcpConfig {
     /// Bytes of the shared-memory ring offered to a peer on this host, per direction, once
     /// the first large message goes to it (0: never; the socket carries everything).
     pub shm_ring: usize,
+    /// What this node's data travels over, announced in every hello: peers that differ are
+    /// refused at the handshake (TCP, unless this transport is RDMA's control channel).
+    pub data_path: DataPath,
 }
 
 impl TcpConfig {
@@ -34,6 +38,7 @@ impl TcpConfig {
             inbox_bytes: 256 << 20,
             socket_buffer: None,
             shm_ring: crate::shm::DEFAULT_RING,
+            data_path: DataPath::Tcp,
         }
     }
 }

@@ -3,7 +3,7 @@
 use std::io;
 
 use bytes::BytesMut;
-use psnet_transport::codec::{self, Frame};
+use psnet_transport::codec::{self, DataPath, Frame};
 use psnet_transport::{FrameKind, Limits, NodeId, OutMessage};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -50,19 +50,25 @@ pub(crate) async fn write_frame(
 
 /// The acceptor's answer to a hello.
 pub(crate) enum Answer {
-    /// Accepted by this node.
-    Ack(NodeId),
+    /// Accepted by this node, which moves its data over this path.
+    Ack(NodeId, DataPath),
     /// Refused, with the acceptor's reason.
     Reject(String),
 }
 
 /// Dialler side: send our hello, read the answer.
-pub(crate) async fn dial(stream: &mut TcpStream, local: NodeId) -> io::Result<(Answer, BytesMut)> {
-    write_frame(stream, FrameKind::Hello, &codec::encode_hello(local)).await?;
+pub(crate) async fn dial(
+    stream: &mut TcpStream,
+    local: NodeId,
+    path: DataPath,
+) -> io::Result<(Answer, BytesMut)> {
+    write_frame(stream, FrameKind::Hello, &codec::encode_hello(local, path)).await?;
     let (frame, rest) = read_frame(stream).await?;
     let answer = match frame.kind {
         FrameKind::HelloAck => {
-            Answer::Ack(codec::decode_hello(&frame.meta).map_err(|e| invalid(e.to_string()))?)
+            let (id, path) =
+                codec::decode_hello(&frame.meta).map_err(|e| invalid(e.to_string()))?;
+            Answer::Ack(id, path)
         }
         FrameKind::HelloReject => Answer::Reject(String::from_utf8_lossy(&frame.meta).into_owned()),
         other => return Err(invalid(format!("expected a hello answer, got {other:?}"))),
@@ -71,11 +77,27 @@ pub(crate) async fn dial(stream: &mut TcpStream, local: NodeId) -> io::Result<(A
 }
 
 /// Acceptor side: read the dialler's hello.
-pub(crate) async fn read_hello(stream: &mut TcpStream) -> io::Result<(NodeId, BytesMut)> {
+pub(crate) async fn read_hello(stream: &mut TcpStream) -> io::Result<(NodeId, DataPath, BytesMut)> {
     let (frame, rest) = read_frame(stream).await?;
     if frame.kind != FrameKind::Hello {
         return Err(invalid(format!("expected a hello, got {:?}", frame.kind)));
     }
-    let id = codec::decode_hello(&frame.meta).map_err(|e| invalid(e.to_string()))?;
-    Ok((id, rest))
+    let (id, path) = codec::decode_hello(&frame.meta).map_err(|e| invalid(e.to_string()))?;
+    Ok((id, path, rest))
+}
+
+/// Why two nodes whose data paths differ cannot talk.
+pub(crate) fn path_mismatch(
+    local: NodeId,
+    ours: DataPath,
+    peer: NodeId,
+    theirs: DataPath,
+) -> String {
+    format!(
+        "{local} moves data over {} but {peer} over {}: every node of a job must choose the \
+         same transport (set PSNET_TRANSPORT, or DMLC_INTERFACE to interfaces that all have \
+         an RDMA device or all have none)",
+        ours.name(),
+        theirs.name()
+    )
 }

@@ -235,7 +235,15 @@ impl Inner {
         };
         let (mut stream, answer, leftover) = self.dial(peer, addr, deadline).await?;
         match answer {
-            Answer::Ack(id) if id == peer => {
+            Answer::Ack(id, path) if id == peer && path != self.config.data_path => {
+                let reason =
+                    handshake::path_mismatch(self.local(), self.config.data_path, peer, path);
+                let _ =
+                    handshake::write_frame(&mut stream, FrameKind::HelloReject, reason.as_bytes())
+                        .await;
+                Err(TransportError::Handshake { peer, reason })
+            }
+            Answer::Ack(id, _) if id == peer => {
                 let installed = self
                     .install(peer, Side::Dialled, stream, leftover)
                     .map_err(|e| TransportError::Connect {
@@ -250,7 +258,7 @@ impl Inner {
                     Err(TransportError::Closed)
                 }
             }
-            Answer::Ack(id) => {
+            Answer::Ack(id, _) => {
                 let _ = handshake::write_frame(&mut stream, FrameKind::HelloReject, b"wrong peer")
                     .await;
                 Err(TransportError::Handshake {
@@ -280,7 +288,8 @@ impl Inner {
             let attempt = async {
                 let mut stream = TcpStream::connect(addr).await?;
                 tune(&stream, &self.config)?;
-                let (answer, rest) = handshake::dial(&mut stream, self.local()).await?;
+                let (answer, rest) =
+                    handshake::dial(&mut stream, self.local(), self.config.data_path).await?;
                 Ok::<_, io::Error>((stream, answer, rest))
             };
             let left = deadline.saturating_duration_since(Instant::now());
@@ -334,13 +343,19 @@ impl Inner {
     /// Handles one accepted socket: reads the hello, applies the tie-break, answers.
     async fn accept(self: Arc<Self>, mut stream: TcpStream) -> io::Result<()> {
         tune(&stream, &self.config)?;
-        let (peer, leftover) = timeout(
+        let (peer, path, leftover) = timeout(
             self.config.handshake_timeout,
             handshake::read_hello(&mut stream),
         )
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no hello in time"))??;
         let local = self.local();
+        if path != self.config.data_path {
+            let reason = handshake::path_mismatch(local, self.config.data_path, peer, path);
+            tracing::warn!(%peer, %reason, "refusing connection");
+            return handshake::write_frame(&mut stream, FrameKind::HelloReject, reason.as_bytes())
+                .await;
+        }
         let token = self.peers.token();
         let decision = {
             let mut slots = self.peers.lock();
@@ -364,7 +379,7 @@ impl Inner {
                     peer,
                     token,
                 };
-                let ack = psnet_transport::codec::encode_hello(local);
+                let ack = psnet_transport::codec::encode_hello(local, self.config.data_path);
                 handshake::write_frame(&mut stream, FrameKind::HelloAck, &ack).await?;
                 self.install(peer, Side::Accepted(token), stream, leftover)?;
                 drop(guard);

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use psnet_fallback_tcp::{TcpConfig, TcpTransport};
-use psnet_transport::codec::{self, FrameKind};
+use psnet_transport::codec::{self, DataPath, FrameKind};
 use psnet_transport::{Event, Limits, NodeId, OutMessage, Segment, Transport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -25,12 +25,12 @@ async fn raw_peer(t: &TcpTransport, id: u64) -> TcpStream {
     let mut s = TcpStream::connect(t.listen_addr()).await.unwrap();
     let hello = codec::encode_frame(
         FrameKind::Hello,
-        &OutMessage::new(&codec::encode_hello(NodeId(id)), &[]),
+        &OutMessage::new(&codec::encode_hello(NodeId(id), codec::DataPath::Tcp), &[]),
         &Limits::default(),
     )
     .unwrap();
     s.write_all(&hello).await.unwrap();
-    let mut ack = [0u8; 20];
+    let mut ack = [0u8; codec::PREFIX_LEN + codec::HELLO_LEN];
     s.read_exact(&mut ack).await.unwrap();
     assert_eq!(ack[3], FrameKind::HelloAck as u8);
     s
@@ -141,7 +141,7 @@ async fn second_hello_after_handshake_is_a_protocol_error() {
     let mut raw = raw_peer(&t, 9).await;
     let hello = codec::encode_frame(
         FrameKind::Hello,
-        &OutMessage::new(&codec::encode_hello(NodeId(9)), &[]),
+        &OutMessage::new(&codec::encode_hello(NodeId(9), codec::DataPath::Tcp), &[]),
         &Limits::default(),
     )
     .unwrap();
@@ -218,4 +218,41 @@ async fn abandoned_send_closes_the_connection_cleanly() {
         .await
         .expect_err("the connection is gone");
     assert_eq!(err.peer(), Some(NodeId(1)));
+}
+
+/// A node whose data goes over RDMA (this transport being its control channel) and a node
+/// on plain TCP refuse each other at the handshake, at once and naming both paths, whichever
+/// side dials.
+#[tokio::test]
+async fn a_different_data_path_is_refused_at_once() {
+    let tcp = node(1).await;
+    let config = TcpConfig {
+        data_path: DataPath::Rdma,
+        connect_timeout: Duration::from_secs(20),
+        ..TcpConfig::default()
+    };
+    let rdma = node_with(2, config).await;
+    for (dialler, target, addr) in [
+        (&rdma, NodeId(1), tcp.listen_addr()),
+        (&tcp, NodeId(2), rdma.listen_addr()),
+    ] {
+        let started = std::time::Instant::now();
+        let err = timeout(LIMIT, dialler.connect(target, addr))
+            .await
+            .expect("connect must not hang")
+            .expect_err("mismatched data paths must be refused");
+        let text = err.to_string();
+        assert!(
+            text.contains("over rdma") && text.contains("over tcp"),
+            "{text}"
+        );
+        assert!(text.contains("PSNET_TRANSPORT"), "{text}");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "refused only after {:?}",
+            started.elapsed()
+        );
+    }
+    assert!(tcp.connected_peers().is_empty());
+    assert!(rdma.connected_peers().is_empty());
 }

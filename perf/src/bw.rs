@@ -1,8 +1,11 @@
 //! The bandwidth test's client side (perftest's `ib_write_bw`).
 
+use std::future::{poll_fn, Future};
+use std::pin::Pin;
+use std::task::Poll;
 use std::time::Instant;
 
-use psnet_transport::{OutMessage, Segment, Transport};
+use psnet_transport::{OutMessage, Segment, Transport, TransportError};
 
 use crate::protocol::Control;
 use crate::report::BwRow;
@@ -13,19 +16,37 @@ pub fn default_iters(size: u64) -> u64 {
     ((2u64 << 30) / size.max(1)).clamp(100, 5000)
 }
 
-/// Sends `iters` messages of `size` bytes from one registered buffer, back to back, and waits
-/// for the server to confirm the last one.
-pub async fn run<T: Transport>(t: &T, size: u64, iters: u64) -> PerfResult<BwRow> {
+/// Default messages in flight (perftest's `--tx-depth` is 128 work requests; a psnet message
+/// above the eager limit is a whole rendezvous, so fewer keep the wire as busy).
+pub const DEFAULT_TX_DEPTH: usize = 16;
+
+type SendFuture<'a> = Pin<Box<dyn Future<Output = Result<(), TransportError>> + Send + 'a>>;
+
+/// Sends `iters` messages of `size` bytes from one registered buffer, keeping up to `depth`
+/// sends in flight, and waits for the server to confirm the last one.
+pub async fn run<T: Transport>(t: &T, size: u64, iters: u64, depth: usize) -> PerfResult<BwRow> {
     let len = usize::try_from(size).map_err(|_| format!("size {size} does not fit in memory"))?;
+    if depth == 0 {
+        return Err("--tx-depth must be at least 1".into());
+    }
     send_control(t, SERVER_ID, Control::BwStart { size, iters }, &[]).await?;
     expect_ready(t).await?;
     let mut buf = t.alloc_registered(len).map_err(|e| e.to_string())?;
     buf.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+    let buf = &buf;
     let meta = Control::BwData.encode();
+    let meta = &meta[..];
+    let segs = [Segment::registered(buf, 0..len)];
+    let segs = &segs[..];
     let start = Instant::now();
-    for _ in 0..iters {
-        let segs = [Segment::registered(&buf, 0..len)];
-        t.send(SERVER_ID, OutMessage::new(&meta, &segs))
+    let mut in_flight: Vec<SendFuture<'_>> = Vec::with_capacity(depth);
+    let mut started = 0u64;
+    while started < iters || !in_flight.is_empty() {
+        while started < iters && in_flight.len() < depth {
+            in_flight.push(Box::pin(t.send(SERVER_ID, OutMessage::new(meta, segs))));
+            started += 1;
+        }
+        complete_some(&mut in_flight)
             .await
             .map_err(|e| e.to_string())?;
     }
@@ -40,4 +61,27 @@ pub async fn run<T: Transport>(t: &T, size: u64, iters: u64) -> PerfResult<BwRow
         )),
         other => Err(format!("expected BwDone from the server, got {other:?}")),
     }
+}
+
+/// Polls every send in flight (each must be polled to make progress) until at least one has
+/// finished; removes the finished ones.
+async fn complete_some(in_flight: &mut Vec<SendFuture<'_>>) -> Result<(), TransportError> {
+    poll_fn(|cx| {
+        let before = in_flight.len();
+        let mut failure = None;
+        in_flight.retain_mut(|f| match f.as_mut().poll(cx) {
+            Poll::Ready(Ok(())) => false,
+            Poll::Ready(Err(e)) => {
+                failure.get_or_insert(e);
+                false
+            }
+            Poll::Pending => true,
+        });
+        match failure {
+            Some(e) => Poll::Ready(Err(e)),
+            None if in_flight.len() < before => Poll::Ready(Ok(())),
+            None => Poll::Pending,
+        }
+    })
+    .await
 }

@@ -110,6 +110,9 @@ struct TestArgs {
     /// Iterations per size (default: perftest's, capped to keep each size short).
     #[arg(short = 'n', long)]
     iters: Option<u64>,
+    /// `bw`: messages in flight (perftest's tx depth).
+    #[arg(short = 't', long, default_value_t = bw::DEFAULT_TX_DEPTH)]
+    tx_depth: usize,
     /// Server port (the raw-TCP baseline uses the next one).
     #[arg(short = 'p', long, default_value_t = 18515)]
     port: u16,
@@ -273,6 +276,9 @@ fn run_test(test: Test, args: TestArgs) -> PerfResult<()> {
     if args.iters == Some(0) {
         return Err("-n must be at least 1".into());
     }
+    if args.tx_depth == 0 {
+        return Err("--tx-depth must be at least 1".into());
+    }
     if let Some(0) = args.size {
         return Err("-s must be at least 1 byte".into());
     }
@@ -386,7 +392,7 @@ async fn measure(
         match test {
             Test::Bw => {
                 let iters = args.iters.unwrap_or_else(|| bw::default_iters(size));
-                let mut row = bw::run(t, size, iters).await?;
+                let mut row = bw::run(t, size, iters, args.tx_depth).await?;
                 if let Some(raw) = raw.as_deref_mut() {
                     let elapsed = raw.stream(size * iters)?;
                     row = row.with_baseline(elapsed.as_secs_f64());

@@ -45,18 +45,27 @@ bw_pair() { # bw_pair SIZE ITERS
 bw_pair 1048576 200
 bw_pair 4194304 50
 
-# 3. Latency: ib_write_lat and psnet-perf lat (round trip / 2 vs perftest's one-way figure).
-timeout -k 5 60 ib_write_lat -d $RXE_DEV -x $RXE_GID_INDEX -s 8 -n 1000 -F > $OUT/iblat-srv 2>&1 &
-sleep 1
-timeout -k 5 60 ib_write_lat -d $RXE_DEV -x $RXE_GID_INDEX -s 8 -n 1000 -F $RXE_ADDR > $OUT/iblat 2>&1
-rc1=$?; wait
+# 3. Latency: ib_write_lat, ib_send_lat (the same verbs psnet's eager path uses) and psnet-perf
+# lat, in one run. perftest prints one-way figures (half a round trip); psnet-perf round trips.
+perftest_lat() { # perftest_lat TOOL -> prints its typical one-way latency in usec
+  timeout -k 5 60 $1 -d $RXE_DEV -x $RXE_GID_INDEX -s 8 -n 1000 -F > $OUT/$1-srv 2>&1 &
+  sleep 1
+  timeout -k 5 60 $1 -d $RXE_DEV -x $RXE_GID_INDEX -s 8 -n 1000 -F $RXE_ADDR > $OUT/$1 2>&1
+  rc=$?; wait
+  grep -A3 "#bytes" $OUT/$1 | tail -2 >&2
+  awk '$1 == 8 && NF >= 5 {print $5}' $OUT/$1 | tail -1
+  return $rc
+}
+wlat=$(perftest_lat ib_write_lat); rc1=$?
+slat=$(perftest_lat ib_send_lat); rc3=$?
 DMLC_INTERFACE=$RXE_NETDEV timeout -k 5 60 $B/psnet-perf lat --transport rdma > $OUT/pslat-srv 2>&1 &
 sleep 1
-DMLC_INTERFACE=$RXE_NETDEV timeout -k 5 60 $B/psnet-perf lat --transport rdma -s 8 -n 1000 $RXE_ADDR > $OUT/pslat 2>&1
+DMLC_INTERFACE=$RXE_NETDEV timeout -k 5 60 $B/psnet-perf lat --transport rdma -s 8 -n 1000 --json $RXE_ADDR > $OUT/pslat 2>&1
 rc2=$?; wait
-grep -A3 "#bytes" $OUT/iblat | tail -2
-tail -4 $OUT/pslat
-check "lat (ib_write_lat rc=$rc1, psnet-perf rc=$rc2)" $(( rc1 != 0 || rc2 != 0 ))
+ps=$(sed -n 's/.*"lat_median_us": *\([0-9.]*\).*/\1/p' $OUT/pslat | tail -1)
+[ $rc2 = 0 ] || { cat $OUT/pslat $OUT/pslat-srv | tail -30; }
+echo "FIGURE lat size=8 ib_write_lat_typical_us=$wlat ib_send_lat_typical_us=$slat psnet_rdma_rtt_median_us=$ps one_way_ratio_vs_send_lat=$(awk -v a="$ps" -v b="$slat" 'BEGIN{ if (b > 0) printf "%.2f", a/2/b; else print "n/a" }')"
+check "lat (ib_write_lat rc=$rc1, ib_send_lat rc=$rc3, psnet-perf rc=$rc2)" $(( rc1 != 0 || rc2 != 0 || rc3 != 0 ))
 
 # 4. The kv store: 1 scheduler + 1 server + 2 workers, dist_sync training, on the rxe-bound
 # interface (RDMA) and on an interface without RDMA (TCP); both must end bit-identical to

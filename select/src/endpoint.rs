@@ -68,10 +68,17 @@ impl Selection {
                 })?)
             }
             None => match address.interface.as_deref() {
-                Some(name) => discovery::rdma_device_for_interface(name).unwrap_or_else(|e| {
-                    tracing::warn!(error = %e, "cannot read RDMA devices from sysfs");
-                    None
-                }),
+                Some(name) => {
+                    let sysfs = discovery::rdma_device_for_interface(name).unwrap_or_else(|e| {
+                        tracing::warn!(error = %e, "cannot read RDMA devices from sysfs");
+                        None
+                    });
+                    discovery::reconcile(
+                        sysfs,
+                        psnet_verbs::cm::device_for_address(address.ip),
+                        discovery::port_link_layer,
+                    )
+                }
                 None => None,
             },
         };
@@ -169,6 +176,8 @@ pub fn verbs_config_from_env(
     config.eager_bytes = env::PSNET_RDMA_EAGER.parse_or_default()?;
     config.recv_depth = env::PSNET_RDMA_RECV_DEPTH.parse_or_default()?;
     config.reg_cache = env::PSNET_RDMA_REG_CACHE.parse_or_default()?;
+    config.inline_bytes = env::PSNET_RDMA_INLINE.parse_or_default()?;
+    config.spin_us = env::PSNET_RDMA_SPIN_US.parse_or_default()?;
     Ok(config)
 }
 

@@ -348,17 +348,51 @@ pub fn encode_frame(
     Ok(out)
 }
 
-/// The body of a `Hello` or `HelloAck`: the sender's node id.
-pub fn encode_hello(id: NodeId) -> [u8; 8] {
-    id.0.to_le_bytes()
+/// What a node moves its data over, announced in the hello: a node on RDMA (whose TCP
+/// connection carries only the queue-pair handshake) and a node on TCP refuse each other at
+/// once, with a reason naming both, instead of misreading each other's messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DataPath {
+    /// Data frames on this TCP connection (psnet's TCP transport).
+    #[default]
+    Tcp = 0,
+    /// RDMA queue pairs; the TCP connection is their control channel.
+    Rdma = 1,
+}
+
+impl DataPath {
+    /// Lower-case name, as `PSNET_TRANSPORT` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            DataPath::Tcp => "tcp",
+            DataPath::Rdma => "rdma",
+        }
+    }
+}
+
+/// Bytes of a `Hello` or `HelloAck` body.
+pub const HELLO_LEN: usize = 9;
+
+/// The body of a `Hello` or `HelloAck`: the sender's node id and data path.
+pub fn encode_hello(id: NodeId, path: DataPath) -> [u8; HELLO_LEN] {
+    let mut out = [0u8; HELLO_LEN];
+    out[..8].copy_from_slice(&id.0.to_le_bytes());
+    out[8] = path as u8;
+    out
 }
 
 /// Parses the body of a `Hello` or `HelloAck`.
-pub fn decode_hello(meta: &[u8]) -> Result<NodeId, CodecError> {
-    let bytes: [u8; 8] = meta
+pub fn decode_hello(meta: &[u8]) -> Result<(NodeId, DataPath), CodecError> {
+    let bytes: [u8; HELLO_LEN] = meta
         .try_into()
-        .map_err(|_| CodecError::BadHandshake("hello body must be 8 bytes"))?;
-    Ok(NodeId(u64::from_le_bytes(bytes)))
+        .map_err(|_| CodecError::BadHandshake("hello body must be 9 bytes"))?;
+    let id = NodeId(u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")));
+    let path = match bytes[8] {
+        0 => DataPath::Tcp,
+        1 => DataPath::Rdma,
+        _ => return Err(CodecError::BadHandshake("unknown data path in hello")),
+    };
+    Ok((id, path))
 }
 
 #[cfg(test)]

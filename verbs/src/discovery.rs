@@ -32,6 +32,8 @@ pub enum BindingSource {
     },
     /// Named by `PSNET_IB_DEVICE` (and `PSNET_IB_PORT`).
     Configured,
+    /// rdma_cm bound the interface's address to this port (see [`crate::cm`]).
+    RdmaCm,
 }
 
 /// An RDMA device port serving a network interface.
@@ -70,6 +72,46 @@ pub fn configured_binding(device: &str, port: u32) -> Option<RdmaBinding> {
         port,
         source: BindingSource::Configured,
     })
+}
+
+/// Reconciles sysfs's binding for an interface with rdma_cm's for its address: rdma_cm's
+/// answer is the port the kernel sends from, so it wins when the two differ (with a warning)
+/// and fills in when sysfs found nothing; without rdma_cm (no librdmacm, no kernel support)
+/// sysfs's answer stands.
+pub fn reconcile(
+    sysfs: Option<RdmaBinding>,
+    cm: Result<crate::cm::CmBinding, String>,
+    link_layer_of: impl FnOnce(&str, u32) -> String,
+) -> Option<RdmaBinding> {
+    let cm = match cm {
+        Ok(cm) => cm,
+        Err(reason) => {
+            tracing::debug!(%reason, "rdma_cm gives no device for the address; using sysfs");
+            return sysfs;
+        }
+    };
+    let port = u32::from(cm.port);
+    match sysfs {
+        Some(b) if b.device == cm.device && b.port == port => Some(b),
+        other => {
+            if let Some(b) = &other {
+                tracing::warn!(sysfs = %format!("{} port {}", b.device, b.port),
+                    rdma_cm = %format!("{} port {}", cm.device, cm.port),
+                    "sysfs and rdma_cm disagree on the interface's RDMA port; using rdma_cm's");
+            }
+            Some(RdmaBinding {
+                link_layer: link_layer_of(&cm.device, port),
+                device: cm.device,
+                port,
+                source: BindingSource::RdmaCm,
+            })
+        }
+    }
+}
+
+/// The link layer of `device`'s `port` as sysfs reports it (empty if unreadable).
+pub fn port_link_layer(device: &str, port: u32) -> String {
+    link_layer(&Path::new(SYSFS_INFINIBAND).join(device), port)
 }
 
 /// [`rdma_device_for_interface`] over any sysfs-shaped tree (for tests).
@@ -204,5 +246,67 @@ mod tests {
             "ib0",
         );
         assert_eq!(find_binding(&ib, &net, "ib0").unwrap(), None);
+    }
+
+    fn sysfs_says(device: &str, port: u32) -> Option<RdmaBinding> {
+        Some(RdmaBinding {
+            device: device.into(),
+            port,
+            link_layer: "Ethernet".into(),
+            source: BindingSource::DeviceNetdev,
+        })
+    }
+
+    fn cm_says(device: &str, port: u8) -> Result<crate::cm::CmBinding, String> {
+        Ok(crate::cm::CmBinding {
+            device: device.into(),
+            port,
+        })
+    }
+
+    fn ll(_: &str, _: u32) -> String {
+        "InfiniBand".into()
+    }
+
+    #[test]
+    fn rdma_cm_confirms_fills_in_and_overrules_sysfs() {
+        // Agreement keeps sysfs's record (and how it was found).
+        assert_eq!(
+            reconcile(sysfs_says("mlx5_0", 1), cm_says("mlx5_0", 1), ll),
+            sysfs_says("mlx5_0", 1)
+        );
+        // sysfs found nothing (a VLAN or bond): rdma_cm's port is used.
+        let filled = reconcile(None, cm_says("mlx5_1", 2), ll).expect("a binding");
+        assert_eq!((filled.device.as_str(), filled.port), ("mlx5_1", 2));
+        assert_eq!(filled.source, BindingSource::RdmaCm);
+        assert_eq!(filled.link_layer, "InfiniBand");
+        // Disagreement: the kernel's routing answer wins.
+        let over = reconcile(sysfs_says("mlx5_0", 1), cm_says("mlx5_1", 1), ll).expect("binding");
+        assert_eq!(
+            (over.device.as_str(), over.source),
+            ("mlx5_1", BindingSource::RdmaCm)
+        );
+        // No rdma_cm: sysfs stands, and nothing stays nothing.
+        let none = || Err::<crate::cm::CmBinding, _>("ENOSYS".to_string());
+        assert_eq!(
+            reconcile(sysfs_says("rxe0", 1), none(), ll),
+            sysfs_says("rxe0", 1)
+        );
+        assert_eq!(reconcile(None, none(), ll), None);
+    }
+
+    #[test]
+    fn rdma_cm_without_hardware_is_an_error_not_a_panic() {
+        // On hosts without RDMA (and for addresses that name no port) this must fail cleanly.
+        let err = crate::cm::device_for_address("127.0.0.1".parse().unwrap()).unwrap_err();
+        assert!(err.contains("127.0.0.1"), "{err}");
+        if rdma_devices().is_empty() {
+            // Binding sends nothing; without devices it fails in librdmacm or the kernel.
+            let err = crate::cm::bind_and_query("127.0.0.1".parse().unwrap()).unwrap_err();
+            assert!(
+                err.contains("rdma_cm") || err.contains("libibverbs"),
+                "{err}"
+            );
+        }
     }
 }

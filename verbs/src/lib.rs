@@ -12,6 +12,7 @@
 //! reports [`psnet_transport::TransportError::Unavailable`] where no device exists.
 #![deny(missing_docs)]
 
+pub mod cm;
 pub mod control;
 pub mod device;
 pub mod devices;

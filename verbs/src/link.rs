@@ -19,7 +19,7 @@ use sideway::ibverbs::completion::{
 use sideway::ibverbs::device_context::Mtu;
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::queue_pair::{
-    GenericQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState,
+    GenericQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState, SetInlineData,
     SetScatterGatherEntry, WorkRequestFlags,
 };
 use smallvec::SmallVec;
@@ -35,6 +35,8 @@ use crate::proto::wire::{self, Base, Cts, DataHeader, Kind};
 const MAX_WR_BYTES: u64 = 1 << 30;
 /// Rendezvous sequence numbers and work-request indices share 28 bits.
 const SEQ_MASK: u32 = 0x0FFF_FFFF;
+/// Index of an inline send: its buffer went back to the free list when it was posted.
+const INLINE_INDEX: u32 = SEQ_MASK;
 
 /// What a work request was, encoded in its id with the link and an index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,6 +71,8 @@ pub struct LinkParams {
     pub send_slots: u32,
     /// Bytes per eager buffer (the largest eager message, header included).
     pub slot_size: usize,
+    /// Largest message sent inline (copied into the work request at post time); 0: none.
+    pub inline_bytes: u32,
     /// Message limits.
     pub limits: Limits,
 }
@@ -201,19 +205,32 @@ impl Link {
         let recv = Slab::new(&dev.pd, params.recv_depth, params.slot_size)?;
         let send = Slab::new(&dev.pd, params.send_slots, params.slot_size)?;
         let sq_depth = params.sq_depth(dev.max_sge);
-        let cq = GenericCompletionQueue::from(Arc::clone(&dev.cq));
-        let mut qp: GenericQueuePair = dev
-            .pd
-            .create_qp_builder()
-            .setup_send_cq(cq.clone())
-            .setup_recv_cq(cq)
-            .setup_max_send_wr(sq_depth)
-            .setup_max_recv_wr(params.recv_depth + 1)
-            .setup_max_send_sge(dev.max_sge)
-            .setup_max_recv_sge(1)
-            .build()
-            .map_err(|e| format!("create queue pair: {e}"))?
-            .into();
+        let recv_wr = params.recv_depth + 1;
+        let build = |inline: u32| {
+            let cq = GenericCompletionQueue::from(Arc::clone(&dev.cq));
+            dev.pd
+                .create_qp_builder()
+                .setup_send_cq(cq.clone())
+                .setup_recv_cq(cq)
+                .setup_max_send_wr(sq_depth)
+                .setup_max_recv_wr(recv_wr)
+                .setup_max_send_sge(dev.max_sge)
+                .setup_max_recv_sge(1)
+                .setup_max_inline_data(inline)
+                .build()
+                .map_err(|e| format!("create queue pair: {e}"))
+        };
+        let mut params = params;
+        let qp = match build(params.inline_bytes) {
+            Err(e) if params.inline_bytes > 0 => {
+                tracing::info!(device = %dev.name, inline = params.inline_bytes, error = %e,
+                    "the device refuses inline sends of this size; sending without");
+                params.inline_bytes = 0;
+                build(0)?
+            }
+            built => built?,
+        };
+        let mut qp: GenericQueuePair = qp.into();
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
@@ -406,17 +423,27 @@ impl Link {
         // SAFETY: the slot was free (its previous send completed) and is ours until posted.
         let buf = unsafe { self.send.write(slot) };
         let len = fill(buf, report);
+        let inline = len <= self.params.inline_bytes as usize;
+        let index = if inline { INLINE_INDEX } else { slot };
         let mut guard = st.qp.start_post_send();
         let wr = guard
             .construct_wr(
-                wr_id(self.id, WrKind::Send, slot),
+                wr_id(self.id, WrKind::Send, index),
                 WorkRequestFlags::Signaled,
             )
             .setup_send();
-        // SAFETY: the send slab outlives the queue pair; the slot is not reused before the
-        // send's completion returns it.
-        unsafe { wr.setup_sge(self.send.lkey(), self.send.addr(slot), len as u32) };
+        if inline {
+            // The bytes are copied into the work request now: the buffer is free again.
+            wr.setup_inline_data(&buf[..len]);
+        } else {
+            // SAFETY: the send slab outlives the queue pair; the slot is not reused before
+            // the send's completion returns it.
+            unsafe { wr.setup_sge(self.send.lkey(), self.send.addr(slot), len as u32) };
+        }
         guard.post().map_err(|e| format!("post send: {e}"))?;
+        if inline {
+            st.free_slots.push(slot);
+        }
         Ok(true)
     }
 
@@ -692,7 +719,9 @@ impl Link {
         }
         match kind {
             WrKind::Send => {
-                st.free_slots.push(index);
+                if index != INLINE_INDEX {
+                    st.free_slots.push(index);
+                }
                 st.sq_free += 1;
             }
             WrKind::Write => {

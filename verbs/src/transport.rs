@@ -10,9 +10,10 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use psnet_fallback_tcp::{TcpConfig, TcpTransport};
+use psnet_transport::codec::DataPath;
 use psnet_transport::{
     Capabilities, Event, Incoming, NodeId, OutMessage, RegionKey, RegisteredBuf, Transport,
     TransportError,
@@ -33,7 +34,8 @@ use crate::sys;
 
 /// How often an unanswered queue-pair request is repeated.
 const REQUEST_RESEND: Duration = Duration::from_millis(300);
-/// Polls of an empty completion queue before sleeping on the completion channel.
+/// Polls of an empty completion queue before sleeping on the completion channel, at least
+/// (the time budget `spin_us` usually allows more).
 const SPIN_POLLS: u32 = 64;
 
 /// Settings of a [`VerbsTransport`].
@@ -52,6 +54,11 @@ pub struct VerbsConfig {
     pub reg_cache: usize,
     /// Idle rendezvous receive buffers kept for reuse, in bytes.
     pub pool_bytes: usize,
+    /// Largest message sent inline (`PSNET_RDMA_INLINE`); 0: none.
+    pub inline_bytes: u32,
+    /// Microseconds of polling after the last completion before sleeping
+    /// (`PSNET_RDMA_SPIN_US`).
+    pub spin_us: u64,
 }
 
 impl VerbsConfig {
@@ -64,6 +71,8 @@ impl VerbsConfig {
             recv_depth: 64,
             reg_cache: 0,
             pool_bytes: 256 << 20,
+            inline_bytes: 128,
+            spin_us: 200,
         }
     }
 }
@@ -171,6 +180,8 @@ struct Inner {
     fail_tx: mpsc::UnboundedSender<(NodeId, u32, String)>,
     registrar: Registrar,
     pool: Arc<RecvPool>,
+    /// Held while polling the completion queue: the poller task and `recv` both poll.
+    poll_gate: Mutex<()>,
     dev: Arc<Device>,
 }
 
@@ -215,6 +226,7 @@ impl VerbsTransport {
             recv_depth: config.recv_depth,
             send_slots: config.recv_depth,
             slot_size: config.eager_bytes,
+            inline_bytes: config.inline_bytes.min(config.eager_bytes as u32),
             limits: config.tcp.limits,
         };
         let per_link = 2 * config.recv_depth as u64 * config.eager_bytes as u64;
@@ -228,6 +240,7 @@ impl VerbsTransport {
         let dev = Arc::new(dev);
         let mut tcp_config = config.tcp.clone();
         tcp_config.shm_ring = 0;
+        tcp_config.data_path = DataPath::Rdma;
         let tcp = TcpTransport::bind(id, tcp_config).await?;
         let (tx, rx) = mpsc::unbounded_channel();
         let (fail_tx, fail_rx) = mpsc::unbounded_channel();
@@ -257,6 +270,7 @@ impl VerbsTransport {
                     .then(|| Mutex::new(RegCache::new(config.reg_cache, 1 << 34))),
             },
             pool: RecvPool::new(dev.pd.clone(), config.pool_bytes),
+            poll_gate: Mutex::new(()),
             dev,
             config,
         });
@@ -347,8 +361,22 @@ impl Inner {
         }
     }
 
-    /// Handles every completion waiting in the queue; returns how many there were.
+    /// Handles every completion waiting in the queue; returns how many there were. Waits for
+    /// a concurrent poll to finish, so that nothing queued before the call is left behind.
     fn drain_completions(&self) -> usize {
+        let _polling = lock(&self.poll_gate);
+        self.drain_polled()
+    }
+
+    /// As [`Inner::drain_completions`], unless someone else is polling right now.
+    fn try_drain_completions(&self) -> usize {
+        match self.poll_gate.try_lock() {
+            Ok(_polling) => self.drain_polled(),
+            Err(_) => 0,
+        }
+    }
+
+    fn drain_polled(&self) -> usize {
         let mut handled = 0;
         let mut touched: Vec<Arc<Link>> = Vec::new();
         loop {
@@ -565,17 +593,22 @@ async fn poll_loop(
     fd: AsyncFd<Arc<sideway::ibverbs::completion::CompletionChannel>>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let spin = Duration::from_micros(inner.config.spin_us);
     let mut idle = 0u32;
+    let mut last_work = Instant::now();
     loop {
         if *stop.borrow() {
             return;
         }
         if inner.drain_completions() > 0 {
             idle = 0;
+            last_work = Instant::now();
             tokio::task::yield_now().await;
             continue;
         }
-        if idle < SPIN_POLLS {
+        // Keep polling a while after the last completion: an answer to what was just sent
+        // usually comes within a round trip, and sleeping on the channel costs wake-ups.
+        if idle < SPIN_POLLS || last_work.elapsed() < spin {
             idle += 1;
             tokio::task::yield_now().await;
             continue;
@@ -788,7 +821,23 @@ impl Transport for VerbsTransport {
             return Err(TransportError::Closed);
         }
         let mut rx = inner.inbox.rx.lock().await;
-        match rx.recv().await {
+        // Poll the completion queue from here for a while before sleeping: a message that is
+        // about to arrive is then handed over without waking any task (the poller's way,
+        // through the completion channel, costs a wake-up on each side).
+        let spin = Duration::from_micros(inner.config.spin_us);
+        let started = Instant::now();
+        let mut next = rx.try_recv().ok();
+        while next.is_none() && started.elapsed() < spin && !inner.is_closed() {
+            if inner.try_drain_completions() == 0 {
+                std::hint::spin_loop();
+            }
+            next = rx.try_recv().ok();
+        }
+        let next = match next {
+            Some(next) => Some(next),
+            None => rx.recv().await,
+        };
+        match next {
             Some((event, n)) if !inner.is_closed() => {
                 if n > 0 {
                     let before = inner.inbox.bytes.fetch_sub(n, Ordering::AcqRel);

@@ -107,8 +107,17 @@ fn encoder_refuses_oversize_messages() {
 
 #[test]
 fn hello_round_trip_and_bad_length() {
-    assert_eq!(decode_hello(&encode_hello(NodeId(42))), Ok(NodeId(42)));
+    for path in [DataPath::Tcp, DataPath::Rdma] {
+        assert_eq!(
+            decode_hello(&encode_hello(NodeId(42), path)),
+            Ok((NodeId(42), path))
+        );
+    }
     assert!(decode_hello(b"short").is_err());
+    assert!(decode_hello(&NodeId(42).0.to_le_bytes()).is_err());
+    let mut unknown = encode_hello(NodeId(42), DataPath::Rdma);
+    unknown[8] = 7;
+    assert!(decode_hello(&unknown).is_err());
 }
 
 #[test]
