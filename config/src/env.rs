@@ -156,6 +156,8 @@ crate::declare_env_vars! {
         "RDMA: messages up to this many bytes (header included) are sent inline (copied into the work request; no DMA read of a buffer); 0: never. Lowered to 0 if the device refuses it.";
     PSNET_RDMA_SPIN_US = "PSNET_RDMA_SPIN_US", "200",
         "RDMA: microseconds the completion poller keeps polling after the last completion before it sleeps on the completion channel (latency against idle CPU).";
+    PSNET_GPUDIRECT = "PSNET_GPUDIRECT", "auto",
+        "RDMA with GPU buffers (psnet-verbs feature `cuda`): how GPU memory is registered with the NIC: auto (dma-buf, else nvidia-peermem, else staged through pinned host memory), dmabuf, peermem, staged, or off.";
     PS_VERBOSE = "PS_VERBOSE", "0",
         "Logging: 0 warnings and start-up choices, 1 lifecycle, 2 every message. RUST_LOG, if set, wins.";
 }

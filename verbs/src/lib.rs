@@ -7,6 +7,8 @@
 //! - [`transport::VerbsTransport`] moves bytes: eager sends into pre-posted buffers for small
 //!   messages, a rendezvous (request-to-send, clear-to-send, RDMA WRITE WITH IMMEDIATE into a
 //!   pooled registered buffer of the receiver) for large ones.
+//! - `gpu` (feature `cuda`) registers CUDA device memory with the NIC (GPUDirect: dma-buf,
+//!   nvidia-peermem, or staging through pinned host memory).
 //!
 //! libibverbs is loaded at run time (through `sideway`), so one binary starts everywhere and
 //! reports [`psnet_transport::TransportError::Unavailable`] where no device exists.
@@ -17,6 +19,8 @@ pub mod control;
 pub mod device;
 pub mod devices;
 pub mod discovery;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod link;
 pub mod memory;
 pub mod proto;
