@@ -125,44 +125,35 @@ impl GpuRegion {
     /// Copies bytes `[at, at + len)` of the GPU buffer into the same bytes of the staging
     /// buffer; nothing on direct paths. Call only while no work request uses those bytes.
     pub fn copy_from_device_range(&self, at: usize, len: usize) -> Result<(), GpuError> {
-        check_range(at, len, self.len)?;
-        let Backing::Staged(host) = &self.backing else {
+        let Some((host, device)) = self.staged_span(at, len)? else {
             return Ok(());
         };
-        if len == 0 {
-            return Ok(());
-        }
-        // SAFETY: `at + len <= self.len <=` the staging buffer's capacity, which this region
-        // owns and of which no Rust reference exists; the device range lies in the buffer
-        // `register_gpu`'s caller keeps allocated while this region lives.
-        unsafe {
-            self.driver.copy_dtoh(
-                self.ctx,
-                host.as_ptr().add(at),
-                self.device_ptr + at as u64,
-                len,
-            )
-        }
+        // SAFETY: `staged_span` checked `[at, at + len)` against the staging buffer, which
+        // this region owns and of which no Rust reference exists; the device range lies in
+        // the buffer `register_gpu`'s caller keeps allocated while this region lives.
+        unsafe { self.driver.copy_dtoh(self.ctx, host, device, len) }
     }
 
     /// Copies bytes `[at, at + len)` of the staging buffer into the same bytes of the GPU
     /// buffer; nothing on direct paths. Call only once the NIC's write of them completed.
     pub fn copy_to_device_range(&self, at: usize, len: usize) -> Result<(), GpuError> {
-        check_range(at, len, self.len)?;
-        let Backing::Staged(host) = &self.backing else {
+        let Some((host, device)) = self.staged_span(at, len)? else {
             return Ok(());
         };
-        if len == 0 {
-            return Ok(());
-        }
         // SAFETY: as in `copy_from_device_range`, reading the staging buffer instead.
-        unsafe {
-            self.driver.copy_htod(
-                self.ctx,
+        unsafe { self.driver.copy_htod(self.ctx, device, host, len) }
+    }
+
+    /// The staging and device addresses of `[at, at + len)`, checked against the region;
+    /// `None` when there is nothing to copy (a direct path, or no bytes).
+    fn staged_span(&self, at: usize, len: usize) -> Result<Option<(*mut u8, u64)>, GpuError> {
+        check_range(at, len, self.len)?;
+        match &self.backing {
+            Backing::Staged(host) if len > 0 => Ok(Some((
+                host.as_ptr().wrapping_add(at),
                 self.device_ptr + at as u64,
-                host.as_ptr().add(at),
-                len,
-            )
+            ))),
+            _ => Ok(None),
         }
     }
 }
