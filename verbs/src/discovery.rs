@@ -92,7 +92,10 @@ pub fn reconcile(
     };
     let port = u32::from(cm.port);
     match sysfs {
-        Some(b) if b.device == cm.device && b.port == port => Some(b),
+        Some(b) if b.device == cm.device && b.port == port => {
+            tracing::debug!(device = %b.device, port, "rdma_cm agrees with sysfs");
+            Some(b)
+        }
         other => {
             if let Some(b) = &other {
                 tracing::warn!(sysfs = %format!("{} port {}", b.device, b.port),
