@@ -306,3 +306,31 @@ fn kv_goodput_launches_a_job_and_reports_every_size() {
         "{table}"
     );
 }
+
+/// Sends kept in flight (`--tx-depth`) all arrive, whole and counted, whatever the depth;
+/// a depth of 0 is refused.
+#[test]
+fn bandwidth_with_sends_in_flight_delivers_every_message() {
+    for depth in ["1", "7"] {
+        let out = run_ok(perf().args([
+            "bw",
+            "--loopback",
+            "-s",
+            "1M",
+            "-n",
+            "20",
+            "-t",
+            depth,
+            "--json",
+        ]));
+        let row = &json(&out)["results"][0];
+        assert_eq!(row["bytes"], 1 << 20, "depth {depth}: {row}");
+        assert_eq!(row["iterations"], 20, "depth {depth}: {row}");
+    }
+    let out = perf()
+        .args(["bw", "--loopback", "-t", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--tx-depth"));
+}
