@@ -156,6 +156,8 @@ crate::declare_env_vars! {
         "RDMA: messages up to this many bytes (header included) are sent inline (copied into the work request; no DMA read of a buffer); 0: never. Lowered to 0 if the device refuses it.";
     PSNET_RDMA_SPIN_US = "PSNET_RDMA_SPIN_US", "200",
         "RDMA: microseconds the completion poller keeps polling after the last completion before it sleeps on the completion channel (latency against idle CPU).";
+    PSNET_RDMA_OFFER_BYTES = "PSNET_RDMA_OFFER_BYTES", "16777216",
+        "RDMA: bytes of receive buffers a node offers each peer in advance, sized like the large messages it received from it, so that a repeated message (the same key pushed or pulled again) is written straight in without a request-to-send round trip; 0: always rendezvous.";
     PSNET_GPUDIRECT = "PSNET_GPUDIRECT", "auto",
         "RDMA with GPU buffers (psnet-verbs feature `cuda`): how GPU memory is registered with the NIC: auto (dma-buf, else nvidia-peermem, else staged through pinned host memory), dmabuf, peermem, staged, or off.";
     PS_VERBOSE = "PS_VERBOSE", "0",

@@ -9,7 +9,7 @@ SHARE=${SHARE:-$(mktemp -d /tmp/psnet-rxe-share.XXXXXX)}
 cd "$ROOT"
 echo "rxe-ci: building release binaries"
 cargo build --release --locked -p psnet-perf -p psnet-launch -p psnet-train
-tests=$(cargo test --release --locked -p psnet-verbs --test conformance --no-run --message-format=json \
+tests=$(cargo test --release --locked -p psnet-verbs --test conformance --test offers --no-run --message-format=json \
   | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
 mkdir -p "$SHARE/bin" "$SHARE/tests"
 TARGET=${CARGO_TARGET_DIR:-$ROOT/target}

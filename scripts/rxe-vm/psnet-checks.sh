@@ -87,11 +87,17 @@ for pair in "$RXE_NETDEV:rdma" "eth1:tcp"; do
     $(( rc != 0 || same != 0 || n != 4 ))
 done
 
-# 5. kv throughput over RDMA (for the record).
-DMLC_INTERFACE=$RXE_NETDEV timeout -k 5 240 $B/psnet-perf kv --servers 1 --workers 2 --sizes 4K,1M > $OUT/kv 2>&1
-rc=$?
-cat $OUT/kv | tail -8
-check "psnet-perf kv over $RXE_NETDEV" $rc
+# 5. kv throughput over RDMA (for the record), without and with standing offers
+# (PSNET_RDMA_OFFER_BYTES=0: every large push and pull reply takes the rendezvous round trip).
+for offers in 0 16777216; do
+  PSNET_RDMA_OFFER_BYTES=$offers DMLC_INTERFACE=$RXE_NETDEV timeout -k 5 240 $B/psnet-perf kv \
+    --servers 1 --workers 2 --sizes 4K,1M,4M > $OUT/kv.$offers 2>&1
+  rc=$?
+  grep -A4 "#bytes" $OUT/kv.$offers
+  awk -v o=$offers '$1 ~ /^[0-9]+$/ && NF >= 6 {print "FIGURE kv offer_bytes=" o " size=" $1 " push_MBps=" $4 " pull_MBps=" $5 " pushpull_MBps=" $6}' $OUT/kv.$offers
+  [ $rc = 0 ] || tail -30 $OUT/kv.$offers
+  check "psnet-perf kv over $RXE_NETDEV (PSNET_RDMA_OFFER_BYTES=$offers)" $rc
+done
 
 [ $FAILED = 0 ] && echo "psnet-checks: all passed" || echo "psnet-checks: FAILED"
 exit $FAILED

@@ -28,6 +28,7 @@ use tokio::sync::{oneshot, Notify};
 use crate::device::Device;
 use crate::memory::{self, RecvPool, Region, Slab};
 use crate::proto::credits::{Class, Credits};
+use crate::proto::offers::{Offered, Offers, RemoteBuf, PER_CLASS};
 use crate::proto::order::Reorder;
 use crate::proto::wire::{self, Base, Cts, DataHeader, Kind};
 
@@ -75,6 +76,8 @@ pub struct LinkParams {
     pub inline_bytes: u32,
     /// Message limits.
     pub limits: Limits,
+    /// Bytes of receive buffers offered to the peer in advance at most; 0: none.
+    pub offer_bytes: u64,
 }
 
 impl LinkParams {
@@ -111,7 +114,23 @@ struct OutRndv {
     _regs: Vec<Arc<MemoryRegion>>,
     wrs: u32,
     cts: Option<Cts>,
+    /// The immediate ending the writes (the rendezvous' seq); `None` for a write into an
+    /// offered buffer, which a direct message follows instead.
+    imm: Option<u32>,
     done: Option<oneshot::Sender<Result<(), String>>>,
+}
+
+/// How a link's large messages went, for tests and benchmarks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LinkStats {
+    /// Large messages sent with a request-to-send / clear-to-send round trip.
+    pub sent_rendezvous: u64,
+    /// Large messages written straight into a buffer the peer offered.
+    pub sent_direct: u64,
+    /// Large messages received into a buffer this side offered.
+    pub received_direct: u64,
+    /// Buffers this side has offered and the peer has not written yet.
+    pub offered_now: u64,
 }
 
 struct InRndv {
@@ -142,6 +161,15 @@ struct State {
     write_backlog: VecDeque<u32>,
     deferred_rts: VecDeque<DeferredRts>,
     repost: Vec<u32>,
+    /// Buffers offered to the peer and not yet written (receiver side).
+    offered: Offered<Region>,
+    /// Sizes to offer again once the inbox has room.
+    to_offer: VecDeque<u64>,
+    /// Offers made but not yet sent to the peer.
+    offer_backlog: VecDeque<(u32, Cts)>,
+    /// The peer's offers (sender side).
+    offers: Offers,
+    stats: LinkStats,
     failed: Option<String>,
 }
 
@@ -260,6 +288,11 @@ impl Link {
                 write_backlog: VecDeque::new(),
                 deferred_rts: VecDeque::new(),
                 repost: Vec::new(),
+                offered: Offered::new(params.offer_bytes),
+                to_offer: VecDeque::new(),
+                offer_backlog: VecDeque::new(),
+                offers: Offers::default(),
+                stats: LinkStats::default(),
                 failed: None,
             }),
             params,
@@ -353,6 +386,15 @@ impl Link {
     pub fn is_ready(&self) -> bool {
         let st = self.lock();
         st.remote_ready && st.failed.is_none()
+    }
+
+    /// How this link's large messages went so far.
+    pub fn stats(&self) -> LinkStats {
+        let st = self.lock();
+        LinkStats {
+            offered_now: st.offered.len() as u64,
+            ..st.stats
+        }
     }
 
     /// Why the link failed, if it did.
@@ -577,6 +619,10 @@ impl Link {
         let mut pending = Some((sges, regs));
         let seq = self
             .wait_for(|st| {
+                let offer = meta_inline.then(|| st.offers.fitting(total)).flatten();
+                if let Some(offer) = offer {
+                    return self.post_direct(st, &msg, offer, &mut pending, &mut done, total);
+                }
                 // One credit for the request, one for the write-with-immediate that ends it.
                 if st.sq_free == 0 || st.free_slots.is_empty() || st.credits.available() < 3 {
                     return Ok(None);
@@ -619,9 +665,11 @@ impl Link {
                         _regs: regs,
                         wrs: 0,
                         cts: None,
+                        imm: Some(seq),
                         done: done.take(),
                     },
                 );
+                st.stats.sent_rendezvous += 1;
                 Ok(Some(seq))
             })
             .await?;
@@ -645,24 +693,71 @@ impl Link {
         }
     }
 
+    /// Writes `msg`'s segments into the peer's offered buffer, then sends the direct message
+    /// naming it; `Ok(None)` while a credit, a send buffer or queue room is missing.
+    fn post_direct(
+        &self,
+        st: &mut State,
+        msg: &OutMessage<'_>,
+        offer: RemoteBuf,
+        pending: &mut PendingSend,
+        done: &mut Option<oneshot::Sender<Result<(), String>>>,
+        total: u64,
+    ) -> Result<Option<u32>, String> {
+        let sges = &pending.as_ref().expect("posted once").0;
+        let wrs = write_groups(sges, self.max_sge as usize).len() as u32;
+        // The writes, then the direct message (one credit, one send buffer).
+        if st.sq_free < wrs + 1 || st.free_slots.is_empty() || st.credits.available() < 2 {
+            return Ok(None);
+        }
+        let offer = st.offers.take(offer.id).expect("offer just found");
+        let seq = st.next_seq;
+        st.next_seq = (seq + 1) & SEQ_MASK;
+        let (sges, regs) = pending.take().expect("posted once");
+        st.out.insert(
+            seq,
+            OutRndv {
+                sges,
+                total,
+                _regs: regs,
+                wrs: 0,
+                cts: Some(Cts {
+                    addr: offer.addr,
+                    rkey: offer.rkey,
+                    len: offer.len,
+                }),
+                imm: None,
+                done: done.take(),
+            },
+        );
+        if !self.post_writes(st, seq)? {
+            return Err("no queue room for a direct write after checking for it".into());
+        }
+        let posted = self.try_post_small(st, Class::Normal, |buf, credits| {
+            let base = Base {
+                kind: Kind::Direct,
+                credits,
+                seq: offer.id,
+            };
+            let lens = msg.segments.iter().map(|s| s.len() as u64);
+            let at = wire::put_data_header(buf, base, msg.meta.len() as u32, 0, lens);
+            buf[at..at + msg.meta.len()].copy_from_slice(msg.meta);
+            at + msg.meta.len()
+        })?;
+        if !posted {
+            return Err("no credit for a direct message after checking for one".into());
+        }
+        st.stats.sent_direct += 1;
+        Ok(Some(seq))
+    }
+
     fn post_writes(&self, st: &mut State, seq: u32) -> Result<bool, String> {
-        let max_sge = self.max_sge as usize;
         let Some(out) = st.out.get(&seq) else {
             return Ok(true);
         };
-        let cts = out.cts.expect("writes follow a clear-to-send");
-        // Group the parts into work requests of at most max_sge entries and MAX_WR_BYTES.
-        let mut groups: SmallVec<[(usize, usize, u64); 4]> = SmallVec::new();
-        let (mut start, mut bytes) = (0usize, 0u64);
-        for (i, sge) in out.sges.iter().enumerate() {
-            if i > start && (i - start == max_sge || bytes + sge.length as u64 > MAX_WR_BYTES) {
-                groups.push((start, i, bytes));
-                start = i;
-                bytes = 0;
-            }
-            bytes += sge.length as u64;
-        }
-        groups.push((start, out.sges.len(), bytes));
+        let cts = out.cts.expect("writes follow a clear-to-send or an offer");
+        let imm = out.imm;
+        let groups = write_groups(&out.sges, self.max_sge as usize);
         let wrs = groups.len() as u32;
         if st.sq_free < wrs {
             return Ok(false);
@@ -679,10 +774,9 @@ impl Link {
                 WorkRequestFlags::none()
             };
             let wr = guard.construct_wr(wr_id(self.id, WrKind::Write, seq), flags);
-            let wr = if last {
-                wr.setup_write_imm(cts.rkey, remote, seq.to_be())
-            } else {
-                wr.setup_write(cts.rkey, remote)
+            let wr = match imm {
+                Some(imm) if last => wr.setup_write_imm(cts.rkey, remote, imm.to_be()),
+                _ => wr.setup_write(cts.rkey, remote),
             };
             // SAFETY: the entries point into the sender's borrowed segments (kept alive by the
             // pending send future: dropping it fails the link first) or into registrations
@@ -755,6 +849,20 @@ impl Link {
         st.credits.granted(base.credits);
         match base.kind {
             Kind::Credit => Ok(false),
+            Kind::Offer => {
+                let offer = wire::parse_cts(bytes).map_err(|e| e.to_string())?;
+                st.offers.add(RemoteBuf {
+                    id: base.seq,
+                    addr: offer.addr,
+                    rkey: offer.rkey,
+                    len: offer.len,
+                })?;
+                Ok(false)
+            }
+            Kind::Direct => {
+                self.on_direct(st, base.seq, bytes)?;
+                Ok(true)
+            }
             Kind::Cts => {
                 let cts = wire::parse_cts(bytes).map_err(|e| e.to_string())?;
                 let out = st
@@ -845,6 +953,48 @@ impl Link {
         Ok(())
     }
 
+    /// A direct message: the peer wrote its segments into offer `id`, which is handed on and
+    /// replaced by a fresh offer of the same size.
+    fn on_direct(&self, st: &mut State, id: u32, bytes: &[u8]) -> Result<(), String> {
+        let (h, at) =
+            wire::parse_data_header(bytes, &self.params.limits).map_err(|e| e.to_string())?;
+        let meta_len = h.meta_len as usize;
+        if at + meta_len > bytes.len() {
+            return Err("direct message truncated".into());
+        }
+        let meta = Bytes::copy_from_slice(&bytes[at..at + meta_len]);
+        let (class, region) = st.offered.redeem(id).ok_or_else(|| {
+            format!("direct message for buffer {id}, which is not on offer (never, or no more)")
+        })?;
+        let total: u64 = h.seg_lens.iter().sum();
+        if total > region.len() as u64 {
+            return Err(format!(
+                "direct message of {total} bytes for an offered buffer of {}",
+                region.len()
+            ));
+        }
+        // SAFETY: the peer's writes into the region were posted before this message on the
+        // same reliable-connected queue pair, so they are placed; the offer was redeemed
+        // above, so the peer will not write it again and it is offered to no one else.
+        let body = unsafe { self.pool.into_bytes(region, total as usize) };
+        st.order.push_ready(Incoming {
+            peer: self.peer,
+            meta,
+            segments: split_segments(&body, 0, &h.seg_lens),
+        });
+        st.stats.received_direct += 1;
+        self.want_offer(st, class);
+        Ok(())
+    }
+
+    /// Asks for a buffer of `class` bytes to be offered to the peer (sent from `pump`).
+    fn want_offer(&self, st: &mut State, class: u64) {
+        // Bounded: at most what could be outstanding of every size at once.
+        if self.params.offer_bytes > 0 && st.to_offer.len() < 4 * PER_CLASS as usize {
+            st.to_offer.push_back(class);
+        }
+    }
+
     fn on_write_landed(&self, st: &mut State, seq: u32, byte_len: u32) -> Result<(), String> {
         let inbound = st
             .inbound
@@ -855,6 +1005,11 @@ impl Link {
                 "rendezvous {seq}: {byte_len} bytes written, {} expected",
                 inbound.total
             ));
+        }
+        // A message like this one is likely to come again (the same key): offer its size in
+        // advance, if the sender can use an offer (its metadata travels in the message).
+        if inbound.meta.is_some() {
+            self.want_offer(st, inbound.region.len() as u64);
         }
         // SAFETY: the write-with-immediate completed, so the sender's writes into the region
         // are done, and it was offered for this rendezvous only.
@@ -889,6 +1044,18 @@ impl Link {
                 while let Some(rts) = st.deferred_rts.pop_front() {
                     self.accept_rts(&mut st, rts)?;
                 }
+                while let Some(class) = st.to_offer.pop_front() {
+                    if st.offered.wants(class) {
+                        let region = self.pool.take(class as usize)?;
+                        let cts = Cts {
+                            addr: region.addr(),
+                            rkey: region.rkey(),
+                            len: region.len() as u64,
+                        };
+                        let id = st.offered.offer(class, region);
+                        st.offer_backlog.push_back((id, cts));
+                    }
+                }
             }
             while let Some(&seq) = st.write_backlog.front() {
                 if !self.post_writes(&mut st, seq)? {
@@ -909,6 +1076,20 @@ impl Link {
                     break;
                 }
                 st.cts_backlog.pop_front();
+            }
+            while let Some(&(id, offer)) = st.offer_backlog.front() {
+                let posted = self.try_post_small(&mut st, Class::Normal, |buf, credits| {
+                    let base = Base {
+                        kind: Kind::Offer,
+                        credits,
+                        seq: id,
+                    };
+                    wire::put_cts(buf, base, offer)
+                })?;
+                if !posted {
+                    break;
+                }
+                st.offer_backlog.pop_front();
             }
             if st.credits.wants_credit_message() {
                 self.try_post_small(&mut st, Class::CreditReturn, |buf, credits| {
@@ -956,6 +1137,26 @@ impl Drop for AbandonGuard<'_> {
             }
         }
     }
+}
+
+/// Registered parts and the registrations made for them, until a send is posted.
+type PendingSend = Option<(SmallVec<[ibv_sge; 4]>, Vec<Arc<MemoryRegion>>)>;
+
+/// Groups scatter-gather entries into RDMA writes of at most `max_sge` entries and
+/// [`MAX_WR_BYTES`] each: `(first, end, bytes)` per write.
+fn write_groups(sges: &[ibv_sge], max_sge: usize) -> SmallVec<[(usize, usize, u64); 4]> {
+    let mut groups = SmallVec::new();
+    let (mut start, mut bytes) = (0usize, 0u64);
+    for (i, sge) in sges.iter().enumerate() {
+        if i > start && (i - start == max_sge.max(1) || bytes + sge.length as u64 > MAX_WR_BYTES) {
+            groups.push((start, i, bytes));
+            start = i;
+            bytes = 0;
+        }
+        bytes += sge.length as u64;
+    }
+    groups.push((start, sges.len(), bytes));
+    groups
 }
 
 fn split_segments(body: &Bytes, mut at: usize, lens: &[u64]) -> SmallVec<[Bytes; 4]> {

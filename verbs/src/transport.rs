@@ -59,6 +59,9 @@ pub struct VerbsConfig {
     /// Microseconds of polling after the last completion before sleeping
     /// (`PSNET_RDMA_SPIN_US`).
     pub spin_us: u64,
+    /// Bytes of receive buffers offered to each peer in advance (`PSNET_RDMA_OFFER_BYTES`);
+    /// 0: every large message takes the rendezvous round trip.
+    pub offer_bytes: u64,
 }
 
 impl VerbsConfig {
@@ -73,6 +76,7 @@ impl VerbsConfig {
             pool_bytes: 256 << 20,
             inline_bytes: 128,
             spin_us: 200,
+            offer_bytes: 16 << 20,
         }
     }
 }
@@ -228,8 +232,10 @@ impl VerbsTransport {
             slot_size: config.eager_bytes,
             inline_bytes: config.inline_bytes.min(config.eager_bytes as u32),
             limits: config.tcp.limits,
+            offer_bytes: config.offer_bytes,
         };
-        let per_link = 2 * config.recv_depth as u64 * config.eager_bytes as u64;
+        let per_link =
+            2 * config.recv_depth as u64 * config.eager_bytes as u64 + config.offer_bytes;
         sys::check_memlock(per_link * 4 + (16 << 20)).map_err(unavailable)?;
         sys::fork_init_once();
         let cq_per_link = params.recv_depth + params.sq_depth(16) + 1;
@@ -284,6 +290,12 @@ impl VerbsTransport {
     /// The device this transport runs on.
     pub fn device(&self) -> &Device {
         &self.inner.dev
+    }
+
+    /// How large messages to and from `peer` went (rendezvous or written into an offered
+    /// buffer), or `None` if no queue pair to `peer` exists.
+    pub fn link_stats(&self, peer: NodeId) -> Option<crate::link::LinkStats> {
+        lock(&self.inner.links).get(&peer).map(|c| c.link.stats())
     }
 
     /// Drops cached registrations of `[addr, addr + len)` (see `PSNET_RDMA_REG_CACHE`).

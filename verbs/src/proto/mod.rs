@@ -1,7 +1,8 @@
 //! The verbs protocol as plain types, free of I/O (quinn-proto's lesson): the message header
-//! codec, credit accounting and in-order delivery. The transport only moves bytes between
+//! codec, credit accounting, standing offers and in-order delivery. The transport only moves bytes between
 //! these types and the queue pairs, so all of this is tested without an RDMA device.
 
 pub mod credits;
+pub mod offers;
 pub mod order;
 pub mod wire;

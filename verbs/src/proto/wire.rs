@@ -2,19 +2,22 @@
 //!
 //! Layout (little endian):
 //! - all kinds: `kind u8 | version u8 | credits u16 | seq u32` (8 bytes);
-//! - [`Kind::Eager`] and [`Kind::Rts`]: then `meta_len u32 | nseg u16 | flags u16`, then
-//!   `nseg` segment lengths as `u64`; an eager message then carries the metadata and the
-//!   segments' bytes, a request-to-send carries the metadata only if [`RTS_META_INLINE`] is set;
-//! - [`Kind::Cts`]: then `addr u64 | rkey u32 | len u64` (the receiver's buffer);
+//! - [`Kind::Eager`], [`Kind::Rts`] and [`Kind::Direct`]: then `meta_len u32 | nseg u16 |
+//!   flags u16`, then `nseg` segment lengths as `u64`; an eager message then carries the
+//!   metadata and the segments' bytes, a request-to-send carries the metadata only if
+//!   [`RTS_META_INLINE`] is set, a direct message always carries the metadata;
+//! - [`Kind::Cts`] and [`Kind::Offer`]: then `addr u64 | rkey u32 | len u64` (a buffer of the
+//!   receiver's);
 //! - [`Kind::Credit`]: nothing more.
 //!
-//! `credits` returns receive buffers to the peer (piggybacked on every message); `seq` names a
-//! rendezvous so that a clear-to-send and the final write-with-immediate match one request.
+//! `credits` returns receive buffers to the peer (piggybacked on every message). `seq` names a
+//! rendezvous, so that a clear-to-send and the final write-with-immediate match one request;
+//! in an offer and in the direct message that uses it, `seq` is the offer's id.
 
 use psnet_transport::Limits;
 
 /// Wire version of the verbs protocol.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Bytes of the common header.
 pub const BASE_LEN: usize = 8;
 /// Bytes of the eager / request-to-send header before the segment lengths.
@@ -36,6 +39,12 @@ pub enum Kind {
     Cts = 3,
     /// Returns receive buffers only.
     Credit = 4,
+    /// A buffer offered in advance: the peer may write one message of up to its length into
+    /// it without asking ([`crate::proto::offers`]).
+    Offer = 5,
+    /// A message whose segments were just written into an offered buffer; carries the header
+    /// and the metadata.
+    Direct = 6,
 }
 
 /// The common header.
@@ -134,7 +143,7 @@ pub fn put_data_header(
     at
 }
 
-/// Writes a clear-to-send; returns the bytes written.
+/// Writes a clear-to-send or an offer (`base.kind` says which); returns the bytes written.
 pub fn put_cts(out: &mut [u8], base: Base, cts: Cts) -> usize {
     put_base(out, base);
     out[8..16].copy_from_slice(&cts.addr.to_le_bytes());
@@ -173,6 +182,8 @@ pub fn parse_base(buf: &[u8]) -> Result<Base, WireError> {
         2 => Kind::Rts,
         3 => Kind::Cts,
         4 => Kind::Credit,
+        5 => Kind::Offer,
+        6 => Kind::Direct,
         k => return Err(WireError::UnknownKind(k)),
     };
     if buf[1] != VERSION {
@@ -229,7 +240,7 @@ pub fn parse_data_header(buf: &[u8], limits: &Limits) -> Result<(DataHeader, usi
     ))
 }
 
-/// Reads a clear-to-send.
+/// Reads a clear-to-send or an offer.
 pub fn parse_cts(buf: &[u8]) -> Result<Cts, WireError> {
     need(buf, CTS_LEN)?;
     Ok(Cts {
@@ -245,7 +256,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn kind_strategy() -> impl Strategy<Value = Kind> {
-        prop_oneof![Just(Kind::Eager), Just(Kind::Rts)]
+        prop_oneof![Just(Kind::Eager), Just(Kind::Rts), Just(Kind::Direct)]
     }
 
     proptest! {
@@ -265,10 +276,11 @@ mod tests {
         }
 
         #[test]
-        fn cts_roundtrips(credits: u16, seq: u32, addr: u64, rkey: u32, len: u64) {
+        fn cts_roundtrips(offer: bool, credits: u16, seq: u32, addr: u64, rkey: u32, len: u64) {
+            let kind = if offer { Kind::Offer } else { Kind::Cts };
             let mut buf = [0u8; CTS_LEN];
-            put_cts(&mut buf, Base { kind: Kind::Cts, credits, seq }, Cts { addr, rkey, len });
-            prop_assert_eq!(parse_base(&buf).unwrap().kind, Kind::Cts);
+            put_cts(&mut buf, Base { kind, credits, seq }, Cts { addr, rkey, len });
+            prop_assert_eq!(parse_base(&buf).unwrap(), Base { kind, credits, seq });
             prop_assert_eq!(parse_cts(&buf).unwrap(), Cts { addr, rkey, len });
         }
 
@@ -277,8 +289,10 @@ mod tests {
         fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
             if let Ok(base) = parse_base(&bytes) {
                 match base.kind {
-                    Kind::Eager | Kind::Rts => { let _ = parse_data_header(&bytes, &Limits::default()); }
-                    Kind::Cts => { let _ = parse_cts(&bytes); }
+                    Kind::Eager | Kind::Rts | Kind::Direct => {
+                        let _ = parse_data_header(&bytes, &Limits::default());
+                    }
+                    Kind::Cts | Kind::Offer => { let _ = parse_cts(&bytes); }
                     Kind::Credit => {}
                 }
             }
