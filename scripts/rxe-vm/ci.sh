@@ -9,12 +9,18 @@ SHARE=${SHARE:-$(mktemp -d /tmp/psnet-rxe-share.XXXXXX)}
 cd "$ROOT"
 echo "rxe-ci: building release binaries"
 cargo build --release --locked -p psnet-perf -p psnet-launch -p psnet-train
-tests=$(cargo test --release --locked -p psnet-verbs --test conformance --test offers --no-run --message-format=json \
-  | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
-mkdir -p "$SHARE/bin" "$SHARE/tests"
+test_binaries() { # test_binaries TARGET... -> paths of the built test executables
+  cargo test --release --locked -p psnet-verbs $(printf -- '--test %s ' "$@") --no-run --message-format=json \
+    | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p'
+}
+tests=$(test_binaries conformance offers)
+# Run after every other check: it takes the RDMA interface down and up.
+late=$(test_binaries events)
+mkdir -p "$SHARE/bin" "$SHARE/tests" "$SHARE/late"
 TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
 cp "$TARGET/release/psnet-perf" "$TARGET/release/psnet-launch" "$TARGET/release/psnet-train" "$SHARE/bin/"
 for t in $tests; do cp "$t" "$SHARE/tests/verbs-$(basename "$t" | sed 's/-[0-9a-f]*$//')"; done
+for t in $late; do cp "$t" "$SHARE/late/verbs-$(basename "$t" | sed 's/-[0-9a-f]*$//')"; done
 cp "$HERE/psnet-checks.sh" "$SHARE/hook.sh"
 echo "rxe-ci: running the guest (share $SHARE)"
 rc=0

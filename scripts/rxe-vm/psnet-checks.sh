@@ -99,5 +99,16 @@ for offers in 0 16777216; do
   check "psnet-perf kv over $RXE_NETDEV (PSNET_RDMA_OFFER_BYTES=$offers)" $rc
 done
 
+# 6. Tests that take the RDMA interface down and up again: last, so nothing else sees it.
+for t in "$RXE_SHARE"/late/*; do
+  [ -x "$t" ] || continue
+  name=$(basename "$t")
+  timeout -k 5 300 "$t" --test-threads=1 --nocapture > $OUT/$name.log 2>&1
+  rc=$?
+  grep -E "^test |test result|lost their peer|SKIPPED" $OUT/$name.log
+  [ $rc = 0 ] || tail -60 $OUT/$name.log
+  check "tests/$name (after taking $RXE_NETDEV down and up)" $rc
+done
+
 [ $FAILED = 0 ] && echo "psnet-checks: all passed" || echo "psnet-checks: FAILED"
 exit $FAILED

@@ -19,6 +19,7 @@ pub mod control;
 pub mod device;
 pub mod devices;
 pub mod discovery;
+pub mod events;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod link;

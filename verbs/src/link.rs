@@ -203,6 +203,7 @@ pub struct Link {
     params: LinkParams,
     max_sge: u32,
     tag: u32,
+    qpn: u32,
     local_psn: u32,
     // Field order: the queue pair (in `st`) is destroyed before the buffers it used.
     st: Mutex<State>,
@@ -266,8 +267,10 @@ impl Link {
             .setup_access_flags(memory::access());
         qp.modify(&attr)
             .map_err(|e| format!("queue pair to INIT: {e}"))?;
+        let qpn = qp.qp_number();
         let link = Link {
             id,
+            qpn,
             peer,
             nonce,
             changed: Notify::new(),
@@ -312,6 +315,11 @@ impl Link {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         self.st.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The queue pair's number.
+    pub fn qp_number(&self) -> u32 {
+        self.qpn
     }
 
     /// This side's queue pair, for the handshake.

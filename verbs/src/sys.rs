@@ -5,6 +5,9 @@ use std::io;
 use std::sync::{Arc, OnceLock};
 
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue};
+use sideway::ibverbs::device_context::DeviceContext;
+
+use crate::events::{self, AsyncEvent, Scope};
 
 /// Calls `ibv_fork_init` once per process, before the first registration, so that a child
 /// forked by a data loader does not corrupt registered pages (on kernels that need it).
@@ -90,4 +93,82 @@ pub fn watch_channel(
         tokio::io::unix::AsyncFd::register_with_interest(channel, tokio::io::Interest::READABLE)
     }
     .map_err(|e| io::Error::other(e.to_string()))
+}
+
+// `rdma_mummy_sys::ibv_async_event` declares the event type as a Rust enum, which an event
+// code unknown to it (a newer rdma-core) would make undefined behaviour to read: this mirror
+// of the C struct reads it as a plain integer.
+#[repr(C)]
+union RawElement {
+    ptr: *mut std::ffi::c_void,
+    port_num: libc::c_int,
+}
+
+#[repr(C)]
+struct RawAsyncEvent {
+    element: RawElement,
+    event_type: u32,
+}
+
+/// The device's asynchronous-event descriptor, kept open by the context it belongs to.
+pub struct AsyncEventFd(Arc<DeviceContext>);
+
+impl std::os::fd::AsRawFd for AsyncEventFd {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        // SAFETY: the context pointer is valid while `self.0` lives; async_fd is set at open.
+        unsafe { (*self.0.context().as_ptr()).async_fd }
+    }
+}
+
+/// Makes `ctx`'s asynchronous-event descriptor non-blocking and registers it with tokio.
+pub fn watch_async_events(
+    ctx: Arc<DeviceContext>,
+) -> io::Result<tokio::io::unix::AsyncFd<AsyncEventFd>> {
+    use std::os::fd::AsRawFd;
+    let fd = AsyncEventFd(ctx);
+    let raw = fd.as_raw_fd();
+    // SAFETY: fcntl on a descriptor the context owns, only changing its O_NONBLOCK flag.
+    let ok = unsafe {
+        let flags = libc::fcntl(raw, libc::F_GETFL);
+        flags >= 0 && libc::fcntl(raw, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+    };
+    if !ok {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the descriptor belongs to the context, which the AsyncFd keeps open (it holds
+    // the Arc) for as long as it is registered.
+    unsafe { tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
+        .map_err(|e| io::Error::other(e.to_string()))
+}
+
+/// The next pending asynchronous event of `ctx` (acknowledged before it is returned), or
+/// `None` when there is none (the descriptor must be non-blocking).
+pub fn next_async_event(ctx: &DeviceContext) -> Option<AsyncEvent> {
+    let mut raw = RawAsyncEvent {
+        element: RawElement {
+            ptr: std::ptr::null_mut(),
+        },
+        event_type: 0,
+    };
+    let event = &mut raw as *mut RawAsyncEvent as *mut rdma_mummy_sys::ibv_async_event;
+    // SAFETY: the context is valid while `ctx` lives; `raw` has the C layout of
+    // ibv_async_event (a pointer-sized union, then the event type), which the call fills.
+    if unsafe { rdma_mummy_sys::ibv_get_async_event(ctx.context().as_ptr(), event) } != 0 {
+        return None;
+    }
+    let code = raw.event_type;
+    let (qp_num, port) = match events::scope(code) {
+        // SAFETY: for queue-pair events the element is the queue pair, which stays valid until
+        // the event is acknowledged (ibv_destroy_qp waits for that).
+        Scope::QueuePair => (
+            Some(unsafe { (*(raw.element.ptr as *const rdma_mummy_sys::ibv_qp)).qp_num }),
+            None,
+        ),
+        // SAFETY: for port events the element is the port number.
+        Scope::Port => (None, u8::try_from(unsafe { raw.element.port_num }).ok()),
+        _ => (None, None),
+    };
+    // SAFETY: acknowledges the event just returned, once, with the layout it was read into.
+    unsafe { rdma_mummy_sys::ibv_ack_async_event(event) };
+    Some(AsyncEvent { code, qp_num, port })
 }

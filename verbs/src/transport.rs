@@ -26,6 +26,7 @@ use tokio::sync::{mpsc, watch, Notify};
 
 use crate::control::Control;
 use crate::device::{Device, DeviceSpec};
+use crate::events;
 use crate::link::{self, Link, LinkParams};
 use crate::memory::{self, RecvPool};
 use crate::proto::wire::DataHeader;
@@ -284,6 +285,14 @@ impl VerbsTransport {
             .map_err(|e| unavailable(format!("completion channel: {e}")))?;
         tokio::spawn(poll_loop(inner.clone(), fd, inner.stop.subscribe()));
         tokio::spawn(control_loop(inner.clone(), fail_rx, inner.stop.subscribe()));
+        match sys::watch_async_events(inner.dev.ctx.clone()) {
+            Ok(fd) => {
+                tokio::spawn(device_event_loop(inner.clone(), fd, inner.stop.subscribe()));
+            }
+            // Not fatal: failures still surface as error completions, only later.
+            Err(e) => tracing::warn!(device = %inner.dev.name, error = %e,
+                "cannot watch the device's asynchronous events; a port going down is noticed only when a transfer fails"),
+        }
         Ok(VerbsTransport { inner })
     }
 
@@ -332,6 +341,38 @@ impl Inner {
 
     /// Removes `peer`'s link (if it is `only_id`, when given); returns it and whether a
     /// `PeerConnected` was reported for it.
+    fn on_device_event(&self, event: &events::AsyncEvent) {
+        let dev = &self.dev;
+        let fail = |link: &Arc<Link>, reason: &str| {
+            tracing::warn!(peer = %link.peer, device = %dev.name, %reason, "RDMA link failed");
+            let _ = self.fail_tx.send((link.peer, link.id, reason.to_string()));
+        };
+        match events::decide(&dev.name, dev.port, event) {
+            events::Action::FailQueuePair { qp_num, reason } => {
+                let links: Vec<Arc<Link>> = lock(&self.by_id).values().cloned().collect();
+                match links.iter().find(|l| l.qp_number() == qp_num) {
+                    Some(link) => fail(link, &reason),
+                    None => tracing::debug!(qp_num, %reason, "event for a queue pair already gone"),
+                }
+            }
+            events::Action::FailAll(reason) => {
+                tracing::error!(device = %dev.name, %reason, "RDMA device event: failing every link");
+                let links: Vec<Arc<Link>> = lock(&self.by_id).values().cloned().collect();
+                for link in &links {
+                    fail(link, &reason);
+                }
+            }
+            events::Action::Log {
+                warn: true,
+                message,
+            } => tracing::warn!("{message}"),
+            events::Action::Log {
+                warn: false,
+                message,
+            } => tracing::info!("{message}"),
+        }
+    }
+
     fn remove_link(&self, peer: NodeId, only_id: Option<u32>, reason: &str) -> Option<bool> {
         let mut links = lock(&self.links);
         if let Some(id) = only_id {
@@ -646,6 +687,26 @@ async fn poll_loop(
             _ = stop.changed() => return,
         }
         idle = 0;
+    }
+}
+
+/// Turns the device's asynchronous events into per-peer failures (see [`events::decide`]).
+async fn device_event_loop(
+    inner: Arc<Inner>,
+    fd: AsyncFd<sys::AsyncEventFd>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            ready = fd.readable() => {
+                let Ok(mut guard) = ready else { return };
+                while let Some(event) = sys::next_async_event(&inner.dev.ctx) {
+                    inner.on_device_event(&event);
+                }
+                guard.clear_ready();
+            }
+            _ = stop.changed() => return,
+        }
     }
 }
 

@@ -31,7 +31,9 @@ async fn pair(offer_bytes: u64) -> Option<(VerbsTransport, VerbsTransport)> {
     let a = VerbsTransport::bind(NodeId(1), config.clone())
         .await
         .expect("endpoint 1");
-    let b = VerbsTransport::bind(NodeId(2), config).await.expect("endpoint 2");
+    let b = VerbsTransport::bind(NodeId(2), config)
+        .await
+        .expect("endpoint 2");
     a.connect(b.local_id(), b.listen_addr())
         .await
         .expect("connect");
@@ -95,7 +97,10 @@ async fn repeated_messages_are_written_into_offered_buffers() {
                 "offers were not used for a repeated message: {sent:?}"
             );
             assert_eq!(got.received_direct, sent.sent_direct);
-            assert!(got.offered_now >= 1, "the receiver keeps an offer out: {got:?}");
+            assert!(
+                got.offered_now >= 1,
+                "the receiver keeps an offer out: {got:?}"
+            );
         }
     })
     .await

@@ -178,7 +178,10 @@ mod tests {
         assert!(book.wants(4 << 20));
         book.offer(4 << 20, ());
         assert!(!book.wants(4 << 20), "8 + 4 MiB is above the 10 MiB budget");
-        assert!(!Offered::<()>::new(0).wants(4096), "a zero budget never offers");
+        assert!(
+            !Offered::<()>::new(0).wants(4096),
+            "a zero budget never offers"
+        );
         assert!(!book.wants(0));
     }
 
