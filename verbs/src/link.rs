@@ -663,20 +663,8 @@ impl Link {
                     st.credits.try_take(Class::Normal, 1),
                     "credit checked above"
                 );
-                st.next_seq = (seq + 1) & SEQ_MASK;
-                let (sges, regs) = pending.take().expect("posted once");
-                st.out.insert(
-                    seq,
-                    OutRndv {
-                        sges,
-                        total,
-                        _regs: regs,
-                        wrs: 0,
-                        cts: None,
-                        imm: Some(seq),
-                        done: done.take(),
-                    },
-                );
+                let tracked = track_send(st, &mut pending, &mut done, total, None);
+                debug_assert_eq!(tracked, seq);
                 st.stats.sent_rendezvous += 1;
                 Ok(Some(seq))
             })
@@ -719,25 +707,12 @@ impl Link {
             return Ok(None);
         }
         let offer = st.offers.take(offer.id).expect("offer just found");
-        let seq = st.next_seq;
-        st.next_seq = (seq + 1) & SEQ_MASK;
-        let (sges, regs) = pending.take().expect("posted once");
-        st.out.insert(
-            seq,
-            OutRndv {
-                sges,
-                total,
-                _regs: regs,
-                wrs: 0,
-                cts: Some(Cts {
-                    addr: offer.addr,
-                    rkey: offer.rkey,
-                    len: offer.len,
-                }),
-                imm: None,
-                done: done.take(),
-            },
-        );
+        let to = Cts {
+            addr: offer.addr,
+            rkey: offer.rkey,
+            len: offer.len,
+        };
+        let seq = track_send(st, pending, done, total, Some(to));
         if !self.post_writes(st, seq)? {
             return Err("no queue room for a direct write after checking for it".into());
         }
@@ -1145,6 +1120,34 @@ impl Drop for AbandonGuard<'_> {
             }
         }
     }
+}
+
+/// Tracks a large send under the next sequence number until its writes complete. A direct
+/// write knows its destination (`to`) now and ends without an immediate; a rendezvous learns
+/// it from the clear-to-send and ends with an immediate naming the sequence number.
+fn track_send(
+    st: &mut State,
+    pending: &mut PendingSend,
+    done: &mut Option<oneshot::Sender<Result<(), String>>>,
+    total: u64,
+    to: Option<Cts>,
+) -> u32 {
+    let seq = st.next_seq;
+    st.next_seq = (seq + 1) & SEQ_MASK;
+    let (sges, regs) = pending.take().expect("tracked once");
+    st.out.insert(
+        seq,
+        OutRndv {
+            sges,
+            total,
+            _regs: regs,
+            wrs: 0,
+            imm: to.is_none().then_some(seq),
+            cts: to,
+            done: done.take(),
+        },
+    );
+    seq
 }
 
 /// Registered parts and the registrations made for them, until a send is posted.
