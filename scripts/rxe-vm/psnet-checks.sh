@@ -14,16 +14,25 @@ check() { # check NAME STATUS
 }
 export PS_VERBOSE=0
 
-# 1. The transport's integration tests (the conformance suite) over rxe0.
+# 1. The transport's integration tests (the conformance suite) over rxe0. Queue pairs
+# connect through rdma_cm (the default where it works); the conformance suite runs again
+# with them connected over the TCP control connection (PSNET_RDMA_CONNECT=socket).
+run_tests() { # run_tests BINARY LOG CHECK-NAME
+  timeout -k 5 300 "$1" --test-threads=1 > "$OUT/$2.log" 2>&1
+  rc=$?
+  grep -E "^test |test result" "$OUT/$2.log"
+  [ $rc = 0 ] || tail -60 "$OUT/$2.log"
+  check "$3" $rc
+}
 for t in "$RXE_SHARE"/tests/*; do
   [ -x "$t" ] || continue
   name=$(basename "$t")
-  timeout -k 5 300 "$t" --test-threads=1 > $OUT/$name.log 2>&1
-  rc=$?
-  grep -E "^test |test result" $OUT/$name.log
-  [ $rc = 0 ] || tail -60 $OUT/$name.log
-  check "tests/$name" $rc
+  run_tests "$t" "$name" "tests/$name"
 done
+if [ -x "$RXE_SHARE/tests/verbs-conformance" ]; then
+  PSNET_RDMA_CONNECT=socket run_tests "$RXE_SHARE/tests/verbs-conformance" \
+    verbs-conformance-socket "tests/verbs-conformance (PSNET_RDMA_CONNECT=socket)"
+fi
 
 # 2. Bandwidth: perftest's ib_write_bw and psnet-perf bw over the same device, same run.
 # Both send 1 MiB / 4 MiB messages from one registered buffer to a server on this host.

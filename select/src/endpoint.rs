@@ -179,6 +179,7 @@ pub fn verbs_config_from_env(
     config.inline_bytes = env::PSNET_RDMA_INLINE.parse_or_default()?;
     config.spin_us = env::PSNET_RDMA_SPIN_US.parse_or_default()?;
     config.offer_bytes = env::PSNET_RDMA_OFFER_BYTES.parse_or_default()?;
+    config.handshake = env::PSNET_RDMA_CONNECT.parse_or_default()?;
     Ok(config)
 }
 

@@ -4,6 +4,11 @@
 //! its queue pair, connects it and answers; the requester connects its own and confirms. When
 //! both sides request at once, the request with the larger nonce wins and the other is dropped
 //! by both sides alike.
+//!
+//! With rdma_cm ([`CmMessage`]), the same handshake rides in the private data of the
+//! connection manager's REQ, REP and REJ: the connect request names the requesting node
+//! (which the TCP control connection has authenticated) and its nonce; the same nonce rule
+//! settles simultaneous connects.
 
 use crate::link::QpInfo;
 
@@ -115,6 +120,135 @@ impl Control {
     }
 }
 
+/// Marks psnet's rdma_cm private data (a peer of another program is refused).
+const CM_MAGIC: [u8; 2] = *b"PS";
+/// Version of the private-data layout.
+const CM_VERSION: u8 = 1;
+
+/// Why a connect request was refused, carried in the REJ's private data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// Both sides connected at once and this side's request wins (larger nonce); the
+    /// requester waits for it, or asks again later.
+    Crossed = 1,
+    /// No TCP control connection from the requesting node (it must dial that first).
+    NoControlConnection = 2,
+    /// The request's private data was not psnet's.
+    Malformed = 3,
+    /// The queue pair could not be built or connected (buffer sizes differ, no resources).
+    CannotConnect = 4,
+}
+
+impl Refusal {
+    /// What the refusal means, for error messages.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Refusal::Crossed => "the peer's own connect request crossed ours and wins",
+            Refusal::NoControlConnection => "the peer has no control connection from this node",
+            Refusal::Malformed => "the peer did not understand the connect request",
+            Refusal::CannotConnect => {
+                "the peer could not connect a queue pair to ours (set PSNET_RDMA_EAGER alike on every node)"
+            }
+        }
+    }
+}
+
+/// The handshake in rdma_cm private data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CmMessage {
+    /// In the connect request (at most 56 bytes): who asks, and its receive buffers.
+    Hello {
+        /// The requesting node.
+        from: u64,
+        /// Its link nonce.
+        nonce: u64,
+        /// Receive buffers it posted.
+        recv_depth: u32,
+        /// Bytes per receive buffer.
+        slot_size: u32,
+    },
+    /// In the accept: the responder's nonce and receive buffers.
+    Welcome {
+        /// The responder's link nonce.
+        nonce: u64,
+        /// Receive buffers it posted.
+        recv_depth: u32,
+        /// Bytes per receive buffer.
+        slot_size: u32,
+    },
+    /// In the reject.
+    Refused(Refusal),
+}
+
+impl CmMessage {
+    /// Encodes the message (28 bytes at most).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(28);
+        out.extend_from_slice(&CM_MAGIC);
+        out.push(CM_VERSION);
+        match self {
+            CmMessage::Hello {
+                from,
+                nonce,
+                recv_depth,
+                slot_size,
+            } => {
+                out.push(1);
+                out.extend_from_slice(&from.to_le_bytes());
+                out.extend_from_slice(&nonce.to_le_bytes());
+                out.extend_from_slice(&recv_depth.to_le_bytes());
+                out.extend_from_slice(&slot_size.to_le_bytes());
+            }
+            CmMessage::Welcome {
+                nonce,
+                recv_depth,
+                slot_size,
+            } => {
+                out.push(2);
+                out.extend_from_slice(&nonce.to_le_bytes());
+                out.extend_from_slice(&recv_depth.to_le_bytes());
+                out.extend_from_slice(&slot_size.to_le_bytes());
+            }
+            CmMessage::Refused(why) => {
+                out.push(3);
+                out.push(*why as u8);
+            }
+        }
+        out
+    }
+
+    /// Decodes a message; `None` for anything not psnet's. The connection manager pads
+    /// private data with zeros to its field size, so bytes after the message are ignored.
+    pub fn decode(b: &[u8]) -> Option<CmMessage> {
+        if b.len() < 4 || b[..2] != CM_MAGIC || b[2] != CM_VERSION {
+            return None;
+        }
+        let body = &b[4..];
+        let u32_at = |at: usize| u32::from_le_bytes(body[at..at + 4].try_into().expect("4 bytes"));
+        match b[3] {
+            1 if body.len() >= 24 => Some(CmMessage::Hello {
+                from: u64_at(body, 0),
+                nonce: u64_at(body, 8),
+                recv_depth: u32_at(16),
+                slot_size: u32_at(20),
+            }),
+            2 if body.len() >= 16 => Some(CmMessage::Welcome {
+                nonce: u64_at(body, 0),
+                recv_depth: u32_at(8),
+                slot_size: u32_at(12),
+            }),
+            3 if !body.is_empty() => Some(CmMessage::Refused(match body[0] {
+                1 => Refusal::Crossed,
+                2 => Refusal::NoControlConnection,
+                3 => Refusal::Malformed,
+                4 => Refusal::CannotConnect,
+                _ => return None,
+            })),
+            _ => None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,6 +284,30 @@ mod tests {
                 Control::Ready { nonce },
             ] {
                 prop_assert_eq!(Control::decode(&m.encode()), Some(m));
+            }
+        }
+
+        #[test]
+        fn cm_messages_roundtrip_through_padding(from: u64, nonce: u64, depth: u32, slot: u32, pad in 0usize..40) {
+            for m in [
+                CmMessage::Hello { from, nonce, recv_depth: depth, slot_size: slot },
+                CmMessage::Welcome { nonce, recv_depth: depth, slot_size: slot },
+                CmMessage::Refused(Refusal::Crossed),
+                CmMessage::Refused(Refusal::CannotConnect),
+            ] {
+                let mut bytes = m.encode();
+                // A connect request's private data is at most 56 bytes.
+                prop_assert!(bytes.len() <= 56);
+                bytes.resize(bytes.len() + pad, 0);
+                prop_assert_eq!(CmMessage::decode(&bytes), Some(m));
+            }
+        }
+
+        #[test]
+        fn cm_garbage_is_refused_not_panicked(bytes in proptest::collection::vec(any::<u8>(), 0..60)) {
+            if let Some(m) = CmMessage::decode(&bytes) {
+                let encoded = m.encode();
+                prop_assert_eq!(&bytes[..encoded.len()], &encoded[..]);
             }
         }
 

@@ -25,9 +25,10 @@ pub mod gpu;
 pub mod link;
 pub mod memory;
 pub mod proto;
+pub mod rdmacm;
 pub mod regcache;
 mod sys;
 pub mod transport;
 
 pub use device::DeviceSpec;
-pub use transport::{VerbsConfig, VerbsTransport};
+pub use transport::{Handshake, VerbsConfig, VerbsTransport};

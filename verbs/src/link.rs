@@ -339,13 +339,7 @@ impl Link {
     /// Connects the queue pair to the peer's (RTR, then RTS). Receiving works from here;
     /// sending waits for [`Link::set_remote_ready`].
     pub fn connect_to(&self, remote: &QpInfo) -> Result<(), String> {
-        if remote.recv_depth < 4 || remote.slot_size as usize != self.params.slot_size {
-            return Err(format!(
-                "peer's buffers ({} x {} bytes) do not match this side's ({} bytes, at least 4): \
-                 set PSNET_RDMA_EAGER alike on every node",
-                remote.recv_depth, remote.slot_size, self.params.slot_size
-            ));
-        }
+        self.check_peer_buffers(remote.recv_depth, remote.slot_size)?;
         let mtu = Mtu::from(remote.mtu.min(self.dev.mtu as u32));
         let mut st = self.lock();
         st.credits = Credits::new(remote.recv_depth);
@@ -381,6 +375,44 @@ impl Link {
         st.qp
             .modify(&rts)
             .map_err(|e| format!("queue pair to RTS: {e}"))?;
+        Ok(())
+    }
+
+    fn check_peer_buffers(&self, recv_depth: u32, slot_size: u32) -> Result<(), String> {
+        if recv_depth < 4 || slot_size as usize != self.params.slot_size {
+            return Err(format!(
+                "peer's buffers ({recv_depth} x {slot_size} bytes) do not match this side's ({} \
+                 bytes, at least 4): set PSNET_RDMA_EAGER alike on every node",
+                self.params.slot_size
+            ));
+        }
+        Ok(())
+    }
+
+    /// Connects the queue pair with the attributes rdma_cm computed for it (`rtr`, `rts`:
+    /// route, path MTU, remote queue pair, sequence numbers), to a peer that posted
+    /// `recv_depth` buffers of `slot_size` bytes. As with [`Link::connect_to`], sending waits
+    /// for [`Link::set_remote_ready`].
+    pub fn connect_with(
+        &self,
+        recv_depth: u32,
+        slot_size: u32,
+        mut rtr: QueuePairAttribute,
+        mut rts: QueuePairAttribute,
+    ) -> Result<(), String> {
+        self.check_peer_buffers(recv_depth, slot_size)?;
+        let mut st = self.lock();
+        st.credits = Credits::new(recv_depth);
+        rtr.setup_min_rnr_timer(12);
+        st.qp
+            .modify(&rtr)
+            .map_err(|e| format!("queue pair to RTR (rdma_cm attributes): {e}"))?;
+        // The same timeouts as the socket handshake's queue pairs: a dead peer is an error
+        // completion after about 2 s rather than never.
+        rts.setup_timeout(14).setup_retry_cnt(7).setup_rnr_retry(6);
+        st.qp
+            .modify(&rts)
+            .map_err(|e| format!("queue pair to RTS (rdma_cm attributes): {e}"))?;
         Ok(())
     }
 

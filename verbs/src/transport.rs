@@ -1,8 +1,11 @@
 //! [`VerbsTransport`]: the transport contract over RDMA reliable-connected queue pairs.
 //!
-//! Data moves over one queue pair per peer; a TCP connection per peer (psnet's TCP transport,
-//! on the same address) carries the queue-pair handshake and tells when a peer process dies,
-//! the way NCCL and perftest exchange queue-pair numbers over a socket. A single task polls
+//! Data moves over one queue pair per peer. A TCP connection per peer (psnet's TCP transport,
+//! on the same address) names the peer and tells when its process dies. The queue pairs are
+//! connected by rdma_cm (route resolved from the interface's address, REQ / REP / RTU, the
+//! handshake in private data, as ps-lite does) or, with `PSNET_RDMA_CONNECT=socket`, by
+//! exchanging queue-pair numbers over that TCP connection (as NCCL and perftest do); every
+//! node accepts both. A single task polls
 //! the completion queue every queue pair shares, spinning briefly and then sleeping on the
 //! completion channel, so an idle node burns no core.
 
@@ -21,20 +24,28 @@ use psnet_transport::{
 use sideway::ibverbs::completion::PollCompletionQueueError;
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::queue_pair::QueuePairState;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, watch, Notify};
 
-use crate::control::Control;
+use crate::control::{CmMessage, Control, Refusal};
 use crate::device::{Device, DeviceSpec};
 use crate::events;
 use crate::link::{self, Link, LinkParams};
 use crate::memory::{self, RecvPool};
 use crate::proto::wire::DataHeader;
+use crate::rdmacm::{self, CmChannel, CmEvent, CmId, ConnParam};
 use crate::regcache::RegCache;
 use crate::sys;
 
 /// How often an unanswered queue-pair request is repeated.
 const REQUEST_RESEND: Duration = Duration::from_millis(300);
+/// How long rdma_cm may take to resolve an address or a route.
+const CM_RESOLVE_MS: i32 = 2000;
+/// With `PSNET_RDMA_CONNECT=auto`: how long an rdma_cm connection may take before the queue
+/// pair is connected over the TCP control connection instead. rdma_cm's own retry of a lost
+/// request comes after about 4 s.
+const CM_FALLBACK: Duration = Duration::from_secs(6);
 /// Polls of an empty completion queue before sleeping on the completion channel, at least
 /// (the time budget `spin_us` usually allows more).
 const SPIN_POLLS: u32 = 64;
@@ -63,6 +74,33 @@ pub struct VerbsConfig {
     /// Bytes of receive buffers offered to each peer in advance (`PSNET_RDMA_OFFER_BYTES`);
     /// 0: every large message takes the rendezvous round trip.
     pub offer_bytes: u64,
+    /// How this side connects queue pairs (`PSNET_RDMA_CONNECT`); it accepts both ways.
+    pub handshake: Handshake,
+}
+
+/// How queue pairs are connected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Handshake {
+    /// rdma_cm where this node can use it (librdmacm, the kernel's rdma_ucm, a listener on
+    /// the interface's address), sockets otherwise.
+    Auto,
+    /// rdma_cm resolves the route from the interface's address and runs the connection
+    /// exchange; disconnects and rejections arrive as its events.
+    RdmaCm,
+    /// Queue-pair numbers, GIDs and sequence numbers travel over the TCP control connection.
+    Socket,
+}
+
+impl std::str::FromStr for Handshake {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Handshake::Auto),
+            "rdma_cm" | "rdmacm" | "cm" => Ok(Handshake::RdmaCm),
+            "socket" | "tcp" => Ok(Handshake::Socket),
+            other => Err(format!("{other:?} is not auto, rdma_cm or socket")),
+        }
+    }
 }
 
 impl VerbsConfig {
@@ -78,6 +116,7 @@ impl VerbsConfig {
             inline_bytes: 128,
             spin_us: 200,
             offer_bytes: 16 << 20,
+            handshake: Handshake::Auto,
         }
     }
 }
@@ -142,6 +181,26 @@ struct Current {
     /// if the request is repeated (its first copy or our reply may have been on a TCP
     /// connection that a simultaneous connect closed).
     answered: Option<(u64, Control)>,
+    /// Connected (or being connected) through rdma_cm.
+    via_cm: bool,
+}
+
+/// rdma_cm's side of the transport: the channel, the listening id, and the ids of the links.
+struct CmState {
+    channel: Arc<CmChannel>,
+    _listener: CmId,
+    conns: Mutex<HashMap<usize, CmConn>>,
+}
+
+/// An rdma_cm id serving a link.
+struct CmConn {
+    id: CmId,
+    peer: NodeId,
+    link: u32,
+    /// This side sent the connect request.
+    active: bool,
+    /// Where the request goes (active side).
+    addr: Option<SocketAddr>,
 }
 
 struct Inbox {
@@ -188,6 +247,11 @@ struct Inner {
     /// Held while polling the completion queue: the poller task and `recv` both poll.
     poll_gate: Mutex<()>,
     dev: Arc<Device>,
+    /// `None` where rdma_cm is unavailable (then only the socket handshake works).
+    cm: Option<CmState>,
+    /// `PSNET_RDMA_CONNECT=auto`: an rdma_cm connection that does not complete falls back to
+    /// the socket handshake.
+    cm_fallback: bool,
 }
 
 /// The RDMA transport.
@@ -249,6 +313,27 @@ impl VerbsTransport {
         tcp_config.shm_ring = 0;
         tcp_config.data_path = DataPath::Rdma;
         let tcp = TcpTransport::bind(id, tcp_config).await?;
+        let mut config = config;
+        let cm_fallback = config.handshake == Handshake::Auto;
+        let cm = match listen_cm(&dev, tcp.listen_addr()) {
+            Ok(cm) => {
+                if config.handshake == Handshake::Auto {
+                    config.handshake = Handshake::RdmaCm;
+                }
+                Some(cm)
+            }
+            Err(e) if config.handshake == Handshake::RdmaCm => {
+                return Err(unavailable(format!(
+                    "{e}; set PSNET_RDMA_CONNECT=socket to connect queue pairs over the TCP \
+                     control connection instead"
+                )))
+            }
+            Err(e) => {
+                tracing::info!(error = %e, "rdma_cm unavailable; queue pairs connect over sockets only");
+                config.handshake = Handshake::Socket;
+                None
+            }
+        };
         let (tx, rx) = mpsc::unbounded_channel();
         let (fail_tx, fail_rx) = mpsc::unbounded_channel();
         let tag = (random_u64() as u32) | 1;
@@ -280,11 +365,25 @@ impl VerbsTransport {
             poll_gate: Mutex::new(()),
             dev,
             config,
+            cm,
+            cm_fallback,
         });
         let fd = sys::watch_channel(inner.dev.channel.clone())
             .map_err(|e| unavailable(format!("completion channel: {e}")))?;
         tokio::spawn(poll_loop(inner.clone(), fd, inner.stop.subscribe()));
-        tokio::spawn(control_loop(inner.clone(), fail_rx, inner.stop.subscribe()));
+        let cm_fd = match &inner.cm {
+            Some(cm) => Some(
+                rdmacm::watch(cm.channel.clone())
+                    .map_err(|e| unavailable(format!("rdma_cm event channel: {e}")))?,
+            ),
+            None => None,
+        };
+        tokio::spawn(control_loop(
+            inner.clone(),
+            fail_rx,
+            cm_fd,
+            inner.stop.subscribe(),
+        ));
         match sys::watch_async_events(inner.dev.ctx.clone()) {
             Ok(fd) => {
                 tokio::spawn(device_event_loop(inner.clone(), fd, inner.stop.subscribe()));
@@ -305,6 +404,23 @@ impl VerbsTransport {
     /// buffer), or `None` if no queue pair to `peer` exists.
     pub fn link_stats(&self, peer: NodeId) -> Option<crate::link::LinkStats> {
         lock(&self.inner.links).get(&peer).map(|c| c.link.stats())
+    }
+
+    /// How this node connects queue pairs ([`Handshake::Auto`] resolved at bind).
+    pub fn handshake(&self) -> Handshake {
+        self.inner.config.handshake
+    }
+
+    /// How the queue pair to `peer` was connected (by whichever side dialled), or `None` if
+    /// no queue pair to `peer` exists.
+    pub fn connected_via(&self, peer: NodeId) -> Option<Handshake> {
+        lock(&self.inner.links).get(&peer).map(|c| {
+            if c.via_cm {
+                Handshake::RdmaCm
+            } else {
+                Handshake::Socket
+            }
+        })
     }
 
     /// Drops cached registrations of `[addr, addr + len)` (see `PSNET_RDMA_REG_CACHE`).
@@ -384,6 +500,7 @@ impl Inner {
         drop(links);
         current.link.fail(reason);
         lock(&self.by_id).remove(&current.link.id);
+        self.drop_cm_of_link(current.link.id);
         self.links_changed.notify_waiters();
         Some(current.announced)
     }
@@ -556,6 +673,7 @@ impl Inner {
                                 phase: Phase::Connected,
                                 announced: true,
                                 answered: Some((nonce, reply)),
+                                via_cm: false,
                             },
                         ))
                     }
@@ -568,6 +686,7 @@ impl Inner {
                 if let Some(old) = old {
                     old.link.fail("replaced by a new queue pair");
                     lock(&self.by_id).remove(&old.link.id);
+                    self.drop_cm_of_link(old.link.id);
                 }
                 self.links_changed.notify_waiters();
                 self.announce(peer);
@@ -631,6 +750,361 @@ impl Inner {
         }
     }
 
+    /// Disconnects and destroys the rdma_cm ids serving link `link`.
+    fn drop_cm_of_link(&self, link: u32) {
+        let Some(cm) = &self.cm else { return };
+        let gone: Vec<CmConn> = {
+            let mut conns = lock(&cm.conns);
+            let keys: Vec<usize> = conns
+                .iter()
+                .filter(|(_, c)| c.link == link)
+                .map(|(k, _)| *k)
+                .collect();
+            keys.iter().filter_map(|k| conns.remove(k)).collect()
+        };
+        // Outside the lock: destroying an id may wait for the kernel.
+        for conn in gone {
+            // Tells the peer at once (it sees DISCONNECTED); fails harmlessly if never connected.
+            let _ = conn.id.disconnect();
+        }
+    }
+
+    /// Whether an rdma_cm connect request of link `link` is under way.
+    fn cm_pending(&self, link: u32) -> bool {
+        self.cm
+            .as_ref()
+            .is_some_and(|cm| lock(&cm.conns).values().any(|c| c.link == link && c.active))
+    }
+
+    /// Starts connecting `link` to `addr` through rdma_cm: resolve the address from this
+    /// interface's, then the route, then send the request (see [`Inner::on_cm_event`]).
+    fn start_cm_connect(&self, peer: NodeId, addr: SocketAddr, link: &Link) -> Result<(), String> {
+        let cm = self.cm.as_ref().ok_or_else(|| {
+            "rdma_cm is unavailable on this node (set PSNET_RDMA_CONNECT=socket)".to_string()
+        })?;
+        let id = cm
+            .channel
+            .create_id()
+            .map_err(|e| format!("rdma_cm id: {e}"))?;
+        let key = id.key();
+        let local = self.tcp.listen_addr();
+        let src = (!local.ip().is_unspecified()).then(|| SocketAddr::new(local.ip(), 0));
+        let mut conns = lock(&cm.conns);
+        // Registered before the call: its events may be read at once by the control loop.
+        conns.insert(
+            key,
+            CmConn {
+                id,
+                peer,
+                link: link.id,
+                active: true,
+                addr: Some(addr),
+            },
+        );
+        let started = conns[&key].id.resolve_addr(src, addr, CM_RESOLVE_MS);
+        if let Err(e) = started {
+            let conn = conns.remove(&key);
+            drop(conns);
+            drop(conn);
+            return Err(format!("rdma_cm cannot resolve {addr}: {e}"));
+        }
+        Ok(())
+    }
+
+    /// Acts on one rdma_cm event: the steps of a connection, and its failures as per-peer
+    /// errors.
+    fn on_cm_event(&self, ev: CmEvent) {
+        let Some(cm) = &self.cm else { return };
+        let name = rdmacm::event_name(ev.kind);
+        tracing::debug!(local = %self.tcp.local_id(), event = name, status = ev.status, "rdma_cm event");
+        if ev.kind == rdmacm::kind::CONNECT_REQUEST {
+            if let Some(id) = ev.new_id {
+                self.on_cm_request(id, &ev.private_data);
+            }
+            return;
+        }
+        let Some((peer, link_id, active, addr)) = lock(&cm.conns)
+            .get(&ev.id)
+            .map(|c| (c.peer, c.link, c.active, c.addr))
+        else {
+            return;
+        };
+        let Some(link) = lock(&self.by_id).get(&link_id).cloned() else {
+            self.drop_cm_of_link(link_id);
+            return;
+        };
+        let target = addr
+            .map(|a| a.to_string())
+            .unwrap_or_else(|| peer.to_string());
+        let step = match ev.kind {
+            rdmacm::kind::ADDR_RESOLVED => self
+                .with_cm_id(ev.id, |id| id.resolve_route(CM_RESOLVE_MS))
+                .map_err(|e| format!("rdma_cm cannot resolve a route to {target}: {e}")),
+            rdmacm::kind::ROUTE_RESOLVED => self.send_cm_request(ev.id, &link, &target),
+            rdmacm::kind::CONNECT_RESPONSE => self.on_cm_response(ev.id, peer, &link, &ev),
+            rdmacm::kind::ESTABLISHED => {
+                if !active {
+                    link.set_remote_ready();
+                    self.links_changed.notify_waiters();
+                }
+                Ok(())
+            }
+            rdmacm::kind::REJECTED => match CmMessage::decode(&ev.private_data) {
+                // Retried by `connect` while the link waits (see `cm_pending`).
+                Some(CmMessage::Refused(Refusal::Crossed | Refusal::NoControlConnection)) => {
+                    tracing::debug!(%peer, "connect request refused for now; retrying");
+                    if let Some(conn) = lock(&cm.conns).remove(&ev.id) {
+                        drop(conn);
+                    }
+                    Ok(())
+                }
+                Some(CmMessage::Refused(why)) => Err(format!(
+                    "{target} refused the RDMA connection: {}",
+                    why.describe()
+                )),
+                _ => Err(format!(
+                    "{target} refused the RDMA connection (rdma_cm reject reason {}{})",
+                    ev.status,
+                    if ev.status == 8 {
+                        ": nothing listens there through rdma_cm; if the peer runs without \
+                         rdma_cm, set PSNET_RDMA_CONNECT=socket"
+                    } else {
+                        ""
+                    }
+                )),
+            },
+            rdmacm::kind::DISCONNECTED => {
+                // The peer ended this queue pair on purpose or died; its control connection
+                // goes (or went) with it, and a new one may already be up: leave that alone.
+                let reason = format!("{target} disconnected ({name})");
+                match self.remove_link(peer, Some(link.id), &reason) {
+                    Some(true) => self.inbox.push_event(Event::PeerLost { peer, reason }),
+                    Some(false) => {}
+                    None => {
+                        link.fail(&reason);
+                        lock(&self.by_id).remove(&link.id);
+                        self.drop_cm_of_link(link.id);
+                    }
+                }
+                Ok(())
+            }
+            rdmacm::kind::ADDR_ERROR
+            | rdmacm::kind::ROUTE_ERROR
+            | rdmacm::kind::CONNECT_ERROR
+            | rdmacm::kind::UNREACHABLE
+            | rdmacm::kind::DEVICE_REMOVAL => Err(format!(
+                "rdma_cm: {name} for {target}: {}",
+                std::io::Error::from_raw_os_error(ev.status.abs())
+            )),
+            _ => Ok(()),
+        };
+        if let Err(reason) = step {
+            self.fail_link(&link, reason);
+        }
+    }
+
+    fn with_cm_id<R>(
+        &self,
+        key: usize,
+        f: impl FnOnce(&CmId) -> std::io::Result<R>,
+    ) -> std::io::Result<R> {
+        let cm = self
+            .cm
+            .as_ref()
+            .ok_or_else(|| std::io::Error::other("no rdma_cm"))?;
+        let conns = lock(&cm.conns);
+        let conn = conns
+            .get(&key)
+            .ok_or_else(|| std::io::Error::other("rdma_cm id already gone"))?;
+        f(&conn.id)
+    }
+
+    /// Active side, route resolved: checks rdma_cm chose this transport's port, then asks.
+    fn send_cm_request(&self, key: usize, link: &Link, target: &str) -> Result<(), String> {
+        let hello = CmMessage::Hello {
+            from: self.tcp.local_id().0,
+            nonce: link.nonce,
+            recv_depth: self.params.recv_depth,
+            slot_size: self.params.slot_size as u32,
+        };
+        let param = ConnParam {
+            qp_num: link.qp_number(),
+            private_data: hello.encode(),
+            retry_count: 7,
+            rnr_retry_count: 6,
+        };
+        self.with_cm_id(key, |id| {
+            if let Some((device, port)) = id.device_port() {
+                if device != self.dev.name || port != self.dev.port {
+                    return Err(std::io::Error::other(format!(
+                        "rdma_cm routes to it through {device} port {port}, but this transport \
+                         runs on {} port {} (check DMLC_INTERFACE and PSNET_IB_DEVICE)",
+                        self.dev.name, self.dev.port
+                    )));
+                }
+            }
+            id.connect(&param)
+        })
+        .map_err(|e| format!("rdma_cm cannot connect to {target}: {e}"))
+    }
+
+    /// Active side: the peer accepted; connect the queue pair, complete the exchange, send.
+    fn on_cm_response(
+        &self,
+        key: usize,
+        peer: NodeId,
+        link: &Arc<Link>,
+        ev: &CmEvent,
+    ) -> Result<(), String> {
+        let Some(CmMessage::Welcome {
+            nonce: _,
+            recv_depth,
+            slot_size,
+        }) = CmMessage::decode(&ev.private_data)
+        else {
+            return Err("the peer accepted the RDMA connection without psnet's reply".into());
+        };
+        let current = lock(&self.links)
+            .get(&peer)
+            .is_some_and(|c| c.link.id == link.id && c.phase == Phase::Requested);
+        if !current {
+            // Superseded by the peer's own request meanwhile: let this connection go.
+            self.drop_cm_of_link(link.id);
+            return Ok(());
+        }
+        self.with_cm_id(key, |id| {
+            let rtr = id.qp_attr(QueuePairState::ReadyToReceive)?;
+            let rts = id.qp_attr(QueuePairState::ReadyToSend)?;
+            link.connect_with(recv_depth, slot_size, rtr, rts)
+                .map_err(std::io::Error::other)?;
+            id.establish()
+        })
+        .map_err(|e| format!("cannot complete the RDMA connection: {e}"))?;
+        if let Some(c) = lock(&self.links).get_mut(&peer) {
+            if c.link.id == link.id {
+                c.phase = Phase::Connected;
+                c.announced = true;
+            }
+        }
+        self.announce(peer);
+        link.set_remote_ready();
+        self.links_changed.notify_waiters();
+        Ok(())
+    }
+
+    /// Passive side: a peer asks to connect. Builds and connects a queue pair and accepts,
+    /// or refuses saying why; simultaneous requests are settled by nonce, as over sockets.
+    fn on_cm_request(&self, id: CmId, data: &[u8]) {
+        let refuse = |id: CmId, why: Refusal| {
+            if let Err(e) = id.reject(&CmMessage::Refused(why).encode()) {
+                tracing::debug!(error = %e, "rdma_cm reject");
+            }
+        };
+        let Some(CmMessage::Hello {
+            from,
+            nonce,
+            recv_depth,
+            slot_size,
+        }) = CmMessage::decode(data)
+        else {
+            tracing::warn!("refused an rdma_cm connect request that is not psnet's");
+            return refuse(id, Refusal::Malformed);
+        };
+        let peer = NodeId(from);
+        if !self.tcp.connected_peers().contains(&peer) {
+            return refuse(id, Refusal::NoControlConnection);
+        }
+        let loses = |c: &Current| match c.phase {
+            // Both sides requested at once: the larger nonce wins on both sides.
+            Phase::Requested => c.link.nonce > nonce,
+            // A request from before the link came up; a peer that lost its link reconnects
+            // its control connection, which removes this one first.
+            Phase::Connected => true,
+        };
+        if lock(&self.links).get(&peer).is_some_and(loses) {
+            return refuse(id, Refusal::Crossed);
+        }
+        let reply_nonce = random_u64();
+        let built = self.new_link(peer, reply_nonce).and_then(|link| {
+            let connected = id
+                .qp_attr(QueuePairState::ReadyToReceive)
+                .and_then(|rtr| Ok((rtr, id.qp_attr(QueuePairState::ReadyToSend)?)))
+                .map_err(|e| format!("rdma_cm queue-pair attributes: {e}"))
+                .and_then(|(rtr, rts)| link.connect_with(recv_depth, slot_size, rtr, rts));
+            if let Err(e) = connected {
+                link.fail(&e);
+                lock(&self.by_id).remove(&link.id);
+                return Err(e);
+            }
+            Ok(link)
+        });
+        let link = match built {
+            Ok(link) => link,
+            Err(reason) => {
+                tracing::warn!(%peer, %reason, "cannot build the queue pair a peer asked for");
+                return refuse(id, Refusal::CannotConnect);
+            }
+        };
+        let replaced = {
+            let mut links = lock(&self.links);
+            if links.get(&peer).is_some_and(loses) {
+                None
+            } else {
+                Some(links.insert(
+                    peer,
+                    Current {
+                        link: link.clone(),
+                        phase: Phase::Connected,
+                        announced: true,
+                        answered: None,
+                        via_cm: true,
+                    },
+                ))
+            }
+        };
+        let Some(old) = replaced else {
+            link.fail("superseded during the handshake");
+            lock(&self.by_id).remove(&link.id);
+            return refuse(id, Refusal::Crossed);
+        };
+        let welcome = CmMessage::Welcome {
+            nonce: reply_nonce,
+            recv_depth: self.params.recv_depth,
+            slot_size: self.params.slot_size as u32,
+        };
+        let param = ConnParam {
+            qp_num: link.qp_number(),
+            private_data: welcome.encode(),
+            retry_count: 7,
+            rnr_retry_count: 6,
+        };
+        if let Err(e) = id.accept(&param) {
+            let reason = format!("rdma_cm cannot accept: {e}");
+            tracing::warn!(%peer, %reason, "RDMA connection failed");
+            self.remove_link(peer, Some(link.id), &reason);
+            return;
+        }
+        if let Some(cm) = &self.cm {
+            lock(&cm.conns).insert(
+                id.key(),
+                CmConn {
+                    id,
+                    peer,
+                    link: link.id,
+                    active: false,
+                    addr: None,
+                },
+            );
+        }
+        if let Some(old) = old {
+            old.link.fail("replaced by a new queue pair");
+            lock(&self.by_id).remove(&old.link.id);
+            self.drop_cm_of_link(old.link.id);
+        }
+        self.links_changed.notify_waiters();
+        self.announce(peer);
+    }
+
     fn announce(&self, peer: NodeId) {
         let addr = lock(&self.addrs)
             .get(&peer)
@@ -639,6 +1113,36 @@ impl Inner {
         tracing::debug!(%peer, %addr, "RDMA link up");
         self.inbox.push_event(Event::PeerConnected { peer, addr });
     }
+}
+
+/// Opens rdma_cm's channel and listens on the control connection's address (the same IP and
+/// port, in rdma_cm's own port space), so that peers find both at one address.
+fn listen_cm(dev: &Device, addr: SocketAddr) -> Result<CmState, String> {
+    let channel = CmChannel::new().map_err(|e| format!("rdma_cm event channel: {e}"))?;
+    let listener = channel
+        .create_id()
+        .map_err(|e| format!("rdma_cm id: {e}"))?;
+    listener
+        .bind(addr)
+        .map_err(|e| format!("rdma_cm cannot bind {addr}: {e}"))?;
+    listener
+        .listen(128)
+        .map_err(|e| format!("rdma_cm cannot listen on {addr}: {e}"))?;
+    if let Some((device, port)) = listener.device_port() {
+        if device != dev.name || port != dev.port {
+            return Err(format!(
+                "rdma_cm binds {addr} to {device} port {port}, but this transport runs on {} \
+                 port {}",
+                dev.name, dev.port
+            ));
+        }
+    }
+    tracing::debug!(%addr, "rdma_cm listening");
+    Ok(CmState {
+        channel,
+        _listener: listener,
+        conns: Mutex::new(HashMap::new()),
+    })
 }
 
 async fn poll_loop(
@@ -710,13 +1214,23 @@ async fn device_event_loop(
     }
 }
 
+/// Handles the control connections' events, rdma_cm's events and link failures, in one task:
+/// a peer's new control connection is seen before its rdma_cm request (which follows it).
 async fn control_loop(
     inner: Arc<Inner>,
     mut failures: mpsc::UnboundedReceiver<(NodeId, u32, String)>,
+    cm_fd: Option<AsyncFd<Arc<CmChannel>>>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let cm_readable = || async {
+        match &cm_fd {
+            Some(fd) => fd.readable().await.ok(),
+            None => std::future::pending().await,
+        }
+    };
     loop {
         tokio::select! {
+            biased;
             event = inner.tcp.recv() => match event {
                 Ok(Event::PeerConnected { peer, addr }) => {
                     lock(&inner.addrs).insert(peer, addr);
@@ -753,6 +1267,19 @@ async fn control_loop(
                 }
                 Err(_) => return,
             },
+            Some(mut guard) = cm_readable() => {
+                let channel = guard.get_inner().clone();
+                guard.clear_ready();
+                while let Some(event) = channel.next_event() {
+                    match event {
+                        Ok(event) => inner.on_cm_event(event),
+                        Err(e) => {
+                            tracing::error!(error = %e, "reading rdma_cm events failed");
+                            break;
+                        }
+                    }
+                }
+            }
             Some((peer, id, reason)) = failures.recv() => {
                 if inner.remove_link(peer, Some(id), &reason) == Some(true) {
                     inner.tcp.disconnect(peer);
@@ -799,6 +1326,8 @@ impl Transport for VerbsTransport {
         let timeout = inner.config.tcp.connect_timeout.max(Duration::from_secs(1));
         let deadline = tokio::time::Instant::now() + timeout;
         let mut resend_at = tokio::time::Instant::now() + REQUEST_RESEND;
+        let fallback_at = tokio::time::Instant::now() + CM_FALLBACK;
+        let mut mine: Option<Arc<Link>> = None;
         loop {
             let notified = inner.links_changed.notified();
             tokio::pin!(notified);
@@ -806,13 +1335,45 @@ impl Transport for VerbsTransport {
             if inner.is_closed() {
                 return Err(TransportError::Closed);
             }
+            let mut start_cm = None;
+            let mut abandon_cm = None;
             let request = {
                 let mut links = lock(&inner.links);
+                if let Some(c) = links.get_mut(&peer) {
+                    if c.via_cm
+                        && inner.cm_fallback
+                        && c.phase == Phase::Requested
+                        && tokio::time::Instant::now() >= fallback_at
+                        && c.link.failure().is_none()
+                    {
+                        // Seen on Soft-RoCE after its interface went down and up: rdma_cm's
+                        // messages are lost while queue pairs still work.
+                        tracing::warn!(%peer, %addr, "rdma_cm did not connect within {CM_FALLBACK:?}; \
+                            connecting the queue pair over the TCP control connection instead \
+                            (PSNET_RDMA_CONNECT=rdma_cm never does)");
+                        c.via_cm = false;
+                        abandon_cm = Some(c.link.id);
+                        resend_at = tokio::time::Instant::now();
+                    }
+                }
                 match links.get(&peer) {
                     Some(c) if c.link.is_ready() => return Ok(()),
                     Some(c) => match c.link.failure() {
                         Some(reason) => {
                             return Err(TransportError::Handshake { peer, reason });
+                        }
+                        // Checked every REQUEST_RESEND: the peer may have refused for now
+                        // (its own request crossed ours, or its control connection was not
+                        // up yet); then ask again.
+                        None if c.via_cm => {
+                            let now = tokio::time::Instant::now();
+                            if now >= resend_at {
+                                resend_at = now + REQUEST_RESEND;
+                                if c.phase == Phase::Requested && !inner.cm_pending(c.link.id) {
+                                    start_cm = Some(c.link.clone());
+                                }
+                            }
+                            None
                         }
                         // Our request may have gone out on a connection a simultaneous
                         // connect closed: repeat it now and then.
@@ -833,6 +1394,11 @@ impl Transport for VerbsTransport {
                         None => None,
                     },
                     None => {
+                        // The link this call made failed and is gone already (an rdma_cm
+                        // refusal is handled by the control loop): report it, do not retry.
+                        if let Some(reason) = mine.as_ref().and_then(|l: &Arc<Link>| l.failure()) {
+                            return Err(TransportError::Handshake { peer, reason });
+                        }
                         if !inner.tcp.connected_peers().contains(&peer) {
                             return Err(TransportError::Handshake {
                                 peer,
@@ -843,8 +1409,13 @@ impl Transport for VerbsTransport {
                         let link = inner
                             .new_link(peer, random_u64())
                             .map_err(|reason| TransportError::Handshake { peer, reason })?;
+                        mine = Some(link.clone());
                         let info = link.local_info();
                         let nonce = link.nonce;
+                        let via_cm = inner.config.handshake == Handshake::RdmaCm;
+                        if via_cm {
+                            start_cm = Some(link.clone());
+                        }
                         links.insert(
                             peer,
                             Current {
@@ -852,12 +1423,23 @@ impl Transport for VerbsTransport {
                                 phase: Phase::Requested,
                                 announced: false,
                                 answered: None,
+                                via_cm,
                             },
                         );
-                        Some(Control::Request { nonce, info })
+                        (!via_cm).then_some(Control::Request { nonce, info })
                     }
                 }
             };
+            if let Some(link) = abandon_cm {
+                inner.drop_cm_of_link(link);
+            }
+            if let Some(link) = start_cm {
+                if let Err(reason) = inner.start_cm_connect(peer, addr, &link) {
+                    inner.remove_link(peer, Some(link.id), &reason);
+                    return Err(TransportError::Handshake { peer, reason });
+                }
+                continue;
+            }
             if let Some(req) = request {
                 if let Err(e) = inner.send_control(peer, req).await {
                     inner.remove_link(peer, None, "control connection lost");
