@@ -7,6 +7,9 @@
 //! - [`transport::VerbsTransport`] moves bytes: eager sends into pre-posted buffers for small
 //!   messages, a rendezvous (request-to-send, clear-to-send, RDMA WRITE WITH IMMEDIATE into a
 //!   pooled registered buffer of the receiver) for large ones.
+//! - [`rdmacm`] wraps librdmacm, which connects the queue pairs (route from the interface's
+//!   address, psnet's handshake in the connection exchange's private data); [`control`] holds
+//!   that handshake and its socket twin as plain bytes.
 //! - `gpu` (feature `cuda`) registers CUDA device memory with the NIC (GPUDirect: dma-buf,
 //!   nvidia-peermem, or staging through pinned host memory).
 //!

@@ -93,15 +93,7 @@ impl CmChannel {
         let raw = unsafe { ffi::rdma_create_event_channel() };
         let raw = NonNull::new(raw).ok_or_else(io::Error::last_os_error)?;
         let channel = Arc::new(CmChannel { raw });
-        let fd = channel.as_raw_fd();
-        // SAFETY: fcntl on the channel's own descriptor, only adding O_NONBLOCK.
-        let ok = unsafe {
-            let flags = libc::fcntl(fd, libc::F_GETFL);
-            flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
-        };
-        if !ok {
-            return Err(io::Error::last_os_error());
-        }
+        crate::sys::set_nonblocking(channel.as_raw_fd())?;
         Ok(channel)
     }
 

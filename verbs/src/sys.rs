@@ -51,6 +51,20 @@ pub fn check_memlock(need: u64) -> Result<(), String> {
     ))
 }
 
+/// Makes a descriptor the caller owns non-blocking (for tokio's reactor).
+pub fn set_nonblocking(fd: std::os::fd::RawFd) -> io::Result<()> {
+    // SAFETY: fcntl on a descriptor the caller owns, only adding O_NONBLOCK.
+    let ok = unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// Arms the completion queue: the channel becomes readable at its next completion.
 pub fn req_notify(cq: &Arc<BasicCompletionQueue>) -> io::Result<()> {
     // SAFETY: the CQ pointer is valid while `cq` is alive; req_notify_cq only arms it.
@@ -126,15 +140,7 @@ pub fn watch_async_events(
 ) -> io::Result<tokio::io::unix::AsyncFd<AsyncEventFd>> {
     use std::os::fd::AsRawFd;
     let fd = AsyncEventFd(ctx);
-    let raw = fd.as_raw_fd();
-    // SAFETY: fcntl on a descriptor the context owns, only changing its O_NONBLOCK flag.
-    let ok = unsafe {
-        let flags = libc::fcntl(raw, libc::F_GETFL);
-        flags >= 0 && libc::fcntl(raw, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
-    };
-    if !ok {
-        return Err(io::Error::last_os_error());
-    }
+    set_nonblocking(fd.as_raw_fd())?;
     // SAFETY: the descriptor belongs to the context, which the AsyncFd keeps open (it holds
     // the Arc) for as long as it is registered.
     unsafe { tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }

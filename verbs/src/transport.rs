@@ -927,12 +927,7 @@ impl Inner {
             recv_depth: self.params.recv_depth,
             slot_size: self.params.slot_size as u32,
         };
-        let param = ConnParam {
-            qp_num: link.qp_number(),
-            private_data: hello.encode(),
-            retry_count: 7,
-            rnr_retry_count: 6,
-        };
+        let param = cm_param(link, hello);
         self.with_cm_id(key, |id| {
             if let Some((device, port)) = id.device_port() {
                 if device != self.dev.name || port != self.dev.port {
@@ -1072,12 +1067,7 @@ impl Inner {
             recv_depth: self.params.recv_depth,
             slot_size: self.params.slot_size as u32,
         };
-        let param = ConnParam {
-            qp_num: link.qp_number(),
-            private_data: welcome.encode(),
-            retry_count: 7,
-            rnr_retry_count: 6,
-        };
+        let param = cm_param(&link, welcome);
         if let Err(e) = id.accept(&param) {
             let reason = format!("rdma_cm cannot accept: {e}");
             tracing::warn!(%peer, %reason, "RDMA connection failed");
@@ -1112,6 +1102,17 @@ impl Inner {
             .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
         tracing::debug!(%peer, %addr, "RDMA link up");
         self.inbox.push_event(Event::PeerConnected { peer, addr });
+    }
+}
+
+/// What rdma_cm sends for `link`: its queue pair and psnet's handshake message, with the
+/// same retry limits as the socket handshake's queue pairs.
+fn cm_param(link: &Link, message: CmMessage) -> ConnParam {
+    ConnParam {
+        qp_num: link.qp_number(),
+        private_data: message.encode(),
+        retry_count: 7,
+        rnr_retry_count: 6,
     }
 }
 

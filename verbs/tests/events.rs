@@ -42,16 +42,6 @@ async fn next_loss(t: &VerbsTransport) -> (NodeId, String) {
     }
 }
 
-async fn next_message(t: &VerbsTransport) -> Vec<u8> {
-    loop {
-        match t.recv().await.expect("recv") {
-            Event::Message(m) => return m.meta.to_vec(),
-            Event::PeerConnected { .. } => {}
-            Event::PeerLost { peer, reason } => panic!("lost {peer}: {reason}"),
-        }
-    }
-}
-
 async fn ping(a: &VerbsTransport, b: &VerbsTransport, text: &[u8]) {
     a.send(
         b.local_id(),
@@ -59,7 +49,7 @@ async fn ping(a: &VerbsTransport, b: &VerbsTransport, text: &[u8]) {
     )
     .await
     .expect("send");
-    assert_eq!(next_message(b).await, text);
+    assert_eq!(common::next_message(b).await.meta.to_vec(), text);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

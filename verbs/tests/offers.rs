@@ -5,9 +5,11 @@
 
 mod common;
 
+use common::next_message;
+
 use std::time::Duration;
 
-use psnet_transport::{Event, Incoming, NodeId, OutMessage, Segment, Transport};
+use psnet_transport::{Incoming, NodeId, OutMessage, Segment, Transport};
 use psnet_verbs::link::LinkStats;
 use psnet_verbs::VerbsTransport;
 
@@ -38,16 +40,6 @@ async fn pair(offer_bytes: u64) -> Option<(VerbsTransport, VerbsTransport)> {
         .await
         .expect("connect");
     Some((a, b))
-}
-
-async fn next_message(t: &VerbsTransport) -> Incoming {
-    loop {
-        match t.recv().await.expect("recv") {
-            Event::Message(m) => return m,
-            Event::PeerConnected { .. } => continue,
-            Event::PeerLost { peer, reason } => panic!("lost {peer}: {reason}"),
-        }
-    }
 }
 
 /// Sends message `seq`: 8 bytes of metadata (the seq) and the given segments.

@@ -5,9 +5,11 @@
 
 mod common;
 
+use common::next_message;
+
 use std::time::Duration;
 
-use psnet_transport::{Event, Incoming, NodeId, OutMessage, Segment, Transport};
+use psnet_transport::{Event, NodeId, OutMessage, Segment, Transport};
 use psnet_verbs::{Handshake, VerbsConfig, VerbsTransport};
 
 const CASE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -28,16 +30,6 @@ async fn endpoint(id: u64, config: &VerbsConfig, handshake: Handshake) -> VerbsT
     VerbsTransport::bind(NodeId(id), config)
         .await
         .unwrap_or_else(|e| panic!("endpoint {id}: {e}"))
-}
-
-async fn next_message(t: &VerbsTransport) -> Incoming {
-    loop {
-        match t.recv().await.expect("recv") {
-            Event::Message(m) => return m,
-            Event::PeerConnected { .. } => continue,
-            Event::PeerLost { peer, reason } => panic!("lost {peer}: {reason}"),
-        }
-    }
 }
 
 /// A small and a large (rendezvous) message from `from` to `to`, checked on arrival.

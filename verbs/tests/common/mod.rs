@@ -3,7 +3,7 @@
 use std::net::{IpAddr, SocketAddr};
 
 use psnet_transport::conformance::TransportFactory;
-use psnet_transport::{NodeId, TransportError};
+use psnet_transport::{Event, Incoming, NodeId, Transport, TransportError};
 use psnet_verbs::{DeviceSpec, VerbsConfig, VerbsTransport};
 
 /// Builds verbs endpoints on `RXE_DEV` (port 1) at `RXE_ADDR`.
@@ -72,5 +72,17 @@ impl TransportFactory for VerbsFactory {
 
     fn skip_reason(&self) -> Option<String> {
         self.spec.as_ref().err().cloned()
+    }
+}
+
+/// The next message `t` receives, skipping connection events; a lost peer fails the test.
+#[allow(dead_code)]
+pub async fn next_message(t: &VerbsTransport) -> Incoming {
+    loop {
+        match t.recv().await.expect("recv") {
+            Event::Message(m) => return m,
+            Event::PeerConnected { .. } => continue,
+            Event::PeerLost { peer, reason } => panic!("lost {peer}: {reason}"),
+        }
     }
 }
