@@ -639,10 +639,12 @@ impl Inner {
                     return;
                 }
                 let reply_nonce = random_u64();
-                let link = match self
-                    .new_link(peer, reply_nonce)
-                    .and_then(|l| l.connect_to(&info).map(|()| l))
-                {
+                let link = match self.new_link(peer, reply_nonce).and_then(|l| {
+                    l.connect_to(&info).map(|()| l.clone()).inspect_err(|e| {
+                        l.fail(e);
+                        lock(&self.by_id).remove(&l.id);
+                    })
+                }) {
                     Ok(l) => l,
                     Err(reason) => {
                         tracing::warn!(%peer, %reason, "cannot build the queue pair a peer asked for");
@@ -655,38 +657,15 @@ impl Inner {
                     nonce: reply_nonce,
                     info: link.local_info(),
                 };
-                // Swap under one lock hold: a `connect` racing with us must never see the peer
-                // without a link (it would start a request of its own).
-                let replaced = {
-                    let mut links = lock(&self.links);
-                    let superseded = links.get(&peer).is_some_and(|c| match c.phase {
-                        Phase::Requested => c.link.nonce > nonce,
-                        Phase::Connected => true,
-                    });
-                    if superseded {
-                        None
-                    } else {
-                        Some(links.insert(
-                            peer,
-                            Current {
-                                link: link.clone(),
-                                phase: Phase::Connected,
-                                announced: true,
-                                answered: Some((nonce, reply)),
-                                via_cm: false,
-                            },
-                        ))
-                    }
+                let answer = Current {
+                    link: link.clone(),
+                    phase: Phase::Connected,
+                    announced: true,
+                    answered: Some((nonce, reply)),
+                    via_cm: false,
                 };
-                let Some(old) = replaced else {
-                    link.fail("superseded during the handshake");
-                    lock(&self.by_id).remove(&link.id);
+                if !self.install_answer(peer, nonce, answer) {
                     return;
-                };
-                if let Some(old) = old {
-                    old.link.fail("replaced by a new queue pair");
-                    lock(&self.by_id).remove(&old.link.id);
-                    self.drop_cm_of_link(old.link.id);
                 }
                 self.links_changed.notify_waiters();
                 self.announce(peer);
@@ -1009,14 +988,10 @@ impl Inner {
         if !self.tcp.connected_peers().contains(&peer) {
             return refuse(id, Refusal::NoControlConnection);
         }
-        let loses = |c: &Current| match c.phase {
-            // Both sides requested at once: the larger nonce wins on both sides.
-            Phase::Requested => c.link.nonce > nonce,
-            // A request from before the link came up; a peer that lost its link reconnects
-            // its control connection, which removes this one first.
-            Phase::Connected => true,
-        };
-        if lock(&self.links).get(&peer).is_some_and(loses) {
+        if lock(&self.links)
+            .get(&peer)
+            .is_some_and(|c| beats_request(c, nonce))
+        {
             return refuse(id, Refusal::Crossed);
         }
         let reply_nonce = random_u64();
@@ -1040,28 +1015,16 @@ impl Inner {
                 return refuse(id, Refusal::CannotConnect);
             }
         };
-        let replaced = {
-            let mut links = lock(&self.links);
-            if links.get(&peer).is_some_and(loses) {
-                None
-            } else {
-                Some(links.insert(
-                    peer,
-                    Current {
-                        link: link.clone(),
-                        phase: Phase::Connected,
-                        announced: true,
-                        answered: None,
-                        via_cm: true,
-                    },
-                ))
-            }
+        let answer = Current {
+            link: link.clone(),
+            phase: Phase::Connected,
+            announced: true,
+            answered: None,
+            via_cm: true,
         };
-        let Some(old) = replaced else {
-            link.fail("superseded during the handshake");
-            lock(&self.by_id).remove(&link.id);
+        if !self.install_answer(peer, nonce, answer) {
             return refuse(id, Refusal::Crossed);
-        };
+        }
         let welcome = CmMessage::Welcome {
             nonce: reply_nonce,
             recv_depth: self.params.recv_depth,
@@ -1086,13 +1049,36 @@ impl Inner {
                 },
             );
         }
+        self.links_changed.notify_waiters();
+        self.announce(peer);
+    }
+
+    /// Makes `answer` (a link built on the peer's request with `nonce`) the peer's link and
+    /// retires the one it replaces, in one lock hold: a `connect` racing with us never sees
+    /// the peer without a link (it would start a request of its own). Unless a link that
+    /// wins over the request is there (ours, requested with a larger nonce, or one already
+    /// connected): then the new link is dropped and this returns false.
+    fn install_answer(&self, peer: NodeId, nonce: u64, answer: Current) -> bool {
+        let link = answer.link.clone();
+        let old = {
+            let mut links = lock(&self.links);
+            if links.get(&peer).is_some_and(|c| beats_request(c, nonce)) {
+                None
+            } else {
+                Some(links.insert(peer, answer))
+            }
+        };
+        let Some(old) = old else {
+            link.fail("superseded during the handshake");
+            lock(&self.by_id).remove(&link.id);
+            return false;
+        };
         if let Some(old) = old {
             old.link.fail("replaced by a new queue pair");
             lock(&self.by_id).remove(&old.link.id);
             self.drop_cm_of_link(old.link.id);
         }
-        self.links_changed.notify_waiters();
-        self.announce(peer);
+        true
     }
 
     fn announce(&self, peer: NodeId) {
@@ -1102,6 +1088,17 @@ impl Inner {
             .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
         tracing::debug!(%peer, %addr, "RDMA link up");
         self.inbox.push_event(Event::PeerConnected { peer, addr });
+    }
+}
+
+/// Whether the peer's link `c` wins over a request (with `nonce`) from the peer.
+fn beats_request(c: &Current, nonce: u64) -> bool {
+    match c.phase {
+        // Both sides requested at once: the larger nonce wins on both sides.
+        Phase::Requested => c.link.nonce > nonce,
+        // A request from before the link came up; a peer that lost its link reconnects its
+        // control connection, which removes this one first.
+        Phase::Connected => true,
     }
 }
 
