@@ -648,7 +648,7 @@ impl Inner {
                     Ok(l) => l,
                     Err(reason) => {
                         tracing::warn!(%peer, %reason, "cannot build the queue pair a peer asked for");
-                        self.tcp.disconnect(peer);
+                        self.drop_control(peer);
                         return;
                     }
                 };
@@ -695,7 +695,7 @@ impl Inner {
                 if let Err(reason) = link.connect_to(&info) {
                     tracing::warn!(%peer, %reason, "cannot connect the queue pair");
                     self.remove_link(peer, Some(link.id), &reason);
-                    self.tcp.disconnect(peer);
+                    self.drop_control(peer);
                     return;
                 }
                 if let Some(c) = lock(&self.links).get_mut(&peer) {
@@ -727,6 +727,13 @@ impl Inner {
                 self.links_changed.notify_waiters();
             }
         }
+    }
+
+    /// Closes the control connection to `peer`, which then counts as not seen (see
+    /// `on_cm_request`).
+    fn drop_control(&self, peer: NodeId) {
+        lock(&self.addrs).remove(&peer);
+        self.tcp.disconnect(peer);
     }
 
     /// Disconnects and destroys the rdma_cm ids serving link `link`.
@@ -985,7 +992,10 @@ impl Inner {
             return refuse(id, Refusal::Malformed);
         };
         let peer = NodeId(from);
-        if !self.tcp.connected_peers().contains(&peer) {
+        // The peer's control connection must be up and its arrival handled here: handling it
+        // after this request would take the new link for a stale one. Refused for now
+        // otherwise; the peer asks again.
+        if !self.tcp.connected_peers().contains(&peer) || !lock(&self.addrs).contains_key(&peer) {
             return refuse(id, Refusal::NoControlConnection);
         }
         if lock(&self.links)
@@ -1249,7 +1259,7 @@ async fn control_loop(
                     Some(msg) => inner.on_control(m.peer, msg).await,
                     None => {
                         tracing::warn!(peer = %m.peer, "malformed RDMA control message; closing");
-                        inner.tcp.disconnect(m.peer);
+                        inner.drop_control(m.peer);
                         if inner.remove_link(m.peer, None, "malformed control message") == Some(true) {
                             inner.inbox.push_event(Event::PeerLost {
                                 peer: m.peer,
@@ -1259,6 +1269,9 @@ async fn control_loop(
                     }
                 },
                 Ok(Event::PeerLost { peer, reason }) => {
+                    // Marks the peer as having no control connection this loop has seen
+                    // (see `on_cm_request`).
+                    lock(&inner.addrs).remove(&peer);
                     if inner.remove_link(peer, None, &reason) == Some(true) {
                         inner.inbox.push_event(Event::PeerLost { peer, reason });
                     }
@@ -1280,7 +1293,7 @@ async fn control_loop(
             }
             Some((peer, id, reason)) = failures.recv() => {
                 if inner.remove_link(peer, Some(id), &reason) == Some(true) {
-                    inner.tcp.disconnect(peer);
+                    inner.drop_control(peer);
                     inner.inbox.push_event(Event::PeerLost { peer, reason });
                 }
             }
@@ -1506,7 +1519,7 @@ impl Transport for VerbsTransport {
 
     fn disconnect(&self, peer: NodeId) {
         self.inner.remove_link(peer, None, "disconnected");
-        self.inner.tcp.disconnect(peer);
+        self.inner.drop_control(peer);
     }
 
     fn connected_peers(&self) -> Vec<NodeId> {
