@@ -77,6 +77,13 @@ pub enum Action {
     },
     /// Fail every link on the device.
     FailAll(String),
+    /// The queue pair with this number received its first message (`IBV_EVENT_COMM_EST`):
+    /// its peer is connected, even if the connection manager has not said so yet (its last
+    /// message, the RTU, may have been lost).
+    Established {
+        /// The queue pair.
+        qp_num: u32,
+    },
     /// Only log: nothing is broken.
     Log {
         /// Whether it deserves a warning rather than an info line.
@@ -100,6 +107,9 @@ pub fn decide(device: &str, port: u8, event: &AsyncEvent) -> Action {
                 ),
             },
             None => log(true, format!("{what} on {device} without a queue pair")),
+        },
+        (Scope::QueuePair, 4) if event.qp_num.is_some() => Action::Established {
+            qp_num: event.qp_num.unwrap_or_default(),
         },
         (Scope::QueuePair, _) => log(
             false,
@@ -150,7 +160,11 @@ mod tests {
                 other => panic!("{}: {other:?}", name(code)),
             }
         }
-        for code in [4, 5, 6, 16] {
+        assert_eq!(
+            decide("d", 1, &ev(4, Some(9), None)),
+            Action::Established { qp_num: 9 }
+        );
+        for code in [5, 6, 16] {
             assert!(matches!(
                 decide("d", 1, &ev(code, Some(1), None)),
                 Action::Log { warn: false, .. }

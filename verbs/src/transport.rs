@@ -471,6 +471,7 @@ impl Inner {
                     None => tracing::debug!(qp_num, %reason, "event for a queue pair already gone"),
                 }
             }
+            events::Action::Established { qp_num } => self.on_established(qp_num),
             events::Action::FailAll(reason) => {
                 tracing::error!(device = %dev.name, %reason, "RDMA device event: failing every link");
                 let links: Vec<Arc<Link>> = lock(&self.by_id).values().cloned().collect();
@@ -734,6 +735,25 @@ impl Inner {
     fn drop_control(&self, peer: NodeId) {
         lock(&self.addrs).remove(&peer);
         self.tcp.disconnect(peer);
+    }
+
+    /// A queue pair received its first message: on a link accepted through rdma_cm that
+    /// still waits for the RTU (lost, and repeated only after rdma_cm's timeout), the peer's
+    /// queue pair is connected, so sending may start now.
+    fn on_established(&self, qp_num: u32) {
+        let Some(cm) = &self.cm else { return };
+        let link = lock(&self.by_id)
+            .values()
+            .find(|l| l.qp_number() == qp_num)
+            .cloned();
+        let Some(link) = link else { return };
+        let accepted = lock(&cm.conns)
+            .values()
+            .any(|c| c.link == link.id && !c.active);
+        if accepted {
+            link.set_remote_ready();
+            self.links_changed.notify_waiters();
+        }
     }
 
     /// Disconnects and destroys the rdma_cm ids serving link `link`.
