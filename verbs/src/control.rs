@@ -120,6 +120,30 @@ impl Control {
     }
 }
 
+/// Where this side's link to a peer stands when a connect request from that peer arrives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OwnLink {
+    /// No link.
+    None,
+    /// This side requested one too, with this nonce.
+    Requested(u64),
+    /// A connected link.
+    Connected,
+}
+
+/// Whether a request from the peer (with `nonce`) is answered, given this side's link; both
+/// handshakes (socket and rdma_cm) settle crossing requests with it.
+pub fn answers_request(own: OwnLink, nonce: u64) -> bool {
+    match own {
+        OwnLink::None => true,
+        // Both sides requested at once: the larger nonce wins on both sides.
+        OwnLink::Requested(ours) => ours <= nonce,
+        // A request from before the link came up; a peer that lost its link reconnects its
+        // control connection, which removes this one first.
+        OwnLink::Connected => false,
+    }
+}
+
 /// Marks psnet's rdma_cm private data (a peer of another program is refused).
 const CM_MAGIC: [u8; 2] = *b"PS";
 /// Version of the private-data layout.
@@ -285,6 +309,17 @@ mod tests {
             ] {
                 prop_assert_eq!(Control::decode(&m.encode()), Some(m));
             }
+        }
+
+        #[test]
+        fn crossing_requests_leave_exactly_one_answered(a: u64, b: u64) {
+            prop_assume!(a != b);
+            // Each side holds its own request and receives the other's.
+            let a_answers = answers_request(OwnLink::Requested(a), b);
+            let b_answers = answers_request(OwnLink::Requested(b), a);
+            prop_assert!(a_answers != b_answers);
+            prop_assert!(answers_request(OwnLink::None, a));
+            prop_assert!(!answers_request(OwnLink::Connected, a));
         }
 
         #[test]

@@ -28,7 +28,7 @@ use sideway::ibverbs::queue_pair::QueuePairState;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, watch, Notify};
 
-use crate::control::{CmMessage, Control, Refusal};
+use crate::control::{self, CmMessage, Control, OwnLink, Refusal};
 use crate::device::{Device, DeviceSpec};
 use crate::events;
 use crate::link::{self, Link, LinkParams};
@@ -623,8 +623,8 @@ impl Inner {
                 let repeat = {
                     let links = lock(&self.links);
                     match links.get(&peer) {
-                        // Both sides requested at once: the larger nonce wins on both sides.
-                        Some(c) if c.phase == Phase::Requested && c.link.nonce > nonce => return,
+                        // Both sides requested at once and ours wins.
+                        Some(c) if c.phase == Phase::Requested && beats_request(c, nonce) => return,
                         Some(c) if c.phase == Phase::Connected => match c.answered {
                             // Our reply may have been lost: send it again.
                             Some((answered, reply)) if answered == nonce => Some(reply),
@@ -1123,13 +1123,11 @@ impl Inner {
 
 /// Whether the peer's link `c` wins over a request (with `nonce`) from the peer.
 fn beats_request(c: &Current, nonce: u64) -> bool {
-    match c.phase {
-        // Both sides requested at once: the larger nonce wins on both sides.
-        Phase::Requested => c.link.nonce > nonce,
-        // A request from before the link came up; a peer that lost its link reconnects its
-        // control connection, which removes this one first.
-        Phase::Connected => true,
-    }
+    let own = match c.phase {
+        Phase::Requested => OwnLink::Requested(c.link.nonce),
+        Phase::Connected => OwnLink::Connected,
+    };
+    !control::answers_request(own, nonce)
 }
 
 /// What rdma_cm sends for `link`: its queue pair and psnet's handshake message, with the
