@@ -6,11 +6,14 @@
 //! - [`interface`]: which address this node uses, from `DMLC_NODE_HOST` / `DMLC_INTERFACE`
 //!   with ps-lite's rules.
 //! - [`logging`]: `PS_VERBOSE` mapped onto `tracing`.
+//! - [`TransportPref`]: what `PSNET_TRANSPORT` asks for.
 #![deny(missing_docs)]
 
 pub mod env;
 pub mod interface;
 pub mod logging;
+mod pref;
 
 pub use env::{ConfigError, EnvVar};
 pub use interface::{Interface, NodeAddress};
+pub use pref::TransportPref;

@@ -2,9 +2,11 @@
 //! the data calls also a non-blocking one returning a [`Handle`] to wait on (MXNet's engine
 //! model: issue now, wait when the value is needed).
 
+use std::future::Future;
 use std::sync::Arc;
 
 use psnet_compression::CompressionParams;
+use psnet_transport::Transport;
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
@@ -15,9 +17,9 @@ use crate::updater::OptimizerSpec;
 use crate::worker::Worker;
 
 /// A worker with its own background runtime.
-pub struct KvStore {
+pub struct KvStore<T: Transport> {
     runtime: Runtime,
-    worker: Arc<Worker>,
+    worker: Arc<Worker<T>>,
 }
 
 /// An operation under way; [`Handle::wait`] returns its result.
@@ -41,10 +43,15 @@ impl<T> Handle<T> {
     }
 }
 
-impl KvStore {
-    /// Joins the job as a worker; the runtime's one thread carries the traffic while the
-    /// caller's thread computes.
-    pub fn join(config: &KvConfig) -> Result<KvStore, KvError> {
+impl<T: Transport> KvStore<T> {
+    /// Joins the job as a worker over the transport `bind` builds (it runs on the store's
+    /// runtime, where the transport's tasks live); the runtime's one thread carries the
+    /// traffic while the caller's thread computes.
+    pub fn join<F, Fut>(config: &KvConfig, bind: F) -> Result<KvStore<T>, KvError>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, KvError>> + Send + 'static,
+    {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -54,7 +61,7 @@ impl KvStore {
             // Spawned, so that the worker's background tasks live on the runtime's thread.
             tokio::spawn({
                 let config = config.clone();
-                async move { Worker::join(&config).await }
+                async move { Worker::join(&config, bind().await?).await }
             })
             .await
         });
@@ -63,13 +70,6 @@ impl KvStore {
             runtime,
             worker: Arc::new(worker),
         })
-    }
-
-    /// [`crate::launch_from_env`] then [`KvStore::join`]: the one call a program makes at
-    /// start in every role (scheduler and server processes never return from it).
-    pub fn from_env() -> Result<KvStore, KvError> {
-        let config = crate::launch_from_env()?;
-        Self::join(&config)
     }
 
     /// This worker's rank.
@@ -137,10 +137,10 @@ impl KvStore {
         self.spawn(async move { worker.pushpull(key, &values, &mut out).await.map(|()| out) })
     }
 
-    fn spawn<T: Send + 'static>(
+    fn spawn<R: Send + 'static>(
         &self,
-        op: impl std::future::Future<Output = Result<T, KvError>> + Send + 'static,
-    ) -> Handle<T> {
+        op: impl Future<Output = Result<R, KvError>> + Send + 'static,
+    ) -> Handle<R> {
         Handle {
             runtime: self.runtime.handle().clone(),
             task: self.runtime.spawn(op),

@@ -2,12 +2,9 @@
 //! id and the list of nodes, reconnect under the assigned id, connect to peers, and wait for
 //! everyone in a barrier.
 
-use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use psnet_config::NodeAddress;
-use psnet_select::{AnyTransport, Selection};
 use psnet_transport::{NodeId, Transport};
 use tokio::time::{timeout_at, Instant};
 
@@ -19,9 +16,9 @@ use crate::reliable::Link;
 use crate::wire::{self, Received};
 
 /// A node that has joined its job.
-pub struct Joined {
+pub struct Joined<T: Transport> {
     /// The transport under the assigned id, with `PS_RESEND` if configured.
-    pub link: Arc<Link<AnyTransport>>,
+    pub link: Arc<Link<T>>,
     /// The assigned id.
     pub id: NodeId,
     /// Rank within the role.
@@ -33,7 +30,7 @@ pub struct Joined {
     pub early: Vec<Received>,
 }
 
-impl Joined {
+impl<T: Transport> Joined<T> {
     /// The servers' ids, by rank.
     pub fn servers(&self) -> Vec<NodeId> {
         let mut s: Vec<&NodeInfo> = self
@@ -51,28 +48,10 @@ impl Joined {
     }
 }
 
-/// Where this node listens and over what.
-pub fn selection(config: &KvConfig) -> Result<Selection, KvError> {
-    let selection = if config.loopback {
-        let address = NodeAddress {
-            ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            interface: Some("lo".into()),
-            reason: "single-host job".into(),
-        };
-        Selection::for_address(address, config.transport)?
-    } else {
-        Selection::from_env(config.transport)?
-    };
-    selection.log();
-    Ok(selection)
-}
-
-/// Joins as a server or worker: after the all-nodes barrier, and for a worker once it is
-/// connected to every server.
-pub async fn join(config: &KvConfig) -> Result<Joined, KvError> {
+/// Joins as a server or worker over `transport` (bound, listening, not yet connected): after
+/// the all-nodes barrier, and for a worker once it is connected to every server.
+pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joined<T>, KvError> {
     let deadline = Instant::now() + config.bootstrap_timeout;
-    let selection = selection(config)?;
-    let transport = psnet_select::bind(NodeId(0), &selection, 0).await?;
     let listen = transport.listen_addr();
     transport.set_local_id(ids::provisional_id(listen));
     transport
@@ -157,8 +136,8 @@ pub async fn join(config: &KvConfig) -> Result<Joined, KvError> {
 
 /// A barrier before the node's own event loop runs. Everything else that arrives meanwhile
 /// is kept, in order, and returned.
-async fn barrier_inline(
-    link: &Link<AnyTransport>,
+async fn barrier_inline<T: Transport>(
+    link: &Link<T>,
     group: Group,
     deadline: Instant,
 ) -> Result<Vec<Received>, KvError> {

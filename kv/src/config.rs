@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use psnet_config::env::{self, EnvVar};
 use psnet_config::ConfigError;
-use psnet_select::TransportPref;
+use psnet_config::TransportPref;
 
 use crate::proto::ids::Role;
 use crate::proto::resend::MAX_TIMEOUT;

@@ -1,7 +1,6 @@
 //! The kv store's errors. Every error caused by another node names it.
 
 use psnet_config::ConfigError;
-use psnet_select::SelectError;
 use psnet_transport::TransportError;
 
 /// What can go wrong in a kv operation.
@@ -10,9 +9,10 @@ pub enum KvError {
     /// Bad configuration (names the variable).
     #[error("configuration: {0}")]
     Config(#[from] ConfigError),
-    /// The transport could not be chosen or built.
+    /// The transport could not be chosen or built (by whoever binds it, e.g. the `psnet`
+    /// facade).
     #[error("transport: {0}")]
-    Select(#[from] SelectError),
+    Setup(Box<dyn std::error::Error + Send + Sync>),
     /// A transport operation failed.
     #[error("transport: {0}")]
     Transport(#[from] TransportError),

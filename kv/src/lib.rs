@@ -17,8 +17,11 @@
 //!   duplicates are dropped, so a push is applied exactly once. A peer is declared gone only
 //!   after the retry limit ([`proto::resend`]).
 //!
-//! The protocol lives in [`proto`] as plain state machines without I/O; [`run_scheduler`],
-//! [`run_server`] and [`Worker`] only move bytes.
+//! The protocol lives in [`proto`] as plain state machines without I/O; [`Scheduler`],
+//! [`run_server`] and [`Worker`] only move bytes, over any
+//! [`Transport`](psnet_transport::Transport) they are handed: this crate never chooses or
+//! builds one (the `psnet` crate does that from the environment, and tests hand in the
+//! in-memory transport).
 #![deny(missing_docs)]
 
 pub mod blocking;
@@ -38,34 +41,6 @@ pub use config::KvConfig;
 pub use error::KvError;
 pub use proto::ids::Role;
 pub use proto::server::Mode;
-pub use scheduler::{run_scheduler, Scheduler};
+pub use scheduler::Scheduler;
 pub use server::run_server;
 pub use worker::Worker;
-
-/// MXNet's start-up behaviour for one program launched in every role: in a scheduler or
-/// server process, runs that role until the job ends and exits the process (status 0, or 1
-/// with the error on stderr); in a worker process, returns the configuration for
-/// [`Worker::join`].
-pub fn launch_from_env() -> Result<KvConfig, KvError> {
-    let config = KvConfig::from_env()?;
-    if config.role == Role::Worker {
-        return Ok(config);
-    }
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| KvError::Invalid(format!("cannot start the runtime: {e}")))?;
-    let result = runtime.block_on(async {
-        match config.role {
-            Role::Scheduler => run_scheduler(&config).await,
-            _ => run_server(&config).await,
-        }
-    });
-    match result {
-        Ok(()) => std::process::exit(0),
-        Err(e) => {
-            eprintln!("psnet {}: error: {e}", config.role);
-            std::process::exit(1)
-        }
-    }
-}

@@ -5,9 +5,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use psnet_config::interface;
-use psnet_config::NodeAddress;
-use psnet_select::{AnyTransport, Selection};
 use psnet_transport::Transport;
 use tokio::time::Instant;
 
@@ -19,36 +16,21 @@ use crate::proto::scheduler::SchedulerState;
 use crate::reliable::Link;
 use crate::wire::Received;
 
-/// Runs the scheduler until the job ends. `Err` if nodes died or never registered.
-pub async fn run_scheduler(config: &KvConfig) -> Result<(), KvError> {
-    Scheduler::bind(config).await?.run().await
-}
-
-/// A scheduler listening for its job's nodes.
-pub struct Scheduler {
-    t: AnyTransport,
+/// A scheduler over a bound transport, listening for its job's nodes.
+pub struct Scheduler<T: Transport> {
+    t: T,
     config: KvConfig,
 }
 
-impl Scheduler {
-    /// Listens at the configured root address (port 0: any free port, see
-    /// [`Scheduler::addr`]), as ps-lite does at `DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT`.
-    pub async fn bind(config: &KvConfig) -> Result<Scheduler, KvError> {
-        let ip = config.root.ip();
-        let holder = interface::list_interfaces()
-            .ok()
-            .and_then(|ifs| ifs.into_iter().find(|i| i.addr == ip).map(|i| i.name));
-        let address = NodeAddress {
-            ip,
-            interface: holder,
-            reason: "DMLC_PS_ROOT_URI".into(),
-        };
-        let selection = Selection::for_address(address, config.transport)?;
-        selection.log();
-        let t = psnet_select::bind(SCHEDULER, &selection, config.root.port()).await?;
+impl<T: Transport> Scheduler<T> {
+    /// A scheduler on `t`, which must listen where the job's nodes look for it (ps-lite's
+    /// `DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT`) and carry the id [`SCHEDULER`]. `config.root`
+    /// becomes `t`'s address, so a transport bound to port 0 works.
+    pub fn new(config: &KvConfig, t: T) -> Scheduler<T> {
+        t.set_local_id(SCHEDULER);
         let mut config = config.clone();
         config.root = t.listen_addr();
-        Ok(Scheduler { t, config })
+        Scheduler { t, config }
     }
 
     /// Where nodes reach it.

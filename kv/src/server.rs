@@ -3,8 +3,7 @@
 
 use std::sync::Arc;
 
-use psnet_select::AnyTransport;
-use psnet_transport::NodeId;
+use psnet_transport::{NodeId, Transport};
 
 use crate::bootstrap::{self, heartbeat_period};
 use crate::config::KvConfig;
@@ -16,9 +15,10 @@ use crate::proto::sum;
 use crate::reliable::Link;
 use crate::wire::Received;
 
-/// Joins the job as a server and serves until the scheduler ends the job.
-pub async fn run_server(config: &KvConfig) -> Result<(), KvError> {
-    let mut joined = bootstrap::join(config).await?;
+/// Joins the job as a server over `transport` (bound and listening) and serves until the
+/// scheduler ends the job.
+pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result<(), KvError> {
+    let mut joined = bootstrap::join(config, transport).await?;
     let link = joined.link.clone();
     let mut state = ServerState::new(joined.num_workers());
     let mut heartbeat = tokio::time::interval(heartbeat_period(config));
@@ -88,7 +88,7 @@ pub async fn run_server(config: &KvConfig) -> Result<(), KvError> {
 /// Sends every answer the state has ready, each in its own task: answers to different workers
 /// go out in parallel, and the loop goes on taking requests meanwhile. Values are shared with
 /// the state, not copied.
-fn flush(link: &Arc<Link<AnyTransport>>, state: &mut ServerState) {
+fn flush<T: Transport>(link: &Arc<Link<T>>, state: &mut ServerState) {
     while let Some(out) = state.poll_output() {
         let (rank, msg, value) = match out {
             Output::Done { rank, ts, value } => (

@@ -11,8 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use psnet_compression::{CompressionParams, Compressor};
-use psnet_select::AnyTransport;
-use psnet_transport::NodeId;
+use psnet_transport::{NodeId, Transport};
 use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinHandle;
 
@@ -49,8 +48,8 @@ struct Layout {
     parts: Vec<Part>,
 }
 
-struct Shared {
-    link: Arc<Link<AnyTransport>>,
+struct Shared<T: Transport> {
+    link: Arc<Link<T>>,
     rank: u32,
     servers: Vec<NodeId>,
     num_workers: u32,
@@ -72,7 +71,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl Shared {
+impl<T: Transport> Shared<T> {
     /// Fails every request waiting on `node`.
     fn fail_pending_to(&self, node: NodeId, reason: &str) {
         let failed: Vec<oneshot::Sender<Reply>> = {
@@ -181,13 +180,13 @@ async fn answer(rx: oneshot::Receiver<Reply>) -> Reply {
     rx.await.unwrap_or(Err(KvError::Shutdown))
 }
 
-/// A worker of a kv job.
-pub struct Worker {
-    shared: Arc<Shared>,
+/// A worker of a kv job, over any transport.
+pub struct Worker<T: Transport> {
+    shared: Arc<Shared<T>>,
     tasks: Vec<JoinHandle<()>>,
 }
 
-impl Drop for Worker {
+impl<T: Transport> Drop for Worker<T> {
     fn drop(&mut self) {
         for t in &self.tasks {
             t.abort();
@@ -196,16 +195,18 @@ impl Drop for Worker {
     }
 }
 
-impl Worker {
-    /// Joins the job described by `config` (its role must be worker). Needs a tokio runtime.
-    pub async fn join(config: &KvConfig) -> Result<Worker, KvError> {
+impl<T: Transport> Worker<T> {
+    /// Joins the job described by `config` (its role must be worker) over `transport` (bound
+    /// and listening; the `psnet` crate binds one from the environment). Needs a tokio
+    /// runtime.
+    pub async fn join(config: &KvConfig, transport: T) -> Result<Worker<T>, KvError> {
         if config.role != Role::Worker {
             return Err(KvError::Invalid(format!(
                 "Worker::join with role {}",
                 config.role
             )));
         }
-        let joined = bootstrap::join(config).await?;
+        let joined = bootstrap::join(config, transport).await?;
         let placement = Placement::new(joined.servers().len(), config.bigarray_bound)
             .map_err(|e| KvError::Invalid(e.to_string()))?;
         let (servers, num_workers) = (joined.servers(), joined.num_workers());
@@ -288,12 +289,12 @@ impl Worker {
 
     /// The transport this worker runs on (`"tcp"`, `"rdma"`).
     pub fn transport_name(&self) -> &'static str {
-        psnet_transport::Transport::capabilities(&**self.shared.link.transport()).name
+        self.shared.link.transport().capabilities().name
     }
 
     /// Test hook: the transport, e.g. to drop a connection (`disconnect`).
     #[doc(hidden)]
-    pub fn debug_transport(&self) -> &AnyTransport {
+    pub fn debug_transport(&self) -> &T {
         self.shared.link.transport()
     }
 

@@ -3,8 +3,15 @@
 
 use std::time::Duration;
 
+use psnet_fallback_tcp::{TcpConfig, TcpTransport};
 use psnet_kv::blocking::KvStore;
-use psnet_kv::{run_server, KvConfig, Role, Scheduler};
+use psnet_kv::proto::ids::SCHEDULER;
+use psnet_kv::{run_server, KvConfig, KvError, Role, Scheduler};
+use psnet_transport::NodeId;
+
+async fn tcp(id: NodeId) -> Result<TcpTransport, KvError> {
+    Ok(TcpTransport::bind(id, TcpConfig::new("127.0.0.1:0".parse().unwrap())).await?)
+}
 
 #[test]
 fn blocking_and_handle_forms_from_plain_threads() {
@@ -17,21 +24,19 @@ fn blocking_and_handle_forms_from_plain_threads() {
             )
             .bootstrap_timeout(Duration::from_secs(30))
     };
-    let scheduler = rt
-        .block_on(Scheduler::bind(&config(
-            Role::Scheduler,
-            "127.0.0.1:0".parse().unwrap(),
-        )))
-        .unwrap();
+    let scheduler = Scheduler::new(
+        &config(Role::Scheduler, "127.0.0.1:0".parse().unwrap()),
+        rt.block_on(tcp(SCHEDULER)).unwrap(),
+    );
     let root = scheduler.addr();
     let sched = rt.spawn(scheduler.run());
     let server_cfg = config(Role::Server, root);
-    let server = rt.spawn(async move { run_server(&server_cfg).await });
+    let server = rt.spawn(async move { run_server(&server_cfg, tcp(NodeId(0)).await?).await });
     let workers: Vec<_> = (0..2)
         .map(|_| {
             let cfg = config(Role::Worker, root);
             std::thread::spawn(move || -> Result<Vec<f32>, String> {
-                let kv = KvStore::join(&cfg).map_err(|e| e.to_string())?;
+                let kv = KvStore::join(&cfg, || tcp(NodeId(0))).map_err(|e| e.to_string())?;
                 let key = kv.key("weights");
                 kv.init(&[key], &[&[0.0; 6]]).map_err(|e| e.to_string())?;
                 let r = kv.rank() as f32 + 1.0;

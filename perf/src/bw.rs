@@ -5,7 +5,7 @@ use std::pin::Pin;
 use std::task::Poll;
 use std::time::Instant;
 
-use psnet_transport::{OutMessage, Segment, Transport, TransportError};
+use psnet::transport::{OutMessage, Segment, Transport, TransportError};
 
 use crate::protocol::Control;
 use crate::report::BwRow;

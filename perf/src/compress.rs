@@ -1,10 +1,10 @@
 //! `psnet-perf compress`: gradient-compression throughput next to memcpy of the same buffer,
 //! measured in the same run.
 
-use psnet_compression::measure::{
+use psnet::compression::measure::{
     format_json, format_table, measure_with, MeasureOptions, MeasureRow,
 };
-use psnet_compression::Scheme;
+use psnet::compression::Scheme;
 
 use crate::session::PerfResult;
 

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use psnet_kv::{KvConfig, Worker};
+use psnet::kv::{KvConfig, Worker};
 use serde::Serialize;
 
 use crate::session::PerfResult;
@@ -53,7 +53,7 @@ pub async fn measure(
     iters: Option<usize>,
     in_flight: usize,
 ) -> PerfResult<Vec<KvRow>> {
-    let err = |e: psnet_kv::KvError| e.to_string();
+    let err = |e: psnet::kv::KvError| e.to_string();
     let in_flight = in_flight.max(1);
     let mut rows = Vec::new();
     for (i, &bytes) in sizes.iter().enumerate() {
@@ -153,7 +153,7 @@ pub fn run_worker(
         .build()
         .map_err(|e| e.to_string())?;
     runtime.block_on(async {
-        let kv = Worker::join(&config).await.map_err(|e| e.to_string())?;
+        let kv = psnet::kv::join(&config).await.map_err(|e| e.to_string())?;
         let rows = measure(&kv, sizes, iters, in_flight).await;
         let (servers, workers, rank) = (kv.num_servers(), kv.num_workers(), kv.rank());
         let transport = kv.transport_name();

@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use psnet_transport::Transport;
+use psnet::transport::Transport;
 
 use crate::protocol::Control;
 use crate::report::LatRow;

@@ -21,8 +21,8 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use psnet_select::{AnyTransport, Selection, TransportPref};
-use psnet_transport::Transport;
+use psnet::transport::Transport;
+use psnet::{AnyTransport, Selection, TransportPref};
 
 use crate::report::{BwRow, LatRow};
 use crate::session::{PerfResult, SERVER_ID};
@@ -137,7 +137,7 @@ enum Test {
 }
 
 fn main() -> ExitCode {
-    psnet_config::logging::init();
+    psnet::config::logging::init();
     let cli = Cli::parse();
     let result = if cli.print_env {
         print_env();
@@ -190,7 +190,7 @@ fn run_kv(
     }
     if std::env::var_os("DMLC_ROLE").is_some() {
         // Scheduler and server processes run inside launch_from_env and exit there.
-        let config = psnet_kv::launch_from_env().map_err(|e| e.to_string())?;
+        let config = psnet::kv::launch_from_env().map_err(|e| e.to_string())?;
         return kv::run_worker(config, sizes, iters, keys, json);
     }
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
@@ -209,15 +209,15 @@ fn print_env() {
         "{:<32} {:<12} {:<14} DESCRIPTION",
         "VARIABLE", "DEFAULT", "CURRENT"
     );
-    let compression = psnet_config::env::EnvVar {
-        name: psnet_compression::SIMD_ENV_VAR,
+    let compression = psnet::config::env::EnvVar {
+        name: psnet::compression::SIMD_ENV_VAR,
         default: "",
         description:
             "caps gradient compression's SIMD level: avx2, sse2 or scalar (default: the best this CPU has)",
     };
-    let all = psnet_config::env::ALL
+    let all = psnet::config::env::ALL
         .iter()
-        .chain(psnet_kv::config::KV_VARS)
+        .chain(psnet::kv::config::KV_VARS)
         .chain(std::iter::once(&compression));
     for var in all {
         let current = var.get().unwrap_or_else(|| "-".into());
@@ -304,7 +304,7 @@ fn run_test(test: Test, args: TestArgs) -> PerfResult<()> {
         let _sink = baseline::spawn_sink(sink_addr)?;
         let rt = session::runtime()?;
         rt.block_on(async {
-            let t = psnet_select::bind(SERVER_ID, &selection, args.port)
+            let t = psnet::bind(SERVER_ID, &selection, args.port)
                 .await
                 .map_err(|e| e.to_string())?;
             println!(

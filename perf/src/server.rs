@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use psnet_transport::{Event, OutMessage, Transport};
+use psnet::transport::{Event, OutMessage, Transport};
 
 use crate::protocol::Control;
 use crate::session::{send_control, PerfResult, CLIENT_ID};
@@ -84,7 +84,7 @@ pub async fn serve_one_client<T: Transport>(t: &T) -> PerfResult<()> {
                 let segs: Vec<_> = m
                     .segments
                     .iter()
-                    .map(psnet_transport::Segment::from)
+                    .map(psnet::transport::Segment::from)
                     .collect();
                 t.send(CLIENT_ID, OutMessage::new(&m.meta, &segs))
                     .await

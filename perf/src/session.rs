@@ -4,9 +4,9 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
-use psnet_config::NodeAddress;
-use psnet_select::{bind, AnyTransport, Selection, TransportPref};
-use psnet_transport::{Event, Incoming, NodeId, OutMessage, Segment, Transport};
+use psnet::config::NodeAddress;
+use psnet::transport::{Event, Incoming, NodeId, OutMessage, Segment, Transport};
+use psnet::{bind, AnyTransport, Selection, TransportPref};
 
 use crate::protocol::Control;
 use crate::server;

@@ -83,12 +83,12 @@ pub struct Args {
 }
 
 fn main() -> ExitCode {
-    psnet_config::logging::init();
+    psnet::config::logging::init();
     let args = Args::parse();
     let result = if args.reference {
         train::reference(&args)
     } else if std::env::var_os("DMLC_ROLE").is_some() {
-        match psnet_kv::launch_from_env() {
+        match psnet::kv::launch_from_env() {
             // Scheduler and server processes never return from launch_from_env.
             Ok(config) => train::worker(&args, config),
             Err(e) => Err(e.to_string()),

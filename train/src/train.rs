@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
-use psnet_compression::{CompressionParams, Compressor};
-use psnet_kv::updater::{OptimizerSpec, SgdParams};
-use psnet_kv::{KvConfig, Mode, Worker};
+use psnet::compression::{CompressionParams, Compressor};
+use psnet::kv::updater::{OptimizerSpec, SgdParams};
+use psnet::kv::{KvConfig, Mode, Worker};
 
 use crate::data::Dataset;
 use crate::model::{Grads, Params};
@@ -70,7 +70,7 @@ pub fn worker(args: &Args, config: KvConfig) -> Result<(), String> {
         .build()
         .map_err(|e| e.to_string())?;
     runtime.block_on(async {
-        let kv = Worker::join(&config).await.map_err(|e| e.to_string())?;
+        let kv = psnet::kv::join(&config).await.map_err(|e| e.to_string())?;
         let result = train(args, &kv).await;
         match result {
             Ok(()) => kv.finalize().await.map_err(|e| e.to_string()),
@@ -80,7 +80,7 @@ pub fn worker(args: &Args, config: KvConfig) -> Result<(), String> {
 }
 
 async fn train(args: &Args, kv: &Worker) -> Result<(), String> {
-    let err = |e: psnet_kv::KvError| e.to_string();
+    let err = |e: psnet::kv::KvError| e.to_string();
     let data = data(args)?;
     let (rank, workers) = (kv.rank() as usize, kv.num_workers() as usize);
     let shard = data.shard(rank, workers);
@@ -194,8 +194,8 @@ pub fn reference(args: &Args) -> Result<(), String> {
         });
         for _ in 1..workers {
             let params = match scheme {
-                psnet_compression::Scheme::TwoBit => CompressionParams::two_bit(threshold),
-                psnet_compression::Scheme::OneBit => CompressionParams::one_bit(threshold),
+                psnet::compression::Scheme::TwoBit => CompressionParams::two_bit(threshold),
+                psnet::compression::Scheme::OneBit => CompressionParams::one_bit(threshold),
             }
             .map_err(|e| e.to_string())?;
             feedback.push(Feedback {

@@ -7,8 +7,21 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use psnet_kv::{run_server, KvConfig, KvError, Role, Scheduler, Worker};
+use psnet_fallback_tcp::{TcpConfig, TcpTransport};
+use psnet_kv::{run_server, KvConfig, KvError, Role, Scheduler};
+use psnet_transport::NodeId;
 use tokio::task::JoinHandle;
+
+/// A worker over TCP.
+pub type Worker = psnet_kv::Worker<TcpTransport>;
+
+/// A TCP transport on 127.0.0.1 (any free port), as the `psnet` crate binds for a loopback job.
+pub async fn tcp(id: NodeId, port: u16) -> TcpTransport {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    TcpTransport::bind(id, TcpConfig::new(addr))
+        .await
+        .expect("bind 127.0.0.1")
+}
 
 /// A running job.
 pub struct Cluster {
@@ -33,21 +46,22 @@ pub async fn cluster_with(
                 .bootstrap_timeout(Duration::from_secs(30)),
         )
     };
-    let sched = Scheduler::bind(&config(Role::Scheduler, "127.0.0.1:0".parse().unwrap()))
-        .await
-        .expect("scheduler binds");
+    let sched = Scheduler::new(
+        &config(Role::Scheduler, "127.0.0.1:0".parse().unwrap()),
+        tcp(psnet_kv::proto::ids::SCHEDULER, 0).await,
+    );
     let root = sched.addr();
     let scheduler = tokio::spawn(sched.run());
     let servers = (0..servers)
         .map(|_| {
             let c = config(Role::Server, root);
-            tokio::spawn(async move { run_server(&c).await })
+            tokio::spawn(async move { run_server(&c, tcp(NodeId(0), 0).await).await })
         })
         .collect();
     let joins: Vec<_> = (0..workers)
         .map(|_| {
             let c = config(Role::Worker, root);
-            tokio::spawn(async move { Worker::join(&c).await })
+            tokio::spawn(async move { Worker::join(&c, tcp(NodeId(0), 0).await).await })
         })
         .collect();
     let mut ws = Vec::new();
