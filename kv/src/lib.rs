@@ -26,6 +26,7 @@
 
 pub mod blocking;
 mod bootstrap;
+mod clock;
 pub mod config;
 mod error;
 pub mod placement;

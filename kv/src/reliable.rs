@@ -187,7 +187,7 @@ impl<T: Transport> Link<T> {
                 let mut s = r.lock();
                 match s
                     .resender
-                    .send(to, meta.clone(), value.clone(), Instant::now())
+                    .send(to, meta.clone(), value.clone(), crate::clock::now())
                 {
                     Ok(tx) => {
                         r.wake(&mut s);
@@ -346,12 +346,14 @@ impl<T: Transport> Inner<T> {
     fn on_down(self: &Arc<Self>, peer: NodeId, reason: &str) {
         let r = self.resend();
         let mut s = r.lock();
-        if s.resender.handle_peer_lost(peer, reason, Instant::now()) {
+        if s.resender
+            .handle_peer_lost(peer, reason, crate::clock::now())
+        {
             tracing::info!(peer = %describe(peer), %reason, "connection lost; re-establishing it (PS_RESEND)");
             let addr = s.addrs.get(&peer).copied();
             if let Some(addr) = addr {
                 if s.reconnecting.insert(peer) {
-                    let deadline = Instant::now() + s.resender.config().give_up_after();
+                    let deadline = crate::clock::now() + s.resender.config().give_up_after();
                     s.spawn(reconnect(self.clone(), peer, addr, deadline));
                 }
             }
@@ -383,7 +385,7 @@ impl<T: Transport> Inner<T> {
                     });
                 };
                 let len = m.meta.len() + m.segments.iter().map(Bytes::len).sum::<usize>();
-                let now = Instant::now();
+                let now = crate::clock::now();
                 let mut s = r.lock();
                 let freed = envelope
                     .ack
@@ -421,7 +423,7 @@ impl<T: Transport> Inner<T> {
                     let mut s = r.lock();
                     s.resender.handle_peer_connected(peer);
                     let unacked = s.resender.unacked(peer);
-                    self.kick(&mut s, peer, Instant::now());
+                    self.kick(&mut s, peer, crate::clock::now());
                     if unacked > 0 {
                         tracing::debug!(peer = %describe(peer), %addr, unacked, "connected; resending what is unacknowledged (PS_RESEND)");
                     }
@@ -446,7 +448,7 @@ async fn pump<T: Transport>(inner: Arc<Inner<T>>) {
     loop {
         let next = {
             let mut s = r.lock();
-            let now = Instant::now();
+            let now = crate::clock::now();
             s.resender.handle_timeout(now);
             s.resender.take_wake();
             let mut gave_up = false;
@@ -486,7 +488,7 @@ async fn sender<T: Transport>(inner: Arc<Inner<T>>, peer: NodeId) {
     loop {
         let tx = {
             let mut s = r.lock();
-            match s.resender.poll_transmit_to(peer, Instant::now()) {
+            match s.resender.poll_transmit_to(peer, crate::clock::now()) {
                 Some(tx) => tx,
                 None => {
                     s.senders.remove(&peer);
@@ -530,13 +532,13 @@ async fn reconnect<T: Transport>(
                 Ok(Ok(())) => {
                     tracing::info!(peer = %describe(peer), "connection re-established (PS_RESEND)");
                     s.resender.handle_peer_connected(peer);
-                    inner.kick(&mut s, peer, Instant::now());
+                    inner.kick(&mut s, peer, crate::clock::now());
                     s.reconnecting.remove(&peer);
                     return;
                 }
                 Ok(Err(e)) if !matches!(e, TransportError::Closed) => {
                     tracing::debug!(peer = %describe(peer), %addr, error = %e, "reconnect failed, retrying");
-                    if Instant::now() + backoff >= deadline {
+                    if crate::clock::now() + backoff >= deadline {
                         s.reconnecting.remove(&peer);
                         return;
                     }

@@ -60,7 +60,7 @@ impl<T: Transport> Scheduler<T> {
         loop {
             tokio::select! {
                 event = link.recv() => {
-                    let now = std::time::Instant::now();
+                    let now = crate::clock::now();
                     match event? {
                         Received::Msg { from, msg, .. } => match msg {
                             Msg::Register { role, addr } => state.handle_register(from, role, addr, now),
@@ -74,7 +74,7 @@ impl<T: Transport> Scheduler<T> {
                     }
                 }
                 _ = tick.tick() => {
-                    state.handle_timeout(std::time::Instant::now());
+                    state.handle_timeout(crate::clock::now());
                     if !state.is_assigned() && started.elapsed() > config.bootstrap_timeout {
                         let (s, w) = state.registered();
                         return Err(KvError::Bootstrap(format!(

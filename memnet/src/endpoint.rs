@@ -1,0 +1,284 @@
+//! One endpoint of a [`MemNet`]: the transport contract over the shared network state.
+
+use std::io;
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use psnet_transport::{
+    Capabilities, CodecError, Event, Incoming, NodeId, OutMessage, RegisteredBuf, Transport,
+    TransportError,
+};
+use smallvec::SmallVec;
+use tokio::time::Instant;
+
+use crate::net::{Ending, MemNet};
+
+/// An endpoint on a [`MemNet`], implementing [`Transport`]. Dropping it shuts it down.
+pub struct MemTransport {
+    net: MemNet,
+    ep: u64,
+    addr: SocketAddr,
+}
+
+/// What a waiting call does after looking at the network.
+enum Step<T> {
+    Done(T),
+    /// Wait for a change, or until the instant.
+    Wait(Option<Instant>),
+}
+
+impl MemTransport {
+    pub(crate) fn new(net: MemNet, ep: u64, addr: SocketAddr) -> Self {
+        MemTransport { net, ep, addr }
+    }
+
+    /// The network this endpoint is on.
+    pub fn net(&self) -> &MemNet {
+        &self.net
+    }
+
+    /// Runs `look` under the network's lock until it is done, waiting for a change (or the
+    /// instant it names) between looks. The waiter is registered before the lock is released,
+    /// so no change is missed.
+    async fn until<T>(&self, mut look: impl FnMut(&mut crate::net::Net, u64) -> Step<T>) -> T {
+        loop {
+            let changed = self.net.shared.changed.notified();
+            tokio::pin!(changed);
+            let step = {
+                let mut net = self.net.lock();
+                changed.as_mut().enable();
+                look(&mut net, self.ep)
+            };
+            match step {
+                Step::Done(v) => {
+                    self.net.wake_all();
+                    return v;
+                }
+                Step::Wait(None) => changed.await,
+                Step::Wait(Some(at)) => {
+                    tokio::select! {
+                        _ = &mut changed => {}
+                        _ = tokio::time::sleep_until(at) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    fn check(&self, peer: NodeId, msg: &OutMessage<'_>) -> Result<usize, TransportError> {
+        let limits = &self.net.config().limits;
+        let invalid = |source| TransportError::Invalid { peer, source };
+        if msg.meta.len() > limits.max_meta as usize {
+            return Err(invalid(CodecError::MetaTooLarge {
+                len: msg.meta.len() as u64,
+                limit: limits.max_meta,
+            }));
+        }
+        if msg.segments.len() > limits.max_segments as usize {
+            return Err(invalid(CodecError::TooManySegments {
+                count: msg.segments.len(),
+                limit: limits.max_segments,
+            }));
+        }
+        if msg.total_len() > limits.max_message {
+            return Err(invalid(CodecError::MessageTooLarge {
+                len: msg.total_len(),
+                limit: limits.max_message,
+            }));
+        }
+        Ok(msg.total_len() as usize)
+    }
+}
+
+impl Drop for MemTransport {
+    fn drop(&mut self) {
+        self.shutdown();
+        self.net.lock().eps.remove(&self.ep);
+    }
+}
+
+impl Transport for MemTransport {
+    fn local_id(&self) -> NodeId {
+        self.net
+            .lock()
+            .eps
+            .get(&self.ep)
+            .map_or(NodeId(0), |e| e.id)
+    }
+
+    fn set_local_id(&self, id: NodeId) {
+        if let Some(e) = self.net.lock().ep(self.ep) {
+            e.id = id;
+        }
+    }
+
+    fn listen_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let limits = &self.net.config().limits;
+        Capabilities {
+            name: "mem",
+            max_message: limits.max_message,
+            max_meta: limits.max_meta,
+            max_segments: limits.max_segments,
+            eager_limit: usize::MAX,
+            zero_copy_send: false,
+            prefers_registered: false,
+        }
+    }
+
+    async fn connect(&self, peer: NodeId, addr: SocketAddr) -> Result<(), TransportError> {
+        let deadline = Instant::now() + self.net.config().connect_timeout;
+        self.until(|net, ep| {
+            let Some(me) = net.eps.get(&ep).filter(|e| !e.closed) else {
+                return Step::Done(Err(TransportError::Closed));
+            };
+            if me.frozen {
+                return Step::Wait(None);
+            }
+            if me.peers.contains_key(&peer) {
+                return Step::Done(Ok(()));
+            }
+            let listener = net
+                .listeners
+                .get(&addr)
+                .copied()
+                .filter(|l| net.eps.get(l).is_some_and(|e| !e.closed && !e.frozen));
+            match listener {
+                Some(l) if net.eps[&l].id != peer => Step::Done(Err(TransportError::Handshake {
+                    peer,
+                    reason: format!("{addr} is {}, not {peer}", net.eps[&l].id),
+                })),
+                Some(l) => {
+                    net.establish(ep, peer, l);
+                    Step::Done(Ok(()))
+                }
+                None if Instant::now() >= deadline => Step::Done(Err(TransportError::Connect {
+                    peer,
+                    addr,
+                    source: io::Error::new(
+                        io::ErrorKind::ConnectionRefused,
+                        "nothing answers at this address on the in-memory network",
+                    ),
+                })),
+                None => Step::Wait(Some(deadline)),
+            }
+        })
+        .await
+    }
+
+    async fn send<'a>(&'a self, peer: NodeId, msg: OutMessage<'a>) -> Result<(), TransportError> {
+        let bytes = self.check(peer, &msg)?;
+        let cap = self.net.config().inbox_bytes;
+        let mut conn_seen = None;
+        self.until(|net, ep| {
+            let Some(me) = net.eps.get(&ep).filter(|e| !e.closed) else {
+                return Step::Done(Err(TransportError::Closed));
+            };
+            if me.frozen {
+                return Step::Wait(None);
+            }
+            let Some(end) = me.peers.get(&peer).copied() else {
+                return Step::Done(Err(match conn_seen {
+                    None => TransportError::NotConnected { peer },
+                    Some(_) => TransportError::PeerLost {
+                        peer,
+                        reason: "connection closed while the send waited".into(),
+                    },
+                }));
+            };
+            if conn_seen.is_some_and(|c| c != end.conn) {
+                return Step::Done(Err(TransportError::PeerLost {
+                    peer,
+                    reason: "connection replaced while the send waited".into(),
+                }));
+            }
+            conn_seen = Some(end.conn);
+            let queued = net.eps.get(&end.remote_ep).map_or(0, |r| r.inbox_bytes);
+            if queued > 0 && queued + bytes > cap {
+                return Step::Wait(None);
+            }
+            let (reset, delay) = net.dice.roll();
+            if reset {
+                let reason = format!(
+                    "connection reset (injected fault, seed {})",
+                    net.dice.faults().seed
+                );
+                tracing::debug!(%peer, %reason, "memnet");
+                net.end_connection(ep, peer, Ending::Reset, &reason);
+                return Step::Done(Err(TransportError::PeerLost { peer, reason }));
+            }
+            let incoming = Incoming {
+                peer: end.key_at_remote,
+                meta: Bytes::copy_from_slice(msg.meta),
+                segments: msg
+                    .segments
+                    .iter()
+                    .map(|s| Bytes::copy_from_slice(s.bytes()))
+                    .collect::<SmallVec<[Bytes; 4]>>(),
+            };
+            net.enqueue(
+                end.remote_ep,
+                Some(end.conn),
+                bytes,
+                delay,
+                Event::Message(incoming),
+            );
+            Step::Done(Ok(()))
+        })
+        .await
+    }
+
+    async fn recv(&self) -> Result<Event, TransportError> {
+        self.until(|net, ep| {
+            let Some(me) = net.ep(ep).filter(|e| !e.closed) else {
+                return Step::Done(Err(TransportError::Closed));
+            };
+            if me.frozen {
+                return Step::Wait(None);
+            }
+            match me.inbox.front() {
+                Some(q) if q.visible_at <= Instant::now() => {
+                    let q = me.inbox.pop_front().expect("front exists");
+                    me.inbox_bytes -= q.bytes;
+                    Step::Done(Ok(q.event))
+                }
+                Some(q) => Step::Wait(Some(q.visible_at)),
+                None => Step::Wait(None),
+            }
+        })
+        .await
+    }
+
+    fn disconnect(&self, peer: NodeId) {
+        self.net
+            .lock()
+            .end_connection(self.ep, peer, Ending::Closed, "closed by the peer");
+        self.net.wake_all();
+    }
+
+    fn connected_peers(&self) -> Vec<NodeId> {
+        let mut peers: Vec<NodeId> = self
+            .net
+            .lock()
+            .eps
+            .get(&self.ep)
+            .map(|e| e.peers.keys().copied().collect())
+            .unwrap_or_default();
+        peers.sort_unstable();
+        peers
+    }
+
+    fn alloc_registered(&self, len: usize) -> Result<RegisteredBuf, TransportError> {
+        Ok(RegisteredBuf::unregistered(len))
+    }
+
+    fn shutdown(&self) {
+        self.net
+            .lock()
+            .close_endpoint(self.ep, Ending::Closed, "closed by the peer");
+        self.net.wake_all();
+    }
+}

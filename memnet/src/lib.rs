@@ -1,0 +1,26 @@
+//! An in-memory network that implements psnet's [`Transport`](psnet_transport::Transport)
+//! contract, for testing whole jobs in one process.
+//!
+//! - [`MemNet`] is the network: endpoints bind to it ([`MemNet::bind`]) and reach each other by
+//!   node id and (made-up) address, as they would over TCP. It passes the conformance suite.
+//! - Time is tokio's clock: on a runtime started paused (`start_paused`, tokio's `test-util`)
+//!   delays, timeouts and heartbeats run in simulated time, so a job that would take minutes
+//!   runs in milliseconds and timing faults are reproducible.
+//! - Faults come from a seed ([`Faults`]): per-message delays, connections reset at random
+//!   (in-flight data lost, both sides told), and on command a node that dies
+//!   ([`MemNet::kill`]) or freezes ([`MemNet::freeze`]). The same seed and the same sequence
+//!   of sends give the same faults.
+//!
+//! Messages to one peer stay in order; a receiver's messages become visible in the order
+//! they were sent to it, each no earlier than its delay allows. A receiver that does not read
+//! stalls its senders once [`MemNetConfig::inbox_bytes`] are queued for it.
+#![deny(missing_docs)]
+#![forbid(unsafe_code)]
+
+mod endpoint;
+mod faults;
+mod net;
+
+pub use endpoint::MemTransport;
+pub use faults::Faults;
+pub use net::{MemNet, MemNetConfig};

@@ -1,0 +1,384 @@
+//! The network: every endpoint's state behind one lock, so that each step (a send, a
+//! connection made or reset) is atomic and the order of events is the order of steps.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use psnet_transport::{Event, Limits, NodeId};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::endpoint::MemTransport;
+use crate::faults::{Dice, Faults};
+
+/// Settings of a [`MemNet`].
+#[derive(Clone, Debug)]
+pub struct MemNetConfig {
+    /// The faults and their seed.
+    pub faults: Faults,
+    /// Bytes queued for one receiver before its senders wait (back-pressure).
+    pub inbox_bytes: usize,
+    /// How long `connect` keeps trying to reach an address nobody listens on.
+    pub connect_timeout: Duration,
+    /// Message limits, as a real transport has them.
+    pub limits: Limits,
+}
+
+impl Default for MemNetConfig {
+    fn default() -> Self {
+        MemNetConfig {
+            faults: Faults::none(),
+            inbox_bytes: 64 << 20,
+            connect_timeout: Duration::from_secs(2),
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// An in-memory network that endpoints bind to. Cloning it gives another handle to the same
+/// network.
+#[derive(Clone)]
+pub struct MemNet {
+    pub(crate) shared: Arc<Shared>,
+}
+
+pub(crate) struct Shared {
+    pub(crate) state: Mutex<Net>,
+    /// Woken on every change; waiters re-check what they wait for.
+    pub(crate) changed: Notify,
+    pub(crate) config: MemNetConfig,
+}
+
+/// One endpoint's end of a connection.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ConnEnd {
+    pub(crate) conn: u64,
+    pub(crate) remote_ep: u64,
+    /// The id this endpoint has at the remote end.
+    pub(crate) key_at_remote: NodeId,
+}
+
+pub(crate) struct Queued {
+    pub(crate) visible_at: Instant,
+    /// The connection a message came over (lost with it on a reset); None for events.
+    pub(crate) conn: Option<u64>,
+    pub(crate) bytes: usize,
+    pub(crate) event: Event,
+}
+
+pub(crate) struct Ep {
+    pub(crate) id: NodeId,
+    pub(crate) addr: SocketAddr,
+    pub(crate) peers: HashMap<NodeId, ConnEnd>,
+    pub(crate) inbox: VecDeque<Queued>,
+    pub(crate) inbox_bytes: usize,
+    pub(crate) last_visible: Instant,
+    pub(crate) closed: bool,
+    pub(crate) frozen: bool,
+}
+
+pub(crate) struct Net {
+    pub(crate) dice: Dice,
+    pub(crate) eps: HashMap<u64, Ep>,
+    pub(crate) listeners: HashMap<SocketAddr, u64>,
+    next_ep: u64,
+    next_port: u16,
+    next_conn: u64,
+}
+
+/// How a connection ends.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ending {
+    /// Closed on purpose: what was sent is still delivered; the closing side is not told.
+    Closed,
+    /// Reset or crashed: undelivered data is lost; both sides are told.
+    Reset,
+    /// Crashed: undelivered data is lost; only the survivors are told.
+    Crash,
+}
+
+impl Net {
+    pub(crate) fn ep(&mut self, ep: u64) -> Option<&mut Ep> {
+        self.eps.get_mut(&ep)
+    }
+
+    /// Queues `event` for `ep`, visible after `delay` and never before what is queued there.
+    pub(crate) fn enqueue(
+        &mut self,
+        ep: u64,
+        conn: Option<u64>,
+        bytes: usize,
+        delay: Duration,
+        event: Event,
+    ) {
+        if let Some(e) = self.eps.get_mut(&ep) {
+            let visible_at = e.last_visible.max(Instant::now() + delay);
+            e.last_visible = visible_at;
+            e.inbox_bytes += bytes;
+            e.inbox.push_back(Queued {
+                visible_at,
+                conn,
+                bytes,
+                event,
+            });
+        }
+    }
+
+    fn purge(&mut self, ep: u64, conn: u64) {
+        if let Some(e) = self.eps.get_mut(&ep) {
+            let mut freed = 0;
+            e.inbox.retain(|q| {
+                let lost = q.conn == Some(conn);
+                if lost {
+                    freed += q.bytes;
+                }
+                !lost
+            });
+            e.inbox_bytes -= freed;
+        }
+    }
+
+    /// Ends `ep`'s connection to `peer`, if it has one.
+    pub(crate) fn end_connection(&mut self, ep: u64, peer: NodeId, ending: Ending, reason: &str) {
+        let Some(end) = self.eps.get_mut(&ep).and_then(|e| e.peers.remove(&peer)) else {
+            return;
+        };
+        if ending != Ending::Closed {
+            self.purge(ep, end.conn);
+            self.purge(end.remote_ep, end.conn);
+        }
+        if ending == Ending::Reset {
+            let lost = Event::PeerLost {
+                peer,
+                reason: reason.to_string(),
+            };
+            self.enqueue(ep, None, 0, Duration::ZERO, lost);
+        }
+        let remote_has_it = self
+            .eps
+            .get(&end.remote_ep)
+            .and_then(|r| r.peers.get(&end.key_at_remote))
+            .is_some_and(|r| r.conn == end.conn);
+        if remote_has_it {
+            if let Some(r) = self.eps.get_mut(&end.remote_ep) {
+                r.peers.remove(&end.key_at_remote);
+            }
+            let lost = Event::PeerLost {
+                peer: end.key_at_remote,
+                reason: reason.to_string(),
+            };
+            self.enqueue(end.remote_ep, None, 0, Duration::ZERO, lost);
+        }
+    }
+
+    /// Connects `ep` (the dialler) to `listener`, whose id is `peer`.
+    pub(crate) fn establish(&mut self, ep: u64, peer: NodeId, listener: u64) {
+        let conn = self.next_conn;
+        self.next_conn += 1;
+        let (my_id, my_addr) = {
+            let me = &self.eps[&ep];
+            (me.id, me.addr)
+        };
+        let their_addr = self.eps[&listener].addr;
+        // A node that dials again under the same id replaces its old connection, as a process
+        // that restarted would.
+        self.end_connection(
+            listener,
+            my_id,
+            Ending::Reset,
+            "replaced by a new connection from the same node id",
+        );
+        let mine = ConnEnd {
+            conn,
+            remote_ep: listener,
+            key_at_remote: my_id,
+        };
+        let theirs = ConnEnd {
+            conn,
+            remote_ep: ep,
+            key_at_remote: peer,
+        };
+        if let Some(me) = self.eps.get_mut(&ep) {
+            me.peers.insert(peer, mine);
+        }
+        if let Some(l) = self.eps.get_mut(&listener) {
+            l.peers.insert(my_id, theirs);
+        }
+        let to_listener = Event::PeerConnected {
+            peer: my_id,
+            addr: my_addr,
+        };
+        self.enqueue(listener, None, 0, Duration::ZERO, to_listener);
+        let to_me = Event::PeerConnected {
+            peer,
+            addr: their_addr,
+        };
+        self.enqueue(ep, None, 0, Duration::ZERO, to_me);
+    }
+
+    /// Closes `ep`: it stops listening, its connections end, its calls fail with `Closed`.
+    pub(crate) fn close_endpoint(&mut self, ep: u64, ending: Ending, reason: &str) {
+        let Some(e) = self.eps.get_mut(&ep) else {
+            return;
+        };
+        if e.closed {
+            return;
+        }
+        e.closed = true;
+        let addr = e.addr;
+        let peers: Vec<NodeId> = e.peers.keys().copied().collect();
+        if self.listeners.get(&addr) == Some(&ep) {
+            self.listeners.remove(&addr);
+        }
+        for peer in peers {
+            self.end_connection(ep, peer, ending, reason);
+        }
+    }
+
+    /// The live endpoint whose id is `node`.
+    pub(crate) fn find(&self, node: NodeId) -> Option<u64> {
+        let mut found: Vec<u64> = self
+            .eps
+            .iter()
+            .filter(|(_, e)| e.id == node && !e.closed)
+            .map(|(k, _)| *k)
+            .collect();
+        found.sort_unstable();
+        found.pop()
+    }
+}
+
+impl MemNet {
+    /// A network with these settings.
+    pub fn new(config: MemNetConfig) -> Self {
+        MemNet {
+            shared: Arc::new(Shared {
+                state: Mutex::new(Net {
+                    dice: Dice::new(config.faults.clone()),
+                    eps: HashMap::new(),
+                    listeners: HashMap::new(),
+                    next_ep: 1,
+                    next_port: 10_000,
+                    next_conn: 1,
+                }),
+                changed: Notify::new(),
+                config,
+            }),
+        }
+    }
+
+    /// A network without faults.
+    pub fn reliable() -> Self {
+        MemNet::new(MemNetConfig::default())
+    }
+
+    /// A network whose faults come from `faults`.
+    pub fn with_faults(faults: Faults) -> Self {
+        MemNet::new(MemNetConfig {
+            faults,
+            ..MemNetConfig::default()
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &MemNetConfig {
+        &self.shared.config
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Net> {
+        // Nothing panics while holding the lock; a poisoned one is still consistent.
+        self.shared.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn wake_all(&self) {
+        self.shared.changed.notify_waiters();
+    }
+
+    /// A new endpoint with id `id`, listening at a fresh address (127.0.0.1 and a port of
+    /// this network's own: nothing is bound on the host).
+    pub fn bind(&self, id: NodeId) -> MemTransport {
+        let (ep, addr) = {
+            let mut net = self.lock();
+            let ep = net.next_ep;
+            net.next_ep += 1;
+            let port = net.next_port;
+            net.next_port = net.next_port.checked_add(1).unwrap_or(10_000);
+            let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port);
+            net.eps.insert(
+                ep,
+                Ep {
+                    id,
+                    addr,
+                    peers: HashMap::new(),
+                    inbox: VecDeque::new(),
+                    inbox_bytes: 0,
+                    last_visible: Instant::now(),
+                    closed: false,
+                    frozen: false,
+                },
+            );
+            net.listeners.insert(addr, ep);
+            (ep, addr)
+        };
+        self.wake_all();
+        MemTransport::new(self.clone(), ep, addr)
+    }
+
+    /// Kills the node with id `node` as a crash would: its connections are reset (what was in
+    /// flight to or from it is lost), peers see it lost, and its own calls fail with `Closed`.
+    /// Returns whether such a node was live.
+    pub fn kill(&self, node: NodeId) -> bool {
+        let found = {
+            let mut net = self.lock();
+            let found = net.find(node);
+            if let Some(ep) = found {
+                tracing::debug!(%node, "memnet: node killed");
+                net.close_endpoint(ep, Ending::Crash, &format!("{node} crashed (killed)"));
+            }
+            found.is_some()
+        };
+        self.wake_all();
+        found
+    }
+
+    /// Freezes (`true`) or thaws (`false`) the node with id `node`, as SIGSTOP / SIGCONT
+    /// would: while frozen it receives nothing, its sends do not complete, and nobody can
+    /// connect to it; its connections stay up and its peers' messages queue for it. Returns
+    /// whether such a node was live.
+    pub fn freeze(&self, node: NodeId, frozen: bool) -> bool {
+        let found = {
+            let mut net = self.lock();
+            let found = net.find(node);
+            if let Some(e) = found.and_then(|ep| net.ep(ep)) {
+                e.frozen = frozen;
+            }
+            found.is_some()
+        };
+        self.wake_all();
+        found
+    }
+
+    /// Resets the connection between `a` and `b`, if there is one: data in flight is lost
+    /// and both sides see the other lost. Returns whether there was one.
+    pub fn reset(&self, a: NodeId, b: NodeId) -> bool {
+        let done = {
+            let mut net = self.lock();
+            match net.find(a) {
+                Some(ep) if net.eps[&ep].peers.contains_key(&b) => {
+                    net.end_connection(ep, b, Ending::Reset, "connection reset (injected)");
+                    true
+                }
+                _ => false,
+            }
+        };
+        self.wake_all();
+        done
+    }
+
+    /// The seed this network's faults come from.
+    pub fn seed(&self) -> u64 {
+        self.lock().dice.faults().seed
+    }
+}
