@@ -156,6 +156,19 @@ impl<T: Transport> Link<T> {
         }
     }
 
+    /// With `PS_RESEND`, waits until every message sent is acknowledged (or its peer given
+    /// up), at most until `deadline`: the last words of a node (the scheduler's shutdown)
+    /// must survive a connection reset as any other message does. At once without it.
+    pub async fn flush(&self, deadline: tokio::time::Instant) {
+        let Some(r) = &self.inner.resend else {
+            return;
+        };
+        let poll = r.lock().resender.config().give_up_after() / 50;
+        while r.lock().resender.unacked_total() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(poll.max(std::time::Duration::from_millis(1))).await;
+        }
+    }
+
     /// Stops the link's tasks and shuts the transport down.
     pub fn close(&self) {
         self.inner.stop_tasks();

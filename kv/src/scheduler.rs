@@ -98,6 +98,10 @@ impl<T: Transport> Scheduler<T> {
                 break;
             }
         }
+        // With PS_RESEND the shutdown is delivered like every other message, resent across a
+        // dropped connection, before the scheduler goes away.
+        let give_up = config.resend.unwrap_or_default() * 12;
+        link.flush(Instant::now() + give_up).await;
         link.close();
         if state.dead().is_empty() {
             tracing::info!("job finished");

@@ -66,19 +66,23 @@ struct Shared<T: Transport> {
     names: Mutex<HashMap<String, u64>>,
 }
 
+fn is_server(node: NodeId) -> bool {
+    matches!(crate::proto::ids::role_rank(node), Some((Role::Server, _)))
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // Nothing panics while holding these locks; a poisoned one is still consistent.
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl<T: Transport> Shared<T> {
-    /// Fails every request waiting on `node`.
-    fn fail_pending_to(&self, node: NodeId, reason: &str) {
+    /// Fails every request waiting on `node` (every request at all when `all`).
+    fn fail_pending_to(&self, node: NodeId, reason: &str, all: bool) {
         let failed: Vec<oneshot::Sender<Reply>> = {
             let mut pending = lock(&self.pending);
             let ts: Vec<u64> = pending
                 .iter()
-                .filter(|(_, (to, _))| *to == node)
+                .filter(|(_, (to, _))| all || *to == node)
                 .map(|(ts, _)| *ts)
                 .collect();
             ts.into_iter()
@@ -105,7 +109,14 @@ impl<T: Transport> Shared<T> {
         }
         tracing::warn!(node = %describe(node), %reason, "node lost");
         lock(&self.dead).insert(node, reason.clone());
-        self.fail_pending_to(node, &reason);
+        // A lost server takes its shard with it: the keys with a part there, and the
+        // dist_sync rounds that other workers (failing on it too) will never finish, cannot
+        // complete on any server, so every request fails now rather than wait forever.
+        self.fail_pending_to(node, &reason, is_server(node));
+        if is_server(node) {
+            // Nor can a barrier the other workers may never reach.
+            self.fail_barrier(format!("{} is gone: {reason}", describe(node)));
+        }
         if node == SCHEDULER {
             self.fail_barrier(format!("the scheduler is gone: {reason}"));
             self.shutdown_seen.notify_one();
@@ -159,9 +170,12 @@ impl<T: Transport> Shared<T> {
         msg: impl FnOnce(u64) -> Msg,
         value: Option<&[u8]>,
     ) -> Result<oneshot::Receiver<Reply>, KvError> {
-        if let Some(reason) = lock(&self.dead).get(&to) {
+        if let Some((node, reason)) = lock(&self.dead)
+            .iter()
+            .find(|(id, _)| **id == to || is_server(**id))
+        {
             return Err(KvError::NodeLost {
-                node: describe(to),
+                node: describe(*node),
                 reason: reason.clone(),
             });
         }
@@ -236,11 +250,12 @@ impl<T: Transport> Worker<T> {
                 while let Ok(event) = shared.link.recv().await {
                     shared.handle(event);
                 }
-                // Transport closed: nothing more will be answered.
+                // Transport closed: nothing more will be answered, barriers included.
                 let all: Vec<_> = lock(&shared.pending).drain().collect();
                 for (_, (_, tx)) in all {
                     let _ = tx.send(Err(KvError::Shutdown));
                 }
+                shared.fail_barrier("this worker's transport is closed".into());
             })
         };
         let heartbeat = {

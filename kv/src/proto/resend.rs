@@ -488,6 +488,15 @@ impl Resender {
         self.peers.get(&peer).map_or(0, |p| p.window.len())
     }
 
+    /// Messages not yet acknowledged by peers that are not given up.
+    pub fn unacked_total(&self) -> usize {
+        self.peers
+            .values()
+            .filter(|p| p.failed.is_none())
+            .map(|p| p.window.len())
+            .sum()
+    }
+
     /// Gives `peer` up (the driver found it unreachable for good): its window is dropped and
     /// a [`GaveUp`] event reported. No-op if it was already given up.
     pub fn fail_peer(&mut self, peer: NodeId, reason: String) {
