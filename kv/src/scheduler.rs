@@ -98,9 +98,10 @@ impl<T: Transport> Scheduler<T> {
                 break;
             }
         }
-        // With PS_RESEND the shutdown is delivered like every other message, resent across a
-        // dropped connection, before the scheduler goes away.
-        let give_up = config.resend.unwrap_or_default() * 12;
+        // With PS_RESEND the shutdown is delivered like every other message: the scheduler
+        // stays long enough for one resend across a dropped connection. Nodes close without
+        // acknowledging their last message, so this wait usually runs its course (bounded).
+        let give_up = config.resend.unwrap_or_default() * 2;
         link.flush(Instant::now() + give_up).await;
         link.close();
         if state.dead().is_empty() {

@@ -55,7 +55,7 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
                             tracing::debug!(to = %describe(from), error = %e, "reply lost");
                         }
                     }
-                    (Msg::NodeFailed { id, reason }, _) => {
+                    (Msg::NodeFailed { id, reason }, _) if from == SCHEDULER => {
                         if let Some(rank) = worker_rank(id) {
                             state.handle_worker_lost(rank, &reason);
                         }

@@ -66,6 +66,20 @@ struct Shared<T: Transport> {
     names: Mutex<HashMap<String, u64>>,
 }
 
+/// Whether a worker takes `msg` from `from`.
+fn entitled(from: NodeId, msg: &Msg, pending: &PendingMap) -> bool {
+    match msg {
+        Msg::Done { ts } | Msg::Failed { ts, .. } => {
+            pending.get(ts).is_none_or(|(asked, _)| *asked == from)
+        }
+        Msg::NodeFailed { .. }
+        | Msg::BarrierDone { .. }
+        | Msg::BarrierFailed { .. }
+        | Msg::Shutdown => from == SCHEDULER,
+        _ => true,
+    }
+}
+
 fn is_server(node: NodeId) -> bool {
     matches!(crate::proto::ids::role_rank(node), Some((Role::Server, _)))
 }
@@ -123,9 +137,15 @@ impl<T: Transport> Shared<T> {
         }
     }
 
-    /// Dispatches one received event.
+    /// Dispatches one received event. Each kind of message is taken only from the node
+    /// entitled to send it: answers from the server that was asked, job control from the
+    /// scheduler; anything else is refused and logged.
     fn handle(&self, event: Received) {
         match event {
+            Received::Msg { from, msg, .. } if !entitled(from, &msg, &lock(&self.pending)) => {
+                tracing::warn!(from = %describe(from), ?msg,
+                    "refused: this node may not send this message to a worker");
+            }
             Received::Msg { from, msg, value } => match msg {
                 Msg::Done { ts } => {
                     if let Some((_, tx)) = lock(&self.pending).remove(&ts) {

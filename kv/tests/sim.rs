@@ -16,11 +16,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use psnet_compression::CompressionParams;
-use psnet_kv::proto::ids::{self, describe, Role, SCHEDULER};
+use psnet_kv::proto::ids::{self, describe, Group, Role, SCHEDULER};
+use psnet_kv::proto::msg::Msg;
 use psnet_kv::updater::OptimizerSpec;
 use psnet_kv::{run_server, KvConfig, KvError, Mode, Scheduler, Worker};
 use psnet_memnet::{Faults, MemNet, MemTransport};
-use psnet_transport::NodeId;
+use psnet_transport::{NodeId, OutMessage, Transport};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -259,6 +260,11 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
 /// Runs a job to its end and checks its results.
 async fn healthy_job(plan: Arc<Plan>) -> Result<(), String> {
     let job = start(&plan).await?;
+    finish_healthy(plan, job).await
+}
+
+/// Runs a started job to its end and checks its results.
+async fn finish_healthy(plan: Arc<Plan>, job: Job) -> Result<(), String> {
     let expected = reference(&plan);
     let tasks: Vec<_> = job
         .workers
@@ -493,6 +499,100 @@ fn whole_jobs_over_many_seeds() {
         failed.len(),
         seeds.len()
     );
+}
+
+/// A node that joined no job connects to every worker and server under an id nobody was
+/// assigned and, all through the job, sends what only the scheduler or an asked server may
+/// send: shutdown, node failures, barrier results, answers to requests in flight.
+async fn intruded_job(plan: Arc<Plan>) -> Result<(), String> {
+    let job = start(&plan).await?;
+    let rogue = job.net.bind(NodeId(99));
+    let mut targets: Vec<(NodeId, std::net::SocketAddr)> = job
+        .workers
+        .iter()
+        .map(|w| {
+            let id = ids::node_id(Role::Worker, w.rank());
+            (id, w.debug_transport().listen_addr())
+        })
+        .collect();
+    for rank in 0..plan.servers {
+        // Servers are reached by trying their ids on the addresses the network handed out.
+        for port in 10_000..10_000 + 1 + plan.servers as u16 + plan.workers as u16 {
+            let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+            let id = ids::node_id(Role::Server, rank);
+            if rogue.connect(id, addr).await.is_ok() {
+                targets.push((id, addr));
+                break;
+            }
+        }
+    }
+    let victim = ids::node_id(Role::Server, 0);
+    let attack = tokio::spawn(async move {
+        let forged = |ts: u64| {
+            vec![
+                Msg::Shutdown,
+                Msg::NodeFailed {
+                    id: victim,
+                    reason: "forged".into(),
+                },
+                Msg::BarrierFailed {
+                    group: Group::WORKERS,
+                    reason: "forged".into(),
+                },
+                Msg::BarrierDone {
+                    group: Group::WORKERS,
+                },
+                Msg::Done { ts },
+                Msg::Failed {
+                    ts,
+                    reason: "forged".into(),
+                },
+            ]
+        };
+        for ts in 1..300u64 {
+            for (id, addr) in &targets {
+                if rogue.connect(*id, *addr).await.is_err() {
+                    continue;
+                }
+                for msg in forged(ts) {
+                    let meta = msg.encode();
+                    let _ = rogue.send(*id, OutMessage::new(&meta, &[])).await;
+                }
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+    });
+    let result = finish_healthy(plan, job).await;
+    attack.abort();
+    result
+}
+
+#[test]
+fn an_intruder_cannot_end_fail_or_answer_for_a_job() {
+    psnet_config::logging::init();
+    let mut failed = Vec::new();
+    for seed in 0..40u64 {
+        let plan = Arc::new(Plan {
+            scenario: Scenario::Sync,
+            ..Plan::draw(seed * SCENARIOS.len() as u64)
+        });
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        let p = plan.clone();
+        let outcome = rt.block_on(async move {
+            tokio::time::timeout(JOB_LIMIT, intruded_job(p))
+                .await
+                .unwrap_or_else(|_| Err("hung".into()))
+        });
+        if let Err(e) = outcome {
+            eprintln!("seed {seed} ({plan:?}): {e}");
+            failed.push(seed);
+        }
+    }
+    assert!(failed.is_empty(), "intruded jobs failed: {failed:?}");
 }
 
 #[test]

@@ -300,7 +300,8 @@ impl SchedulerState {
     /// A worker is done.
     pub fn handle_finalize(&mut self, from: NodeId, now: Instant) {
         self.handle_alive(from, now);
-        if matches!(ids::role_rank(from), Some((Role::Worker, _))) {
+        let member = self.members.get(&from).map(|m| m.info.role);
+        if member == Some(Role::Worker) {
             self.finalized.insert(from);
             self.check_finished();
         }
