@@ -428,13 +428,18 @@ async fn failing_job(plan: Arc<Plan>) -> Result<(), String> {
     Ok(())
 }
 
-fn run_seed(seed: u64) -> Result<Plan, (Plan, String)> {
-    let plan = Plan::draw(seed);
-    let rt = tokio::runtime::Builder::new_current_thread()
+/// One process's runtime on a simulated clock: time jumps ahead whenever every task waits.
+fn simulated_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .start_paused(true)
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+fn run_seed(seed: u64) -> Result<Plan, (Plan, String)> {
+    let plan = Plan::draw(seed);
+    let rt = simulated_runtime();
     let p = Arc::new(plan.clone());
     let outcome = rt.block_on(async move {
         let job = async {
@@ -576,11 +581,7 @@ fn an_intruder_cannot_end_fail_or_answer_for_a_job() {
             scenario: Scenario::Sync,
             ..Plan::draw(seed * SCENARIOS.len() as u64)
         });
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .start_paused(true)
-            .build()
-            .unwrap();
+        let rt = simulated_runtime();
         let p = plan.clone();
         let outcome = rt.block_on(async move {
             tokio::time::timeout(JOB_LIMIT, intruded_job(p))
