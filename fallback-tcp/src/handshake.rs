@@ -3,8 +3,8 @@
 use std::io;
 
 use bytes::BytesMut;
-use psnet_transport::codec::{self, DataPath, Frame};
-use psnet_transport::{FrameKind, Limits, NodeId, OutMessage};
+use psnet_transport::codec::{self, DataPath, Frame, Hello};
+use psnet_transport::{FrameKind, Limits, NodeId, OutMessage, Proof};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -50,8 +50,8 @@ pub(crate) async fn write_frame(
 
 /// The acceptor's answer to a hello.
 pub(crate) enum Answer {
-    /// Accepted by this node, which moves its data over this path.
-    Ack(NodeId, DataPath),
+    /// Accepted by this node (its id, data path and proof of its id).
+    Ack(Hello),
     /// Refused, with the acceptor's reason.
     Reject(String),
 }
@@ -61,14 +61,14 @@ pub(crate) async fn dial(
     stream: &mut TcpStream,
     local: NodeId,
     path: DataPath,
+    proof: Option<&Proof>,
 ) -> io::Result<(Answer, BytesMut)> {
-    write_frame(stream, FrameKind::Hello, &codec::encode_hello(local, path)).await?;
+    let hello = codec::encode_hello_proved(local, path, proof);
+    write_frame(stream, FrameKind::Hello, &hello).await?;
     let (frame, rest) = read_frame(stream).await?;
     let answer = match frame.kind {
         FrameKind::HelloAck => {
-            let (id, path) =
-                codec::decode_hello(&frame.meta).map_err(|e| invalid(e.to_string()))?;
-            Answer::Ack(id, path)
+            Answer::Ack(codec::decode_hello(&frame.meta).map_err(|e| invalid(e.to_string()))?)
         }
         FrameKind::HelloReject => Answer::Reject(String::from_utf8_lossy(&frame.meta).into_owned()),
         other => return Err(invalid(format!("expected a hello answer, got {other:?}"))),
@@ -77,13 +77,13 @@ pub(crate) async fn dial(
 }
 
 /// Acceptor side: read the dialler's hello.
-pub(crate) async fn read_hello(stream: &mut TcpStream) -> io::Result<(NodeId, DataPath, BytesMut)> {
+pub(crate) async fn read_hello(stream: &mut TcpStream) -> io::Result<(Hello, BytesMut)> {
     let (frame, rest) = read_frame(stream).await?;
     if frame.kind != FrameKind::Hello {
         return Err(invalid(format!("expected a hello, got {:?}", frame.kind)));
     }
-    let (id, path) = codec::decode_hello(&frame.meta).map_err(|e| invalid(e.to_string()))?;
-    Ok((id, path, rest))
+    let hello = codec::decode_hello(&frame.meta).map_err(|e| invalid(e.to_string()))?;
+    Ok((hello, rest))
 }
 
 /// Why two nodes whose data paths differ cannot talk.

@@ -5,10 +5,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use psnet_transport::codec::{FrameHeader, HeaderBuf};
+use psnet_transport::codec::{FrameHeader, HeaderBuf, Hello};
 use psnet_transport::{
-    Capabilities, Event, FrameKind, NodeId, OutMessage, RegisteredBuf, Segment, Transport,
-    TransportError,
+    Admission, Capabilities, Event, FrameKind, NodeId, OutMessage, Proof, RegisteredBuf, Segment,
+    Transport, TransportError,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
@@ -39,6 +39,7 @@ struct Inner {
     inbox: Inbox,
     closed: AtomicBool,
     acceptor: Mutex<Option<AbortHandle>>,
+    admission: Mutex<Option<Arc<dyn Admission>>>,
 }
 
 impl TcpTransport {
@@ -65,6 +66,7 @@ impl TcpTransport {
             config,
             closed: AtomicBool::new(false),
             acceptor: Mutex::new(None),
+            admission: Mutex::new(None),
         });
         let task = tokio::spawn(accept_loop(listener, inner.clone()));
         *inner.acceptor.lock().unwrap_or_else(|p| p.into_inner()) = Some(task.abort_handle());
@@ -82,6 +84,18 @@ impl Drop for TcpTransport {
 impl Inner {
     fn local(&self) -> NodeId {
         NodeId(self.local_id.load(Ordering::Relaxed))
+    }
+
+    fn admission(&self) -> Option<Arc<dyn Admission>> {
+        self.admission
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The proof our hellos carry under the current id.
+    fn own_proof(&self) -> Option<Proof> {
+        self.admission().and_then(|a| a.proof(self.local()))
     }
 
     fn is_closed(&self) -> bool {
@@ -234,8 +248,22 @@ impl Inner {
             token,
         };
         let (mut stream, answer, leftover) = self.dial(peer, addr, deadline).await?;
+        if let (Answer::Ack(hello), Some(admission)) = (&answer, self.admission()) {
+            if hello.id == peer {
+                if let Err(reason) = admission.admit(peer, hello.proof.as_ref()) {
+                    tracing::warn!(%peer, %addr, %reason, "refusing the node that answered");
+                    let _ = handshake::write_frame(
+                        &mut stream,
+                        FrameKind::HelloReject,
+                        reason.as_bytes(),
+                    )
+                    .await;
+                    return Err(TransportError::Handshake { peer, reason });
+                }
+            }
+        }
         match answer {
-            Answer::Ack(id, path) if id == peer && path != self.config.data_path => {
+            Answer::Ack(Hello { id, path, .. }) if id == peer && path != self.config.data_path => {
                 let reason =
                     handshake::path_mismatch(self.local(), self.config.data_path, peer, path);
                 let _ =
@@ -243,7 +271,7 @@ impl Inner {
                         .await;
                 Err(TransportError::Handshake { peer, reason })
             }
-            Answer::Ack(id, _) if id == peer => {
+            Answer::Ack(Hello { id, .. }) if id == peer => {
                 let installed = self
                     .install(peer, Side::Dialled, stream, leftover)
                     .map_err(|e| TransportError::Connect {
@@ -258,7 +286,7 @@ impl Inner {
                     Err(TransportError::Closed)
                 }
             }
-            Answer::Ack(id, _) => {
+            Answer::Ack(Hello { id, .. }) => {
                 let _ = handshake::write_frame(&mut stream, FrameKind::HelloReject, b"wrong peer")
                     .await;
                 Err(TransportError::Handshake {
@@ -288,8 +316,14 @@ impl Inner {
             let attempt = async {
                 let mut stream = TcpStream::connect(addr).await?;
                 tune(&stream, &self.config)?;
-                let (answer, rest) =
-                    handshake::dial(&mut stream, self.local(), self.config.data_path).await?;
+                let proof = self.own_proof();
+                let (answer, rest) = handshake::dial(
+                    &mut stream,
+                    self.local(),
+                    self.config.data_path,
+                    proof.as_ref(),
+                )
+                .await?;
                 Ok::<_, io::Error>((stream, answer, rest))
             };
             let left = deadline.saturating_duration_since(Instant::now());
@@ -343,13 +377,26 @@ impl Inner {
     /// Handles one accepted socket: reads the hello, applies the tie-break, answers.
     async fn accept(self: Arc<Self>, mut stream: TcpStream) -> io::Result<()> {
         tune(&stream, &self.config)?;
-        let (peer, path, leftover) = timeout(
+        let (hello, leftover) = timeout(
             self.config.handshake_timeout,
             handshake::read_hello(&mut stream),
         )
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no hello in time"))??;
+        let (peer, path) = (hello.id, hello.path);
         let local = self.local();
+        if let Some(admission) = self.admission() {
+            if let Err(reason) = admission.admit(peer, hello.proof.as_ref()) {
+                let from = stream.peer_addr().ok();
+                tracing::warn!(claimed = %peer, ?from, %reason, "refusing a connection");
+                return handshake::write_frame(
+                    &mut stream,
+                    FrameKind::HelloReject,
+                    reason.as_bytes(),
+                )
+                .await;
+            }
+        }
         if path != self.config.data_path {
             let reason = handshake::path_mismatch(local, self.config.data_path, peer, path);
             tracing::warn!(%peer, %reason, "refusing connection");
@@ -379,7 +426,12 @@ impl Inner {
                     peer,
                     token,
                 };
-                let ack = psnet_transport::codec::encode_hello(local, self.config.data_path);
+                let proof = self.own_proof();
+                let ack = psnet_transport::codec::encode_hello_proved(
+                    local,
+                    self.config.data_path,
+                    proof.as_ref(),
+                );
                 handshake::write_frame(&mut stream, FrameKind::HelloAck, &ack).await?;
                 self.install(peer, Side::Accepted(token), stream, leftover)?;
                 drop(guard);
@@ -425,6 +477,14 @@ impl Transport for TcpTransport {
 
     fn set_local_id(&self, id: NodeId) {
         self.inner.local_id.store(id.0, Ordering::Relaxed);
+    }
+
+    fn set_admission(&self, admission: Arc<dyn Admission>) {
+        *self
+            .inner
+            .admission
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(admission);
     }
 
     fn listen_addr(&self) -> SocketAddr {

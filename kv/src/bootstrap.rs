@@ -10,6 +10,7 @@ use tokio::time::{timeout_at, Instant};
 
 use crate::config::KvConfig;
 use crate::error::KvError;
+use crate::proto::admission::JobAdmission;
 use crate::proto::ids::{self, describe, Group, Role, SCHEDULER};
 use crate::proto::msg::{Msg, NodeInfo};
 use crate::reliable::Link;
@@ -110,6 +111,7 @@ pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joine
     tracing::info!(node = %describe(id), addr = %listen, "joined the job");
     // Reconnect to the scheduler under the assigned id. From here on, messages go through
     // the link (PS_RESEND, if on, covers every message between assigned ids).
+    transport.set_admission(Arc::new(JobAdmission::member(&nodes)));
     transport.set_local_id(id);
     let link = Link::new(Arc::new(transport), config.resend);
     link.learn_nodes(&nodes);
@@ -183,4 +185,35 @@ pub fn heartbeat_period(config: &KvConfig) -> Duration {
     config
         .heartbeat_interval
         .unwrap_or(Duration::from_secs(3600))
+}
+
+/// When a node last heard from the scheduler, which answers every heartbeat: a scheduler that
+/// stopped (SIGSTOP, a partition) keeps its connections open, so only its silence tells.
+pub struct Heard(std::sync::Mutex<std::time::Instant>);
+
+impl Heard {
+    /// Heard at `now`.
+    pub fn new(now: std::time::Instant) -> Self {
+        Heard(std::sync::Mutex::new(now))
+    }
+
+    /// The scheduler was heard from at `now`.
+    pub fn mark(&self, now: std::time::Instant) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = now;
+    }
+
+    /// Why the scheduler counts as lost at `now`, if it has been silent for longer than
+    /// `limit` (`PS_HEARTBEAT_TIMEOUT`; None: never).
+    pub fn silent(&self, now: std::time::Instant, limit: Option<Duration>) -> Option<String> {
+        let limit = limit?;
+        let quiet =
+            now.saturating_duration_since(*self.0.lock().unwrap_or_else(|p| p.into_inner()));
+        (quiet > limit).then(|| {
+            format!(
+                "silent for {:.1} s (PS_HEARTBEAT_TIMEOUT={} s): stopped or cut off",
+                quiet.as_secs_f64(),
+                limit.as_secs_f64()
+            )
+        })
+    }
 }

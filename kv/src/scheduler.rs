@@ -10,6 +10,7 @@ use tokio::time::Instant;
 
 use crate::config::KvConfig;
 use crate::error::KvError;
+use crate::proto::admission::{random_token, JobAdmission};
 use crate::proto::ids::{describe, SCHEDULER};
 use crate::proto::msg::Msg;
 use crate::proto::scheduler::SchedulerState;
@@ -50,7 +51,10 @@ impl<T: Transport> Scheduler<T> {
             config.num_workers,
             t.listen_addr(),
             config.heartbeat_timeout,
+            Box::new(random_token),
         );
+        let admission = Arc::new(JobAdmission::scheduler(state.token()));
+        t.set_admission(admission.clone());
         let started = Instant::now();
         let tick_every = config
             .heartbeat_interval
@@ -59,13 +63,16 @@ impl<T: Transport> Scheduler<T> {
         let mut tick = tokio::time::interval(tick_every);
         loop {
             tokio::select! {
+                // What arrived is taken before time is judged: after a stall, the nodes'
+                // messages waiting in the socket are their signs of life.
+                biased;
                 event = link.recv() => {
                     let now = crate::clock::now();
                     match event? {
                         Received::Msg { from, msg, .. } => match msg {
                             Msg::Register { role, addr } => state.handle_register(from, role, addr, now),
                             Msg::Barrier { group } => state.handle_barrier(from, group, now),
-                            Msg::Heartbeat => state.handle_alive(from, now),
+                            Msg::Heartbeat => state.handle_heartbeat(from, now),
                             Msg::Finalize => state.handle_finalize(from, now),
                             other => tracing::warn!(from = %describe(from), ?other, "unexpected message at the scheduler"),
                         },
@@ -87,8 +94,11 @@ impl<T: Transport> Scheduler<T> {
             }
             while let Some((to, msg)) = state.poll_transmit() {
                 if let Msg::Assign { nodes, .. } = &msg {
-                    // Where to redial nodes whose connection drops (PS_RESEND).
+                    // Where to redial nodes whose connection drops (PS_RESEND), and the
+                    // tokens they will prove their assigned ids with.
                     link.learn_nodes(nodes);
+                    admission.learn(nodes);
+                    admission.close_registrations();
                 }
                 if let Err(e) = link.send(to, &msg, None).await {
                     tracing::debug!(to = %describe(to), error = %e, "scheduler could not deliver");

@@ -2,10 +2,11 @@
 //! [`ServerState`](crate::proto::server::ServerState).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use psnet_transport::{NodeId, Transport};
 
-use crate::bootstrap::{self, heartbeat_period};
+use crate::bootstrap::{self, heartbeat_period, Heard};
 use crate::config::KvConfig;
 use crate::error::KvError;
 use crate::proto::ids::{self, describe, Role, SCHEDULER};
@@ -20,13 +21,16 @@ use crate::wire::Received;
 pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result<(), KvError> {
     let mut joined = bootstrap::join(config, transport).await?;
     let link = joined.link.clone();
-    let mut state = ServerState::new(joined.num_workers());
+    let num_workers = joined.num_workers();
+    let mut state = ServerState::new(num_workers);
     let mut heartbeat = tokio::time::interval(heartbeat_period(config));
     let worker_rank = |id: NodeId| match ids::role_rank(id) {
         Some((Role::Worker, r)) => Some(r),
         _ => None,
     };
     let mut early = std::mem::take(&mut joined.early).into_iter();
+    let heard = Heard::new(crate::clock::now());
+    let period = heartbeat_period(config);
     loop {
         let next = async {
             match early.next() {
@@ -35,7 +39,7 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
             }
         };
         tokio::select! {
-            event = next => match event? {
+            event = next => match heard_from_scheduler(event?, &heard) {
                 Received::Msg { from, msg, value } => match (msg, worker_rank(from)) {
                     (Msg::Push { ts, key, flags, n_elems }, Some(rank)) => state.handle_push(Push {
                         rank,
@@ -61,11 +65,15 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
                         }
                     }
                     (Msg::Shutdown, _) if from == SCHEDULER => break,
+                    // The scheduler's answer to a heartbeat: heard above.
+                    (Msg::Heartbeat, _) if from == SCHEDULER => {}
                     (other, _) => tracing::warn!(from = %describe(from), ?other, "unexpected message at a server"),
                 },
                 Received::Lost { peer, reason } => {
                     if peer == SCHEDULER {
-                        return Err(KvError::NodeLost { node: describe(peer), reason });
+                        let node = describe(peer);
+                        leave(&link, num_workers, &format!("{node} is gone: {reason}"), period).await;
+                        return Err(KvError::NodeLost { node, reason });
                     }
                     if let Some(rank) = worker_rank(peer) {
                         state.handle_worker_lost(rank, &reason);
@@ -74,8 +82,16 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
                 Received::Connected(_) => {}
             },
             _ = heartbeat.tick() => {
-                // A failed heartbeat means the scheduler is gone: its loss arrives as an event.
-                let _ = link.send(SCHEDULER, &Msg::Heartbeat, None).await;
+                if config.heartbeat_interval.is_some() {
+                    if let Some(reason) = heard.silent(crate::clock::now(), config.heartbeat_timeout) {
+                        let node = describe(SCHEDULER);
+                        leave(&link, num_workers, &format!("{node} is gone: {reason}"), period).await;
+                        return Err(KvError::NodeLost { node, reason });
+                    }
+                }
+                // A failed heartbeat means the scheduler is gone: its loss arrives as an
+                // event. A stopped one stops reading: the send must not hold up the loop.
+                let _ = tokio::time::timeout(period, link.send(SCHEDULER, &Msg::Heartbeat, None)).await;
             }
         }
         flush(&link, &mut state);
@@ -83,6 +99,34 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
     tracing::info!(node = %describe(joined.id), "server done");
     link.close();
     Ok(())
+}
+
+/// Tells every worker why this server is about to exit, then closes: their errors then name
+/// the cause (a lost scheduler), not just this server's closed connection. Bounded by
+/// `within`: a worker that does not read is not waited for.
+async fn leave<T: Transport>(link: &Link<T>, workers: u32, reason: &str, within: Duration) {
+    let msg = Msg::Leaving {
+        reason: reason.to_string(),
+    };
+    let sends = async {
+        for rank in 0..workers {
+            let _ = link
+                .send(ids::node_id(Role::Worker, rank), &msg, None)
+                .await;
+        }
+    };
+    let _ = tokio::time::timeout(within, sends).await;
+    link.close();
+}
+
+/// Notes when the scheduler was last heard from, and passes the event on.
+fn heard_from_scheduler(event: Received, heard: &Heard) -> Received {
+    if let Received::Msg { from, .. } | Received::Connected(from) = &event {
+        if *from == SCHEDULER {
+            heard.mark(crate::clock::now());
+        }
+    }
+    event
 }
 
 /// Sends every answer the state has ready, each in its own task: answers to different workers

@@ -15,7 +15,7 @@ use psnet_transport::{NodeId, Transport};
 use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinHandle;
 
-use crate::bootstrap::{self, heartbeat_period};
+use crate::bootstrap::{self, heartbeat_period, Heard};
 use crate::config::KvConfig;
 use crate::error::KvError;
 use crate::placement::Placement;
@@ -64,6 +64,8 @@ struct Shared<T: Transport> {
     shutdown: AtomicBool,
     shutdown_seen: Notify,
     names: Mutex<HashMap<String, u64>>,
+    /// When the scheduler was last heard from (it answers every heartbeat).
+    scheduler_heard: Heard,
 }
 
 /// Whether a worker takes `msg` from `from`.
@@ -75,10 +77,20 @@ fn entitled(from: NodeId, msg: &Msg, pending: &PendingMap) -> bool {
         Msg::NodeFailed { .. }
         | Msg::BarrierDone { .. }
         | Msg::BarrierFailed { .. }
+        | Msg::Heartbeat
         | Msg::Shutdown => from == SCHEDULER,
         _ => true,
     }
 }
+
+/// Whether losing `node` leaves nothing this worker waits for able to finish: a server takes
+/// its shard with it, and without the scheduler the job cannot end.
+fn is_fatal(node: NodeId) -> bool {
+    node == SCHEDULER || is_server(node)
+}
+
+/// How long a failed send waits for the receiver to report the peer's loss with its cause.
+const LOSS_GRACE: std::time::Duration = std::time::Duration::from_millis(250);
 
 fn is_server(node: NodeId) -> bool {
     matches!(crate::proto::ids::role_rank(node), Some((Role::Server, _)))
@@ -126,13 +138,13 @@ impl<T: Transport> Shared<T> {
         // A lost server takes its shard with it: the keys with a part there, and the
         // dist_sync rounds that other workers (failing on it too) will never finish, cannot
         // complete on any server, so every request fails now rather than wait forever.
-        self.fail_pending_to(node, &reason, is_server(node));
+        self.fail_pending_to(node, &reason, is_fatal(node));
         if is_server(node) {
             // Nor can a barrier the other workers may never reach.
             self.fail_barrier(format!("{} is gone: {reason}", describe(node)));
         }
         if node == SCHEDULER {
-            self.fail_barrier(format!("the scheduler is gone: {reason}"));
+            self.fail_barrier(format!("{} is gone: {reason}", describe(node)));
             self.shutdown_seen.notify_one();
         }
     }
@@ -141,6 +153,10 @@ impl<T: Transport> Shared<T> {
     /// entitled to send it: answers from the server that was asked, job control from the
     /// scheduler; anything else is refused and logged.
     fn handle(&self, event: Received) {
+        if matches!(&event, Received::Msg { from, .. } | Received::Connected(from) if *from == SCHEDULER)
+        {
+            self.scheduler_heard.mark(crate::clock::now());
+        }
         match event {
             Received::Msg { from, msg, .. } if !entitled(from, &msg, &lock(&self.pending)) => {
                 tracing::warn!(from = %describe(from), ?msg,
@@ -174,6 +190,9 @@ impl<T: Transport> Shared<T> {
                     self.shutdown.store(true, Ordering::Release);
                     self.shutdown_seen.notify_one();
                 }
+                // The scheduler's answer to a heartbeat: heard above.
+                Msg::Heartbeat => {}
+                Msg::Leaving { reason } => self.on_node_lost(from, format!("it left: {reason}")),
                 other => {
                     tracing::warn!(from = %describe(from), ?other, "unexpected message at a worker")
                 }
@@ -192,7 +211,7 @@ impl<T: Transport> Shared<T> {
     ) -> Result<oneshot::Receiver<Reply>, KvError> {
         if let Some((node, reason)) = lock(&self.dead)
             .iter()
-            .find(|(id, _)| **id == to || is_server(**id))
+            .find(|(id, _)| **id == to || is_fatal(**id))
         {
             return Err(KvError::NodeLost {
                 node: describe(*node),
@@ -200,10 +219,24 @@ impl<T: Transport> Shared<T> {
             });
         }
         let ts = self.next_ts.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
+        let (tx, mut rx) = oneshot::channel();
         lock(&self.pending).insert(ts, (to, tx));
         if let Err(e) = self.link.send(to, &msg(ts), value).await {
+            // The peer's loss, with its cause (a `Leaving` or the scheduler's word), may be
+            // on its way through the receiver: an error naming the cause beats "not connected".
+            if let Ok(Ok(Err(cause))) = tokio::time::timeout(LOSS_GRACE, &mut rx).await {
+                return Err(cause);
+            }
             lock(&self.pending).remove(&ts);
+            if let Some((node, reason)) = lock(&self.dead)
+                .iter()
+                .find(|(id, _)| **id == to || is_fatal(**id))
+            {
+                return Err(KvError::NodeLost {
+                    node: describe(*node),
+                    reason: reason.clone(),
+                });
+            }
             return Err(e);
         }
         Ok(rx)
@@ -260,6 +293,7 @@ impl<T: Transport> Worker<T> {
             shutdown: AtomicBool::new(false),
             shutdown_seen: Notify::new(),
             names: Mutex::new(HashMap::new()),
+            scheduler_heard: Heard::new(crate::clock::now()),
         });
         for event in joined.early {
             shared.handle(event);
@@ -281,7 +315,10 @@ impl<T: Transport> Worker<T> {
         let heartbeat = {
             let shared = shared.clone();
             let period = heartbeat_period(config);
-            let enabled = config.heartbeat_interval.is_some();
+            let (enabled, limit) = (
+                config.heartbeat_interval.is_some(),
+                config.heartbeat_timeout,
+            );
             tokio::spawn(async move {
                 if !enabled {
                     return;
@@ -289,12 +326,17 @@ impl<T: Transport> Worker<T> {
                 let mut tick = tokio::time::interval(period);
                 loop {
                     tick.tick().await;
-                    if shared
-                        .link
-                        .send(SCHEDULER, &Msg::Heartbeat, None)
-                        .await
-                        .is_err()
+                    if shared.shutdown.load(Ordering::Acquire) {
+                        break;
+                    }
+                    if let Some(reason) = shared.scheduler_heard.silent(crate::clock::now(), limit)
                     {
+                        shared.on_node_lost(SCHEDULER, reason);
+                        break;
+                    }
+                    // A stopped scheduler stops reading: the send must not hold up the check.
+                    let send = shared.link.send(SCHEDULER, &Msg::Heartbeat, None);
+                    if let Ok(Err(_)) = tokio::time::timeout(period, send).await {
                         break;
                     }
                 }

@@ -2,11 +2,12 @@
 
 use std::io;
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use psnet_transport::{
-    Capabilities, CodecError, Event, Incoming, NodeId, OutMessage, RegisteredBuf, Transport,
-    TransportError,
+    Admission, Capabilities, CodecError, Event, Incoming, NodeId, OutMessage, RegisteredBuf,
+    Transport, TransportError,
 };
 use smallvec::SmallVec;
 use tokio::time::Instant;
@@ -112,6 +113,12 @@ impl Transport for MemTransport {
         }
     }
 
+    fn set_admission(&self, admission: Arc<dyn Admission>) {
+        if let Some(e) = self.net.lock().ep(self.ep) {
+            e.admission = Some(admission);
+        }
+    }
+
     fn listen_addr(&self) -> SocketAddr {
         self.addr
     }
@@ -152,6 +159,14 @@ impl Transport for MemTransport {
                     reason: format!("{addr} is {}, not {peer}", net.eps[&l].id),
                 })),
                 Some(l) => {
+                    let theirs = &net.eps[&l];
+                    let admitted = theirs
+                        .admit(me.id, me.proof().as_ref())
+                        .and_then(|()| me.admit(peer, theirs.proof().as_ref()));
+                    if let Err(reason) = admitted {
+                        tracing::warn!(claimed = %me.id, %peer, %reason, "connection refused");
+                        return Step::Done(Err(TransportError::Handshake { peer, reason }));
+                    }
                     net.establish(ep, peer, l);
                     Step::Done(Ok(()))
                 }

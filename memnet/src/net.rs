@@ -6,7 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use psnet_transport::{Event, Limits, NodeId};
+use psnet_transport::{Admission, Event, Limits, NodeId, Proof};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -77,6 +77,22 @@ pub(crate) struct Ep {
     pub(crate) last_visible: Instant,
     pub(crate) closed: bool,
     pub(crate) frozen: bool,
+    /// Who may connect to this endpoint (see [`Admission`]); None believes every id.
+    pub(crate) admission: Option<Arc<dyn Admission>>,
+}
+
+impl Ep {
+    /// The proof this endpoint presents under its current id.
+    pub(crate) fn proof(&self) -> Option<Proof> {
+        self.admission.as_ref().and_then(|a| a.proof(self.id))
+    }
+
+    /// Whether this endpoint lets in `peer` presenting `proof`.
+    pub(crate) fn admit(&self, peer: NodeId, proof: Option<&Proof>) -> Result<(), String> {
+        self.admission
+            .as_ref()
+            .map_or(Ok(()), |a| a.admit(peer, proof))
+    }
 }
 
 pub(crate) struct Net {
@@ -317,6 +333,7 @@ impl MemNet {
                     last_visible: Instant::now(),
                     closed: false,
                     frozen: false,
+                    admission: None,
                 },
             );
             net.listeners.insert(addr, ep);

@@ -1,8 +1,9 @@
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use psnet_fallback_tcp::TcpTransport;
 use psnet_transport::{
-    Capabilities, Event, NodeId, OutMessage, RegisteredBuf, Transport, TransportError,
+    Admission, Capabilities, Event, NodeId, OutMessage, RegisteredBuf, Transport, TransportError,
 };
 use psnet_verbs::VerbsTransport;
 
@@ -29,6 +30,13 @@ impl Transport for AnyTransport {
         match self {
             AnyTransport::Tcp(t) => t.set_local_id(id),
             AnyTransport::Rdma(t) => t.set_local_id(id),
+        }
+    }
+
+    fn set_admission(&self, admission: Arc<dyn Admission>) {
+        match self {
+            AnyTransport::Tcp(t) => t.set_admission(admission),
+            AnyTransport::Rdma(t) => t.set_admission(admission),
         }
     }
 

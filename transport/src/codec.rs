@@ -21,6 +21,7 @@
 use bytes::{Buf, Bytes, BytesMut};
 use smallvec::SmallVec;
 
+use crate::admission::{Proof, PROOF_LEN};
 use crate::message::OutMessage;
 use crate::node::NodeId;
 
@@ -370,8 +371,10 @@ impl DataPath {
     }
 }
 
-/// Bytes of a `Hello` or `HelloAck` body.
+/// Bytes of a `Hello` or `HelloAck` body without a proof of identity.
 pub const HELLO_LEN: usize = 9;
+/// Bytes of a `Hello` or `HelloAck` body that carries a [`Proof`].
+pub const HELLO_PROOF_LEN: usize = HELLO_LEN + PROOF_LEN;
 
 /// The body of a `Hello` or `HelloAck`: the sender's node id and data path.
 pub fn encode_hello(id: NodeId, path: DataPath) -> [u8; HELLO_LEN] {
@@ -381,18 +384,42 @@ pub fn encode_hello(id: NodeId, path: DataPath) -> [u8; HELLO_LEN] {
     out
 }
 
-/// Parses the body of a `Hello` or `HelloAck`.
-pub fn decode_hello(meta: &[u8]) -> Result<(NodeId, DataPath), CodecError> {
-    let bytes: [u8; HELLO_LEN] = meta
-        .try_into()
-        .map_err(|_| CodecError::BadHandshake("hello body must be 9 bytes"))?;
-    let id = NodeId(u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")));
-    let path = match bytes[8] {
+/// The body of a `Hello` or `HelloAck`, with the sender's proof of its id when it has one.
+pub fn encode_hello_proved(id: NodeId, path: DataPath, proof: Option<&Proof>) -> Vec<u8> {
+    let mut out = encode_hello(id, path).to_vec();
+    if let Some(p) = proof {
+        out.extend_from_slice(&p.0);
+    }
+    out
+}
+
+/// A parsed `Hello` or `HelloAck` body.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// The id the sender claims.
+    pub id: NodeId,
+    /// The data path it moves bulk bytes over.
+    pub path: DataPath,
+    /// Its proof of `id`, if it sent one.
+    pub proof: Option<Proof>,
+}
+
+/// Parses the body of a `Hello` or `HelloAck` (with or without a proof).
+pub fn decode_hello(meta: &[u8]) -> Result<Hello, CodecError> {
+    if meta.len() != HELLO_LEN && meta.len() != HELLO_PROOF_LEN {
+        return Err(CodecError::BadHandshake(
+            "hello body must be 9 bytes, or 25 with a proof",
+        ));
+    }
+    let id = NodeId(u64::from_le_bytes(meta[..8].try_into().expect("8 bytes")));
+    let path = match meta[8] {
         0 => DataPath::Tcp,
         1 => DataPath::Rdma,
         _ => return Err(CodecError::BadHandshake("unknown data path in hello")),
     };
-    Ok((id, path))
+    let proof = (meta.len() == HELLO_PROOF_LEN)
+        .then(|| Proof(meta[HELLO_LEN..].try_into().expect("16 bytes")));
+    Ok(Hello { id, path, proof })
 }
 
 #[cfg(test)]

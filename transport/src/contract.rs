@@ -1,6 +1,9 @@
 use std::future::Future;
 use std::net::SocketAddr;
 
+use std::sync::Arc;
+
+use crate::admission::Admission;
 use crate::caps::Capabilities;
 use crate::error::TransportError;
 use crate::memory::RegisteredBuf;
@@ -33,6 +36,12 @@ pub trait Transport: Send + Sync + 'static {
     /// Changes the id sent on connections made from now on (bootstrap: a node learns its final
     /// id from the scheduler after its first connection). Existing connections keep theirs.
     fn set_local_id(&self, id: NodeId);
+
+    /// Installs who may connect from now on (see [`Admission`]): hellos carry this node's
+    /// proof, incoming hellos the policy refuses are answered with its reason and logged with
+    /// the dialler's address, and a live connection is replaced only by one that passed the
+    /// policy. Connections already made stay. Without one, every claimed id is believed.
+    fn set_admission(&self, admission: Arc<dyn Admission>);
 
     /// The address peers reach this node at.
     fn listen_addr(&self) -> SocketAddr;

@@ -12,9 +12,11 @@
 //! - [`TransportError`]: errors are per peer and carry its [`NodeId`].
 //! - [`RegisteredBuf`]: memory the transport may hand to the NIC without copying (plain memory on
 //!   TCP, a memory registration on RDMA).
+//! - [`Admission`]: who may connect, and the [`Proof`] of identity a node's hello carries.
 //! - `conformance` (feature `conformance`): the suite every transport runs in its tests.
 #![deny(missing_docs)]
 
+mod admission;
 mod caps;
 pub mod codec;
 #[cfg(feature = "conformance")]
@@ -25,6 +27,7 @@ mod memory;
 mod message;
 mod node;
 
+pub use admission::{Admission, Proof, PROOF_LEN};
 pub use caps::Capabilities;
 pub use codec::{CodecError, FrameKind, Limits};
 pub use contract::Transport;

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use psnet_fallback_tcp::{TcpConfig, TcpTransport};
 use psnet_transport::codec::DataPath;
 use psnet_transport::{
-    Capabilities, Event, Incoming, NodeId, OutMessage, RegionKey, RegisteredBuf, Transport,
-    TransportError,
+    Admission, Capabilities, Event, Incoming, NodeId, OutMessage, RegionKey, RegisteredBuf,
+    Transport, TransportError,
 };
 use sideway::ibverbs::completion::PollCompletionQueueError;
 use sideway::ibverbs::memory_region::MemoryRegion;
@@ -1327,6 +1327,12 @@ impl Transport for VerbsTransport {
 
     fn set_local_id(&self, id: NodeId) {
         self.inner.tcp.set_local_id(id)
+    }
+
+    // Every RDMA link starts from a control connection (rdma_cm requests are answered only for
+    // peers that have one), so admitting control connections admits the links.
+    fn set_admission(&self, admission: Arc<dyn Admission>) {
+        self.inner.tcp.set_admission(admission)
     }
 
     fn listen_addr(&self) -> SocketAddr {

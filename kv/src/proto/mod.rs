@@ -2,6 +2,7 @@
 //! state machines of the scheduler, the servers and `PS_RESEND`'s acknowledged delivery.
 //! Drivers in the parent module only move the bytes these types produce and consume.
 
+pub mod admission;
 pub mod ids;
 pub mod msg;
 pub mod resend;

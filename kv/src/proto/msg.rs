@@ -12,7 +12,7 @@
 
 use std::net::SocketAddr;
 
-use psnet_transport::NodeId;
+use psnet_transport::{NodeId, Proof, PROOF_LEN};
 
 use super::ids::{Group, Role};
 
@@ -42,6 +42,8 @@ pub struct NodeInfo {
     pub rank: u32,
     /// Where it listens.
     pub addr: SocketAddr,
+    /// The token it proves its id with when it connects (issued by the scheduler).
+    pub token: Proof,
 }
 
 /// Commands a worker sends to every server.
@@ -136,7 +138,8 @@ pub enum Msg {
         /// Why (names the dead node).
         reason: String,
     },
-    /// Node to scheduler: alive.
+    /// Node to scheduler: alive; the scheduler answers in kind, so that nodes can tell a
+    /// stopped scheduler from a quiet one.
     Heartbeat,
     /// Scheduler to everyone: a node died or stopped answering.
     NodeFailed {
@@ -149,6 +152,12 @@ pub enum Msg {
     Finalize,
     /// Scheduler to everyone: the job is over, exit.
     Shutdown,
+    /// A node to the peers it serves, just before it exits on an error: why, so that their
+    /// errors name the cause rather than only the closed connection.
+    Leaving {
+        /// Why it leaves.
+        reason: String,
+    },
     /// Worker to server: a command, acknowledged with `Done`.
     Command {
         /// Request id.
@@ -381,6 +390,7 @@ impl Msg {
             Msg::Pull { .. } => 12,
             Msg::Done { .. } => 13,
             Msg::Failed { .. } => 14,
+            Msg::Leaving { .. } => 15,
         }
     }
 
@@ -396,6 +406,7 @@ impl Msg {
                 w.u64(your_id.0).u32(nodes.len().min(MAX_NODES) as u32);
                 for n in nodes.iter().take(MAX_NODES) {
                     w.u64(n.id.0).u8(n.role.code()).u32(n.rank).addr(n.addr);
+                    w.0.extend_from_slice(&n.token.0);
                 }
             }
             Msg::Barrier { group } | Msg::BarrierDone { group } => {
@@ -407,6 +418,9 @@ impl Msg {
             Msg::Heartbeat | Msg::Finalize | Msg::Shutdown => {}
             Msg::NodeFailed { id, reason } => {
                 w.u64(id.0).str(reason);
+            }
+            Msg::Leaving { reason } => {
+                w.str(reason);
             }
             Msg::Command { ts, kind, body } => {
                 w.u64(*ts).u8(kind.code()).str(body);
@@ -453,14 +467,15 @@ impl Msg {
                 if count > MAX_NODES {
                     return Err(DecodeError::Invalid("too many nodes"));
                 }
-                // Each entry takes at least 18 bytes: bound the allocation by the input.
-                let mut nodes = Vec::with_capacity(count.min(r.0.len() / 18));
+                // Each entry takes at least 33 bytes: bound the allocation by the input.
+                let mut nodes = Vec::with_capacity(count.min(r.0.len() / 33));
                 for _ in 0..count {
                     nodes.push(NodeInfo {
                         id: NodeId(r.u64()?),
                         role: r.role()?,
                         rank: r.u32()?,
                         addr: r.addr()?,
+                        token: Proof(r.take(PROOF_LEN)?.try_into().expect("16 bytes")),
                     });
                 }
                 Msg::Assign { your_id, nodes }
@@ -478,6 +493,7 @@ impl Msg {
             },
             8 => Msg::Finalize,
             9 => Msg::Shutdown,
+            15 => Msg::Leaving { reason: r.str()? },
             10 => Msg::Command {
                 ts: r.u64()?,
                 kind: CommandKind::from_code(r.u8()?)
@@ -528,6 +544,7 @@ mod tests {
                     role: Role::Server,
                     rank: 0,
                     addr: "[::1]:7".parse().unwrap(),
+                    token: psnet_transport::Proof([3; psnet_transport::PROOF_LEN]),
                 }],
             },
             Msg::Barrier { group: Group::ALL },
@@ -545,6 +562,9 @@ mod tests {
             },
             Msg::Finalize,
             Msg::Shutdown,
+            Msg::Leaving {
+                reason: "the scheduler is gone".into(),
+            },
             Msg::Command {
                 ts: 3,
                 kind: CommandKind::SetOptimizer,

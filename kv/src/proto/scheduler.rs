@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use psnet_transport::NodeId;
+use psnet_transport::{NodeId, Proof};
 
 use super::ids::{self, describe, Group, Role, SCHEDULER};
 use super::msg::{Msg, NodeInfo};
@@ -36,18 +36,29 @@ pub struct SchedulerState {
     shutting_down: bool,
     out: VecDeque<(NodeId, Msg)>,
     scheduler_addr: SocketAddr,
+    /// Where the nodes' tokens come from (the system's randomness in a real job).
+    tokens: Box<dyn FnMut() -> Proof + Send>,
+    token: Proof,
+    /// When time last passed here ([`Self::handle_timeout`]).
+    last_tick: Option<Instant>,
 }
 
 impl SchedulerState {
     /// A scheduler expecting `num_servers` and `num_workers`, listening at `addr`.
     /// `heartbeat_timeout`: a node silent for longer is declared dead (None: never).
+    /// `tokens` issues each node (and the scheduler itself) the token it proves its id with.
     pub fn new(
         num_servers: u32,
         num_workers: u32,
         addr: SocketAddr,
         heartbeat_timeout: Option<Duration>,
+        mut tokens: Box<dyn FnMut() -> Proof + Send>,
     ) -> Self {
+        let token = tokens();
         SchedulerState {
+            tokens,
+            token,
+            last_tick: None,
             num_servers,
             num_workers,
             heartbeat_timeout,
@@ -60,6 +71,11 @@ impl SchedulerState {
             out: VecDeque::new(),
             scheduler_addr: addr,
         }
+    }
+
+    /// The scheduler's own token.
+    pub fn token(&self) -> Proof {
+        self.token
     }
 
     /// The next message to send.
@@ -131,6 +147,7 @@ impl SchedulerState {
             role: Role::Scheduler,
             rank: 0,
             addr: self.scheduler_addr,
+            token: self.token,
         }];
         let mut provisional = Vec::new();
         for role in [Role::Server, Role::Worker] {
@@ -140,6 +157,7 @@ impl SchedulerState {
                     role,
                     rank: rank as u32,
                     addr: *addr,
+                    token: (self.tokens)(),
                 };
                 provisional.push((*prov, info.id));
                 nodes.push(info);
@@ -169,6 +187,15 @@ impl SchedulerState {
     pub fn handle_alive(&mut self, from: NodeId, now: Instant) {
         if let Some(m) = self.members.get_mut(&from) {
             m.last_seen = now;
+        }
+    }
+
+    /// A heartbeat: a sign of life, answered so that the node can tell a stopped scheduler
+    /// from a quiet one.
+    pub fn handle_heartbeat(&mut self, from: NodeId, now: Instant) {
+        if self.members.contains_key(&from) && !self.dead.contains_key(&from) {
+            self.handle_alive(from, now);
+            self.out.push_back((from, Msg::Heartbeat));
         }
     }
 
@@ -272,10 +299,29 @@ impl SchedulerState {
     }
 
     /// Time passes: nodes silent for longer than the heartbeat timeout are declared dead.
+    ///
+    /// If the scheduler itself did not run for half the timeout (it was stopped, or its
+    /// machine stalled), the nodes' silence is its own: their clocks restart instead, so that
+    /// a scheduler resumed after a SIGSTOP does not declare a whole healthy job dead.
     pub fn handle_timeout(&mut self, now: Instant) {
         let Some(limit) = self.heartbeat_timeout else {
             return;
         };
+        let stalled = self
+            .last_tick
+            .map(|t| now.saturating_duration_since(t))
+            .filter(|gap| *gap > limit / 2);
+        self.last_tick = Some(now);
+        if let Some(gap) = stalled {
+            tracing::warn!(
+                gap_s = gap.as_secs_f64(),
+                "the scheduler did not run for a while: restarting the nodes' heartbeat clocks"
+            );
+            for m in self.members.values_mut() {
+                m.last_seen = now;
+            }
+            return;
+        }
         let silent: Vec<(NodeId, Duration)> = self
             .members
             .values()

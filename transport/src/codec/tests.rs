@@ -110,9 +110,17 @@ fn hello_round_trip_and_bad_length() {
     for path in [DataPath::Tcp, DataPath::Rdma] {
         assert_eq!(
             decode_hello(&encode_hello(NodeId(42), path)),
-            Ok((NodeId(42), path))
+            Ok(Hello {
+                id: NodeId(42),
+                path,
+                proof: None
+            })
         );
+        let proof = crate::Proof([9; crate::PROOF_LEN]);
+        let proved = decode_hello(&encode_hello_proved(NodeId(42), path, Some(&proof))).unwrap();
+        assert_eq!(proved.proof, Some(proof));
     }
+    assert!(decode_hello(&[0u8; HELLO_LEN + 1]).is_err());
     assert!(decode_hello(b"short").is_err());
     assert!(decode_hello(&NodeId(42).0.to_le_bytes()).is_err());
     let mut unknown = encode_hello(NodeId(42), DataPath::Rdma);

@@ -11,7 +11,7 @@ fn drain(s: &mut SchedulerState) -> Vec<(NodeId, Msg)> {
 
 /// A scheduler with 2 servers and 2 workers registered out of port order.
 fn assigned(now: Instant) -> SchedulerState {
-    let mut s = SchedulerState::new(2, 2, addr(9000), Some(Duration::from_secs(10)));
+    let mut s = SchedulerState::new(2, 2, addr(9000), Some(Duration::from_secs(10)), counter());
     for (role, port) in [
         (Role::Worker, 9300),
         (Role::Server, 9200),
@@ -24,10 +24,19 @@ fn assigned(now: Instant) -> SchedulerState {
     s
 }
 
+/// Distinct, predictable tokens.
+fn counter() -> Box<dyn FnMut() -> psnet_transport::Proof + Send> {
+    let mut n = 0u8;
+    Box::new(move || {
+        n += 1;
+        psnet_transport::Proof([n; psnet_transport::PROOF_LEN])
+    })
+}
+
 #[test]
 fn ranks_follow_address_order_not_registration_order() {
     let now = Instant::now();
-    let mut s = SchedulerState::new(2, 2, addr(9000), None);
+    let mut s = SchedulerState::new(2, 2, addr(9000), None, counter());
     let regs = [
         (Role::Worker, 9300),
         (Role::Server, 9200),
@@ -74,7 +83,7 @@ fn ranks_follow_address_order_not_registration_order() {
 #[test]
 fn extra_nodes_are_refused_with_the_reason() {
     let now = Instant::now();
-    let mut s = SchedulerState::new(1, 1, addr(9000), None);
+    let mut s = SchedulerState::new(1, 1, addr(9000), None, counter());
     s.handle_register(provisional_id(addr(1)), Role::Worker, addr(1), now);
     s.handle_register(provisional_id(addr(2)), Role::Worker, addr(2), now);
     match drain(&mut s).as_slice() {
@@ -175,4 +184,47 @@ fn shutdown_when_every_worker_finalized_or_died() {
     // Losses during shutdown are expected.
     s.handle_lost(node_id(Role::Server, 0), "closed");
     assert_eq!(s.dead().len(), 1);
+}
+
+#[test]
+fn every_node_gets_its_own_token_and_heartbeats_are_answered() {
+    let now = Instant::now();
+    let mut s = SchedulerState::new(1, 1, addr(9000), None, counter());
+    s.handle_register(provisional_id(addr(9100)), Role::Server, addr(9100), now);
+    s.handle_register(provisional_id(addr(9200)), Role::Worker, addr(9200), now);
+    let out = drain(&mut s);
+    let Msg::Assign { nodes, .. } = &out[0].1 else {
+        panic!("{out:?}")
+    };
+    let tokens: std::collections::HashSet<_> = nodes.iter().map(|n| n.token).collect();
+    assert_eq!(
+        tokens.len(),
+        3,
+        "scheduler, server and worker tokens differ"
+    );
+    assert_eq!(nodes[0].token, s.token());
+    let w0 = node_id(Role::Worker, 0);
+    s.handle_heartbeat(w0, now);
+    assert!(matches!(drain(&mut s)[..], [(to, Msg::Heartbeat)] if to == w0));
+    // Nobody the job assigned: not answered.
+    s.handle_heartbeat(NodeId(99), now);
+    assert!(drain(&mut s).is_empty());
+}
+
+#[test]
+fn a_scheduler_that_was_stopped_does_not_declare_the_job_dead() {
+    let t0 = Instant::now();
+    let mut s = assigned(t0);
+    s.handle_timeout(t0 + Duration::from_secs(1));
+    // Stopped for a minute (SIGSTOP): the silence is the scheduler's own.
+    s.handle_timeout(t0 + Duration::from_secs(61));
+    assert!(s.dead().is_empty(), "{:?}", s.dead());
+    assert!(drain(&mut s).is_empty());
+    // Running again, nodes that stay silent past the timeout are declared dead.
+    let mut t = t0 + Duration::from_secs(61);
+    for _ in 0..11 {
+        t += Duration::from_secs(1);
+        s.handle_timeout(t);
+    }
+    assert_eq!(s.dead().len(), 4);
 }
