@@ -206,10 +206,13 @@ impl Inner {
         }
     }
 
+    /// Connects to `peer`; with `refusal_is_final`, an address that refuses is an error at
+    /// once (a redial: the peer's process is gone) rather than retried until the timeout.
     async fn connect(
         self: &Arc<Self>,
         peer: NodeId,
         addr: SocketAddr,
+        refusal_is_final: bool,
     ) -> Result<(), TransportError> {
         let deadline = Instant::now() + self.config.connect_timeout;
         let token = loop {
@@ -247,7 +250,8 @@ impl Inner {
             peer,
             token,
         };
-        let (mut stream, answer, leftover) = self.dial(peer, addr, deadline).await?;
+        let (mut stream, answer, leftover) =
+            self.dial(peer, addr, deadline, refusal_is_final).await?;
         if let (Answer::Ack(hello), Some(admission)) = (&answer, self.admission()) {
             if hello.id == peer {
                 if let Err(reason) = admission.admit(peer, hello.proof.as_ref()) {
@@ -310,6 +314,7 @@ impl Inner {
         peer: NodeId,
         addr: SocketAddr,
         deadline: Instant,
+        refusal_is_final: bool,
     ) -> Result<(TcpStream, Answer, BytesMut), TransportError> {
         let mut backoff = Duration::from_millis(20);
         loop {
@@ -332,14 +337,15 @@ impl Inner {
                 Ok(Err(e)) => e,
                 Err(_) => io::Error::new(io::ErrorKind::TimedOut, "connect timed out"),
             };
-            let retryable = matches!(
-                err.kind(),
-                io::ErrorKind::ConnectionRefused
-                    | io::ErrorKind::ConnectionReset
-                    | io::ErrorKind::ConnectionAborted
-                    | io::ErrorKind::UnexpectedEof
-                    | io::ErrorKind::NotConnected
-            );
+            let refused = err.kind() == io::ErrorKind::ConnectionRefused;
+            let retryable = (refused && !refusal_is_final)
+                || matches!(
+                    err.kind(),
+                    io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::ConnectionAborted
+                        | io::ErrorKind::UnexpectedEof
+                        | io::ErrorKind::NotConnected
+                );
             if !retryable || Instant::now() + backoff >= deadline || self.is_closed() {
                 return Err(TransportError::Connect {
                     peer,
@@ -509,7 +515,15 @@ impl Transport for TcpTransport {
         peer: NodeId,
         addr: SocketAddr,
     ) -> impl std::future::Future<Output = Result<(), TransportError>> + Send + '_ {
-        self.inner.connect(peer, addr)
+        self.inner.connect(peer, addr, false)
+    }
+
+    fn redial(
+        &self,
+        peer: NodeId,
+        addr: SocketAddr,
+    ) -> impl std::future::Future<Output = Result<(), TransportError>> + Send + '_ {
+        self.inner.connect(peer, addr, true)
     }
 
     async fn send<'a>(&'a self, peer: NodeId, msg: OutMessage<'a>) -> Result<(), TransportError> {

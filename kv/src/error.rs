@@ -66,3 +66,27 @@ pub enum KvError {
     #[error("the job is shutting down")]
     Shutdown,
 }
+
+/// Exit status of a process that failed on its own account (bad input, its own fault).
+pub const EXIT_FAILED: u8 = 1;
+/// Exit status of a process that stopped because another process of the job failed: a
+/// launcher blames the process that exited otherwise (see `psnet-launch`).
+pub const EXIT_PEER_FAILED: u8 = 2;
+
+impl KvError {
+    /// Whether this process fails because another node of the job did (lost, stopped, or
+    /// leaving on an error of its own), rather than for a reason of its own.
+    pub fn is_peer_failure(&self) -> bool {
+        matches!(self, KvError::NodeLost { .. } | KvError::Barrier(_))
+    }
+
+    /// The exit status a process ending with this error reports: [`EXIT_PEER_FAILED`] when
+    /// another node is to blame, [`EXIT_FAILED`] otherwise.
+    pub fn exit_code(&self) -> u8 {
+        if self.is_peer_failure() {
+            EXIT_PEER_FAILED
+        } else {
+            EXIT_FAILED
+        }
+    }
+}

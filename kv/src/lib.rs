@@ -39,7 +39,7 @@ mod wire;
 mod worker;
 
 pub use config::KvConfig;
-pub use error::KvError;
+pub use error::{KvError, EXIT_FAILED, EXIT_PEER_FAILED};
 pub use proto::ids::Role;
 pub use proto::server::Mode;
 pub use scheduler::Scheduler;

@@ -538,7 +538,7 @@ async fn reconnect<T: Transport>(
                 return;
             }
         }
-        let attempt = tokio::time::timeout_at(deadline.into(), inner.t.connect(peer, addr)).await;
+        let attempt = tokio::time::timeout_at(deadline.into(), inner.t.redial(peer, addr)).await;
         {
             let mut s = r.lock();
             match attempt {
@@ -547,6 +547,19 @@ async fn reconnect<T: Transport>(
                     s.resender.handle_peer_connected(peer);
                     inner.kick(&mut s, peer, crate::clock::now());
                     s.reconnecting.remove(&peer);
+                    return;
+                }
+                // Nobody listens at its address any more: its process is gone, and waiting
+                // out PS_RESEND's give-up time would only delay every survivor's error.
+                Ok(Err(TransportError::Connect { source, .. }))
+                    if source.kind() == std::io::ErrorKind::ConnectionRefused =>
+                {
+                    let reason =
+                        format!("its address {addr} refuses connections: the process is gone");
+                    tracing::info!(peer = %describe(peer), %reason, "giving the peer up");
+                    s.resender.fail_peer(peer, reason);
+                    s.reconnecting.remove(&peer);
+                    r.wake(&mut s);
                     return;
                 }
                 Ok(Err(e)) if !matches!(e, TransportError::Closed) => {

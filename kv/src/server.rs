@@ -30,6 +30,8 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
     };
     let mut early = std::mem::take(&mut joined.early).into_iter();
     let heard = Heard::new(crate::clock::now());
+    // The first node the scheduler declared failed: the job cannot end well after it.
+    let mut failure: Option<(NodeId, String)> = None;
     let period = heartbeat_period(config);
     loop {
         let next = async {
@@ -63,6 +65,7 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
                         if let Some(rank) = worker_rank(id) {
                             state.handle_worker_lost(rank, &reason);
                         }
+                        failure.get_or_insert((id, reason));
                     }
                     (Msg::Shutdown, _) if from == SCHEDULER => break,
                     // The scheduler's answer to a heartbeat: heard above.
@@ -96,8 +99,16 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
         }
         flush(&link, &mut state);
     }
-    tracing::info!(node = %describe(joined.id), "server done");
     link.close();
+    // The job ended, but not well: this server's exit must say so.
+    if let Some((id, reason)) = failure {
+        tracing::info!(node = %describe(joined.id), "server done; the job failed");
+        return Err(KvError::NodeLost {
+            node: describe(id),
+            reason,
+        });
+    }
+    tracing::info!(node = %describe(joined.id), "server done");
     Ok(())
 }
 

@@ -180,10 +180,11 @@ async fn connections_dropped_again_and_again_lose_and_duplicate_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_server_really_gone_fails_operations_naming_it_in_bounded_time() {
-    // No heartbeats: only PS_RESEND's retry limit can tell that the server is gone.
-    let timeout_ms = Duration::from_millis(100);
-    let mut c = cluster(1, 1, 1_000_000, timeout_ms, None).await;
+async fn a_server_really_gone_fails_operations_naming_it_at_once() {
+    // No heartbeats, and PS_RESEND would retry for 11 s: only the refused redial (nobody
+    // listens at the server's address any more) can tell quickly that it is gone.
+    let resend_timeout = Duration::from_secs(1);
+    let mut c = cluster(1, 1, 1_000_000, resend_timeout, None).await;
     let w = c.workers[0].clone();
     w.init(&[2], &[&[0.0; 4]]).await.expect("init");
     let server = c.servers.pop().unwrap();
@@ -191,16 +192,16 @@ async fn a_server_really_gone_fails_operations_naming_it_in_bounded_time() {
     assert!(server.await.unwrap_err().is_cancelled());
 
     let started = Instant::now();
-    let err = timeout(Duration::from_secs(20), w.push(2, &[1.0; 4]))
+    let err = timeout(Duration::from_secs(30), w.push(2, &[1.0; 4]))
         .await
         .expect("the push must fail, not hang")
         .expect_err("the server is gone");
     let took = started.elapsed();
     let text = err.to_string();
     assert!(text.contains("server 0 (node 8)"), "{text}");
-    assert!(text.contains("PS_RESEND_TIMEOUT=100 ms"), "{text}");
-    // Given up after the retry limit: 11 timeouts, plus scheduling slack.
-    assert!(took < Duration::from_secs(8), "took {took:?}");
+    assert!(text.contains("refuses connections"), "{text}");
+    // Well inside PS_RESEND's give-up time (11 x 1 s).
+    assert!(took < Duration::from_secs(5), "took {took:?}");
     // Later operations fail at once.
     let started = Instant::now();
     let mut out = vec![0.0f32; 4];

@@ -456,8 +456,26 @@ async fn failing_job(plan: Arc<Plan>) -> Result<(), String> {
         Err(e) if e.to_string().contains(&name) => {}
         other => return Err(format!("the scheduler did not report {name}: {other:?}")),
     }
-    for s in job.servers {
-        s.abort();
+    // Every other server ends too, and not as if the job had gone well: its error names the
+    // victim (its process exits non-zero).
+    for (rank, s) in job.servers.into_iter().enumerate() {
+        if ids::node_id(Role::Server, rank as u32) == victim {
+            s.abort();
+            continue;
+        }
+        let Ok(r) = tokio::time::timeout(bound * 4, s).await else {
+            return Err(format!("server {rank} did not end after {name}'s failure"));
+        };
+        match r.unwrap() {
+            Err(e)
+                if e.to_string().contains(&name) && e.exit_code() == psnet_kv::EXIT_PEER_FAILED => {
+            }
+            other => {
+                return Err(format!(
+                    "server {rank} ended with {other:?} after {name}'s failure"
+                ))
+            }
+        }
     }
     Ok(())
 }

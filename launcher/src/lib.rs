@@ -11,6 +11,10 @@ use std::net::TcpListener;
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
+/// The exit status psnet's processes use when they stop because another process of the job
+/// failed (`psnet_kv::EXIT_PEER_FAILED`).
+pub const EXIT_PEER_FAILED: i32 = 2;
+
 /// The role of a launched process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -85,7 +89,9 @@ pub struct Ended {
 pub struct Outcome {
     /// Every process, in the order they ended.
     pub ended: Vec<Ended>,
-    /// The first process that failed, if any.
+    /// The process to blame, if any failed: the first that failed by its own exit. A process
+    /// that exited with [`EXIT_PEER_FAILED`] (it stopped because another failed) is blamed
+    /// only if no other process failed.
     pub first_failure: Option<(Role, u32, String)>,
 }
 
@@ -208,7 +214,7 @@ pub fn launch_local(spec: &JobSpec) -> Result<Outcome, LaunchError> {
 
 fn wait_all(mut running: Vec<(Role, u32, Child)>, grace: Duration) -> Result<Outcome, LaunchError> {
     let mut ended = Vec::new();
-    let mut first_failure: Option<(Role, u32, String)> = None;
+    let mut first_failure: Option<(Role, u32, String, bool)> = None;
     let mut kill_at: Option<Instant> = None;
     while !running.is_empty() {
         let mut i = 0;
@@ -216,9 +222,16 @@ fn wait_all(mut running: Vec<(Role, u32, Child)>, grace: Duration) -> Result<Out
             match running[i].2.try_wait().map_err(LaunchError::Wait)? {
                 Some(status) => {
                     let (role, index, _) = running.swap_remove(i);
-                    if !status.success() && first_failure.is_none() {
-                        first_failure = Some((role, index, status.to_string()));
-                        kill_at = Some(Instant::now() + grace);
+                    // Blame the process that failed by its own exit: one that stopped
+                    // because another failed (EXIT_PEER_FAILED) yields to any other failure,
+                    // even one seen in the same poll or during the grace period.
+                    let blamed_is_peer = first_failure.as_ref().map(|f| f.3);
+                    if !status.success() && blamed_is_peer != Some(false) {
+                        let is_peer = status.code() == Some(EXIT_PEER_FAILED);
+                        if blamed_is_peer.is_none() || !is_peer {
+                            first_failure = Some((role, index, status.to_string(), is_peer));
+                        }
+                        kill_at.get_or_insert(Instant::now() + grace);
                     }
                     ended.push(Ended {
                         role,
@@ -244,7 +257,7 @@ fn wait_all(mut running: Vec<(Role, u32, Child)>, grace: Duration) -> Result<Out
     }
     Ok(Outcome {
         ended,
-        first_failure,
+        first_failure: first_failure.map(|(role, index, status, _)| (role, index, status)),
     })
 }
 
@@ -305,6 +318,27 @@ mod tests {
         assert_eq!(role, Role::Worker);
         assert!(status.contains('3'), "{status}");
         assert_eq!(out.ended.iter().filter(|e| e.status.is_none()).count(), 2);
+    }
+
+    #[test]
+    fn the_process_that_failed_by_its_own_exit_is_blamed_not_the_ones_that_noticed() {
+        // The scheduler and the worker report a lost peer (exit 2) before the launcher sees
+        // the killed server's own end, as when the server's exit is reaped a poll later.
+        let script = "case \"$DMLC_ROLE\" in server) sleep 0.1; kill -9 $$;; *) exit 2;; esac";
+        let mut spec = JobSpec::new(1, 1, vec!["sh".into(), "-c".into(), script.into()]);
+        spec.grace = Duration::from_millis(500);
+        let out = launch_local(&spec).unwrap();
+        let (role, _, status) = out.first_failure.clone().expect("failure reported");
+        assert_eq!(role, Role::Server, "{out:?}");
+        assert!(status.contains("signal"), "{status}");
+        // Only processes that noticed: the first of them is blamed.
+        let out = launch_local(&JobSpec::new(
+            1,
+            1,
+            vec!["sh".into(), "-c".into(), "exit 2".into()],
+        ))
+        .unwrap();
+        assert!(out.first_failure.is_some());
     }
 
     #[test]

@@ -66,6 +66,67 @@ impl MemTransport {
         }
     }
 
+    /// Connects to `peer`; with `refusal_is_final`, an address nobody listens on is an error
+    /// at once instead of being waited on until the connect timeout.
+    async fn dial(
+        &self,
+        peer: NodeId,
+        addr: SocketAddr,
+        refusal_is_final: bool,
+    ) -> Result<(), TransportError> {
+        let deadline = Instant::now() + self.net.config().connect_timeout;
+        self.until(|net, ep| {
+            let Some(me) = net.eps.get(&ep).filter(|e| !e.closed) else {
+                return Step::Done(Err(TransportError::Closed));
+            };
+            if me.frozen {
+                return Step::Wait(None);
+            }
+            if me.peers.contains_key(&peer) {
+                return Step::Done(Ok(()));
+            }
+            let listener = net
+                .listeners
+                .get(&addr)
+                .copied()
+                .filter(|l| net.eps.get(l).is_some_and(|e| !e.closed && !e.frozen));
+            match listener {
+                Some(l) if net.eps[&l].id != peer => Step::Done(Err(TransportError::Handshake {
+                    peer,
+                    reason: format!("{addr} is {}, not {peer}", net.eps[&l].id),
+                })),
+                Some(l) => {
+                    let theirs = &net.eps[&l];
+                    let admitted = theirs
+                        .admit(me.id, me.proof().as_ref())
+                        .and_then(|()| me.admit(peer, theirs.proof().as_ref()));
+                    if let Err(reason) = admitted {
+                        tracing::warn!(claimed = %me.id, %peer, %reason, "connection refused");
+                        return Step::Done(Err(TransportError::Handshake { peer, reason }));
+                    }
+                    net.establish(ep, peer, l);
+                    Step::Done(Ok(()))
+                }
+                // A stopped process still has its listening socket: only an address nobody
+                // listens on refuses.
+                None if (refusal_is_final && !net.listeners.contains_key(&addr))
+                    || Instant::now() >= deadline =>
+                {
+                    Step::Done(Err(TransportError::Connect {
+                        peer,
+                        addr,
+                        source: io::Error::new(
+                            io::ErrorKind::ConnectionRefused,
+                            "nothing answers at this address on the in-memory network",
+                        ),
+                    }))
+                }
+                None => Step::Wait(Some(deadline)),
+            }
+        })
+        .await
+    }
+
     fn check(&self, peer: NodeId, msg: &OutMessage<'_>) -> Result<usize, TransportError> {
         let limits = &self.net.config().limits;
         let invalid = |source| TransportError::Invalid { peer, source };
@@ -137,51 +198,11 @@ impl Transport for MemTransport {
     }
 
     async fn connect(&self, peer: NodeId, addr: SocketAddr) -> Result<(), TransportError> {
-        let deadline = Instant::now() + self.net.config().connect_timeout;
-        self.until(|net, ep| {
-            let Some(me) = net.eps.get(&ep).filter(|e| !e.closed) else {
-                return Step::Done(Err(TransportError::Closed));
-            };
-            if me.frozen {
-                return Step::Wait(None);
-            }
-            if me.peers.contains_key(&peer) {
-                return Step::Done(Ok(()));
-            }
-            let listener = net
-                .listeners
-                .get(&addr)
-                .copied()
-                .filter(|l| net.eps.get(l).is_some_and(|e| !e.closed && !e.frozen));
-            match listener {
-                Some(l) if net.eps[&l].id != peer => Step::Done(Err(TransportError::Handshake {
-                    peer,
-                    reason: format!("{addr} is {}, not {peer}", net.eps[&l].id),
-                })),
-                Some(l) => {
-                    let theirs = &net.eps[&l];
-                    let admitted = theirs
-                        .admit(me.id, me.proof().as_ref())
-                        .and_then(|()| me.admit(peer, theirs.proof().as_ref()));
-                    if let Err(reason) = admitted {
-                        tracing::warn!(claimed = %me.id, %peer, %reason, "connection refused");
-                        return Step::Done(Err(TransportError::Handshake { peer, reason }));
-                    }
-                    net.establish(ep, peer, l);
-                    Step::Done(Ok(()))
-                }
-                None if Instant::now() >= deadline => Step::Done(Err(TransportError::Connect {
-                    peer,
-                    addr,
-                    source: io::Error::new(
-                        io::ErrorKind::ConnectionRefused,
-                        "nothing answers at this address on the in-memory network",
-                    ),
-                })),
-                None => Step::Wait(Some(deadline)),
-            }
-        })
-        .await
+        self.dial(peer, addr, false).await
+    }
+
+    async fn redial(&self, peer: NodeId, addr: SocketAddr) -> Result<(), TransportError> {
+        self.dial(peer, addr, true).await
     }
 
     async fn send<'a>(&'a self, peer: NodeId, msg: OutMessage<'a>) -> Result<(), TransportError> {

@@ -14,7 +14,9 @@ use psnet_transport::NodeId;
 
 pub use psnet_kv::blocking::Handle;
 pub use psnet_kv::proto::ids::SCHEDULER;
-pub use psnet_kv::{config, placement, updater, KvConfig, KvError, Mode, Role};
+pub use psnet_kv::{
+    config, placement, updater, KvConfig, KvError, Mode, Role, EXIT_FAILED, EXIT_PEER_FAILED,
+};
 
 /// A worker on the transport [`bind_node`] chose.
 pub type Worker = psnet_kv::Worker<AnyTransport>;
@@ -100,8 +102,10 @@ pub fn join_blocking(config: &KvConfig) -> Result<KvStore, KvError> {
 }
 
 /// MXNet's start-up behaviour for one program launched in every role: in a scheduler or
-/// server process, runs that role until the job ends and exits the process (status 0, or 1
-/// with the error on stderr); in a worker process, returns the configuration for [`join`].
+/// server process, runs that role until the job ends and exits the process (status 0; on an
+/// error, printed to stderr, [`EXIT_PEER_FAILED`](psnet_kv::EXIT_PEER_FAILED) when another
+/// node of the job failed first, else 1); in a worker process, returns the configuration for
+/// [`join`].
 pub fn launch_from_env() -> Result<KvConfig, KvError> {
     let config = KvConfig::from_env()?;
     if config.role == Role::Worker {
@@ -121,7 +125,7 @@ pub fn launch_from_env() -> Result<KvConfig, KvError> {
         Ok(()) => std::process::exit(0),
         Err(e) => {
             eprintln!("psnet {}: error: {e}", config.role);
-            std::process::exit(1)
+            std::process::exit(i32::from(e.exit_code()))
         }
     }
 }

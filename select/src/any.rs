@@ -61,6 +61,13 @@ impl Transport for AnyTransport {
         }
     }
 
+    async fn redial(&self, peer: NodeId, addr: SocketAddr) -> Result<(), TransportError> {
+        match self {
+            AnyTransport::Tcp(t) => t.redial(peer, addr).await,
+            AnyTransport::Rdma(t) => t.redial(peer, addr).await,
+        }
+    }
+
     async fn send<'a>(&'a self, peer: NodeId, msg: OutMessage<'a>) -> Result<(), TransportError> {
         match self {
             AnyTransport::Tcp(t) => t.send(peer, msg).await,

@@ -86,21 +86,21 @@ fn main() -> ExitCode {
     psnet::config::logging::init();
     let args = Args::parse();
     let result = if args.reference {
-        train::reference(&args)
+        train::reference(&args).map_err(train::Failure::from)
     } else if std::env::var_os("DMLC_ROLE").is_some() {
         match psnet::kv::launch_from_env() {
             // Scheduler and server processes never return from launch_from_env.
             Ok(config) => train::worker(&args, config),
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(e.into()),
         }
     } else {
-        launch(&args)
+        launch(&args).map_err(train::Failure::from)
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("psnet-train: error: {e}");
-            ExitCode::FAILURE
+            eprintln!("psnet-train: error: {}", e.message);
+            ExitCode::from(e.code)
         }
     }
 }

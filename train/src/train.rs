@@ -63,24 +63,48 @@ fn dump(args: &Args, params: &Params) -> Result<(), String> {
     Ok(())
 }
 
+/// Why a process of the job failed, and the exit status that says whose fault it was.
+#[derive(Debug)]
+pub struct Failure {
+    /// The error, for stderr.
+    pub message: String,
+    /// [`psnet::kv::EXIT_PEER_FAILED`] when another process failed first, else 1.
+    pub code: u8,
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Failure {
+            message,
+            code: psnet::kv::EXIT_FAILED,
+        }
+    }
+}
+
+impl From<psnet::kv::KvError> for Failure {
+    fn from(e: psnet::kv::KvError) -> Self {
+        Failure {
+            code: e.exit_code(),
+            message: e.to_string(),
+        }
+    }
+}
+
 /// One worker of a job started by a launcher.
-pub fn worker(args: &Args, config: KvConfig) -> Result<(), String> {
+pub fn worker(args: &Args, config: KvConfig) -> Result<(), Failure> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
     runtime.block_on(async {
-        let kv = psnet::kv::join(&config).await.map_err(|e| e.to_string())?;
-        let result = train(args, &kv).await;
-        match result {
-            Ok(()) => kv.finalize().await.map_err(|e| e.to_string()),
-            Err(e) => Err(e),
-        }
+        let kv = psnet::kv::join(&config).await?;
+        train(args, &kv).await?;
+        Ok(kv.finalize().await?)
     })
 }
 
-async fn train(args: &Args, kv: &Worker) -> Result<(), String> {
-    let err = |e: psnet::kv::KvError| e.to_string();
+async fn train(args: &Args, kv: &Worker) -> Result<(), Failure> {
+    let err = Failure::from;
     let data = data(args)?;
     let (rank, workers) = (kv.rank() as usize, kv.num_workers() as usize);
     let shard = data.shard(rank, workers);
