@@ -143,7 +143,7 @@ crate::declare_env_vars! {
     PSNET_TCP_BUFFER = "PSNET_TCP_BUFFER", "0",
         "TCP socket send/receive buffer in bytes; 0 keeps the kernel's autotuning.";
     PSNET_SHM_RING = "PSNET_SHM_RING", "67108864",
-        "Bytes of shared memory (in /dev/shm) a node offers a peer on the same host, per direction, for large messages; 0: only sockets.";
+        "Bytes of shared memory (a sealed anonymous memory file, passed by descriptor) a node offers a peer on the same host, per direction, for large messages; 0: only sockets.";
     PSNET_INBOX_BYTES = "PSNET_INBOX_BYTES", "268435456",
         "Bytes of received messages that may wait for the application before connections stop reading (back-pressure).";
     PSNET_RDMA_EAGER = "PSNET_RDMA_EAGER", "16384",

@@ -124,7 +124,7 @@ pub(crate) async fn read_loop(
                 }
             }
             FrameKind::ShmOffer => {
-                match RecvRing::open(&frame.meta) {
+                match RecvRing::fetch(&frame.meta).await {
                     Ok(r) => {
                         ring = Some(Arc::new(r));
                         conn.control.push(FrameKind::ShmAccept, Vec::new());

@@ -1,24 +1,43 @@
 //! The same-host bulk path. When both ends of a connection share a host, each sender maps a
-//! ring of shared memory (a file in `/dev/shm`, offered to the peer after the handshake) and
-//! puts large messages' segments there: one copy into the ring, and the receiver hands out
-//! segments that point straight into it, instead of two copies through the kernel's TCP
-//! stack. Only a small descriptor frame crosses the socket, in order with the other frames.
-//! The receiver tells the sender which regions it is done with; a full ring simply sends
-//! through the socket. A peer on another host cannot open the file and declines the offer.
+//! ring of shared memory and puts large messages' segments there: one copy into the ring, and
+//! the receiver hands out segments that point straight into it, instead of two copies through
+//! the kernel's TCP stack. Only a small descriptor frame crosses the socket, in order with the
+//! other frames. The receiver tells the sender which regions it is done with; a full ring
+//! simply sends through the socket.
 //!
-//! All memory mapping is confined to this module.
+//! The ring is handed over as memory, never as a name: an anonymous `memfd`, sealed against
+//! shrinking and growing, whose descriptor the sender passes with `SCM_RIGHTS` over a one-shot
+//! Unix socket in the abstract namespace (no file anywhere, nothing left behind by a
+//! `kill -9`). The offer sent over the TCP connection names that socket and carries a random
+//! token; the sender hands the descriptor only to a connection from the same user that
+//! presents the token, and the receiver maps only a sealed memory file of the offered size,
+//! so a truncation cannot turn its reads into a SIGBUS. A peer on another host (or in another
+//! network namespace) cannot reach the socket and declines the offer.
+//!
+//! All memory mapping and descriptor passing is confined to this module.
 
 use std::collections::VecDeque;
-use std::fs::{File, OpenOptions};
-use std::io::{self, Write};
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::fs::File;
+use std::io::{self, IoSlice, IoSliceMut, Write};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use memmap2::{Mmap, MmapMut, MmapOptions};
 use psnet_transport::{FrameKind, Segment};
+use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+use tokio::io::AsyncReadExt;
 use tokio::sync::Notify;
+use tokio::task::AbortHandle;
 
 /// Messages with at least this many segment bytes go through the ring.
 pub(crate) const SHM_MIN: usize = 256 << 10;
@@ -28,8 +47,14 @@ pub const DEFAULT_RING: usize = 64 << 20;
 const MAX_RING: u64 = 16 << 30;
 /// Bytes at the start of a ring holding its cookie.
 const COOKIE: usize = 8;
-/// Where rings are created.
-const SHM_DIR: &str = "/dev/shm";
+/// Bytes of the token that fetches a ring's descriptor.
+const TOKEN: usize = 16;
+/// Longest abstract socket name an offer may carry.
+const MAX_NAME: usize = 64;
+/// How long the handover of a descriptor may take, on either side.
+const HANDOVER: Duration = Duration::from_secs(5);
+/// The seals a ring must carry before it is mapped: its size is fixed for good.
+const REQUIRED_SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -99,78 +124,83 @@ impl Alloc {
 pub(crate) struct SendRing {
     map: Mutex<MmapMut>,
     size: usize,
-    path: PathBuf,
     cookie: u64,
+    token: [u8; TOKEN],
+    name: Vec<u8>,
     alloc: Mutex<Alloc>,
     active: AtomicBool,
+    /// The task that hands the descriptor to the peer, until it has or the ring is dropped.
+    handover: Mutex<Option<AbortHandle>>,
 }
 
-static NEXT_RING: AtomicU64 = AtomicU64::new(0);
+/// `n` random bytes from the system.
+fn random<const N: usize>() -> io::Result<[u8; N]> {
+    let mut b = [0u8; N];
+    let mut filled = 0;
+    while filled < N {
+        filled += rustix::rand::getrandom(&mut b[filled..], rustix::rand::GetRandomFlags::empty())?;
+    }
+    Ok(b)
+}
 
 impl SendRing {
-    /// Creates and maps a ring file of `size` bytes; its first 8 bytes hold a cookie the
-    /// receiver checks. The file is filled with zeros first, so that a full `/dev/shm` is an
-    /// error here rather than a SIGBUS when the ring is written later.
+    /// Creates and maps a sealed memory file of `size` bytes, its pages allocated now (so that
+    /// a lack of memory is an error here, not a fault later), and starts listening for the
+    /// peer's request for its descriptor. Needs a tokio runtime.
     pub(crate) fn create(size: usize) -> io::Result<SendRing> {
-        let n = NEXT_RING.fetch_add(1, Ordering::Relaxed);
-        let cookie = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64)
-            ^ (u64::from(std::process::id()) << 32)
-            ^ n;
-        let path =
-            PathBuf::from(SHM_DIR).join(format!("psnet-{}-{n}-{cookie:x}", std::process::id()));
-        if size <= COOKIE {
+        if size <= COOKIE || size as u64 > MAX_RING {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
-                "ring too small",
+                "ring size out of range",
             ));
         }
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)?;
-        let zeros = vec![0u8; 1 << 20];
-        let mut left = size;
-        while left > 0 {
-            let n = left.min(zeros.len());
-            if let Err(e) = file.write_all(&zeros[..n]) {
-                let _ = std::fs::remove_file(&path);
-                return Err(e);
-            }
-            left -= n;
-        }
-        // SAFETY: the file was just created by this process under a unique name, filled to
-        // `size` bytes above (so every page exists), and is only written through this mapping.
+        let fd = rustix::fs::memfd_create(
+            "psnet-ring",
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        )?;
+        rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, size as u64)?;
+        rustix::fs::fcntl_add_seals(&fd, REQUIRED_SEALS | SealFlags::SEAL)?;
+        let file = File::from(fd);
+        // SAFETY: the memory file was just created by this process, sized and sealed against
+        // shrinking above (so every mapped page stays backed), and is written only through
+        // this mapping; the peer maps it read-only.
         let mut map = unsafe { MmapOptions::new().len(size).map_mut(&file)? };
-        map[..8].copy_from_slice(&cookie.to_le_bytes());
+        let cookie = u64::from_le_bytes(random::<8>()?);
+        map[..COOKIE].copy_from_slice(&cookie.to_le_bytes());
+        let token = random::<TOKEN>()?;
+        let name = format!("psnet-ring-{:032x}", u128::from_le_bytes(random::<16>()?)).into_bytes();
+        let listener = UnixListener::bind_addr(&UnixAddr::from_abstract_name(&name)?)?;
+        listener.set_nonblocking(true)?;
+        let listener = tokio::net::UnixListener::from_std(listener)?;
+        let task = tokio::spawn(hand_over(listener, file, token));
         Ok(SendRing {
             map: Mutex::new(map),
             size,
-            path,
             cookie,
+            token,
+            name,
             alloc: Mutex::new(Alloc {
                 regions: VecDeque::new(),
                 head: COOKIE,
                 base: COOKIE,
             }),
             active: AtomicBool::new(false),
+            handover: Mutex::new(Some(task.abort_handle())),
         })
     }
 
-    /// The offer's body: size, cookie, path.
+    /// The offer's body: size, cookie, token, then the abstract socket's name.
     pub(crate) fn offer(&self) -> Vec<u8> {
-        let mut out = Vec::new();
+        let mut out = Vec::with_capacity(16 + TOKEN + self.name.len());
         out.extend_from_slice(&(self.size as u64).to_le_bytes());
         out.extend_from_slice(&self.cookie.to_le_bytes());
-        out.extend_from_slice(self.path.to_string_lossy().as_bytes());
+        out.extend_from_slice(&self.token);
+        out.extend_from_slice(&self.name);
         out
     }
 
-    /// The receiver accepted: the file's name is no longer needed.
+    /// The receiver accepted: the ring may carry messages.
     pub(crate) fn activate(&self) {
-        let _ = std::fs::remove_file(&self.path);
         self.active.store(true, Ordering::Release);
     }
 
@@ -200,7 +230,57 @@ impl SendRing {
 
 impl Drop for SendRing {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if let Some(task) = lock(&self.handover).take() {
+            task.abort();
+        }
+    }
+}
+
+/// Serves the ring's descriptor once: to the first connection from this user that presents
+/// the token. Anyone else is refused and logged; the task ends after the handover, when the
+/// ring is dropped, or when nobody asked in time.
+async fn hand_over(listener: tokio::net::UnixListener, ring: File, token: [u8; TOKEN]) {
+    let me = rustix::process::getuid();
+    let deadline = tokio::time::Instant::now() + HANDOVER * 2;
+    loop {
+        let Ok(Ok((mut stream, _))) = tokio::time::timeout_at(deadline, listener.accept()).await
+        else {
+            return;
+        };
+        let same_user = stream.peer_cred().is_ok_and(|c| c.uid() == me.as_raw());
+        if !same_user {
+            tracing::warn!("refused a ring request from another user");
+            continue;
+        }
+        let mut got = [0u8; TOKEN];
+        let read = tokio::time::timeout(HANDOVER, stream.read_exact(&mut got)).await;
+        let valid = matches!(read, Ok(Ok(_)))
+            && got.iter().zip(&token).fold(0u8, |a, (x, y)| a | (x ^ y)) == 0;
+        if !valid {
+            tracing::warn!("refused a ring request without the ring's token");
+            continue;
+        }
+        let sent = tokio::time::timeout(
+            HANDOVER,
+            stream.async_io(tokio::io::Interest::WRITABLE, || {
+                let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+                let mut control = SendAncillaryBuffer::new(&mut space);
+                let fds = [ring.as_fd()];
+                control.push(SendAncillaryMessage::ScmRights(&fds));
+                rustix::net::sendmsg(
+                    &stream,
+                    &[IoSlice::new(&[1])],
+                    &mut control,
+                    SendFlags::empty(),
+                )
+                .map_err(io::Error::from)
+            }),
+        )
+        .await;
+        if !matches!(sent, Ok(Ok(1))) {
+            tracing::debug!(?sent, "ring descriptor not handed over");
+        }
+        return;
     }
 }
 
@@ -269,30 +349,46 @@ impl Drop for Region {
 }
 
 impl RecvRing {
-    /// Opens an offered ring; fails (and the offer is declined) unless it is a file of the
-    /// announced size carrying the announced cookie, i.e. the peer is on this host.
-    pub(crate) fn open(offer: &[u8]) -> io::Result<RecvRing> {
+    /// Fetches an offered ring's descriptor from the offering peer and maps it. Fails (and the
+    /// offer is declined) unless the peer's socket is reachable (same host and network
+    /// namespace), belongs to this user, and hands over a memory file sealed against
+    /// shrinking and growing, of the announced size, carrying the announced cookie.
+    pub(crate) async fn fetch(offer: &[u8]) -> io::Result<RecvRing> {
         let bad = |why: &str| io::Error::new(io::ErrorKind::InvalidData, why.to_string());
-        if offer.len() < 17 {
-            return Err(bad("short shared-memory offer"));
+        if offer.len() < 16 + TOKEN + 1 || offer.len() > 16 + TOKEN + MAX_NAME {
+            return Err(bad("malformed shared-memory offer"));
         }
         let size = u64::from_le_bytes(offer[..8].try_into().expect("8 bytes"));
         let cookie = u64::from_le_bytes(offer[8..16].try_into().expect("8 bytes"));
-        let path = std::str::from_utf8(&offer[16..]).map_err(|_| bad("path is not UTF-8"))?;
-        if !path.starts_with(SHM_DIR) || path.contains("..") || size > MAX_RING || size <= 8 {
-            return Err(bad("unexpected shared-memory offer"));
+        let token: [u8; TOKEN] = offer[16..16 + TOKEN].try_into().expect("16 bytes");
+        let name = offer[16 + TOKEN..].to_vec();
+        if size > MAX_RING || size <= COOKIE as u64 {
+            return Err(bad("shared-memory offer of an unexpected size"));
         }
-        let file = File::open(path)?;
-        if file.metadata()?.len() != size {
-            return Err(bad("ring file has the wrong size"));
+        let fetch = tokio::task::spawn_blocking(move || fetch_descriptor(&name, &token));
+        let fd = match tokio::time::timeout(HANDOVER, fetch).await {
+            Ok(Ok(fd)) => fd?,
+            Ok(Err(e)) => return Err(io::Error::other(e)),
+            Err(_) => return Err(bad("the peer did not hand over its ring in time")),
+        };
+        // Anything but a memory file (a regular file, a device) has no seals at all.
+        let seals = rustix::fs::fcntl_get_seals(&fd)
+            .map_err(|_| bad("the ring is not a sealed memory file"))?;
+        if !seals.contains(REQUIRED_SEALS) {
+            return Err(bad("the ring is not sealed against shrinking and growing"));
         }
+        if rustix::fs::fstat(&fd)?.st_size as u64 != size {
+            return Err(bad("the ring has the wrong size"));
+        }
+        let file = File::from(fd);
         let size = size as usize;
-        // SAFETY: the peer owns the file and writes only regions it has not yet described to
-        // us; we read only regions described by a frame it sent after writing them (the
-        // socket write/read orders the two), and the file's length was checked above.
+        // SAFETY: the descriptor is a memory file sealed against shrinking (checked above), of
+        // exactly `size` bytes, so no mapped page can lose its backing. The peer writes only
+        // regions it has not yet described to us; we read only regions described by a frame
+        // it sent after writing them (the socket write/read orders the two).
         let map = unsafe { MmapOptions::new().len(size).map(&file)? };
-        if map[..8] != cookie.to_le_bytes() {
-            return Err(bad("cookie mismatch: not the same host"));
+        if map[..COOKIE] != cookie.to_le_bytes() {
+            return Err(bad("cookie mismatch"));
         }
         Ok(RecvRing { map, size })
     }
@@ -340,6 +436,41 @@ impl RecvRing {
             })
             .collect())
     }
+}
+
+/// Connects to the peer's abstract socket `name`, presents `token` and receives one
+/// descriptor. Blocking, with timeouts: runs on the blocking pool.
+fn fetch_descriptor(name: &[u8], token: &[u8; TOKEN]) -> io::Result<OwnedFd> {
+    let mut stream = UnixStream::connect_addr(&UnixAddr::from_abstract_name(name)?)?;
+    stream.set_read_timeout(Some(HANDOVER))?;
+    stream.set_write_timeout(Some(HANDOVER))?;
+    let peer = rustix::net::sockopt::socket_peercred(&stream)?;
+    if peer.uid != rustix::process::getuid() {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "the ring's socket belongs to another user",
+        ));
+    }
+    stream.write_all(token)?;
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let mut byte = [0u8; 1];
+    rustix::net::recvmsg(
+        &stream,
+        &mut [IoSliceMut::new(&mut byte)],
+        &mut control,
+        RecvFlags::CMSG_CLOEXEC,
+    )?;
+    // Any descriptor beyond the first is closed as the iterator drops it.
+    let fd = control
+        .drain()
+        .filter_map(|m| match m {
+            RecvAncillaryMessage::ScmRights(fds) => Some(fds),
+            _ => None,
+        })
+        .flatten()
+        .next();
+    fd.ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no descriptor handed over"))
 }
 
 /// The `ShmData` descriptor for a region holding `segments`.
@@ -404,13 +535,10 @@ mod tests {
         assert_eq!(a.alloc(101, 100), None);
     }
 
-    #[test]
-    fn a_ring_round_trips_through_shared_memory() {
-        let Ok(send) = SendRing::create(1 << 20) else {
-            eprintln!("SKIPPED: /dev/shm unavailable");
-            return;
-        };
-        let recv = Arc::new(RecvRing::open(&send.offer()).expect("same host"));
+    #[tokio::test]
+    async fn a_ring_round_trips_through_shared_memory() {
+        let send = SendRing::create(1 << 20).expect("memfd ring");
+        let recv = Arc::new(RecvRing::fetch(&send.offer()).await.expect("same host"));
         send.activate();
         let a = vec![1u8; 300_000];
         let b = vec![2u8; 5];
@@ -429,20 +557,21 @@ mod tests {
         assert!(send.free(off, total));
     }
 
-    #[test]
-    fn bad_offers_and_descriptors_are_refused() {
-        assert!(RecvRing::open(b"short").is_err());
+    #[tokio::test]
+    async fn bad_offers_and_descriptors_are_refused() {
+        assert!(RecvRing::fetch(b"short").await.is_err());
+        // An offer naming a file, as the old path-based offers did: refused, nothing opened.
         let mut offer = (DEFAULT_RING as u64).to_le_bytes().to_vec();
         offer.extend_from_slice(&7u64.to_le_bytes());
+        offer.extend_from_slice(&[0; TOKEN]);
         offer.extend_from_slice(b"/etc/passwd");
-        assert!(RecvRing::open(&offer).is_err());
-        let Ok(send) = SendRing::create(1 << 20) else {
-            return;
-        };
+        assert!(RecvRing::fetch(&offer).await.is_err());
+        let send = SendRing::create(1 << 20).unwrap();
         let mut wrong = send.offer();
         wrong[8] ^= 1;
-        assert!(RecvRing::open(&wrong).is_err(), "cookie mismatch");
-        let recv = Arc::new(RecvRing::open(&send.offer()).unwrap());
+        assert!(RecvRing::fetch(&wrong).await.is_err(), "cookie mismatch");
+        let send = SendRing::create(1 << 20).unwrap();
+        let recv = Arc::new(RecvRing::fetch(&send.offer()).await.unwrap());
         let control = Arc::new(Control::default());
         let mut d = (1u64 << 20).to_le_bytes().to_vec();
         d.extend_from_slice(&1u32.to_le_bytes());
@@ -450,5 +579,98 @@ mod tests {
         assert!(recv.segments(&d, &control).is_err(), "past the end");
         assert!(recv.segments(&[0; 5], &control).is_err());
         assert!(parse_free(&[0; 15]).is_none());
+    }
+
+    /// An offer whose socket is served by `serve`, which hands over `fd` to whoever asks.
+    fn rogue_offer(size: u64, fd: OwnedFd) -> Vec<u8> {
+        let name = format!(
+            "psnet-rogue-{:032x}",
+            u128::from_le_bytes(random::<16>().unwrap())
+        );
+        let listener =
+            UnixListener::bind_addr(&UnixAddr::from_abstract_name(&name).unwrap()).unwrap();
+        std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+            let mut control = SendAncillaryBuffer::new(&mut space);
+            let fds = [fd.as_fd()];
+            control.push(SendAncillaryMessage::ScmRights(&fds));
+            let mut token = [0u8; TOKEN];
+            let _ = std::io::Read::read_exact(&mut &stream, &mut token);
+            let _ = rustix::net::sendmsg(
+                &stream,
+                &[IoSlice::new(&[1])],
+                &mut control,
+                SendFlags::empty(),
+            );
+        });
+        let mut offer = size.to_le_bytes().to_vec();
+        offer.extend_from_slice(&0u64.to_le_bytes());
+        offer.extend_from_slice(&[0; TOKEN]);
+        offer.extend_from_slice(name.as_bytes());
+        offer
+    }
+
+    #[tokio::test]
+    async fn an_unsealed_or_wrongly_sized_file_is_never_mapped() {
+        // A plain file handed over (it could be truncated under the mapping: SIGBUS).
+        let path = std::env::temp_dir().join(format!("psnet-unsealed-{}", std::process::id()));
+        let file = File::create(&path).unwrap();
+        file.set_len(1 << 20).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let err = RecvRing::fetch(&rogue_offer(1 << 20, OwnedFd::from(file)))
+            .await
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains("sealed"), "{err}");
+        // A memory file without seals.
+        let fd = rustix::fs::memfd_create("rogue", MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&fd, 1 << 20).unwrap();
+        let err = RecvRing::fetch(&rogue_offer(1 << 20, fd))
+            .await
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains("sealed"), "{err}");
+        // Sealed, but not the announced size.
+        let fd = rustix::fs::memfd_create("rogue", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+            .unwrap();
+        rustix::fs::ftruncate(&fd, 4096).unwrap();
+        rustix::fs::fcntl_add_seals(&fd, REQUIRED_SEALS).unwrap();
+        let err = RecvRing::fetch(&rogue_offer(1 << 20, fd))
+            .await
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains("wrong size"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn the_descriptor_goes_only_to_the_token_and_cannot_be_resized() {
+        let send = SendRing::create(1 << 20).unwrap();
+        let offer = send.offer();
+        let name = offer[16 + TOKEN..].to_vec();
+        // Without the token: refused, and the real receiver still gets the ring after.
+        let wrong = [0u8; TOKEN];
+        let n = name.clone();
+        let stolen = tokio::task::spawn_blocking(move || fetch_descriptor(&n, &wrong))
+            .await
+            .unwrap();
+        assert!(stolen.is_err(), "handed to a connection without the token");
+        let token: [u8; TOKEN] = offer[16..16 + TOKEN].try_into().unwrap();
+        let fd = tokio::task::spawn_blocking(move || fetch_descriptor(&name, &token))
+            .await
+            .unwrap()
+            .expect("the token fetches the ring");
+        // The sender's seals hold for whoever has the descriptor: no truncation, no growth.
+        assert!(rustix::fs::ftruncate(&fd, 0).is_err());
+        assert!(rustix::fs::ftruncate(&fd, 2 << 20).is_err());
+        // Nothing was ever created in /dev/shm.
+        let leftovers = std::fs::read_dir("/dev/shm")
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .filter(|e| e.file_name().to_string_lossy().starts_with("psnet"))
+                    .count()
+            })
+            .unwrap_or(0);
+        assert_eq!(leftovers, 0);
     }
 }
