@@ -146,6 +146,8 @@ crate::declare_env_vars! {
         "Bytes of shared memory (a sealed anonymous memory file, passed by descriptor) a node offers a peer on the same host, per direction, for large messages; 0: only sockets.";
     PSNET_INBOX_BYTES = "PSNET_INBOX_BYTES", "268435456",
         "Bytes of received messages that may wait for the application before connections stop reading (back-pressure).";
+    PSNET_RECV_INFLIGHT_BYTES = "PSNET_RECV_INFLIGHT_BYTES", "2147483648",
+        "Bytes of large incoming frames not yet complete that all connections of a node together may hold; a connection whose frame does not fit waits for room (60 s at most, then it is closed naming this limit); a larger frame is refused at once.";
     PSNET_RDMA_EAGER = "PSNET_RDMA_EAGER", "16384",
         "RDMA: bytes of each pre-posted receive buffer; messages up to this size (header included) are copied (eager), larger ones are written by RDMA (rendezvous). Must match on every node.";
     PSNET_RDMA_RECV_DEPTH = "PSNET_RDMA_RECV_DEPTH", "64",

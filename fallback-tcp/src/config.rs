@@ -17,6 +17,13 @@ pub struct TcpConfig {
     pub handshake_timeout: Duration,
     /// Bytes of received messages that may wait for `recv` before connections stop reading.
     pub inbox_bytes: usize,
+    /// Bytes of large incoming frames not yet complete that all connections together may
+    /// hold (`PSNET_RECV_INFLIGHT_BYTES`): a connection whose next frame does not fit waits
+    /// for room, and is closed, naming this limit, if none comes within `inflight_wait`; a
+    /// frame larger than the whole budget is refused at once.
+    pub inflight_bytes: usize,
+    /// How long a connection waits for room in `inflight_bytes`.
+    pub inflight_wait: Duration,
     /// `SO_SNDBUF` / `SO_RCVBUF`; `None` leaves the kernel's autotuning on.
     pub socket_buffer: Option<usize>,
     /// Bytes of the shared-memory ring offered to a peer on this host, per direction, once
@@ -36,6 +43,8 @@ impl TcpConfig {
             connect_timeout: Duration::from_secs(30),
             handshake_timeout: Duration::from_secs(10),
             inbox_bytes: 256 << 20,
+            inflight_bytes: 2 << 30,
+            inflight_wait: Duration::from_secs(60),
             socket_buffer: None,
             shm_ring: crate::shm::DEFAULT_RING,
             data_path: DataPath::Tcp,

@@ -65,6 +65,7 @@ pub(crate) async fn read_loop(
     conn: Arc<Conn>,
     inbox: &Inbox,
     limits: Limits,
+    inflight: &Inflight,
 ) -> ReadEnd {
     let mut large = LargeBuffers::default();
     // The peer's shared-memory ring, once it offered one.
@@ -90,6 +91,12 @@ pub(crate) async fn read_loop(
         // The header was checked against the limits, so this allocation is bounded.
         let body_len = usize::try_from(header.body_len()).unwrap_or(usize::MAX);
         let body = if body_len >= LARGE_BODY && buf.len() < body_len {
+            // Room for the whole frame before allocating for it: a peer that stops mid-frame
+            // holds at most its share of the budget, never the process's memory.
+            let _room = match inflight.reserve(body_len).await {
+                Ok(room) => room,
+                Err(why) => return ReadEnd::Failed(why),
+            };
             let mut big = large.take(body_len);
             let have = buf.len();
             big.extend_from_slice(&buf);
@@ -161,6 +168,55 @@ pub(crate) async fn read_loop(
         tracing::trace!(peer = %conn.peer, bytes = body_len, "received message");
         if !inbox.push_message(msg).await {
             return ReadEnd::Shutdown;
+        }
+    }
+}
+
+/// The budget of bytes that large frames still being received may hold, shared by every
+/// connection of a transport.
+pub(crate) struct Inflight {
+    /// In KiB, so that any frame's share fits a semaphore's `u32` request.
+    room: tokio::sync::Semaphore,
+    total: usize,
+    wait: std::time::Duration,
+}
+
+impl Inflight {
+    pub(crate) fn new(total: usize, wait: std::time::Duration) -> Self {
+        let kib = (total / 1024).min(tokio::sync::Semaphore::MAX_PERMITS);
+        Inflight {
+            room: tokio::sync::Semaphore::new(kib),
+            total,
+            wait,
+        }
+    }
+
+    /// Waits for room for a frame of `len` bytes; the room is given back when the returned
+    /// permit drops (the frame is complete and counted by the inbox from then on).
+    async fn reserve(&self, len: usize) -> Result<tokio::sync::SemaphorePermit<'_>, String> {
+        let kib = len.div_ceil(1024);
+        let limit = || {
+            format!(
+                "PSNET_RECV_INFLIGHT_BYTES={} (bytes of unfinished incoming frames, all \
+                 connections together)",
+                self.total
+            )
+        };
+        let Ok(kib32) = u32::try_from(kib) else {
+            return Err(format!("a frame of {len} bytes exceeds {}", limit()));
+        };
+        if kib * 1024 > self.total {
+            return Err(format!("a frame of {len} bytes exceeds {}", limit()));
+        }
+        match tokio::time::timeout(self.wait, self.room.acquire_many(kib32)).await {
+            Ok(Ok(permit)) => Ok(permit),
+            Ok(Err(_)) => Err("the transport is shutting down".into()),
+            Err(_) => Err(format!(
+                "no room for a frame of {len} bytes within {:?}: other connections hold \
+                 {}",
+                self.wait,
+                limit()
+            )),
         }
     }
 }

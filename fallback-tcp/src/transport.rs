@@ -19,7 +19,7 @@ use crate::conn::Conn;
 use crate::handshake::{self, Answer};
 use crate::inbox::Inbox;
 use crate::peers::{decide_hello, HelloDecision, Peers, PendingGuard, Slot, SIMULTANEOUS};
-use crate::reader::{read_loop, ReadEnd};
+use crate::reader::{read_loop, Inflight, ReadEnd};
 use crate::shm::{self, SHM_MIN};
 use crate::socket::tune;
 
@@ -37,6 +37,7 @@ struct Inner {
     config: TcpConfig,
     peers: Peers,
     inbox: Inbox,
+    inflight: Inflight,
     closed: AtomicBool,
     acceptor: Mutex<Option<AbortHandle>>,
     admission: Mutex<Option<Arc<dyn Admission>>>,
@@ -63,6 +64,7 @@ impl TcpTransport {
             listen_addr,
             peers: Peers::default(),
             inbox: Inbox::new(config.inbox_bytes),
+            inflight: Inflight::new(config.inflight_bytes, config.inflight_wait),
             config,
             closed: AtomicBool::new(false),
             acceptor: Mutex::new(None),
@@ -164,6 +166,7 @@ impl Inner {
                 reader_conn.clone(),
                 &inner.inbox,
                 inner.config.limits,
+                &inner.inflight,
             )
             .await;
             inner.connection_ended(&reader_conn, end);

@@ -256,3 +256,70 @@ async fn a_different_data_path_is_refused_at_once() {
     assert!(tcp.connected_peers().is_empty());
     assert!(rdma.connected_peers().is_empty());
 }
+
+/// The first `part` bytes of a data frame carrying one segment of `len` bytes.
+fn partial_frame(len: usize, part: usize) -> Vec<u8> {
+    let body = vec![7u8; len];
+    let mut frame = codec::encode_frame(
+        FrameKind::Data,
+        &OutMessage::new(b"m", &[Segment::new(&body)]),
+        &Limits::default(),
+    )
+    .unwrap();
+    frame.truncate(part);
+    frame.to_vec()
+}
+
+#[tokio::test]
+async fn unfinished_frames_hold_at_most_the_inflight_budget() {
+    let config = TcpConfig {
+        inflight_bytes: 4 << 20,
+        inflight_wait: Duration::from_millis(300),
+        ..TcpConfig::default()
+    };
+    let t = node_with(1, config).await;
+    // Peer 9 starts a 3 MiB frame and stops: it holds 3 MiB of the 4 MiB budget.
+    let mut stalled = raw_peer(&t, 9).await;
+    stalled
+        .write_all(&partial_frame(3 << 20, 1 << 20))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Peer 10's 3 MiB frame finds no room: it waits, then is closed naming the limit.
+    let mut second = raw_peer(&t, 10).await;
+    second.write_all(&partial_frame(3 << 20, 64)).await.unwrap();
+    let (peer, reason) = next_loss(&t).await;
+    assert_eq!(peer, NodeId(10));
+    assert!(
+        reason.contains("PSNET_RECV_INFLIGHT_BYTES=4194304"),
+        "{reason}"
+    );
+    // A frame larger than the whole budget is refused at once.
+    let mut huge = raw_peer(&t, 11).await;
+    huge.write_all(&partial_frame(5 << 20, 64)).await.unwrap();
+    let (peer, reason) = next_loss(&t).await;
+    assert_eq!(peer, NodeId(11));
+    assert!(
+        reason.contains("exceeds PSNET_RECV_INFLIGHT_BYTES"),
+        "{reason}"
+    );
+    // When the stalled peer goes, its share comes back: a full frame then gets through.
+    drop(stalled);
+    let (peer, _) = next_loss(&t).await;
+    assert_eq!(peer, NodeId(9));
+    let mut fine = raw_peer(&t, 12).await;
+    fine.write_all(&partial_frame(3 << 20, usize::MAX))
+        .await
+        .unwrap();
+    let got = timeout(LIMIT, async {
+        loop {
+            if let Event::Message(m) = t.recv().await.unwrap() {
+                return m;
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(got.peer, NodeId(12));
+    assert_eq!(got.segments[0].len(), 3 << 20);
+}

@@ -9,7 +9,11 @@ use psnet_transport::{Event, NodeId, OutMessage, Segment, Transport};
 /// How many psnet rings (anonymous memory files) this process has mapped.
 fn mapped_rings() -> usize {
     std::fs::read_to_string("/proc/self/maps")
-        .map(|m| m.lines().filter(|l| l.contains("/memfd:psnet-ring")).count())
+        .map(|m| {
+            m.lines()
+                .filter(|l| l.contains("/memfd:psnet-ring"))
+                .count()
+        })
         .unwrap_or(0)
 }
 

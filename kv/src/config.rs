@@ -30,6 +30,8 @@ psnet_config::declare_env_vars! {
         "non-zero: acknowledged delivery; unacknowledged messages are resent, duplicates dropped, a peer silent past the retry limit fails what depends on it";
     PS_RESEND_TIMEOUT = "PS_RESEND_TIMEOUT", "1000",
         "milliseconds before an unacknowledged message is resent (with PS_RESEND); a peer is given up after 10 resends";
+    PSNET_KV_SERVER_KEY_BYTES = "PSNET_KV_SERVER_KEY_BYTES", "0",
+        "bytes of key values one server may hold; an init beyond it fails naming this limit (0: half the machine's memory)";
 }
 
 /// Everything a kv node needs to join a job.
@@ -59,6 +61,21 @@ pub struct KvConfig {
     /// `PS_RESEND`: acknowledged delivery with this resend timeout (`PS_RESEND_TIMEOUT`);
     /// None: off. See [`crate::proto::resend`].
     pub resend: Option<Duration>,
+    /// Bytes of key values one server may hold (`PSNET_KV_SERVER_KEY_BYTES`).
+    pub server_key_bytes: u64,
+}
+
+/// Half the machine's memory (`MemTotal` in `/proc/meminfo`), or 16 GiB where it cannot be
+/// read: the default bound on a server's key values.
+fn half_the_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(16 << 30, |kib| kib * 1024 / 2)
 }
 
 fn seconds(var: EnvVar) -> Result<Option<Duration>, ConfigError> {
@@ -145,13 +162,14 @@ impl KvConfig {
             transport: None,
             loopback: true,
             resend: None,
+            server_key_bytes: half_the_memory(),
         }
     }
 
     /// Reads `DMLC_ROLE`, `DMLC_PS_ROOT_URI`, `DMLC_PS_ROOT_PORT`, `DMLC_NUM_SERVER`,
     /// `DMLC_NUM_WORKER`, `PS_HEARTBEAT_INTERVAL`, `PS_HEARTBEAT_TIMEOUT`,
     /// `MXNET_KVSTORE_BIGARRAY_BOUND`, `PSNET_BOOTSTRAP_TIMEOUT`, `PS_RESEND`,
-    /// `PS_RESEND_TIMEOUT`. A missing or malformed variable is an error naming it.
+    /// `PS_RESEND_TIMEOUT`, `PSNET_KV_SERVER_KEY_BYTES`. A missing or malformed variable is an error naming it.
     pub fn from_env() -> Result<Self, ConfigError> {
         let role_text = DMLC_ROLE.require()?;
         let role = Role::parse(&role_text).ok_or_else(|| ConfigError::Invalid {
@@ -183,7 +201,17 @@ impl KvConfig {
             transport: env::PSNET_TRANSPORT.parse()?,
             loopback: false,
             resend: resend()?,
+            server_key_bytes: match PSNET_KV_SERVER_KEY_BYTES.parse_or_default::<u64>()? {
+                0 => half_the_memory(),
+                n => n,
+            },
         })
+    }
+
+    /// Sets the bound on one server's key values (`PSNET_KV_SERVER_KEY_BYTES`).
+    pub fn server_key_bytes(mut self, bytes: u64) -> Self {
+        self.server_key_bytes = bytes;
+        self
     }
 
     /// Sets the heartbeat period and timeout (None: off).

@@ -22,7 +22,7 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
     let mut joined = bootstrap::join(config, transport).await?;
     let link = joined.link.clone();
     let num_workers = joined.num_workers();
-    let mut state = ServerState::new(num_workers);
+    let mut state = ServerState::new(num_workers).with_key_limit(config.server_key_bytes);
     let mut heartbeat = tokio::time::interval(heartbeat_period(config));
     let worker_rank = |id: NodeId| match ids::role_rank(id) {
         Some((Role::Worker, r)) => Some(r),

@@ -116,6 +116,7 @@ pub fn tcp_config_from_env(bind: SocketAddr) -> Result<TcpConfig, ConfigError> {
     };
     config.connect_timeout = Duration::from_secs(env::PSNET_CONNECT_TIMEOUT.parse_or_default()?);
     config.inbox_bytes = env::PSNET_INBOX_BYTES.parse_or_default()?;
+    config.inflight_bytes = env::PSNET_RECV_INFLIGHT_BYTES.parse_or_default()?;
     config.shm_ring = env::PSNET_SHM_RING.parse_or_default()?;
     config.socket_buffer = match env::PSNET_TCP_BUFFER.parse_or_default::<usize>()? {
         0 => None,

@@ -104,6 +104,9 @@ pub struct ServerState {
     updater: Option<Box<dyn Updater>>,
     compressor: Option<Box<dyn Compressor>>,
     keys: HashMap<u64, KeyState>,
+    /// Bytes of values held, and the most allowed.
+    key_bytes: u64,
+    key_limit: u64,
     dead: BTreeMap<u32, String>,
     out: VecDeque<Output>,
 }
@@ -117,9 +120,18 @@ impl ServerState {
             updater: None,
             compressor: None,
             keys: HashMap::new(),
+            key_bytes: 0,
+            key_limit: u64::MAX,
             dead: BTreeMap::new(),
             out: VecDeque::new(),
         }
+    }
+
+    /// Bounds the bytes of key values this server holds (`PSNET_KV_SERVER_KEY_BYTES`): an
+    /// init that would go beyond fails with an error naming the limit.
+    pub fn with_key_limit(mut self, bytes: u64) -> Self {
+        self.key_limit = bytes;
+        self
     }
 
     /// The current mode.
@@ -253,6 +265,25 @@ impl ServerState {
                 ),
             );
         }
+        let replaced = self
+            .keys
+            .get(&p.key)
+            .map_or(0, |k| k.value.len() as u64 * 4);
+        let held = self.key_bytes - replaced + n as u64 * 4;
+        if held > self.key_limit {
+            return self.fail(
+                p.rank,
+                p.ts,
+                format!(
+                    "key {}: {} bytes would bring this server's keys to {held} bytes, beyond \
+                     PSNET_KV_SERVER_KEY_BYTES={}",
+                    p.key,
+                    n * 4,
+                    self.key_limit
+                ),
+            );
+        }
+        self.key_bytes = held;
         let mut value = vec![0f32; n];
         sum::copy_from_le(&mut value, &p.payload);
         self.keys.insert(

@@ -301,3 +301,21 @@ proptest! {
         prop_assert!(got.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }
+
+#[test]
+fn key_values_beyond_the_server_limit_are_refused_naming_it() {
+    // Room for 10 floats.
+    let mut s = ServerState::new(1).with_key_limit(40);
+    init(&mut s, 1, &[1.0; 6]);
+    let mut p = push(0, 7, 2, &[0.0; 5]);
+    p.flags.init = true;
+    s.handle_push(p);
+    let reason = failed_reason(&drain(&mut s));
+    assert!(reason.contains("PSNET_KV_SERVER_KEY_BYTES=40"), "{reason}");
+    assert!(s.value(2).is_none(), "the refused key is not stored");
+    // Re-initializing a key replaces its bytes rather than adding to them.
+    init(&mut s, 1, &[2.0; 10]);
+    assert_eq!(s.value(1).unwrap().len(), 10);
+    init(&mut s, 1, &[3.0; 4]);
+    init(&mut s, 3, &[4.0; 6]);
+}
