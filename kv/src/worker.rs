@@ -783,3 +783,51 @@ fn fill(key: u64, out: &mut [f32], value: Option<Bytes>, from: NodeId) -> Result
     sum::copy_from_le(out, &bytes);
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::ids::node_id;
+
+    #[test]
+    fn job_control_is_taken_only_from_the_node_entitled_to_send_it() {
+        let server0 = node_id(Role::Server, 0);
+        let server1 = node_id(Role::Server, 1);
+        let worker1 = node_id(Role::Worker, 1);
+        let (tx, _rx) = oneshot::channel();
+        let pending: PendingMap = HashMap::from([(7, (server0, tx))]);
+        let control = [
+            Msg::Shutdown,
+            Msg::Heartbeat,
+            Msg::NodeFailed {
+                id: server0,
+                reason: "x".into(),
+            },
+            Msg::BarrierDone {
+                group: Group::WORKERS,
+            },
+            Msg::BarrierFailed {
+                group: Group::WORKERS,
+                reason: "x".into(),
+            },
+        ];
+        for msg in &control {
+            assert!(entitled(SCHEDULER, msg, &pending), "{msg:?}");
+            for other in [server0, worker1] {
+                assert!(!entitled(other, msg, &pending), "{msg:?} from {other}");
+            }
+        }
+        // An answer only from the server that was asked.
+        let done = Msg::Done { ts: 7 };
+        assert!(entitled(server0, &done, &pending));
+        assert!(!entitled(server1, &done, &pending));
+        assert!(!entitled(
+            server1,
+            &Msg::Failed {
+                ts: 7,
+                reason: "x".into()
+            },
+            &pending
+        ));
+    }
+}

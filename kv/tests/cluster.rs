@@ -149,3 +149,58 @@ async fn a_lost_worker_fails_the_others_instead_of_hanging() {
         .expect_err("barrier with a dead worker");
     assert!(err.to_string().contains("worker 1 (node 11)"), "{err}");
 }
+
+/// Sends a hello claiming `id` (without a token) to `addr` and returns the answer's kind and
+/// body.
+async fn forged_hello(addr: std::net::SocketAddr, id: u64) -> (psnet_transport::FrameKind, String) {
+    use psnet_transport::codec::{self, DataPath};
+    use psnet_transport::{FrameKind, Limits, NodeId, OutMessage};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let hello = codec::encode_hello(NodeId(id), DataPath::Tcp);
+    let frame = codec::encode_frame(
+        FrameKind::Hello,
+        &OutMessage::new(&hello, &[]),
+        &Limits::default(),
+    )
+    .unwrap();
+    s.write_all(&frame).await.unwrap();
+    let mut buf = bytes::BytesMut::new();
+    loop {
+        if let Some(f) = codec::decode_frame(&mut buf, &Limits::default()).unwrap() {
+            return (f.kind, String::from_utf8_lossy(&f.meta).into_owned());
+        }
+        assert!(
+            s.read_buf(&mut buf).await.unwrap() > 0,
+            "closed without an answer"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_hellos_over_tcp_are_refused_and_the_job_goes_on() {
+    use psnet_transport::{FrameKind, Transport};
+    let c = cluster(1, 2, 100).await;
+    let victim = c.workers[0].debug_transport().listen_addr();
+    // The scheduler's id, the other worker's (live) id, an id never assigned.
+    for (id, why) in [
+        (1, "without its job token"),
+        (11, "without its job token"),
+        (77, "never assigned"),
+    ] {
+        let (kind, reason) = forged_hello(victim, id).await;
+        assert_eq!(kind, FrameKind::HelloReject, "node {id} was let in");
+        assert!(reason.contains(why), "node {id}: {reason}");
+    }
+    // Nothing was swapped: the job still runs.
+    let results = on_all(&c.workers, |w| async move {
+        w.init(&[1], &[&[0.0; 4]]).await?;
+        let mut out = vec![0.0; 4];
+        w.pushpull(1, &[1.0; 4], &mut out).await?;
+        Ok::<_, KvError>(out)
+    })
+    .await;
+    for r in results {
+        assert_eq!(r.unwrap(), vec![2.0; 4]);
+    }
+}

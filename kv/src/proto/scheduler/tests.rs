@@ -228,3 +228,23 @@ fn a_scheduler_that_was_stopped_does_not_declare_the_job_dead() {
     }
     assert_eq!(s.dead().len(), 4);
 }
+
+#[test]
+fn only_registered_workers_finalize_and_only_members_enter_barriers() {
+    let now = Instant::now();
+    let mut s = assigned(now);
+    // A server, an unknown id and a provisional id cannot end the job for the workers.
+    for id in [
+        node_id(Role::Server, 0),
+        NodeId(99),
+        provisional_id(addr(9999)),
+    ] {
+        s.handle_finalize(id, now);
+    }
+    s.handle_finalize(node_id(Role::Worker, 0), now);
+    assert!(!s.is_finished());
+    s.handle_barrier(NodeId(99), Group::ALL, now);
+    assert!(drain(&mut s).is_empty(), "a stranger's barrier is ignored");
+    s.handle_finalize(node_id(Role::Worker, 1), now);
+    assert!(s.is_finished());
+}
