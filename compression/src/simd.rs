@@ -9,7 +9,7 @@ use crate::error::CompressionError;
 /// Environment variable capping the SIMD level picked by [`SimdLevel::detect`]:
 /// `avx2`, `sse2` or `scalar` (case-insensitive). A level the CPU lacks falls back to the
 /// best supported one below it; an unrecognised value is ignored with a warning.
-pub const SIMD_ENV_VAR: &str = "PSNET_COMPRESSION_SIMD";
+pub const SIMD_ENV_VAR: &str = psnet_config::env::PSNET_COMPRESSION_SIMD.name;
 
 /// A code path for the compression kernels. All levels produce bit-identical results.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -32,8 +32,8 @@ impl SimdLevel {
         static DETECTED: OnceLock<SimdLevel> = OnceLock::new();
         *DETECTED.get_or_init(|| {
             let best = SimdLevel::best_supported();
-            match std::env::var(SIMD_ENV_VAR) {
-                Ok(value) => match value.parse::<SimdLevel>() {
+            match psnet_config::env::PSNET_COMPRESSION_SIMD.get() {
+                Some(value) => match value.parse::<SimdLevel>() {
                     Ok(cap) if cap.is_supported() => cap,
                     Ok(cap) => {
                         tracing::warn!(
@@ -46,7 +46,7 @@ impl SimdLevel {
                         best
                     }
                 },
-                Err(_) => best,
+                None => best,
             }
         })
     }

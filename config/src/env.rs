@@ -52,10 +52,18 @@ pub enum ConfigError {
 
 impl EnvVar {
     /// The raw value, if set and not empty.
+    // The one place psnet reads its environment (clippy.toml disallows it elsewhere).
+    #[allow(clippy::disallowed_methods)]
     pub fn get(&self) -> Option<String> {
         std::env::var(self.name)
             .ok()
             .filter(|v| !v.trim().is_empty())
+    }
+
+    /// Whether the variable is set at all (even to an empty or non-UTF-8 value).
+    #[allow(clippy::disallowed_methods)]
+    pub fn is_set(&self) -> bool {
+        std::env::var_os(self.name).is_some()
     }
 
     /// The value parsed as `T`, `None` if unset; a parse failure names the variable.
@@ -164,6 +172,31 @@ crate::declare_env_vars! {
         "RDMA: how this node connects queue pairs: auto (rdma_cm where available, else socket; a connection rdma_cm has not completed within 6 s is made over the socket instead), rdma_cm (route resolved from the interface's address; REQ/REP/RTU with psnet's handshake in private data; disconnects arrive as rdma_cm events) or socket (queue-pair numbers exchanged over the TCP control connection). Every node accepts both.";
     PSNET_GPUDIRECT = "PSNET_GPUDIRECT", "auto",
         "RDMA with GPU buffers (psnet-verbs feature `cuda`): how GPU memory is registered with the NIC: auto (dma-buf, else nvidia-peermem, else staged through pinned host memory), dmabuf, peermem, staged, or off.";
+    // The kv store (ps-lite's and MXNet's names).
+    DMLC_ROLE = "DMLC_ROLE", "", "scheduler | server | worker";
+    DMLC_PS_ROOT_URI = "DMLC_PS_ROOT_URI", "", "the scheduler's IP address or host name";
+    DMLC_PS_ROOT_PORT = "DMLC_PS_ROOT_PORT", "", "the scheduler's port";
+    DMLC_NUM_SERVER = "DMLC_NUM_SERVER", "", "number of server processes";
+    DMLC_NUM_WORKER = "DMLC_NUM_WORKER", "", "number of worker processes";
+    PS_HEARTBEAT_INTERVAL = "PS_HEARTBEAT_INTERVAL", "1",
+        "seconds between heartbeats to the scheduler (0: off)";
+    PS_HEARTBEAT_TIMEOUT = "PS_HEARTBEAT_TIMEOUT", "10",
+        "seconds of silence after which the scheduler declares a node dead (0: never)";
+    MXNET_KVSTORE_BIGARRAY_BOUND = "MXNET_KVSTORE_BIGARRAY_BOUND", "1000000",
+        "arrays with at least this many elements are split over all servers";
+    PSNET_BOOTSTRAP_TIMEOUT = "PSNET_BOOTSTRAP_TIMEOUT", "120",
+        "seconds the scheduler waits for every node to register (and nodes for their rank)";
+    PS_RESEND = "PS_RESEND", "0",
+        "non-zero: acknowledged delivery; unacknowledged messages are resent, duplicates dropped, a peer silent past the retry limit fails what depends on it";
+    PS_RESEND_TIMEOUT = "PS_RESEND_TIMEOUT", "1000",
+        "milliseconds before an unacknowledged message is resent (with PS_RESEND); a peer is given up after 10 resends";
+    PSNET_KV_SERVER_KEY_BYTES = "PSNET_KV_SERVER_KEY_BYTES", "0",
+        "bytes of key values one server may hold; an init beyond it fails naming this limit (0: half the machine's memory)";
+
+    PSNET_COMPRESSION_SIMD = "PSNET_COMPRESSION_SIMD", "",
+        "Caps gradient compression's SIMD level: avx2, sse2 or scalar (default: the best this CPU has).";
+    RUST_LOG = "RUST_LOG", "",
+        "tracing's filter (e.g. psnet_kv=debug); wins over PS_VERBOSE.";
     PS_VERBOSE = "PS_VERBOSE", "0",
         "Logging: 0 warnings and start-up choices, 1 lifecycle, 2 every message. RUST_LOG, if set, wins.";
 }

@@ -17,9 +17,9 @@ pub fn filter_for_verbosity(level: u8) -> String {
 /// Installs a stderr subscriber: `RUST_LOG` if set, else the filter for `PS_VERBOSE`.
 /// Calling it twice is harmless. A malformed `PS_VERBOSE` is reported and treated as 0.
 pub fn init() {
-    let filter = match std::env::var("RUST_LOG") {
-        Ok(spec) if !spec.trim().is_empty() => spec,
-        _ => {
+    let filter = match env::RUST_LOG.get() {
+        Some(spec) => spec,
+        None => {
             let level = env::PS_VERBOSE
                 .parse_or_default::<u8>()
                 .unwrap_or_else(|e| {

@@ -11,28 +11,12 @@ use psnet_config::TransportPref;
 use crate::proto::ids::Role;
 use crate::proto::resend::MAX_TIMEOUT;
 
-psnet_config::declare_env_vars! {
-    KV_VARS;
-    DMLC_ROLE = "DMLC_ROLE", "", "scheduler | server | worker";
-    DMLC_PS_ROOT_URI = "DMLC_PS_ROOT_URI", "", "the scheduler's IP address or host name";
-    DMLC_PS_ROOT_PORT = "DMLC_PS_ROOT_PORT", "", "the scheduler's port";
-    DMLC_NUM_SERVER = "DMLC_NUM_SERVER", "", "number of server processes";
-    DMLC_NUM_WORKER = "DMLC_NUM_WORKER", "", "number of worker processes";
-    PS_HEARTBEAT_INTERVAL = "PS_HEARTBEAT_INTERVAL", "1",
-        "seconds between heartbeats to the scheduler (0: off)";
-    PS_HEARTBEAT_TIMEOUT = "PS_HEARTBEAT_TIMEOUT", "10",
-        "seconds of silence after which the scheduler declares a node dead (0: never)";
-    MXNET_KVSTORE_BIGARRAY_BOUND = "MXNET_KVSTORE_BIGARRAY_BOUND", "1000000",
-        "arrays with at least this many elements are split over all servers";
-    PSNET_BOOTSTRAP_TIMEOUT = "PSNET_BOOTSTRAP_TIMEOUT", "120",
-        "seconds the scheduler waits for every node to register (and nodes for their rank)";
-    PS_RESEND = "PS_RESEND", "0",
-        "non-zero: acknowledged delivery; unacknowledged messages are resent, duplicates dropped, a peer silent past the retry limit fails what depends on it";
-    PS_RESEND_TIMEOUT = "PS_RESEND_TIMEOUT", "1000",
-        "milliseconds before an unacknowledged message is resent (with PS_RESEND); a peer is given up after 10 resends";
-    PSNET_KV_SERVER_KEY_BYTES = "PSNET_KV_SERVER_KEY_BYTES", "0",
-        "bytes of key values one server may hold; an init beyond it fails naming this limit (0: half the machine's memory)";
-}
+// The kv store's variables live in the one registry, psnet_config::env.
+pub use psnet_config::env::{
+    DMLC_NUM_SERVER, DMLC_NUM_WORKER, DMLC_PS_ROOT_PORT, DMLC_PS_ROOT_URI, DMLC_ROLE,
+    MXNET_KVSTORE_BIGARRAY_BOUND, PSNET_BOOTSTRAP_TIMEOUT, PSNET_KV_SERVER_KEY_BYTES,
+    PS_HEARTBEAT_INTERVAL, PS_HEARTBEAT_TIMEOUT, PS_RESEND, PS_RESEND_TIMEOUT,
+};
 
 /// Everything a kv node needs to join a job.
 #[derive(Clone, Debug)]
@@ -285,7 +269,7 @@ mod tests {
         }
         std::env::remove_var("PS_RESEND");
         std::env::remove_var("PS_RESEND_TIMEOUT");
-        assert!(KV_VARS.contains(&PS_RESEND) && KV_VARS.contains(&PS_RESEND_TIMEOUT));
+        assert!(env::ALL.contains(&PS_RESEND) && env::ALL.contains(&PS_RESEND_TIMEOUT));
         let c = KvConfig::local(Role::Worker, "127.0.0.1:1".parse().unwrap(), 1, 1);
         assert_eq!(c.resend, None);
         let c = c.resend(Some(Duration::from_millis(300)));

@@ -8,6 +8,8 @@
 #![deny(missing_docs)]
 
 use std::net::TcpListener;
+
+use psnet_config::env;
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
@@ -127,9 +129,9 @@ pub enum LaunchError {
 
 /// The scheduler's address for a job on this host (see [`JobSpec::root_host`]).
 pub fn default_root_host() -> String {
-    let chosen = ["DMLC_NODE_HOST", "DMLC_INTERFACE"]
+    let chosen = [env::DMLC_NODE_HOST, env::DMLC_INTERFACE]
         .iter()
-        .any(|v| std::env::var_os(v).is_some_and(|s| !s.is_empty()));
+        .any(|v| v.get().is_some());
     if chosen {
         if let Ok(address) = psnet_config::interface::node_address_from_env() {
             return address.ip.to_string();
@@ -157,8 +159,10 @@ pub fn process_env(spec: &JobSpec, role: Role, port: u16) -> Vec<(String, String
         ("DMLC_NUM_WORKER".to_string(), spec.workers.to_string()),
     ];
     // A job on loopback keeps its nodes on loopback too, unless told otherwise.
-    let told =
-        |name: &str| std::env::var_os(name).is_some() || spec.env.iter().any(|(k, _)| k == name);
+    let told = |name: &str| {
+        env::ALL.iter().any(|v| v.name == name && v.is_set())
+            || spec.env.iter().any(|(k, _)| k == name)
+    };
     let loopback = spec
         .root_host
         .parse::<std::net::IpAddr>()
@@ -277,9 +281,7 @@ mod tests {
         assert_eq!(get("DMLC_NUM_SERVER"), Some("2"));
         assert_eq!(get("DMLC_NUM_WORKER"), Some("3"));
         assert_eq!(get("PS_VERBOSE"), Some("1"));
-        if std::env::var_os("DMLC_INTERFACE").is_none()
-            && std::env::var_os("DMLC_NODE_HOST").is_none()
-        {
+        if !env::DMLC_INTERFACE.is_set() && !env::DMLC_NODE_HOST.is_set() {
             assert_eq!(
                 get("DMLC_NODE_HOST"),
                 Some("127.0.0.1"),

@@ -188,7 +188,7 @@ fn run_kv(
     if sizes.contains(&0) || iters == Some(0) || keys == 0 {
         return Err("sizes, -n and --keys must be at least 1".into());
     }
-    if std::env::var_os("DMLC_ROLE").is_some() {
+    if psnet::config::env::DMLC_ROLE.is_set() {
         // Scheduler and server processes run inside launch_from_env and exit there.
         let config = psnet::kv::launch_from_env().map_err(|e| e.to_string())?;
         return kv::run_worker(config, sizes, iters, keys, json);
@@ -209,16 +209,7 @@ fn print_env() {
         "{:<32} {:<12} {:<14} DESCRIPTION",
         "VARIABLE", "DEFAULT", "CURRENT"
     );
-    let compression = psnet::config::env::EnvVar {
-        name: psnet::compression::SIMD_ENV_VAR,
-        default: "",
-        description:
-            "caps gradient compression's SIMD level: avx2, sse2 or scalar (default: the best this CPU has)",
-    };
-    let all = psnet::config::env::ALL
-        .iter()
-        .chain(psnet::kv::config::KV_VARS)
-        .chain(std::iter::once(&compression));
+    let all = psnet::config::env::ALL.iter();
     for var in all {
         let current = var.get().unwrap_or_else(|| "-".into());
         let default = if var.default.is_empty() {

@@ -87,7 +87,7 @@ fn main() -> ExitCode {
     let args = Args::parse();
     let result = if args.reference {
         train::reference(&args).map_err(train::Failure::from)
-    } else if std::env::var_os("DMLC_ROLE").is_some() {
+    } else if psnet::config::env::DMLC_ROLE.is_set() {
         match psnet::kv::launch_from_env() {
             // Scheduler and server processes never return from launch_from_env.
             Ok(config) => train::worker(&args, config),

@@ -59,7 +59,7 @@ async fn the_port_going_down_fails_every_peer_at_once_and_the_transport_recovers
         eprintln!("SKIPPED: {why}");
         return;
     }
-    let (Ok(netdev), Some(spec)) = (std::env::var("RXE_NETDEV"), factory.spec()) else {
+    let (Some(netdev), Some(spec)) = (common::harness_var("RXE_NETDEV"), factory.spec()) else {
         eprintln!("SKIPPED: RXE_NETDEV unset (the guest names the interface it may take down)");
         return;
     };

@@ -9,7 +9,7 @@ use super::GpuError;
 
 /// The environment variable choosing the path: `auto` (default), `dmabuf`, `peermem`,
 /// `staged` or `off`.
-pub const ENV: &str = "PSNET_GPUDIRECT";
+pub const ENV: &str = psnet_config::env::PSNET_GPUDIRECT.name;
 
 /// How the NIC reaches a GPU buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -75,12 +75,9 @@ impl FromStr for Mode {
 impl Mode {
     /// The setting from `PSNET_GPUDIRECT` (unset: [`Mode::Auto`]).
     pub fn from_env() -> Result<Mode, GpuError> {
-        match std::env::var(ENV) {
-            Ok(v) => v.parse(),
-            Err(std::env::VarError::NotPresent) => Ok(Mode::Auto),
-            Err(std::env::VarError::NotUnicode(v)) => {
-                Err(GpuError::BadSetting(v.to_string_lossy().into_owned()))
-            }
+        match psnet_config::env::PSNET_GPUDIRECT.get() {
+            Some(v) => v.parse(),
+            None => Ok(Mode::Auto),
         }
     }
 }

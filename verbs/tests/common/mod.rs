@@ -19,15 +19,13 @@ impl VerbsFactory {
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
             .with_writer(std::io::stderr)
             .try_init();
-        let spec = match (std::env::var("RXE_DEV"), std::env::var("RXE_ADDR")) {
-            (Ok(device), Ok(addr)) => addr
+        let spec = match (harness_var("RXE_DEV"), harness_var("RXE_ADDR")) {
+            (Some(device), Some(addr)) => addr
                 .parse::<IpAddr>()
                 .map(|ip| DeviceSpec {
                     device,
                     port: 1,
-                    gid_index: std::env::var("RXE_GID_INDEX")
-                        .ok()
-                        .and_then(|g| g.parse().ok()),
+                    gid_index: harness_var("RXE_GID_INDEX").and_then(|g| g.parse().ok()),
                     ip,
                 })
                 .map_err(|e| format!("RXE_ADDR={addr}: {e}")),
@@ -53,8 +51,8 @@ impl VerbsFactory {
         let spec = self.spec.clone().expect("checked by skip_reason");
         let mut config = VerbsConfig::new(SocketAddr::new(spec.ip, 0), spec);
         // The guest runs the suite once per way of connecting queue pairs.
-        if let Some(handshake) = std::env::var("PSNET_RDMA_CONNECT")
-            .ok()
+        if let Some(handshake) = psnet_config::env::PSNET_RDMA_CONNECT
+            .get()
             .and_then(|v| v.parse().ok())
         {
             config.handshake = handshake;
@@ -85,4 +83,15 @@ pub async fn next_message(t: &VerbsTransport) -> Incoming {
             Event::PeerLost { peer, reason } => panic!("lost {peer}: {reason}"),
         }
     }
+}
+
+/// A variable the test harness sets (not one of psnet's, which psnet_config::env declares).
+#[allow(dead_code)]
+pub fn harness_var(name: &'static str) -> Option<String> {
+    psnet_config::env::EnvVar {
+        name,
+        default: "",
+        description: "set by the test harness",
+    }
+    .get()
 }
