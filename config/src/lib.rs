@@ -8,6 +8,7 @@
 //! - [`logging`]: `PS_VERBOSE` mapped onto `tracing`.
 //! - [`TransportPref`]: what `PSNET_TRANSPORT` asks for.
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod env;
 pub mod interface;

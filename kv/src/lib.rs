@@ -23,6 +23,7 @@
 //! builds one (the `psnet` crate does that from the environment, and tests hand in the
 //! in-memory transport).
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod blocking;
 mod bootstrap;

@@ -6,6 +6,7 @@
 //! If any process fails, the others are stopped after a grace period, so a broken job never
 //! lingers; the outcome says which process failed first.
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 use std::net::TcpListener;
 

@@ -5,6 +5,7 @@
 //!   measured in the same run.
 //! - `psnet-perf select`: which address and transport this node would use, and why.
 //! - `psnet-perf --print-env`: every environment variable psnet reads.
+#![forbid(unsafe_code)]
 
 mod baseline;
 mod bw;

@@ -8,6 +8,7 @@
 //!   interface ([`decide`]);
 //! - [`AnyTransport`], one type for whichever was chosen.
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod any;
 mod decide;

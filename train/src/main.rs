@@ -6,6 +6,7 @@
 //! - With `DMLC_ROLE` (set by a launcher), it is one process of the job.
 //! - `--reference` trains in one process, applying the rank-ordered sum of every worker's
 //!   gradients itself: a `dist_sync` run must end with bit-identical weights.
+#![forbid(unsafe_code)]
 
 mod data;
 mod model;

@@ -15,6 +15,7 @@
 //! - [`Admission`]: who may connect, and the [`Proof`] of identity a node's hello carries.
 //! - `conformance` (feature `conformance`): the suite every transport runs in its tests.
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod admission;
 mod caps;

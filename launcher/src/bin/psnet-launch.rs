@@ -1,5 +1,6 @@
 //! `psnet-launch -s SERVERS -n WORKERS [--env K=V]... -- COMMAND [ARGS...]`: runs a psnet job
 //! on this host (MXNet's `tools/launch.py --launcher local`).
+#![forbid(unsafe_code)]
 
 use std::process::ExitCode;
 use std::time::Duration;
