@@ -42,6 +42,58 @@ struct Part {
     len: usize,
 }
 
+/// What one request asks of a server; its id is given when it is sent.
+enum Ask {
+    Push {
+        key: u64,
+        flags: PushFlags,
+        n_elems: u64,
+    },
+    Pull {
+        key: u64,
+        n_elems: u64,
+    },
+    Command {
+        kind: CommandKind,
+        body: String,
+    },
+}
+
+impl Ask {
+    fn into_msg(self, ts: u64) -> Msg {
+        match self {
+            Ask::Push {
+                key,
+                flags,
+                n_elems,
+            } => Msg::Push {
+                ts,
+                key,
+                flags,
+                n_elems,
+            },
+            Ask::Pull { key, n_elems } => Msg::Pull { ts, key, n_elems },
+            Ask::Command { kind, body } => Msg::Command { ts, kind, body },
+        }
+    }
+}
+
+/// One request of a call, with the bytes it carries (borrowed from the caller).
+struct Outgoing<'a> {
+    to: NodeId,
+    ask: Ask,
+    value: Option<&'a [u8]>,
+}
+
+/// One server's part of a push, ready to send.
+struct PreparedPart {
+    key: u64,
+    part: Part,
+    flags: PushFlags,
+    /// The part's compressed bytes; None: sent straight from the caller's values.
+    compressed: Option<Vec<u8>>,
+}
+
 #[derive(Clone, Debug)]
 struct Layout {
     len: usize,
@@ -200,6 +252,44 @@ impl<T: Transport> Shared<T> {
             Received::Lost { peer, reason } => self.on_node_lost(peer, reason),
             Received::Connected(_) => {}
         }
+    }
+
+    /// Sends a call's requests: to each server in the call's order, to all servers at once.
+    /// (A large send completes only once its bytes are out, after its RDMA WRITE on verbs: one
+    /// server after another would serialize the parts of a sharded key.) The receivers come
+    /// back in the requests' order.
+    async fn send_all(
+        &self,
+        requests: Vec<Outgoing<'_>>,
+    ) -> Result<Vec<oneshot::Receiver<Reply>>, KvError> {
+        let total = requests.len();
+        let mut by_server: Vec<(NodeId, Vec<(usize, Outgoing<'_>)>)> = Vec::new();
+        for (i, r) in requests.into_iter().enumerate() {
+            match by_server.iter_mut().find(|(to, _)| *to == r.to) {
+                Some((_, queue)) => queue.push((i, r)),
+                None => by_server.push((r.to, vec![(i, r)])),
+            }
+        }
+        let sends = by_server.into_iter().map(|(_, queue)| async move {
+            let mut sent = Vec::with_capacity(queue.len());
+            for (i, r) in queue {
+                let ask = r.ask;
+                sent.push((
+                    i,
+                    self.request(r.to, move |ts| ask.into_msg(ts), r.value)
+                        .await?,
+                ));
+            }
+            Ok::<_, KvError>(sent)
+        });
+        let mut slots: Vec<Option<oneshot::Receiver<Reply>>> = (0..total).map(|_| None).collect();
+        for sent in futures_util::future::join_all(sends).await {
+            for (i, rx) in sent? {
+                slots[i] = Some(rx);
+            }
+        }
+        // Every slot is filled: each request was sent, or the call failed above.
+        Ok(slots.into_iter().flatten().collect())
     }
 
     /// Registers a request and sends it; the receiver yields the answer.
@@ -404,18 +494,22 @@ impl<T: Transport> Worker<T> {
         Ok(layout)
     }
 
-    /// Sends `msg`-per-part requests and waits for all answers.
+    /// Sends one command to every server and waits for all answers.
     async fn command_all(&self, kind: CommandKind, body: String) -> Result<(), KvError> {
-        let mut waits = Vec::new();
-        for &server in &self.shared.servers {
-            let body = body.clone();
-            waits.push(
-                self.shared
-                    .request(server, move |ts| Msg::Command { ts, kind, body }, None)
-                    .await?,
-            );
-        }
-        for rx in waits {
+        let requests = self
+            .shared
+            .servers
+            .iter()
+            .map(|&to| Outgoing {
+                to,
+                ask: Ask::Command {
+                    kind,
+                    body: body.clone(),
+                },
+                value: None,
+            })
+            .collect();
+        for rx in self.shared.send_all(requests).await? {
             answer(rx).await?;
         }
         Ok(())
@@ -503,100 +597,97 @@ impl<T: Transport> Worker<T> {
                 init: true,
                 ..PushFlags::default()
             };
-            let mut waits = Vec::new();
+            let mut parts = Vec::new();
             for (&key, v) in keys.iter().zip(values) {
-                waits.extend(self.send_parts(key, v, flags).await?);
+                let layout = self.layout(key, v.len())?;
+                parts.extend(layout.parts.into_iter().map(|p| (key, *v, p)));
             }
-            for rx in waits {
+            let requests = parts
+                .iter()
+                .map(|(key, v, p)| Outgoing {
+                    to: self.shared.servers[p.server],
+                    ask: Ask::Push {
+                        key: *key,
+                        flags,
+                        n_elems: p.len as u64,
+                    },
+                    value: Some(sum::as_bytes(&v[p.offset..p.offset + p.len])),
+                })
+                .collect();
+            for rx in self.shared.send_all(requests).await? {
                 answer(rx).await?;
             }
         }
         self.barrier().await
     }
 
-    /// Sends every part of `values` uncompressed.
-    async fn send_parts(
-        &self,
-        key: u64,
-        values: &[f32],
-        flags: PushFlags,
-    ) -> Result<Vec<oneshot::Receiver<Reply>>, KvError> {
-        let layout = self.layout(key, values.len())?;
-        let mut waits = Vec::with_capacity(layout.parts.len());
-        for p in &layout.parts {
-            let slice = &values[p.offset..p.offset + p.len];
-            let n = p.len as u64;
-            waits.push(
-                self.shared
-                    .request(
-                        self.shared.servers[p.server],
-                        move |ts| Msg::Push {
-                            ts,
-                            key,
-                            flags,
-                            n_elems: n,
-                        },
-                        Some(sum::as_bytes(slice)),
-                    )
-                    .await?,
-            );
-        }
-        Ok(waits)
-    }
-
-    /// Sends every part of a push (compressed when compression is on); returns the waits with
-    /// each part's element range.
-    async fn start_push(
+    /// The parts of a push of `values` to `key`, ready to send: each part's range, flags and,
+    /// when compression is on, its compressed bytes (the residual updated as MXNet does).
+    fn prepare_push(
         &self,
         key: u64,
         values: &[f32],
         pull_back: bool,
-    ) -> Result<Vec<(Part, oneshot::Receiver<Reply>)>, KvError> {
+    ) -> Result<Vec<PreparedPart>, KvError> {
         let layout = self.layout(key, values.len())?;
         let compressor = lock(&self.shared.compressor).clone();
-        let mut waits = Vec::with_capacity(layout.parts.len());
+        let mut parts = Vec::with_capacity(layout.parts.len());
         for p in &layout.parts {
             let slice = &values[p.offset..p.offset + p.len];
-            let n = p.len as u64;
-            let to = self.shared.servers[p.server];
-            let compressed;
-            let (payload, is_compressed) = match &compressor {
+            let compressed = match &compressor {
                 Some(c) => {
                     let mut out = vec![0u8; c.compressed_len(p.len)];
-                    {
-                        let mut residuals = lock(&self.shared.residuals);
-                        let residual = residuals
-                            .entry(key)
-                            .or_insert_with(|| vec![0.0; layout.len]);
-                        c.quantize(slice, &mut residual[p.offset..p.offset + p.len], &mut out)
-                            .map_err(|e| KvError::Invalid(e.to_string()))?;
-                    }
-                    compressed = out;
-                    (&compressed[..], true)
+                    let mut residuals = lock(&self.shared.residuals);
+                    let residual = residuals
+                        .entry(key)
+                        .or_insert_with(|| vec![0.0; layout.len]);
+                    c.quantize(slice, &mut residual[p.offset..p.offset + p.len], &mut out)
+                        .map_err(|e| KvError::Invalid(e.to_string()))?;
+                    Some(out)
                 }
-                None => (sum::as_bytes(slice), false),
+                None => None,
             };
             let flags = PushFlags {
                 init: false,
-                compressed: is_compressed,
+                compressed: compressed.is_some(),
                 pull_back,
             };
-            let rx = self
-                .shared
-                .request(
-                    to,
-                    move |ts| Msg::Push {
-                        ts,
-                        key,
-                        flags,
-                        n_elems: n,
-                    },
-                    Some(payload),
-                )
-                .await?;
-            waits.push((*p, rx));
+            parts.push(PreparedPart {
+                key,
+                part: *p,
+                flags,
+                compressed,
+            });
         }
-        Ok(waits)
+        Ok(parts)
+    }
+
+    /// Sends every prepared part of the call's pushes (`values[i]` is key i's array), all
+    /// servers at once; the receivers come back in the parts' order.
+    async fn send_pushes(
+        &self,
+        parts: &[(usize, PreparedPart)],
+        values: &[&[f32]],
+    ) -> Result<Vec<oneshot::Receiver<Reply>>, KvError> {
+        let requests = parts
+            .iter()
+            .map(|(i, pp)| {
+                let p = pp.part;
+                Outgoing {
+                    to: self.shared.servers[p.server],
+                    ask: Ask::Push {
+                        key: pp.key,
+                        flags: pp.flags,
+                        n_elems: p.len as u64,
+                    },
+                    value: Some(match &pp.compressed {
+                        Some(bytes) => &bytes[..],
+                        None => sum::as_bytes(&values[*i][p.offset..p.offset + p.len]),
+                    }),
+                }
+            })
+            .collect();
+        self.shared.send_all(requests).await
     }
 
     /// Pushes `values` for `key` and waits until the servers have applied it (in `dist_sync`,
@@ -608,11 +699,15 @@ impl<T: Transport> Worker<T> {
     /// Pushes several keys at once.
     pub async fn push_many(&self, keys: &[u64], values: &[&[f32]]) -> Result<(), KvError> {
         check_lengths("push", keys.len(), values.len())?;
-        let mut waits = Vec::new();
-        for (&key, v) in keys.iter().zip(values) {
-            waits.extend(self.start_push(key, v, false).await?);
+        let mut parts = Vec::new();
+        for (i, (&key, v)) in keys.iter().zip(values).enumerate() {
+            parts.extend(
+                self.prepare_push(key, v, false)?
+                    .into_iter()
+                    .map(|p| (i, p)),
+            );
         }
-        for (_, rx) in waits {
+        for rx in self.send_pushes(&parts, values).await? {
             answer(rx).await?;
         }
         Ok(())
@@ -626,27 +721,24 @@ impl<T: Transport> Worker<T> {
     /// Pulls several keys at once.
     pub async fn pull_many(&self, keys: &[u64], outs: &mut [&mut [f32]]) -> Result<(), KvError> {
         check_lengths("pull", keys.len(), outs.len())?;
-        let mut waits = Vec::new();
+        let mut parts = Vec::new();
         for (i, (&key, out)) in keys.iter().zip(outs.iter()).enumerate() {
             let layout = self.layout(key, out.len())?;
-            for p in &layout.parts {
-                let n = p.len as u64;
-                let rx = self
-                    .shared
-                    .request(
-                        self.shared.servers[p.server],
-                        move |ts| Msg::Pull {
-                            ts,
-                            key,
-                            n_elems: n,
-                        },
-                        None,
-                    )
-                    .await?;
-                waits.push((i, key, *p, rx));
-            }
+            parts.extend(layout.parts.into_iter().map(|p| (i, key, p)));
         }
-        for (i, key, p, rx) in waits {
+        let requests = parts
+            .iter()
+            .map(|&(_, key, p)| Outgoing {
+                to: self.shared.servers[p.server],
+                ask: Ask::Pull {
+                    key,
+                    n_elems: p.len as u64,
+                },
+                value: None,
+            })
+            .collect();
+        let waits = self.shared.send_all(requests).await?;
+        for ((i, key, p), rx) in parts.into_iter().zip(waits) {
             let value = answer(rx).await?;
             fill(
                 key,
@@ -672,7 +764,7 @@ impl<T: Transport> Worker<T> {
     ) -> Result<(), KvError> {
         check_lengths("pushpull", keys.len(), values.len())?;
         check_lengths("pushpull", keys.len(), outs.len())?;
-        let mut waits = Vec::new();
+        let mut parts = Vec::new();
         for (i, ((&key, v), out)) in keys.iter().zip(values).zip(outs.iter_mut()).enumerate() {
             if out.as_mut().len() != v.len() {
                 return Err(KvError::SizeMismatch {
@@ -681,18 +773,17 @@ impl<T: Transport> Worker<T> {
                     got: out.as_mut().len(),
                 });
             }
-            for (p, rx) in self.start_push(key, v, true).await? {
-                waits.push((i, key, p, rx));
-            }
+            parts.extend(self.prepare_push(key, v, true)?.into_iter().map(|p| (i, p)));
         }
-        for (i, key, p, rx) in waits {
+        let waits = self.send_pushes(&parts, values).await?;
+        for ((i, pp), rx) in parts.into_iter().zip(waits) {
             let value = answer(rx).await?;
-            let server = self.shared.servers[p.server];
+            let p = pp.part;
             fill(
-                key,
+                pp.key,
                 &mut outs[i].as_mut()[p.offset..p.offset + p.len],
                 value,
-                server,
+                self.shared.servers[p.server],
             )?;
         }
         Ok(())
