@@ -1,21 +1,20 @@
 //! The worker: MXNet's kvstore API (`init`, `push`, `pull`, `pushpull`, `barrier`, ...) over
 //! the servers, with gradient compression and per-key error-feedback residuals.
 //!
-//! Every call sends all its requests first and then waits for the answers, so the parts of
-//! one array (and the keys of one call) are served by all servers at once. Values are sent
-//! straight from the caller's slices.
+//! The logic lives in [`WorkerState`](crate::proto::worker::WorkerState), behind one lock;
+//! this driver only moves bytes. Every call sends all its requests first, to all servers at
+//! once, and then waits for the answers, so the parts of one array (and the keys of one call)
+//! are served by all servers in parallel. Values are sent straight from the caller's slices.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
-use psnet_compression::{CompressionParams, Compressor};
+use psnet_compression::CompressionParams;
 use psnet_transport::{NodeId, Transport};
 use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinHandle;
 
-use crate::bootstrap::{self, heartbeat_period, Heard};
+use crate::bootstrap::{self, heartbeat_period};
 use crate::config::KvConfig;
 use crate::error::KvError;
 use crate::placement::Placement;
@@ -24,23 +23,9 @@ use crate::proto::msg::{CommandKind, Msg, PushFlags};
 use crate::proto::resend::Stats;
 use crate::proto::server::Mode;
 use crate::proto::sum;
+use crate::proto::worker::{PreparedPart, Reply, WorkerState};
 use crate::reliable::Link;
 use crate::updater::OptimizerSpec;
-use crate::wire::Received;
-
-type Reply = Result<Option<Bytes>, KvError>;
-/// Requests waiting for an answer: request id to (server, where the answer goes).
-type PendingMap = HashMap<u64, (NodeId, oneshot::Sender<Reply>)>;
-/// The barrier in progress, if any.
-type BarrierSlot = Option<(Group, oneshot::Sender<Result<(), KvError>>)>;
-
-/// One server's share of a key.
-#[derive(Clone, Copy, Debug)]
-struct Part {
-    server: usize,
-    offset: usize,
-    len: usize,
-}
 
 /// What one request asks of a server; its id is given when it is sent.
 enum Ask {
@@ -85,172 +70,36 @@ struct Outgoing<'a> {
     value: Option<&'a [u8]>,
 }
 
-/// One server's part of a push, ready to send.
-struct PreparedPart {
-    key: u64,
-    part: Part,
-    flags: PushFlags,
-    /// The part's compressed bytes; None: sent straight from the caller's values.
-    compressed: Option<Vec<u8>>,
-}
-
-#[derive(Clone, Debug)]
-struct Layout {
-    len: usize,
-    parts: Vec<Part>,
-}
-
-struct Shared<T: Transport> {
-    link: Arc<Link<T>>,
-    rank: u32,
-    servers: Vec<NodeId>,
-    num_workers: u32,
-    placement: Placement,
-    next_ts: AtomicU64,
-    pending: Mutex<PendingMap>,
-    barrier: Mutex<BarrierSlot>,
-    keys: Mutex<HashMap<u64, Layout>>,
-    residuals: Mutex<HashMap<u64, Vec<f32>>>,
-    compressor: Mutex<Option<Arc<dyn Compressor>>>,
-    dead: Mutex<BTreeMap<NodeId, String>>,
-    shutdown: AtomicBool,
-    shutdown_seen: Notify,
-    names: Mutex<HashMap<String, u64>>,
-    /// When the scheduler was last heard from (it answers every heartbeat).
-    scheduler_heard: Heard,
-}
-
-/// Whether a worker takes `msg` from `from`.
-fn entitled(from: NodeId, msg: &Msg, pending: &PendingMap) -> bool {
-    match msg {
-        Msg::Done { ts } | Msg::Failed { ts, .. } => {
-            pending.get(ts).is_none_or(|(asked, _)| *asked == from)
-        }
-        Msg::NodeFailed { .. }
-        | Msg::BarrierDone { .. }
-        | Msg::BarrierFailed { .. }
-        | Msg::Heartbeat
-        | Msg::Shutdown => from == SCHEDULER,
-        _ => true,
-    }
-}
-
-/// Whether losing `node` leaves nothing this worker waits for able to finish: a server takes
-/// its shard with it, and without the scheduler the job cannot end.
-fn is_fatal(node: NodeId) -> bool {
-    node == SCHEDULER || is_server(node)
-}
-
 /// How long a failed send waits for the receiver to report the peer's loss with its cause.
 const LOSS_GRACE: std::time::Duration = std::time::Duration::from_millis(250);
 
-fn is_server(node: NodeId) -> bool {
-    matches!(crate::proto::ids::role_rank(node), Some((Role::Server, _)))
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Nothing panics while holding these locks; a poisoned one is still consistent.
-    m.lock().unwrap_or_else(|p| p.into_inner())
+struct Shared<T: Transport> {
+    link: Arc<Link<T>>,
+    /// Fixed at join: read without the lock.
+    rank: u32,
+    servers: Vec<NodeId>,
+    num_workers: u32,
+    state: Mutex<WorkerState>,
+    /// Woken when the job ends or the scheduler is lost (`finalize` waits for it).
+    ended: Notify,
 }
 
 impl<T: Transport> Shared<T> {
-    /// Fails every request waiting on `node` (every request at all when `all`).
-    fn fail_pending_to(&self, node: NodeId, reason: &str, all: bool) {
-        let failed: Vec<oneshot::Sender<Reply>> = {
-            let mut pending = lock(&self.pending);
-            let ts: Vec<u64> = pending
-                .iter()
-                .filter(|(_, (to, _))| all || *to == node)
-                .map(|(ts, _)| *ts)
-                .collect();
-            ts.into_iter()
-                .filter_map(|ts| pending.remove(&ts).map(|(_, tx)| tx))
-                .collect()
+    fn state(&self) -> MutexGuard<'_, WorkerState> {
+        // The state is only changed by its own methods, none of which panics half-way: a
+        // poisoned lock still guards a consistent state.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Hands one received event to the state.
+    fn handle(&self, event: crate::wire::Received) {
+        let ended = {
+            let mut state = self.state();
+            state.handle_received(event, crate::clock::now());
+            state.is_shutdown() || state.scheduler_lost().is_some()
         };
-        for tx in failed {
-            let _ = tx.send(Err(KvError::NodeLost {
-                node: describe(node),
-                reason: reason.to_string(),
-            }));
-        }
-    }
-
-    fn fail_barrier(&self, reason: String) {
-        if let Some((_, tx)) = lock(&self.barrier).take() {
-            let _ = tx.send(Err(KvError::Barrier(reason)));
-        }
-    }
-
-    fn on_node_lost(&self, node: NodeId, reason: String) {
-        if self.shutdown.load(Ordering::Acquire) {
-            return;
-        }
-        tracing::warn!(node = %describe(node), %reason, "node lost");
-        lock(&self.dead).insert(node, reason.clone());
-        // A lost server takes its shard with it: the keys with a part there, and the
-        // dist_sync rounds that other workers (failing on it too) will never finish, cannot
-        // complete on any server, so every request fails now rather than wait forever.
-        self.fail_pending_to(node, &reason, is_fatal(node));
-        if is_server(node) {
-            // Nor can a barrier the other workers may never reach.
-            self.fail_barrier(format!("{} is gone: {reason}", describe(node)));
-        }
-        if node == SCHEDULER {
-            self.fail_barrier(format!("{} is gone: {reason}", describe(node)));
-            self.shutdown_seen.notify_one();
-        }
-    }
-
-    /// Dispatches one received event. Each kind of message is taken only from the node
-    /// entitled to send it: answers from the server that was asked, job control from the
-    /// scheduler; anything else is refused and logged.
-    fn handle(&self, event: Received) {
-        if matches!(&event, Received::Msg { from, .. } | Received::Connected(from) if *from == SCHEDULER)
-        {
-            self.scheduler_heard.mark(crate::clock::now());
-        }
-        match event {
-            Received::Msg { from, msg, .. } if !entitled(from, &msg, &lock(&self.pending)) => {
-                tracing::warn!(from = %describe(from), ?msg,
-                    "refused: this node may not send this message to a worker");
-            }
-            Received::Msg { from, msg, value } => match msg {
-                Msg::Done { ts } => {
-                    if let Some((_, tx)) = lock(&self.pending).remove(&ts) {
-                        let _ = tx.send(Ok(value));
-                    }
-                }
-                Msg::Failed { ts, reason } => {
-                    if let Some((_, tx)) = lock(&self.pending).remove(&ts) {
-                        let _ = tx.send(Err(KvError::Remote {
-                            node: describe(from),
-                            reason,
-                        }));
-                    }
-                }
-                Msg::BarrierDone { group } => {
-                    let mut b = lock(&self.barrier);
-                    if matches!(&*b, Some((g, _)) if *g == group) {
-                        if let Some((_, tx)) = b.take() {
-                            let _ = tx.send(Ok(()));
-                        }
-                    }
-                }
-                Msg::BarrierFailed { reason, .. } => self.fail_barrier(reason),
-                Msg::NodeFailed { id, reason } => self.on_node_lost(id, reason),
-                Msg::Shutdown => {
-                    self.shutdown.store(true, Ordering::Release);
-                    self.shutdown_seen.notify_one();
-                }
-                // The scheduler's answer to a heartbeat: heard above.
-                Msg::Heartbeat => {}
-                Msg::Leaving { reason } => self.on_node_lost(from, format!("it left: {reason}")),
-                other => {
-                    tracing::warn!(from = %describe(from), ?other, "unexpected message at a worker")
-                }
-            },
-            Received::Lost { peer, reason } => self.on_node_lost(peer, reason),
-            Received::Connected(_) => {}
+        if ended {
+            self.ended.notify_one();
         }
     }
 
@@ -273,12 +122,7 @@ impl<T: Transport> Shared<T> {
         let sends = by_server.into_iter().map(|(_, queue)| async move {
             let mut sent = Vec::with_capacity(queue.len());
             for (i, r) in queue {
-                let ask = r.ask;
-                sent.push((
-                    i,
-                    self.request(r.to, move |ts| ask.into_msg(ts), r.value)
-                        .await?,
-                ));
+                sent.push((i, self.request(r.to, r.ask, r.value).await?));
             }
             Ok::<_, KvError>(sent)
         });
@@ -296,38 +140,17 @@ impl<T: Transport> Shared<T> {
     async fn request(
         &self,
         to: NodeId,
-        msg: impl FnOnce(u64) -> Msg,
+        ask: Ask,
         value: Option<&[u8]>,
     ) -> Result<oneshot::Receiver<Reply>, KvError> {
-        if let Some((node, reason)) = lock(&self.dead)
-            .iter()
-            .find(|(id, _)| **id == to || is_fatal(**id))
-        {
-            return Err(KvError::NodeLost {
-                node: describe(*node),
-                reason: reason.clone(),
-            });
-        }
-        let ts = self.next_ts.fetch_add(1, Ordering::Relaxed);
-        let (tx, mut rx) = oneshot::channel();
-        lock(&self.pending).insert(ts, (to, tx));
-        if let Err(e) = self.link.send(to, &msg(ts), value).await {
+        let (ts, mut rx) = self.state().begin_request(to)?;
+        if let Err(e) = self.link.send(to, &ask.into_msg(ts), value).await {
             // The peer's loss, with its cause (a `Leaving` or the scheduler's word), may be
             // on its way through the receiver: an error naming the cause beats "not connected".
             if let Ok(Ok(Err(cause))) = tokio::time::timeout(LOSS_GRACE, &mut rx).await {
                 return Err(cause);
             }
-            lock(&self.pending).remove(&ts);
-            if let Some((node, reason)) = lock(&self.dead)
-                .iter()
-                .find(|(id, _)| **id == to || is_fatal(**id))
-            {
-                return Err(KvError::NodeLost {
-                    node: describe(*node),
-                    reason: reason.clone(),
-                });
-            }
-            return Err(e);
+            return Err(self.state().abandon_request(ts, to).unwrap_or(e));
         }
         Ok(rx)
     }
@@ -367,23 +190,21 @@ impl<T: Transport> Worker<T> {
         let placement = Placement::new(joined.servers().len(), config.bigarray_bound)
             .map_err(|e| KvError::Invalid(e.to_string()))?;
         let (servers, num_workers) = (joined.servers(), joined.num_workers());
+        let state = WorkerState::new(
+            joined.rank,
+            servers.clone(),
+            num_workers,
+            placement,
+            config.heartbeat_timeout,
+            crate::clock::now(),
+        );
         let shared = Arc::new(Shared {
             link: joined.link,
             rank: joined.rank,
             servers,
             num_workers,
-            placement,
-            next_ts: AtomicU64::new(1),
-            pending: Mutex::new(HashMap::new()),
-            barrier: Mutex::new(None),
-            keys: Mutex::new(HashMap::new()),
-            residuals: Mutex::new(HashMap::new()),
-            compressor: Mutex::new(None),
-            dead: Mutex::new(BTreeMap::new()),
-            shutdown: AtomicBool::new(false),
-            shutdown_seen: Notify::new(),
-            names: Mutex::new(HashMap::new()),
-            scheduler_heard: Heard::new(crate::clock::now()),
+            state: Mutex::new(state),
+            ended: Notify::new(),
         });
         for event in joined.early {
             shared.handle(event);
@@ -394,21 +215,13 @@ impl<T: Transport> Worker<T> {
                 while let Ok(event) = shared.link.recv().await {
                     shared.handle(event);
                 }
-                // Transport closed: nothing more will be answered, barriers included.
-                let all: Vec<_> = lock(&shared.pending).drain().collect();
-                for (_, (_, tx)) in all {
-                    let _ = tx.send(Err(KvError::Shutdown));
-                }
-                shared.fail_barrier("this worker's transport is closed".into());
+                shared.state().handle_closed();
             })
         };
         let heartbeat = {
             let shared = shared.clone();
             let period = heartbeat_period(config);
-            let (enabled, limit) = (
-                config.heartbeat_interval.is_some(),
-                config.heartbeat_timeout,
-            );
+            let enabled = config.heartbeat_interval.is_some();
             tokio::spawn(async move {
                 if !enabled {
                     return;
@@ -416,12 +229,15 @@ impl<T: Transport> Worker<T> {
                 let mut tick = tokio::time::interval(period);
                 loop {
                     tick.tick().await;
-                    if shared.shutdown.load(Ordering::Acquire) {
-                        break;
+                    let (ended, lost) = {
+                        let mut state = shared.state();
+                        let lost = state.handle_timeout(crate::clock::now());
+                        (state.is_shutdown(), lost)
+                    };
+                    if lost {
+                        shared.ended.notify_one();
                     }
-                    if let Some(reason) = shared.scheduler_heard.silent(crate::clock::now(), limit)
-                    {
-                        shared.on_node_lost(SCHEDULER, reason);
+                    if ended || lost {
                         break;
                     }
                     // A stopped scheduler stops reading: the send must not hold up the check.
@@ -474,24 +290,7 @@ impl<T: Transport> Worker<T> {
     /// The integer key for a string key: assigned in order of first use on this worker,
     /// from 0 (MXNet's rule, so every worker must name its keys in the same order).
     pub fn key(&self, name: &str) -> u64 {
-        let mut names = lock(&self.shared.names);
-        let next = names.len() as u64;
-        *names.entry(name.to_string()).or_insert(next)
-    }
-
-    fn layout(&self, key: u64, len: usize) -> Result<Layout, KvError> {
-        let layout = lock(&self.shared.keys)
-            .get(&key)
-            .cloned()
-            .ok_or(KvError::UnknownKey(key))?;
-        if layout.len != len {
-            return Err(KvError::SizeMismatch {
-                key,
-                expected: layout.len,
-                got: len,
-            });
-        }
-        Ok(layout)
+        self.shared.state().key(name)
     }
 
     /// Sends one command to every server and waits for all answers.
@@ -540,8 +339,9 @@ impl<T: Transport> Worker<T> {
             .map_err(|e| KvError::Invalid(e.to_string()))?;
         self.command_all(CommandKind::SetCompression, params.to_string())
             .await?;
-        *lock(&self.shared.compressor) = compressor.map(Arc::from);
-        lock(&self.shared.residuals).clear();
+        self.shared
+            .state()
+            .set_compressor(compressor.map(Arc::from));
         Ok(())
     }
 
@@ -555,41 +355,11 @@ impl<T: Transport> Worker<T> {
                 values.len()
             )));
         }
-        let per_word = lock(&self.shared.compressor)
-            .as_ref()
-            .map(|c| c.scheme().factor());
-        for (&key, v) in keys.iter().zip(values) {
-            let parts: Vec<Part> = match per_word {
-                Some(w) => self
-                    .shared
-                    .placement
-                    .compressed_parts(key, v.len(), w)
-                    .iter()
-                    .map(|p| Part {
-                        server: p.server,
-                        offset: p.offset,
-                        len: p.len,
-                    })
-                    .collect(),
-                None => self
-                    .shared
-                    .placement
-                    .parts(key, v.len())
-                    .iter()
-                    .map(|p| Part {
-                        server: p.server,
-                        offset: p.offset,
-                        len: p.len,
-                    })
-                    .collect(),
-            };
-            lock(&self.shared.keys).insert(
-                key,
-                Layout {
-                    len: v.len(),
-                    parts,
-                },
-            );
+        {
+            let mut state = self.shared.state();
+            for (&key, v) in keys.iter().zip(values) {
+                state.define_key(key, v.len());
+            }
         }
         tracing::debug!(rank = self.shared.rank, keys = keys.len(), "init");
         if self.shared.rank == 0 {
@@ -598,9 +368,12 @@ impl<T: Transport> Worker<T> {
                 ..PushFlags::default()
             };
             let mut parts = Vec::new();
-            for (&key, v) in keys.iter().zip(values) {
-                let layout = self.layout(key, v.len())?;
-                parts.extend(layout.parts.into_iter().map(|p| (key, *v, p)));
+            {
+                let state = self.shared.state();
+                for (&key, v) in keys.iter().zip(values) {
+                    let layout = state.layout(key, v.len())?;
+                    parts.extend(layout.parts.iter().map(|p| (key, *v, *p)));
+                }
             }
             let requests = parts
                 .iter()
@@ -619,47 +392,6 @@ impl<T: Transport> Worker<T> {
             }
         }
         self.barrier().await
-    }
-
-    /// The parts of a push of `values` to `key`, ready to send: each part's range, flags and,
-    /// when compression is on, its compressed bytes (the residual updated as MXNet does).
-    fn prepare_push(
-        &self,
-        key: u64,
-        values: &[f32],
-        pull_back: bool,
-    ) -> Result<Vec<PreparedPart>, KvError> {
-        let layout = self.layout(key, values.len())?;
-        let compressor = lock(&self.shared.compressor).clone();
-        let mut parts = Vec::with_capacity(layout.parts.len());
-        for p in &layout.parts {
-            let slice = &values[p.offset..p.offset + p.len];
-            let compressed = match &compressor {
-                Some(c) => {
-                    let mut out = vec![0u8; c.compressed_len(p.len)];
-                    let mut residuals = lock(&self.shared.residuals);
-                    let residual = residuals
-                        .entry(key)
-                        .or_insert_with(|| vec![0.0; layout.len]);
-                    c.quantize(slice, &mut residual[p.offset..p.offset + p.len], &mut out)
-                        .map_err(|e| KvError::Invalid(e.to_string()))?;
-                    Some(out)
-                }
-                None => None,
-            };
-            let flags = PushFlags {
-                init: false,
-                compressed: compressed.is_some(),
-                pull_back,
-            };
-            parts.push(PreparedPart {
-                key,
-                part: *p,
-                flags,
-                compressed,
-            });
-        }
-        Ok(parts)
     }
 
     /// Sends every prepared part of the call's pushes (`values[i]` is key i's array), all
@@ -701,11 +433,8 @@ impl<T: Transport> Worker<T> {
         check_lengths("push", keys.len(), values.len())?;
         let mut parts = Vec::new();
         for (i, (&key, v)) in keys.iter().zip(values).enumerate() {
-            parts.extend(
-                self.prepare_push(key, v, false)?
-                    .into_iter()
-                    .map(|p| (i, p)),
-            );
+            let prepared = self.shared.state().prepare_push(key, v, false)?;
+            parts.extend(prepared.into_iter().map(|p| (i, p)));
         }
         for rx in self.send_pushes(&parts, values).await? {
             answer(rx).await?;
@@ -722,9 +451,12 @@ impl<T: Transport> Worker<T> {
     pub async fn pull_many(&self, keys: &[u64], outs: &mut [&mut [f32]]) -> Result<(), KvError> {
         check_lengths("pull", keys.len(), outs.len())?;
         let mut parts = Vec::new();
-        for (i, (&key, out)) in keys.iter().zip(outs.iter()).enumerate() {
-            let layout = self.layout(key, out.len())?;
-            parts.extend(layout.parts.into_iter().map(|p| (i, key, p)));
+        {
+            let state = self.shared.state();
+            for (i, (&key, out)) in keys.iter().zip(outs.iter()).enumerate() {
+                let layout = state.layout(key, out.len())?;
+                parts.extend(layout.parts.iter().map(|p| (i, key, *p)));
+            }
         }
         let requests = parts
             .iter()
@@ -773,7 +505,8 @@ impl<T: Transport> Worker<T> {
                     got: out.as_mut().len(),
                 });
             }
-            parts.extend(self.prepare_push(key, v, true)?.into_iter().map(|p| (i, p)));
+            let prepared = self.shared.state().prepare_push(key, v, true)?;
+            parts.extend(prepared.into_iter().map(|p| (i, p)));
         }
         let waits = self.send_pushes(&parts, values).await?;
         for ((i, pp), rx) in parts.into_iter().zip(waits) {
@@ -796,28 +529,14 @@ impl<T: Transport> Worker<T> {
 
     async fn barrier_of(&self, group: Group) -> Result<(), KvError> {
         tracing::debug!(rank = self.shared.rank, group = group.0, "entering barrier");
-        let (tx, rx) = oneshot::channel();
-        {
-            let mut b = lock(&self.shared.barrier);
-            if b.is_some() {
-                return Err(KvError::Invalid("a barrier is already in progress".into()));
-            }
-            *b = Some((group, tx));
-        }
-        if let Some((node, reason)) = lock(&self.shared.dead).iter().next() {
-            lock(&self.shared.barrier).take();
-            return Err(KvError::Barrier(format!(
-                "{} is gone: {reason}",
-                describe(*node)
-            )));
-        }
+        let rx = self.shared.state().begin_barrier(group)?;
         if let Err(e) = self
             .shared
             .link
             .send(SCHEDULER, &Msg::Barrier { group }, None)
             .await
         {
-            lock(&self.shared.barrier).take();
+            self.shared.state().abandon_barrier();
             return Err(e);
         }
         rx.await.unwrap_or(Err(KvError::Shutdown))
@@ -831,19 +550,22 @@ impl<T: Transport> Worker<T> {
             .send(SCHEDULER, &Msg::Finalize, None)
             .await?;
         loop {
-            if self.shared.shutdown.load(Ordering::Acquire) {
-                tracing::info!(rank = self.shared.rank, "worker done");
-                return Ok(());
+            {
+                let state = self.shared.state();
+                if state.is_shutdown() {
+                    tracing::info!(rank = self.shared.rank, "worker done");
+                    return Ok(());
+                }
+                if let Some(reason) = state.scheduler_lost() {
+                    return Err(KvError::NodeLost {
+                        node: describe(SCHEDULER),
+                        reason: format!("lost before the job ended: {reason}"),
+                    });
+                }
             }
-            if let Some(reason) = lock(&self.shared.dead).get(&SCHEDULER) {
-                return Err(KvError::NodeLost {
-                    node: describe(SCHEDULER),
-                    reason: format!("lost before the job ended: {reason}"),
-                });
-            }
-            // `notify_one` keeps a permit, so a shutdown that lands between the checks above
-            // and this wait is not missed.
-            self.shared.shutdown_seen.notified().await;
+            // `notify_one` keeps a permit, so an end that lands between the checks above and
+            // this wait is not missed.
+            self.shared.ended.notified().await;
         }
     }
 }
@@ -873,52 +595,4 @@ fn fill(key: u64, out: &mut [f32], value: Option<Bytes>, from: NodeId) -> Result
     }
     sum::copy_from_le(out, &bytes);
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::proto::ids::node_id;
-
-    #[test]
-    fn job_control_is_taken_only_from_the_node_entitled_to_send_it() {
-        let server0 = node_id(Role::Server, 0);
-        let server1 = node_id(Role::Server, 1);
-        let worker1 = node_id(Role::Worker, 1);
-        let (tx, _rx) = oneshot::channel();
-        let pending: PendingMap = HashMap::from([(7, (server0, tx))]);
-        let control = [
-            Msg::Shutdown,
-            Msg::Heartbeat,
-            Msg::NodeFailed {
-                id: server0,
-                reason: "x".into(),
-            },
-            Msg::BarrierDone {
-                group: Group::WORKERS,
-            },
-            Msg::BarrierFailed {
-                group: Group::WORKERS,
-                reason: "x".into(),
-            },
-        ];
-        for msg in &control {
-            assert!(entitled(SCHEDULER, msg, &pending), "{msg:?}");
-            for other in [server0, worker1] {
-                assert!(!entitled(other, msg, &pending), "{msg:?} from {other}");
-            }
-        }
-        // An answer only from the server that was asked.
-        let done = Msg::Done { ts: 7 };
-        assert!(entitled(server0, &done, &pending));
-        assert!(!entitled(server1, &done, &pending));
-        assert!(!entitled(
-            server1,
-            &Msg::Failed {
-                ts: 7,
-                reason: "x".into()
-            },
-            &pending
-        ));
-    }
 }

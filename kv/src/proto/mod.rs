@@ -9,3 +9,4 @@ pub mod resend;
 pub mod scheduler;
 pub mod server;
 pub mod sum;
+pub mod worker;

@@ -1,0 +1,434 @@
+//! The worker's state, free of I/O: which requests wait for which server, the barrier in
+//! progress, the keys' layouts over the servers, compression residuals, the nodes known lost
+//! and when the scheduler was last heard. Events come in through `handle_*` (with `now`);
+//! requests are registered with [`WorkerState::begin_request`], which hands back the request
+//! id and the receiver of its answer. The driver (`crate::worker`) keeps it behind one lock
+//! and only moves bytes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use psnet_compression::Compressor;
+use psnet_transport::NodeId;
+use tokio::sync::oneshot;
+
+use super::ids::{self, describe, Group, Role, SCHEDULER};
+use super::msg::{Msg, PushFlags};
+use crate::error::KvError;
+use crate::placement::Placement;
+use crate::wire::Received;
+
+/// A server's answer: its value, if it carries one.
+pub type Reply = Result<Option<Bytes>, KvError>;
+
+/// One server's share of a key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Part {
+    /// The server's rank.
+    pub server: usize,
+    /// The share's first element.
+    pub offset: usize,
+    /// Its element count.
+    pub len: usize,
+}
+
+/// How a key is laid out over the servers.
+#[derive(Clone, Debug)]
+pub struct Layout {
+    /// Elements in the key.
+    pub len: usize,
+    /// Each server's share.
+    pub parts: Vec<Part>,
+}
+
+/// One server's part of a push, ready to send.
+pub struct PreparedPart {
+    /// The key.
+    pub key: u64,
+    /// Its range and server.
+    pub part: Part,
+    /// The push's flags.
+    pub flags: PushFlags,
+    /// The part's compressed bytes; None: sent straight from the caller's values.
+    pub compressed: Option<Vec<u8>>,
+}
+
+/// The state of one worker.
+pub struct WorkerState {
+    rank: u32,
+    servers: Vec<NodeId>,
+    num_workers: u32,
+    placement: Placement,
+    heartbeat_timeout: Option<Duration>,
+    next_ts: u64,
+    /// Requests waiting for an answer: request id to (server asked, where the answer goes).
+    pending: HashMap<u64, (NodeId, oneshot::Sender<Reply>)>,
+    barrier: Option<(Group, oneshot::Sender<Result<(), KvError>>)>,
+    keys: HashMap<u64, Layout>,
+    residuals: HashMap<u64, Vec<f32>>,
+    compressor: Option<Arc<dyn Compressor>>,
+    dead: BTreeMap<NodeId, String>,
+    shutdown: bool,
+    names: HashMap<String, u64>,
+    scheduler_heard: Instant,
+}
+
+/// Whether losing `node` leaves nothing this worker waits for able to finish: a server takes
+/// its shard with it, and without the scheduler the job cannot end.
+fn is_fatal(node: NodeId) -> bool {
+    node == SCHEDULER || is_server(node)
+}
+
+fn is_server(node: NodeId) -> bool {
+    matches!(ids::role_rank(node), Some((Role::Server, _)))
+}
+
+impl WorkerState {
+    /// The worker of rank `rank` in a job with these servers (by rank) and workers;
+    /// `heartbeat_timeout`: how long the scheduler may stay silent (None: forever).
+    pub fn new(
+        rank: u32,
+        servers: Vec<NodeId>,
+        num_workers: u32,
+        placement: Placement,
+        heartbeat_timeout: Option<Duration>,
+        now: Instant,
+    ) -> Self {
+        WorkerState {
+            rank,
+            servers,
+            num_workers,
+            placement,
+            heartbeat_timeout,
+            next_ts: 1,
+            pending: HashMap::new(),
+            barrier: None,
+            keys: HashMap::new(),
+            residuals: HashMap::new(),
+            compressor: None,
+            dead: BTreeMap::new(),
+            shutdown: false,
+            names: HashMap::new(),
+            scheduler_heard: now,
+        }
+    }
+
+    /// This worker's rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// The servers' ids, by rank.
+    pub fn servers(&self) -> &[NodeId] {
+        &self.servers
+    }
+
+    /// Number of workers in the job.
+    pub fn num_workers(&self) -> u32 {
+        self.num_workers
+    }
+
+    /// Whether the scheduler ended the job.
+    pub fn is_shutdown(&self) -> bool {
+        self.shutdown
+    }
+
+    /// Why the scheduler counts as lost, if it does.
+    pub fn scheduler_lost(&self) -> Option<&str> {
+        self.dead.get(&SCHEDULER).map(String::as_str)
+    }
+
+    /// The integer key for a string key: assigned in order of first use, from 0 (MXNet's
+    /// rule, so every worker must name its keys in the same order).
+    pub fn key(&mut self, name: &str) -> u64 {
+        let next = self.names.len() as u64;
+        *self.names.entry(name.to_string()).or_insert(next)
+    }
+
+    /// Sets (or clears) gradient compression; residuals start again from zero.
+    pub fn set_compressor(&mut self, compressor: Option<Arc<dyn Compressor>>) {
+        self.compressor = compressor;
+        self.residuals.clear();
+    }
+
+    /// Lays `key` out over the servers for `len` elements (compressed parts when compression
+    /// is on, as MXNet splits them).
+    pub fn define_key(&mut self, key: u64, len: usize) {
+        let parts = match &self.compressor {
+            Some(c) => self
+                .placement
+                .compressed_parts(key, len, c.scheme().factor())
+                .iter()
+                .map(|p| Part {
+                    server: p.server,
+                    offset: p.offset,
+                    len: p.len,
+                })
+                .collect(),
+            None => self
+                .placement
+                .parts(key, len)
+                .iter()
+                .map(|p| Part {
+                    server: p.server,
+                    offset: p.offset,
+                    len: p.len,
+                })
+                .collect(),
+        };
+        self.keys.insert(key, Layout { len, parts });
+    }
+
+    /// The layout of `key`, checked against `len` elements.
+    pub fn layout(&self, key: u64, len: usize) -> Result<&Layout, KvError> {
+        let layout = self.keys.get(&key).ok_or(KvError::UnknownKey(key))?;
+        if layout.len != len {
+            return Err(KvError::SizeMismatch {
+                key,
+                expected: layout.len,
+                got: len,
+            });
+        }
+        Ok(layout)
+    }
+
+    /// The parts of a push of `values` to `key`: each part's range, flags and, when
+    /// compression is on, its compressed bytes (the residual updated as MXNet does).
+    pub fn prepare_push(
+        &mut self,
+        key: u64,
+        values: &[f32],
+        pull_back: bool,
+    ) -> Result<Vec<PreparedPart>, KvError> {
+        let layout = self.layout(key, values.len())?.clone();
+        let mut parts = Vec::with_capacity(layout.parts.len());
+        for p in &layout.parts {
+            let slice = &values[p.offset..p.offset + p.len];
+            let compressed = match &self.compressor {
+                Some(c) => {
+                    let mut out = vec![0u8; c.compressed_len(p.len)];
+                    let residual = self
+                        .residuals
+                        .entry(key)
+                        .or_insert_with(|| vec![0.0; layout.len]);
+                    c.quantize(slice, &mut residual[p.offset..p.offset + p.len], &mut out)
+                        .map_err(|e| KvError::Invalid(e.to_string()))?;
+                    Some(out)
+                }
+                None => None,
+            };
+            parts.push(PreparedPart {
+                key,
+                part: *p,
+                flags: PushFlags {
+                    init: false,
+                    compressed: compressed.is_some(),
+                    pull_back,
+                },
+                compressed,
+            });
+        }
+        Ok(parts)
+    }
+
+    /// The loss that fails a request to `to` at once, if any.
+    fn blocking_loss(&self, to: NodeId) -> Option<KvError> {
+        self.dead
+            .iter()
+            .find(|(id, _)| **id == to || is_fatal(**id))
+            .map(|(node, reason)| KvError::NodeLost {
+                node: describe(*node),
+                reason: reason.clone(),
+            })
+    }
+
+    /// Registers a request to `to`: its id, and where its answer will arrive. Fails at once
+    /// if `to`, a server or the scheduler is known lost.
+    pub fn begin_request(
+        &mut self,
+        to: NodeId,
+    ) -> Result<(u64, oneshot::Receiver<Reply>), KvError> {
+        if let Some(e) = self.blocking_loss(to) {
+            return Err(e);
+        }
+        let ts = self.next_ts;
+        self.next_ts += 1;
+        let (tx, rx) = oneshot::channel();
+        self.pending.insert(ts, (to, tx));
+        Ok((ts, rx))
+    }
+
+    /// The request `ts` could not be sent: forget it. Returns the loss that explains it, if
+    /// one is known by now.
+    pub fn abandon_request(&mut self, ts: u64, to: NodeId) -> Option<KvError> {
+        self.pending.remove(&ts);
+        self.blocking_loss(to)
+    }
+
+    /// Enters a barrier of `group`: the receiver yields its outcome. Fails at once if one is
+    /// already in progress or a node is known lost.
+    pub fn begin_barrier(
+        &mut self,
+        group: Group,
+    ) -> Result<oneshot::Receiver<Result<(), KvError>>, KvError> {
+        if self.barrier.is_some() {
+            return Err(KvError::Invalid("a barrier is already in progress".into()));
+        }
+        if let Some((node, reason)) = self.dead.iter().next() {
+            return Err(KvError::Barrier(format!(
+                "{} is gone: {reason}",
+                describe(*node)
+            )));
+        }
+        let (tx, rx) = oneshot::channel();
+        self.barrier = Some((group, tx));
+        Ok(rx)
+    }
+
+    /// The barrier's message could not be sent: forget it.
+    pub fn abandon_barrier(&mut self) {
+        self.barrier = None;
+    }
+
+    /// Whether `from` may send `msg` to a worker: answers only from the server asked, job
+    /// control only from the scheduler.
+    pub fn entitled(&self, from: NodeId, msg: &Msg) -> bool {
+        match msg {
+            Msg::Done { ts } | Msg::Failed { ts, .. } => {
+                self.pending.get(ts).is_none_or(|(asked, _)| *asked == from)
+            }
+            Msg::NodeFailed { .. }
+            | Msg::BarrierDone { .. }
+            | Msg::BarrierFailed { .. }
+            | Msg::Heartbeat
+            | Msg::Shutdown => from == SCHEDULER,
+            _ => true,
+        }
+    }
+
+    /// One event from the transport, at `now`.
+    pub fn handle_received(&mut self, event: Received, now: Instant) {
+        if matches!(&event, Received::Msg { from, .. } | Received::Connected(from) if *from == SCHEDULER)
+        {
+            self.scheduler_heard = now;
+        }
+        match event {
+            Received::Msg { from, msg, .. } if !self.entitled(from, &msg) => {
+                tracing::warn!(from = %describe(from), ?msg,
+                    "refused: this node may not send this message to a worker");
+            }
+            Received::Msg { from, msg, value } => match msg {
+                Msg::Done { ts } => {
+                    if let Some((_, tx)) = self.pending.remove(&ts) {
+                        let _ = tx.send(Ok(value));
+                    }
+                }
+                Msg::Failed { ts, reason } => {
+                    if let Some((_, tx)) = self.pending.remove(&ts) {
+                        let _ = tx.send(Err(KvError::Remote {
+                            node: describe(from),
+                            reason,
+                        }));
+                    }
+                }
+                Msg::BarrierDone { group } => {
+                    if matches!(&self.barrier, Some((g, _)) if *g == group) {
+                        if let Some((_, tx)) = self.barrier.take() {
+                            let _ = tx.send(Ok(()));
+                        }
+                    }
+                }
+                Msg::BarrierFailed { reason, .. } => self.fail_barrier(reason),
+                Msg::NodeFailed { id, reason } => self.handle_lost(id, reason),
+                Msg::Shutdown => self.shutdown = true,
+                // The scheduler's answer to a heartbeat: heard above.
+                Msg::Heartbeat => {}
+                Msg::Leaving { reason } => self.handle_lost(from, format!("it left: {reason}")),
+                other => {
+                    tracing::warn!(from = %describe(from), ?other, "unexpected message at a worker")
+                }
+            },
+            Received::Lost { peer, reason } => self.handle_lost(peer, reason),
+            Received::Connected(_) => {}
+        }
+    }
+
+    /// Time passes: a scheduler silent past the heartbeat timeout counts as lost. Returns
+    /// true when that happened now.
+    pub fn handle_timeout(&mut self, now: Instant) -> bool {
+        let Some(limit) = self.heartbeat_timeout else {
+            return false;
+        };
+        if self.shutdown || self.dead.contains_key(&SCHEDULER) {
+            return false;
+        }
+        let quiet = now.saturating_duration_since(self.scheduler_heard);
+        if quiet <= limit {
+            return false;
+        }
+        self.handle_lost(
+            SCHEDULER,
+            format!(
+                "silent for {:.1} s (PS_HEARTBEAT_TIMEOUT={} s): stopped or cut off",
+                quiet.as_secs_f64(),
+                limit.as_secs_f64()
+            ),
+        );
+        true
+    }
+
+    /// This worker's transport closed: nothing more will be answered, barriers included.
+    pub fn handle_closed(&mut self) {
+        for (_, (_, tx)) in self.pending.drain() {
+            let _ = tx.send(Err(KvError::Shutdown));
+        }
+        self.fail_barrier("this worker's transport is closed".into());
+    }
+
+    /// A node is gone (the transport lost it, the scheduler declared it failed, or it left).
+    pub fn handle_lost(&mut self, node: NodeId, reason: String) {
+        if self.shutdown {
+            return;
+        }
+        tracing::warn!(node = %describe(node), %reason, "node lost");
+        self.dead.insert(node, reason.clone());
+        // A lost server takes its shard with it: the keys with a part there, and the
+        // dist_sync rounds that other workers (failing on it too) will never finish, cannot
+        // complete on any server; without the scheduler the job cannot end. So every request
+        // fails now rather than wait forever.
+        self.fail_pending_to(node, &reason, is_fatal(node));
+        if is_fatal(node) {
+            // Nor can a barrier the other workers may never reach.
+            self.fail_barrier(format!("{} is gone: {reason}", describe(node)));
+        }
+    }
+
+    /// Fails every request waiting on `node` (every request at all when `all`).
+    fn fail_pending_to(&mut self, node: NodeId, reason: &str, all: bool) {
+        let ts: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, (to, _))| all || *to == node)
+            .map(|(ts, _)| *ts)
+            .collect();
+        for ts in ts {
+            if let Some((_, tx)) = self.pending.remove(&ts) {
+                let _ = tx.send(Err(KvError::NodeLost {
+                    node: describe(node),
+                    reason: reason.to_string(),
+                }));
+            }
+        }
+    }
+
+    fn fail_barrier(&mut self, reason: String) {
+        if let Some((_, tx)) = self.barrier.take() {
+            let _ = tx.send(Err(KvError::Barrier(reason)));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,178 @@
+use super::*;
+use crate::proto::ids::node_id;
+
+const S0: NodeId = NodeId(8);
+const S1: NodeId = NodeId(10);
+
+fn state(now: Instant) -> WorkerState {
+    WorkerState::new(
+        0,
+        vec![S0, S1],
+        2,
+        Placement::new(2, 100).unwrap(),
+        Some(Duration::from_secs(10)),
+        now,
+    )
+}
+
+fn msg(from: NodeId, msg: Msg) -> Received {
+    Received::Msg {
+        from,
+        msg,
+        value: None,
+    }
+}
+
+#[test]
+fn job_control_is_taken_only_from_the_node_entitled_to_send_it() {
+    let now = Instant::now();
+    let mut s = state(now);
+    let (ts, _rx) = s.begin_request(S0).unwrap();
+    let worker1 = node_id(Role::Worker, 1);
+    let control = [
+        Msg::Shutdown,
+        Msg::Heartbeat,
+        Msg::NodeFailed {
+            id: S0,
+            reason: "x".into(),
+        },
+        Msg::BarrierDone {
+            group: Group::WORKERS,
+        },
+        Msg::BarrierFailed {
+            group: Group::WORKERS,
+            reason: "x".into(),
+        },
+    ];
+    for m in &control {
+        assert!(s.entitled(SCHEDULER, m), "{m:?}");
+        for other in [S0, worker1] {
+            assert!(!s.entitled(other, m), "{m:?} from {other}");
+        }
+    }
+    // An answer only from the server that was asked.
+    assert!(s.entitled(S0, &Msg::Done { ts }));
+    assert!(!s.entitled(S1, &Msg::Done { ts }));
+    // A forged shutdown changes nothing.
+    s.handle_received(msg(S1, Msg::Shutdown), now);
+    assert!(!s.is_shutdown());
+}
+
+#[test]
+fn answers_reach_their_request_and_failures_name_the_server() {
+    let now = Instant::now();
+    let mut s = state(now);
+    let (a, mut rx_a) = s.begin_request(S0).unwrap();
+    let (b, mut rx_b) = s.begin_request(S1).unwrap();
+    assert_ne!(a, b);
+    s.handle_received(
+        Received::Msg {
+            from: S0,
+            msg: Msg::Done { ts: a },
+            value: Some(Bytes::from_static(b"v")),
+        },
+        now,
+    );
+    assert_eq!(
+        rx_a.try_recv().unwrap().unwrap(),
+        Some(Bytes::from_static(b"v"))
+    );
+    s.handle_received(
+        msg(
+            S1,
+            Msg::Failed {
+                ts: b,
+                reason: "no".into(),
+            },
+        ),
+        now,
+    );
+    let err = rx_b.try_recv().unwrap().unwrap_err().to_string();
+    assert!(
+        err.contains("server 1 (node 10)") && err.contains("no"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_lost_server_fails_every_request_the_barrier_and_later_calls() {
+    let now = Instant::now();
+    let mut s = state(now);
+    let (_, mut to_s1) = s.begin_request(S1).unwrap();
+    let mut barrier = s.begin_barrier(Group::WORKERS).unwrap();
+    s.handle_received(
+        Received::Lost {
+            peer: S0,
+            reason: "reset".into(),
+        },
+        now,
+    );
+    // Even the request to the other server: its round can never complete.
+    let err = to_s1.try_recv().unwrap().unwrap_err().to_string();
+    assert!(err.contains("server 0 (node 8)"), "{err}");
+    let err = barrier.try_recv().unwrap().unwrap_err().to_string();
+    assert!(err.contains("server 0 (node 8) is gone"), "{err}");
+    let err = s.begin_request(S1).expect_err("refused").to_string();
+    assert!(err.contains("server 0 (node 8)"), "{err}");
+    assert!(s.begin_barrier(Group::WORKERS).is_err());
+}
+
+#[test]
+fn a_silent_scheduler_is_lost_after_the_heartbeat_timeout() {
+    let t0 = Instant::now();
+    let mut s = state(t0);
+    let (_, mut rx) = s.begin_request(S0).unwrap();
+    s.handle_received(msg(SCHEDULER, Msg::Heartbeat), t0 + Duration::from_secs(5));
+    assert!(!s.handle_timeout(t0 + Duration::from_secs(15)));
+    assert!(s.handle_timeout(t0 + Duration::from_secs(16)));
+    let reason = s.scheduler_lost().expect("lost").to_string();
+    assert!(reason.contains("PS_HEARTBEAT_TIMEOUT=10 s"), "{reason}");
+    let err = rx.try_recv().unwrap().unwrap_err().to_string();
+    assert!(err.contains("the scheduler (node 1)"), "{err}");
+    // Reported once.
+    assert!(!s.handle_timeout(t0 + Duration::from_secs(30)));
+}
+
+#[test]
+fn after_shutdown_losses_are_not_errors() {
+    let now = Instant::now();
+    let mut s = state(now);
+    s.handle_received(msg(SCHEDULER, Msg::Shutdown), now);
+    assert!(s.is_shutdown());
+    s.handle_received(
+        Received::Lost {
+            peer: S0,
+            reason: "closed by the peer".into(),
+        },
+        now,
+    );
+    assert!(s.scheduler_lost().is_none());
+    assert!(!s.handle_timeout(now + Duration::from_secs(60)));
+}
+
+#[test]
+fn keys_are_laid_out_and_checked() {
+    let mut s = state(Instant::now());
+    assert!(matches!(s.layout(3, 4), Err(KvError::UnknownKey(3))));
+    s.define_key(3, 4);
+    s.define_key(4, 250);
+    assert_eq!(s.layout(3, 4).unwrap().parts.len(), 1);
+    let big = s.layout(4, 250).unwrap();
+    assert_eq!(big.parts.len(), 2, "sharded over both servers");
+    assert_eq!(big.parts.iter().map(|p| p.len).sum::<usize>(), 250);
+    assert!(matches!(
+        s.layout(3, 5),
+        Err(KvError::SizeMismatch {
+            expected: 4,
+            got: 5,
+            ..
+        })
+    ));
+    let parts = s.prepare_push(4, &[1.0; 250], true).unwrap();
+    assert!(parts
+        .iter()
+        .all(|p| p.flags.pull_back && p.compressed.is_none()));
+    assert_eq!(s.key("w"), 0);
+    assert_eq!(s.key("b"), 1);
+    assert_eq!(s.key("w"), 0);
+}
