@@ -29,6 +29,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use memmap2::{Mmap, MmapMut, MmapOptions};
+use psnet_transport::le::{LeReader, LeWriter};
 use psnet_transport::{FrameKind, Segment};
 use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
 use rustix::net::{
@@ -191,12 +192,12 @@ impl SendRing {
 
     /// The offer's body: size, cookie, token, then the abstract socket's name.
     pub(crate) fn offer(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(16 + TOKEN + self.name.len());
-        out.extend_from_slice(&(self.size as u64).to_le_bytes());
-        out.extend_from_slice(&self.cookie.to_le_bytes());
-        out.extend_from_slice(&self.token);
-        out.extend_from_slice(&self.name);
-        out
+        let mut w = LeWriter::with_capacity(16 + TOKEN + self.name.len());
+        w.u64(self.size as u64)
+            .u64(self.cookie)
+            .bytes(&self.token)
+            .bytes(&self.name);
+        w.into_vec()
     }
 
     /// The receiver accepted: the ring may carry messages.
@@ -312,11 +313,11 @@ impl Control {
         let mut frames = std::mem::take(&mut *lock(&self.frames));
         let released = std::mem::take(&mut *lock(&self.released));
         if !released.is_empty() {
-            let body = released
-                .iter()
-                .flat_map(|(o, l)| o.to_le_bytes().into_iter().chain(l.to_le_bytes()))
-                .collect();
-            frames.push((FrameKind::ShmFree, body));
+            let mut body = LeWriter::with_capacity(16 * released.len());
+            for (off, len) in released {
+                body.u64(off).u64(len);
+            }
+            frames.push((FrameKind::ShmFree, body.into_vec()));
         }
         frames
     }
@@ -358,10 +359,12 @@ impl RecvRing {
         if offer.len() < 16 + TOKEN + 1 || offer.len() > 16 + TOKEN + MAX_NAME {
             return Err(bad("malformed shared-memory offer"));
         }
-        let size = u64::from_le_bytes(offer[..8].try_into().expect("8 bytes"));
-        let cookie = u64::from_le_bytes(offer[8..16].try_into().expect("8 bytes"));
-        let token: [u8; TOKEN] = offer[16..16 + TOKEN].try_into().expect("16 bytes");
-        let name = offer[16 + TOKEN..].to_vec();
+        let mut r = LeReader::new(offer);
+        let malformed = |_| bad("malformed shared-memory offer");
+        let size = r.u64().map_err(malformed)?;
+        let cookie = r.u64().map_err(malformed)?;
+        let token: [u8; TOKEN] = r.array().map_err(malformed)?;
+        let name = r.rest().to_vec();
         if size > MAX_RING || size <= COOKIE as u64 {
             return Err(bad("shared-memory offer of an unexpected size"));
         }
@@ -400,19 +403,14 @@ impl RecvRing {
         descriptor: &[u8],
         control: &Arc<Control>,
     ) -> Result<smallvec::SmallVec<[Bytes; 4]>, String> {
-        if descriptor.len() < 12 {
-            return Err("short shared-memory descriptor".into());
-        }
-        let off = u64::from_le_bytes(descriptor[..8].try_into().expect("8 bytes"));
-        let count = u32::from_le_bytes(descriptor[8..12].try_into().expect("4 bytes")) as usize;
-        let lens = &descriptor[12..];
-        if lens.len() != count * 8 {
+        let mut r = LeReader::new(descriptor);
+        let short = |_| "short shared-memory descriptor".to_string();
+        let off = r.u64().map_err(short)?;
+        let count = r.u32().map_err(short)? as usize;
+        if r.remaining() != count.saturating_mul(8) {
             return Err("shared-memory descriptor length mismatch".into());
         }
-        let lens: Vec<u64> = lens
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-            .collect();
+        let lens: Vec<u64> = (0..count).map_while(|_| r.u64().ok()).collect();
         let total = lens.iter().try_fold(0u64, |a, &l| a.checked_add(l));
         let end = total.and_then(|t| off.checked_add(t));
         match end {
@@ -475,13 +473,12 @@ fn fetch_descriptor(name: &[u8], token: &[u8; TOKEN]) -> io::Result<OwnedFd> {
 
 /// The `ShmData` descriptor for a region holding `segments`.
 pub(crate) fn descriptor(off: usize, segments: &[Segment<'_>]) -> Vec<u8> {
-    let mut d = Vec::with_capacity(12 + 8 * segments.len());
-    d.extend_from_slice(&(off as u64).to_le_bytes());
-    d.extend_from_slice(&(segments.len() as u32).to_le_bytes());
+    let mut d = LeWriter::with_capacity(12 + 8 * segments.len());
+    d.u64(off as u64).u32(segments.len() as u32);
     for s in segments {
-        d.extend_from_slice(&(s.len() as u64).to_le_bytes());
+        d.u64(s.len() as u64);
     }
-    d
+    d.into_vec()
 }
 
 /// Parses a `ShmFree` body.
@@ -489,15 +486,12 @@ pub(crate) fn parse_free(body: &[u8]) -> Option<Vec<(usize, usize)>> {
     if body.len() % 16 != 0 {
         return None;
     }
-    Some(
-        body.chunks_exact(16)
-            .map(|c| {
-                let o = u64::from_le_bytes(c[..8].try_into().expect("8 bytes"));
-                let l = u64::from_le_bytes(c[8..].try_into().expect("8 bytes"));
-                (o as usize, l as usize)
-            })
-            .collect(),
-    )
+    let mut r = LeReader::new(body);
+    let mut regions = Vec::with_capacity(body.len() / 16);
+    while !r.is_empty() {
+        regions.push((r.u64().ok()? as usize, r.u64().ok()? as usize));
+    }
+    Some(regions)
 }
 
 #[cfg(test)]

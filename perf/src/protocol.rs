@@ -1,6 +1,8 @@
 //! The control messages between a `psnet-perf` client and server (carried in a message's
 //! metadata; data travels in segments).
 
+use psnet::transport::le::{LeReader, LeWriter};
+
 /// One control message.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Control {
@@ -26,79 +28,57 @@ pub enum Control {
 impl Control {
     /// The metadata bytes.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(17);
+        let mut w = LeWriter::with_capacity(17);
         match *self {
-            Control::BwStart { size, iters } => {
-                out.push(1);
-                out.extend_from_slice(&size.to_le_bytes());
-                out.extend_from_slice(&iters.to_le_bytes());
-            }
-            Control::BwData => out.push(2),
-            Control::Ready => out.push(3),
+            Control::BwStart { size, iters } => w.u8(1).u64(size).u64(iters),
+            Control::BwData => w.u8(2),
+            Control::Ready => w.u8(3),
             Control::BwDone {
                 elapsed_ns,
                 peak_bytes_per_s,
-            } => {
-                out.push(4);
-                out.extend_from_slice(&elapsed_ns.to_le_bytes());
-                out.extend_from_slice(&peak_bytes_per_s.to_le_bytes());
-            }
-            Control::LatStart { size } => {
-                out.push(5);
-                out.extend_from_slice(&size.to_le_bytes());
-            }
-            Control::Ping => out.push(6),
-            Control::Bye => out.push(7),
-        }
-        out
+            } => w.u8(4).u64(elapsed_ns).u64(peak_bytes_per_s.to_bits()),
+            Control::LatStart { size } => w.u8(5).u64(size),
+            Control::Ping => w.u8(6),
+            Control::Bye => w.u8(7),
+        };
+        w.into_vec()
     }
 
     /// Parses metadata; anything else is an error naming what was wrong.
     pub fn decode(meta: &[u8]) -> Result<Self, String> {
-        let word = |i: usize| -> Result<[u8; 8], String> {
-            meta.get(1 + 8 * i..9 + 8 * i)
-                .and_then(|s| s.try_into().ok())
-                .ok_or_else(|| format!("control message of {} bytes is truncated", meta.len()))
+        let mut r = LeReader::new(meta);
+        let op = r.u8().map_err(|_| "empty control message".to_string())?;
+        let expected = match op {
+            1 | 4 => 16,
+            5 => 8,
+            2 | 3 | 6 | 7 => 0,
+            _ => return Err(format!("unknown control message {op}")),
         };
-        let expect_len = |n: usize| {
-            if meta.len() == n {
-                Ok(())
-            } else {
-                Err(format!(
-                    "control message {} has {} bytes, expected {n}",
-                    meta[0],
-                    meta.len()
-                ))
-            }
-        };
-        match meta.first() {
-            Some(1) => {
-                expect_len(17)?;
-                Ok(Control::BwStart {
-                    size: u64::from_le_bytes(word(0)?),
-                    iters: u64::from_le_bytes(word(1)?),
-                })
-            }
-            Some(2) => expect_len(1).map(|_| Control::BwData),
-            Some(3) => expect_len(1).map(|_| Control::Ready),
-            Some(4) => {
-                expect_len(17)?;
-                Ok(Control::BwDone {
-                    elapsed_ns: u64::from_le_bytes(word(0)?),
-                    peak_bytes_per_s: f64::from_le_bytes(word(1)?),
-                })
-            }
-            Some(5) => {
-                expect_len(9)?;
-                Ok(Control::LatStart {
-                    size: u64::from_le_bytes(word(0)?),
-                })
-            }
-            Some(6) => expect_len(1).map(|_| Control::Ping),
-            Some(7) => expect_len(1).map(|_| Control::Bye),
-            Some(op) => Err(format!("unknown control message {op}")),
-            None => Err("empty control message".into()),
+        if r.remaining() != expected {
+            return Err(format!(
+                "control message {op} has {} bytes, expected {}",
+                meta.len(),
+                expected + 1
+            ));
         }
+        let word = |r: &mut LeReader<'_>| r.u64().map_err(|e| format!("control message: {e}"));
+        Ok(match op {
+            1 => Control::BwStart {
+                size: word(&mut r)?,
+                iters: word(&mut r)?,
+            },
+            2 => Control::BwData,
+            3 => Control::Ready,
+            4 => Control::BwDone {
+                elapsed_ns: word(&mut r)?,
+                peak_bytes_per_s: f64::from_bits(word(&mut r)?),
+            },
+            5 => Control::LatStart {
+                size: word(&mut r)?,
+            },
+            6 => Control::Ping,
+            _ => Control::Bye,
+        })
     }
 }
 

@@ -22,6 +22,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use smallvec::SmallVec;
 
 use crate::admission::{Proof, PROOF_LEN};
+use crate::le::LeReader;
 use crate::message::OutMessage;
 use crate::node::NodeId;
 
@@ -411,14 +412,18 @@ pub fn decode_hello(meta: &[u8]) -> Result<Hello, CodecError> {
             "hello body must be 9 bytes, or 25 with a proof",
         ));
     }
-    let id = NodeId(u64::from_le_bytes(meta[..8].try_into().expect("8 bytes")));
-    let path = match meta[8] {
+    let mut r = LeReader::new(meta);
+    let short = |_| CodecError::BadHandshake("hello body must be 9 bytes, or 25 with a proof");
+    let id = NodeId(r.u64().map_err(short)?);
+    let path = match r.u8().map_err(short)? {
         0 => DataPath::Tcp,
         1 => DataPath::Rdma,
         _ => return Err(CodecError::BadHandshake("unknown data path in hello")),
     };
-    let proof = (meta.len() == HELLO_PROOF_LEN)
-        .then(|| Proof(meta[HELLO_LEN..].try_into().expect("16 bytes")));
+    let proof = match r.remaining() {
+        0 => None,
+        _ => Some(Proof(r.array().map_err(short)?)),
+    };
     Ok(Hello { id, path, proof })
 }
 

@@ -12,6 +12,7 @@
 //! - [`TransportError`]: errors are per peer and carry its [`NodeId`].
 //! - [`RegisteredBuf`]: memory the transport may hand to the NIC without copying (plain memory on
 //!   TCP, a memory registration on RDMA).
+//! - [`le`]: bounded little-endian reading and writing for every wire format.
 //! - [`Admission`]: who may connect, and the [`Proof`] of identity a node's hello carries.
 //! - `conformance` (feature `conformance`): the suite every transport runs in its tests.
 #![deny(missing_docs)]
@@ -24,6 +25,7 @@ pub mod codec;
 pub mod conformance;
 mod contract;
 mod error;
+pub mod le;
 mod memory;
 mod message;
 mod node;

@@ -12,6 +12,7 @@
 
 use std::net::SocketAddr;
 
+use psnet_transport::le::{LeReader, LeWriter, Truncated};
 use psnet_transport::{NodeId, Proof, PROOF_LEN};
 
 use super::ids::{Group, Role};
@@ -242,7 +243,7 @@ impl Envelope {
     /// The metadata block: the envelope, then `msg` (an encoded [`Msg`]; empty exactly when
     /// `seq` is None).
     pub fn encode(&self, msg: &[u8]) -> Vec<u8> {
-        let mut w = Writer(Vec::with_capacity(ENVELOPE_LEN + msg.len()));
+        let mut w = Writer(LeWriter::with_capacity(ENVELOPE_LEN + msg.len()));
         let flags = self.seq.map_or(0, |_| HAS_SEQ) | self.ack.map_or(0, |_| HAS_ACK);
         w.u8(ENVELOPE).u8(flags);
         if let Some(seq) = self.seq {
@@ -251,8 +252,8 @@ impl Envelope {
         if let Some(ack) = self.ack {
             w.u64(ack);
         }
-        w.0.extend_from_slice(msg);
-        w.0
+        w.0.bytes(msg);
+        w.0.into_vec()
     }
 }
 
@@ -263,7 +264,7 @@ pub fn decode_frame(bytes: &[u8]) -> Result<(Option<Envelope>, Option<Msg>), Dec
     if bytes.first() != Some(&ENVELOPE) {
         return Ok((None, Some(Msg::decode(bytes)?)));
     }
-    let mut r = Reader(&bytes[1..]);
+    let mut r = Reader(LeReader::new(&bytes[1..]));
     let flags = r.u8()?;
     if flags == 0 || flags & !(HAS_SEQ | HAS_ACK) != 0 {
         return Err(DecodeError::Invalid("bad envelope flags"));
@@ -281,33 +282,35 @@ pub fn decode_frame(bytes: &[u8]) -> Result<(Option<Envelope>, Option<Msg>), Dec
     if seq == Some(0) || ack == Some(0) {
         return Err(DecodeError::Invalid("envelope numbers start at 1"));
     }
-    let msg = match (seq, r.0.is_empty()) {
+    let rest = r.0.rest();
+    let msg = match (seq, rest.is_empty()) {
         (Some(_), true) => return Err(DecodeError::Invalid("envelope without its message")),
         (Some(_), false) => {
-            if r.0[0] == ENVELOPE {
+            if rest[0] == ENVELOPE {
                 return Err(DecodeError::Invalid("nested envelope"));
             }
-            Some(Msg::decode(r.0)?)
+            Some(Msg::decode(rest)?)
         }
         (None, true) => None,
-        (None, false) => return Err(DecodeError::Trailing(r.0.len())),
+        (None, false) => return Err(DecodeError::Trailing(rest.len())),
     };
     Ok((Some(Envelope { seq, ack }), msg))
 }
 
-struct Writer(Vec<u8>);
+/// The kv codec's fields over the shared bounded little-endian writer.
+struct Writer(LeWriter);
 
 impl Writer {
     fn u8(&mut self, v: u8) -> &mut Self {
-        self.0.push(v);
+        self.0.u8(v);
         self
     }
     fn u32(&mut self, v: u32) -> &mut Self {
-        self.0.extend_from_slice(&v.to_le_bytes());
+        self.0.u32(v);
         self
     }
     fn u64(&mut self, v: u64) -> &mut Self {
-        self.0.extend_from_slice(&v.to_le_bytes());
+        self.0.u64(v);
         self
     }
     fn str(&mut self, s: &str) -> &mut Self {
@@ -317,7 +320,7 @@ impl Writer {
             end -= 1;
         }
         self.u32(end as u32);
-        self.0.extend_from_slice(&s.as_bytes()[..end]);
+        self.0.bytes(&s.as_bytes()[..end]);
         self
     }
     fn addr(&mut self, a: SocketAddr) -> &mut Self {
@@ -325,28 +328,27 @@ impl Writer {
     }
 }
 
-struct Reader<'a>(&'a [u8]);
+/// The kv codec's fields over the shared bounded little-endian reader.
+struct Reader<'a>(LeReader<'a>);
+
+impl From<Truncated> for DecodeError {
+    fn from(_: Truncated) -> Self {
+        DecodeError::Truncated
+    }
+}
 
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
-        if self.0.len() < n {
-            return Err(DecodeError::Truncated);
-        }
-        let (head, rest) = self.0.split_at(n);
-        self.0 = rest;
-        Ok(head)
+        Ok(self.0.take(n)?)
     }
     fn u8(&mut self) -> Result<u8, DecodeError> {
-        Ok(self.take(1)?[0])
+        Ok(self.0.u8()?)
     }
     fn u32(&mut self) -> Result<u32, DecodeError> {
-        let b = self.take(4)?;
-        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        Ok(self.0.u32()?)
     }
     fn u64(&mut self) -> Result<u64, DecodeError> {
-        let mut a = [0u8; 8];
-        a.copy_from_slice(self.take(8)?);
-        Ok(u64::from_le_bytes(a))
+        Ok(self.0.u64()?)
     }
     fn str(&mut self) -> Result<String, DecodeError> {
         let len = self.u32()? as usize;
@@ -396,7 +398,7 @@ impl Msg {
 
     /// The metadata bytes.
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer(Vec::with_capacity(32));
+        let mut w = Writer(LeWriter::with_capacity(32));
         w.u8(VERSION).u8(self.tag());
         match self {
             Msg::Register { role, addr } => {
@@ -406,7 +408,7 @@ impl Msg {
                 w.u64(your_id.0).u32(nodes.len().min(MAX_NODES) as u32);
                 for n in nodes.iter().take(MAX_NODES) {
                     w.u64(n.id.0).u8(n.role.code()).u32(n.rank).addr(n.addr);
-                    w.0.extend_from_slice(&n.token.0);
+                    w.0.bytes(&n.token.0);
                 }
             }
             Msg::Barrier { group } | Msg::BarrierDone { group } => {
@@ -443,12 +445,12 @@ impl Msg {
                 w.u64(*ts).str(reason);
             }
         }
-        w.0
+        w.0.into_vec()
     }
 
     /// Parses metadata; any malformed input is an error.
     pub fn decode(bytes: &[u8]) -> Result<Msg, DecodeError> {
-        let mut r = Reader(bytes);
+        let mut r = Reader(LeReader::new(bytes));
         let version = r.u8()?;
         if version == ENVELOPE {
             return Err(DecodeError::Enveloped);
@@ -468,7 +470,7 @@ impl Msg {
                     return Err(DecodeError::Invalid("too many nodes"));
                 }
                 // Each entry takes at least 33 bytes: bound the allocation by the input.
-                let mut nodes = Vec::with_capacity(count.min(r.0.len() / 33));
+                let mut nodes = Vec::with_capacity(count.min(r.0.remaining() / 33));
                 for _ in 0..count {
                     nodes.push(NodeInfo {
                         id: NodeId(r.u64()?),
@@ -519,7 +521,7 @@ impl Msg {
             tag => return Err(DecodeError::UnknownTag(tag)),
         };
         if !r.0.is_empty() {
-            return Err(DecodeError::Trailing(r.0.len()));
+            return Err(DecodeError::Trailing(r.0.remaining()));
         }
         Ok(msg)
     }
