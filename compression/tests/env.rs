@@ -9,7 +9,7 @@ const EXPECT: &str = "PSNET_COMPRESSION_TEST_EXPECT_SIMD";
 
 #[test]
 fn env_var_caps_the_detected_level() {
-    if let Some(expected) = harness_var(EXPECT) {
+    if let Some(expected) = psnet_config::env::harness_var(EXPECT) {
         // Child process: check and report.
         assert_eq!(SimdLevel::detect().name(), expected);
         assert_eq!(TwoBitCompressor::new(0.5).unwrap().simd().name(), expected);
@@ -40,14 +40,4 @@ fn env_var_caps_the_detected_level() {
             String::from_utf8_lossy(&output.stdout)
         );
     }
-}
-
-/// A variable the test harness sets (not one of psnet's, which psnet_config::env declares).
-fn harness_var(name: &'static str) -> Option<String> {
-    psnet_config::env::EnvVar {
-        name,
-        default: "",
-        description: "set by the test harness",
-    }
-    .get()
 }

@@ -111,6 +111,17 @@ impl EnvVar {
     }
 }
 
+/// A variable that is not one of psnet's (set by a test harness, for example), read through
+/// the same door as the declared ones so that nothing else reads the environment.
+pub fn harness_var(name: &'static str) -> Option<String> {
+    EnvVar {
+        name,
+        default: "",
+        description: "not psnet's: set by a test harness",
+    }
+    .get()
+}
+
 /// Declares environment variables once each, as `EnvVar` constants (documented with their
 /// description), plus a list of them all for `--print-env`:
 /// `declare_env_vars!(LIST; IDENT = "NAME", "default", "description"; ...)`.

@@ -515,7 +515,7 @@ fn run_seed(seed: u64) -> Result<Plan, (Plan, String)> {
 }
 
 fn env_u64(name: &'static str) -> Option<u64> {
-    let raw = harness_var(name)?;
+    let raw = psnet_config::env::harness_var(name)?;
     Some(
         raw.trim()
             .parse()
@@ -698,14 +698,4 @@ fn the_reference_sums_in_rank_order() {
         r[0][0][0].to_bits(),
         (w0 + ((g[0] + g[1]) + g[2])).to_bits()
     );
-}
-
-/// A variable the test harness sets (not one of psnet's, which psnet_config::env declares).
-fn harness_var(name: &'static str) -> Option<String> {
-    psnet_config::env::EnvVar {
-        name,
-        default: "",
-        description: "set by the test harness",
-    }
-    .get()
 }

@@ -156,26 +156,23 @@ impl WorkerState {
     /// Lays `key` out over the servers for `len` elements (compressed parts when compression
     /// is on, as MXNet splits them).
     pub fn define_key(&mut self, key: u64, len: usize) {
+        let part = |server, offset, len| Part {
+            server,
+            offset,
+            len,
+        };
         let parts = match &self.compressor {
             Some(c) => self
                 .placement
                 .compressed_parts(key, len, c.scheme().factor())
                 .iter()
-                .map(|p| Part {
-                    server: p.server,
-                    offset: p.offset,
-                    len: p.len,
-                })
+                .map(|p| part(p.server, p.offset, p.len))
                 .collect(),
             None => self
                 .placement
                 .parts(key, len)
                 .iter()
-                .map(|p| Part {
-                    server: p.server,
-                    offset: p.offset,
-                    len: p.len,
-                })
+                .map(|p| part(p.server, p.offset, p.len))
                 .collect(),
         };
         self.keys.insert(key, Layout { len, parts });
