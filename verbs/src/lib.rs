@@ -18,6 +18,7 @@
 #![deny(missing_docs)]
 
 pub mod cm;
+mod config;
 pub mod control;
 pub mod device;
 pub mod devices;
@@ -30,6 +31,7 @@ pub mod memory;
 pub mod proto;
 pub mod rdmacm;
 pub mod regcache;
+mod registrar;
 mod sys;
 pub mod transport;
 

@@ -2,6 +2,7 @@
 //! (`scripts/rxe-vm`, whose hook sets `RXE_DEV` and `RXE_NETDEV`) the device must be found
 //! both ways; elsewhere the absence must be a clear reason, never a panic.
 
+use psnet_config::env::harness_var;
 use psnet_verbs::devices::verbs_devices;
 use psnet_verbs::discovery::rdma_device_for_interface;
 
@@ -46,14 +47,4 @@ fn the_guest_interface_maps_to_its_soft_roce_device() {
         "{netdev} -> {} port {} ({:?})",
         binding.device, binding.port, binding.source
     );
-}
-
-/// A variable the test harness sets (not one of psnet's, which psnet_config::env declares).
-fn harness_var(name: &'static str) -> Option<String> {
-    psnet_config::env::EnvVar {
-        name,
-        default: "",
-        description: "set by the test harness",
-    }
-    .get()
 }

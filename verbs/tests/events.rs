@@ -6,6 +6,7 @@
 
 mod common;
 
+use psnet_config::env::harness_var;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -59,7 +60,7 @@ async fn the_port_going_down_fails_every_peer_at_once_and_the_transport_recovers
         eprintln!("SKIPPED: {why}");
         return;
     }
-    let (Some(netdev), Some(spec)) = (common::harness_var("RXE_NETDEV"), factory.spec()) else {
+    let (Some(netdev), Some(spec)) = (harness_var("RXE_NETDEV"), factory.spec()) else {
         eprintln!("SKIPPED: RXE_NETDEV unset (the guest names the interface it may take down)");
         return;
     };

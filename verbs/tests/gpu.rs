@@ -2,6 +2,7 @@
 //! panic, and the rest of the crate is untouched by it.
 #![cfg(feature = "cuda")]
 
+use psnet_config::env::harness_var;
 use std::ffi::CString;
 
 use psnet_verbs::gpu::{Driver, GpuError, GpuPath, Mode};
@@ -300,14 +301,4 @@ fn fake_driver_child() {
         other => panic!("unknown fake-driver case {other}"),
     }
     println!("CHECKED {case}");
-}
-
-/// A variable the test harness sets (not one of psnet's, which psnet_config::env declares).
-fn harness_var(name: &'static str) -> Option<String> {
-    psnet_config::env::EnvVar {
-        name,
-        default: "",
-        description: "set by the test harness",
-    }
-    .get()
 }

@@ -5,4 +5,5 @@
 pub mod credits;
 pub mod offers;
 pub mod order;
+pub(crate) mod qp;
 pub mod wire;

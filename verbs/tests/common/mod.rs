@@ -1,5 +1,6 @@
 //! Endpoints on the RDMA device the environment names, for the tests.
 
+use psnet_config::env::harness_var;
 use std::net::{IpAddr, SocketAddr};
 
 use psnet_transport::conformance::TransportFactory;
@@ -83,15 +84,4 @@ pub async fn next_message(t: &VerbsTransport) -> Incoming {
             Event::PeerLost { peer, reason } => panic!("lost {peer}: {reason}"),
         }
     }
-}
-
-/// A variable the test harness sets (not one of psnet's, which psnet_config::env declares).
-#[allow(dead_code)]
-pub fn harness_var(name: &'static str) -> Option<String> {
-    psnet_config::env::EnvVar {
-        name,
-        default: "",
-        description: "set by the test harness",
-    }
-    .get()
 }

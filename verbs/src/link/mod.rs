@@ -1,0 +1,293 @@
+//! One reliable-connected queue pair to one peer, and the protocol state that drives it.
+//!
+//! The state lives behind one mutex taken briefly by senders and by the completion poller;
+//! posting happens under it, so work requests enter the queue in the order decisions are made.
+//! Nothing here blocks: a sender that lacks a credit, a send buffer or send-queue room waits on
+//! [`Link::changed`], which the poller signals whenever completions free some.
+//!
+//! The parts: `setup.rs` brings a queue pair up (INIT, then RTR and RTS from the peer's
+//! [`QpInfo`] or from rdma_cm's attributes); `send.rs` posts small messages and picks a send
+//! path: `eager.rs` (copied into a pre-posted buffer), `rendezvous.rs` (request-to-send,
+//! clear-to-send, RDMA WRITE WITH IMMEDIATE), `direct.rs` (written into a buffer the peer
+//! offered); `recv.rs` handles completions and received messages; `pump.rs` does the work
+//! completions left behind (reposts, deferred requests, offers, credits).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bytes::Bytes;
+use psnet_transport::{Incoming, Limits, NodeId, TransportError};
+use rdma_mummy_sys::ibv_sge;
+use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::queue_pair::{
+    GenericQueuePair, QueuePair, QueuePairAttribute, QueuePairState,
+};
+use smallvec::SmallVec;
+use tokio::sync::{oneshot, Notify};
+
+use crate::device::Device;
+use crate::memory::{RecvPool, Region, Slab};
+use crate::proto::credits::Credits;
+use crate::proto::offers::{Offered, Offers};
+use crate::proto::order::Reorder;
+use crate::proto::wire::{Cts, DataHeader};
+
+mod direct;
+mod eager;
+mod pump;
+mod recv;
+mod rendezvous;
+mod send;
+mod setup;
+
+pub use crate::proto::qp::QpInfo;
+
+/// Rendezvous sequence numbers and work-request indices share 28 bits.
+const SEQ_MASK: u32 = 0x0FFF_FFFF;
+/// Index of an inline send: its buffer went back to the free list when it was posted.
+const INLINE_INDEX: u32 = SEQ_MASK;
+
+/// What a work request was, encoded in its id with the link and an index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WrKind {
+    Recv = 1,
+    Send = 2,
+    Write = 3,
+}
+
+/// Builds a work-request id.
+pub(crate) fn wr_id(link: u32, kind: WrKind, index: u32) -> u64 {
+    ((link as u64) << 32) | ((kind as u64) << 28) | (index & SEQ_MASK) as u64
+}
+
+/// Splits a work-request id into link, kind and index.
+pub(crate) fn split_wr_id(id: u64) -> (u32, Option<WrKind>, u32) {
+    let kind = match (id >> 28) & 0xF {
+        1 => Some(WrKind::Recv),
+        2 => Some(WrKind::Send),
+        3 => Some(WrKind::Write),
+        _ => None,
+    };
+    ((id >> 32) as u32, kind, id as u32 & SEQ_MASK)
+}
+
+/// Sizes of a link's queues and buffers.
+#[derive(Clone, Debug)]
+pub struct LinkParams {
+    /// Receive buffers posted (the peer's credits).
+    pub recv_depth: u32,
+    /// Send buffers.
+    pub send_slots: u32,
+    /// Bytes per eager buffer (the largest eager message, header included).
+    pub slot_size: usize,
+    /// Largest message sent inline (copied into the work request at post time); 0: none.
+    pub inline_bytes: u32,
+    /// Message limits.
+    pub limits: Limits,
+    /// Bytes of receive buffers offered to the peer in advance at most; 0: none.
+    pub offer_bytes: u64,
+}
+
+impl LinkParams {
+    /// Send-queue depth: every send buffer and the writes of every rendezvous in flight.
+    pub fn sq_depth(&self, max_sge: u32) -> u32 {
+        let writes_per_msg = (self.limits.max_segments as u32 + 1).div_ceil(max_sge.max(1)) + 1;
+        self.send_slots + self.recv_depth.min(64) * writes_per_msg.min(4) + 8
+    }
+}
+
+struct OutRndv {
+    sges: SmallVec<[ibv_sge; 4]>,
+    total: u64,
+    // Registrations made for this send; dropped (deregistered) when it completes.
+    _regs: Vec<Arc<MemoryRegion>>,
+    wrs: u32,
+    cts: Option<Cts>,
+    /// The immediate ending the writes (the rendezvous' seq); `None` for a write into an
+    /// offered buffer, which a direct message follows instead.
+    imm: Option<u32>,
+    done: Option<oneshot::Sender<Result<(), String>>>,
+}
+
+/// How a link's large messages went, for tests and benchmarks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LinkStats {
+    /// Large messages sent with a request-to-send / clear-to-send round trip.
+    pub sent_rendezvous: u64,
+    /// Large messages written straight into a buffer the peer offered.
+    pub sent_direct: u64,
+    /// Large messages received into a buffer this side offered.
+    pub received_direct: u64,
+    /// Buffers this side has offered and the peer has not written yet.
+    pub offered_now: u64,
+}
+
+struct InRndv {
+    region: Region,
+    meta: Option<Bytes>,
+    meta_len: usize,
+    seg_lens: Vec<u64>,
+    total: u64,
+}
+
+struct DeferredRts {
+    seq: u32,
+    header: DataHeader,
+    meta: Option<Bytes>,
+}
+
+struct State {
+    qp: GenericQueuePair,
+    credits: Credits,
+    free_slots: Vec<u32>,
+    sq_free: u32,
+    next_seq: u32,
+    remote_ready: bool,
+    out: HashMap<u32, OutRndv>,
+    inbound: HashMap<u32, InRndv>,
+    order: Reorder<Incoming>,
+    cts_backlog: VecDeque<(u32, Cts)>,
+    write_backlog: VecDeque<u32>,
+    deferred_rts: VecDeque<DeferredRts>,
+    repost: Vec<u32>,
+    /// Buffers offered to the peer and not yet written (receiver side).
+    offered: Offered<Region>,
+    /// Sizes to offer again once the inbox has room.
+    to_offer: VecDeque<u64>,
+    /// Offers made but not yet sent to the peer.
+    offer_backlog: VecDeque<(u32, Cts)>,
+    /// The peer's offers (sender side).
+    offers: Offers,
+    stats: LinkStats,
+    failed: Option<String>,
+}
+
+/// One work completion, as the poller read it.
+pub(crate) struct Completion {
+    pub kind: WrKind,
+    pub index: u32,
+    pub status: u32,
+    pub opcode: u32,
+    pub byte_len: u32,
+    pub imm: u32,
+}
+
+/// The result of handling completions: messages now deliverable in order.
+#[derive(Default)]
+pub(crate) struct Progress {
+    pub delivered: Vec<Incoming>,
+    pub failure: Option<String>,
+}
+
+/// Registered parts and the registrations made for them, until a send is posted.
+type PendingSend = Option<(SmallVec<[ibv_sge; 4]>, Vec<Arc<MemoryRegion>>)>;
+
+/// One queue pair to one peer.
+pub struct Link {
+    /// Id used in work-request ids (unique per transport).
+    pub id: u32,
+    /// The peer.
+    pub peer: NodeId,
+    /// Random tag of this link in the control handshake.
+    pub nonce: u64,
+    /// Signalled when credits, buffers or queue room free up, or the link fails.
+    pub changed: Notify,
+    params: LinkParams,
+    max_sge: u32,
+    tag: u32,
+    qpn: u32,
+    local_psn: u32,
+    // Field order: the queue pair (in `st`) is destroyed before the buffers it used.
+    st: Mutex<State>,
+    recv: Slab,
+    send: Slab,
+    pool: Arc<RecvPool>,
+    dev: Arc<Device>,
+}
+
+fn lost(peer: NodeId, reason: impl Into<String>) -> TransportError {
+    TransportError::PeerLost {
+        peer,
+        reason: reason.into(),
+    }
+}
+
+impl Link {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.st.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The queue pair's number.
+    pub fn qp_number(&self) -> u32 {
+        self.qpn
+    }
+
+    /// This side's queue pair, for the handshake.
+    pub fn local_info(&self) -> QpInfo {
+        let st = self.lock();
+        QpInfo {
+            qpn: st.qp.qp_number(),
+            psn: self.local_psn,
+            lid: self.dev.lid,
+            gid: Into::<std::net::Ipv6Addr>::into(self.dev.gid).octets(),
+            mtu: self.dev.mtu as u32,
+            recv_depth: self.params.recv_depth,
+            slot_size: self.params.slot_size as u32,
+        }
+    }
+
+    /// Connects the queue pair to the peer's (RTR, then RTS). Receiving works from here;
+    /// The peer's queue pair is ready to receive: sends may start.
+    pub fn set_remote_ready(&self) {
+        self.lock().remote_ready = true;
+        self.changed.notify_waiters();
+    }
+
+    /// Whether sends may start.
+    pub fn is_ready(&self) -> bool {
+        let st = self.lock();
+        st.remote_ready && st.failed.is_none()
+    }
+
+    /// How this link's large messages went so far.
+    pub fn stats(&self) -> LinkStats {
+        let st = self.lock();
+        LinkStats {
+            offered_now: st.offered.len() as u64,
+            ..st.stats
+        }
+    }
+
+    /// Why the link failed, if it did.
+    pub fn failure(&self) -> Option<String> {
+        self.lock().failed.clone()
+    }
+
+    /// Marks the link failed: waiting and future sends fail with `reason`, the queue pair
+    /// stops. Returns false if it had already failed.
+    pub fn fail(&self, reason: &str) -> bool {
+        let mut st = self.lock();
+        if st.failed.is_some() {
+            return false;
+        }
+        st.failed = Some(reason.to_string());
+        for (_, mut out) in st.out.drain() {
+            if let Some(done) = out.done.take() {
+                let _ = done.send(Err(reason.to_string()));
+            }
+        }
+        let mut err = QueuePairAttribute::new();
+        err.setup_state(QueuePairState::Error);
+        if let Err(e) = st.qp.modify(&err) {
+            tracing::debug!(peer = %self.peer, error = %e, "queue pair to ERROR");
+        }
+        drop(st);
+        self.changed.notify_waiters();
+        true
+    }
+
+    /// The transport tag in registration keys handed out by this transport.
+    pub fn tag(&self) -> u32 {
+        self.tag
+    }
+}

@@ -1,0 +1,293 @@
+//! Receiving: posting receive buffers, handling each completion, and turning received
+//! messages (eager data, requests-to-send, grants, offers, direct messages, credits) and
+//! landed writes into deliverable messages.
+
+use bytes::Bytes;
+use psnet_transport::{Incoming, NodeId};
+use sideway::ibverbs::completion::{WorkCompletionOperationType, WorkCompletionStatus};
+use sideway::ibverbs::queue_pair::{QueuePair, SetScatterGatherEntry};
+use smallvec::SmallVec;
+
+use super::{wr_id, Completion, DeferredRts, InRndv, Link, State, WrKind, INLINE_INDEX};
+use crate::proto::offers::{RemoteBuf, PER_CLASS};
+use crate::proto::wire::{self, Cts, Kind};
+
+impl Link {
+    pub(super) fn post_recv(&self, st: &mut State, slot: u32) -> Result<(), String> {
+        let mut guard = st.qp.start_post_recv();
+        let wr = guard.construct_wr(wr_id(self.id, WrKind::Recv, slot));
+        // SAFETY: the slot belongs to this link's receive slab, which outlives the queue pair;
+        // it is not read again until its completion arrives.
+        unsafe {
+            wr.setup_sge(
+                self.recv.lkey(),
+                self.recv.addr(slot),
+                self.recv.slot_size() as u32,
+            )
+        };
+        match guard.post() {
+            Ok(()) => Ok(()),
+            // Soft-RoCE reports a momentarily full receive queue as ENOMEM: retry later.
+            Err(sideway::ibverbs::queue_pair::PostRecvError::NotEnoughResources(_)) => {
+                st.repost.push(slot);
+                Ok(())
+            }
+            Err(e) => Err(format!("post receive: {e}")),
+        }
+    }
+
+    /// Handles one completion of this link.
+    pub(crate) fn on_completion(&self, c: Completion, inbox_full: bool) -> Result<(), String> {
+        let Completion {
+            kind,
+            index,
+            status,
+            opcode,
+            byte_len,
+            imm,
+        } = c;
+        let mut st = self.lock();
+        if st.failed.is_some() {
+            return Ok(());
+        }
+        if status != WorkCompletionStatus::Success as u32 {
+            let what = WorkCompletionStatus::from(status);
+            return Err(format!(
+                "{kind:?} work request failed: {what:?} (status {status})"
+            ));
+        }
+        match kind {
+            WrKind::Send => {
+                if index != INLINE_INDEX {
+                    st.free_slots.push(index);
+                }
+                st.sq_free += 1;
+            }
+            WrKind::Write => {
+                if let Some(mut out) = st.out.remove(&index) {
+                    st.sq_free += out.wrs;
+                    if let Some(done) = out.done.take() {
+                        let _ = done.send(Ok(()));
+                    }
+                }
+            }
+            WrKind::Recv => {
+                let data = if opcode == WorkCompletionOperationType::ReceiveWithImmediate as u32 {
+                    self.on_write_landed(&mut st, u32::from_be(imm), byte_len)?;
+                    true
+                } else {
+                    // SAFETY: the receive completed and the slot is re-posted only below,
+                    // after the bytes were copied out.
+                    let bytes = unsafe { self.recv.read(index, byte_len as usize) };
+                    self.on_message(&mut st, bytes, inbox_full)?
+                };
+                self.post_recv(&mut st, index)?;
+                st.credits.slot_reposted(data && inbox_full);
+            }
+        }
+        Ok(())
+    }
+
+    /// Handles a received message; returns whether it was data (its credit may be withheld).
+    fn on_message(&self, st: &mut State, bytes: &[u8], inbox_full: bool) -> Result<bool, String> {
+        let base = wire::parse_base(bytes).map_err(|e| e.to_string())?;
+        st.credits.granted(base.credits);
+        match base.kind {
+            Kind::Credit => Ok(false),
+            Kind::Offer => {
+                let offer = wire::parse_cts(bytes).map_err(|e| e.to_string())?;
+                st.offers.add(RemoteBuf {
+                    id: base.seq,
+                    addr: offer.addr,
+                    rkey: offer.rkey,
+                    len: offer.len,
+                })?;
+                Ok(false)
+            }
+            Kind::Direct => {
+                self.on_direct(st, base.seq, bytes)?;
+                Ok(true)
+            }
+            Kind::Cts => {
+                let cts = wire::parse_cts(bytes).map_err(|e| e.to_string())?;
+                let out = st
+                    .out
+                    .get_mut(&base.seq)
+                    .ok_or_else(|| format!("clear-to-send for unknown rendezvous {}", base.seq))?;
+                if out.cts.is_some() || cts.len < out.total {
+                    return Err(format!(
+                        "bad clear-to-send for rendezvous {} ({} bytes offered, {} needed)",
+                        base.seq, cts.len, out.total
+                    ));
+                }
+                out.cts = Some(cts);
+                st.write_backlog.push_back(base.seq);
+                Ok(false)
+            }
+            Kind::Eager => {
+                let (h, at) = wire::parse_data_header(bytes, &self.params.limits)
+                    .map_err(|e| e.to_string())?;
+                let payload = h.payload_len() as usize;
+                if at + payload > bytes.len() {
+                    return Err(format!(
+                        "eager message claims {payload} bytes but carries {}",
+                        bytes.len() - at
+                    ));
+                }
+                let body = Bytes::copy_from_slice(&bytes[at..at + payload]);
+                let msg = split_message(self.peer, &body, h.meta_len as usize, &h.seg_lens);
+                st.order.push_ready(msg);
+                Ok(true)
+            }
+            Kind::Rts => {
+                let (h, at) = wire::parse_data_header(bytes, &self.params.limits)
+                    .map_err(|e| e.to_string())?;
+                let meta = if h.flags & wire::RTS_META_INLINE != 0 {
+                    let n = h.meta_len as usize;
+                    if at + n > bytes.len() {
+                        return Err("request-to-send truncated".into());
+                    }
+                    Some(Bytes::copy_from_slice(&bytes[at..at + n]))
+                } else {
+                    None
+                };
+                if st.inbound.contains_key(&base.seq) {
+                    return Err(format!("duplicate rendezvous {}", base.seq));
+                }
+                st.order.push_pending(base.seq);
+                let rts = DeferredRts {
+                    seq: base.seq,
+                    header: h,
+                    meta,
+                };
+                if inbox_full || !st.deferred_rts.is_empty() {
+                    st.deferred_rts.push_back(rts);
+                } else {
+                    self.accept_rts(st, rts)?;
+                }
+                Ok(true)
+            }
+        }
+    }
+
+    pub(super) fn accept_rts(&self, st: &mut State, rts: DeferredRts) -> Result<(), String> {
+        let meta_len = rts.header.meta_len as usize;
+        let remote_meta = if rts.meta.is_some() {
+            0
+        } else {
+            meta_len as u64
+        };
+        let total = remote_meta + rts.header.seg_lens.iter().sum::<u64>();
+        let region = self.pool.take(total as usize)?;
+        let cts = Cts {
+            addr: region.addr(),
+            rkey: region.rkey(),
+            len: total,
+        };
+        st.inbound.insert(
+            rts.seq,
+            InRndv {
+                region,
+                meta: rts.meta,
+                meta_len,
+                seg_lens: rts.header.seg_lens,
+                total,
+            },
+        );
+        st.cts_backlog.push_back((rts.seq, cts));
+        Ok(())
+    }
+
+    /// A direct message: the peer wrote its segments into offer `id`, which is handed on and
+    /// replaced by a fresh offer of the same size.
+    fn on_direct(&self, st: &mut State, id: u32, bytes: &[u8]) -> Result<(), String> {
+        let (h, at) =
+            wire::parse_data_header(bytes, &self.params.limits).map_err(|e| e.to_string())?;
+        let meta_len = h.meta_len as usize;
+        if at + meta_len > bytes.len() {
+            return Err("direct message truncated".into());
+        }
+        let meta = Bytes::copy_from_slice(&bytes[at..at + meta_len]);
+        let (class, region) = st.offered.redeem(id).ok_or_else(|| {
+            format!("direct message for buffer {id}, which is not on offer (never, or no more)")
+        })?;
+        let total: u64 = h.seg_lens.iter().sum();
+        if total > region.len() as u64 {
+            return Err(format!(
+                "direct message of {total} bytes for an offered buffer of {}",
+                region.len()
+            ));
+        }
+        // SAFETY: the peer's writes into the region were posted before this message on the
+        // same reliable-connected queue pair, so they are placed; the offer was redeemed
+        // above, so the peer will not write it again and it is offered to no one else.
+        let body = unsafe { self.pool.into_bytes(region, total as usize) };
+        st.order.push_ready(Incoming {
+            peer: self.peer,
+            meta,
+            segments: split_segments(&body, 0, &h.seg_lens),
+        });
+        st.stats.received_direct += 1;
+        self.want_offer(st, class);
+        Ok(())
+    }
+
+    /// Asks for a buffer of `class` bytes to be offered to the peer (sent from `pump`).
+    fn want_offer(&self, st: &mut State, class: u64) {
+        // Bounded: at most what could be outstanding of every size at once.
+        if self.params.offer_bytes > 0 && st.to_offer.len() < 4 * PER_CLASS as usize {
+            st.to_offer.push_back(class);
+        }
+    }
+
+    fn on_write_landed(&self, st: &mut State, seq: u32, byte_len: u32) -> Result<(), String> {
+        let inbound = st
+            .inbound
+            .remove(&seq)
+            .ok_or_else(|| format!("write for unknown rendezvous {seq}"))?;
+        if inbound.total <= u32::MAX as u64 && byte_len as u64 != inbound.total {
+            return Err(format!(
+                "rendezvous {seq}: {byte_len} bytes written, {} expected",
+                inbound.total
+            ));
+        }
+        // A message like this one is likely to come again (the same key): offer its size in
+        // advance, if the sender can use an offer (its metadata travels in the message).
+        if inbound.meta.is_some() {
+            self.want_offer(st, inbound.region.len() as u64);
+        }
+        // SAFETY: the write-with-immediate completed, so the sender's writes into the region
+        // are done, and it was offered for this rendezvous only.
+        let body = unsafe { self.pool.into_bytes(inbound.region, inbound.total as usize) };
+        let msg = match inbound.meta {
+            Some(meta) => Incoming {
+                peer: self.peer,
+                meta,
+                segments: split_segments(&body, 0, &inbound.seg_lens),
+            },
+            None => split_message(self.peer, &body, inbound.meta_len, &inbound.seg_lens),
+        };
+        if !st.order.complete(seq, msg) {
+            return Err(format!("rendezvous {seq} completed twice"));
+        }
+        Ok(())
+    }
+}
+
+fn split_segments(body: &Bytes, mut at: usize, lens: &[u64]) -> SmallVec<[Bytes; 4]> {
+    lens.iter()
+        .map(|&len| {
+            let s = body.slice(at..at + len as usize);
+            at += len as usize;
+            s
+        })
+        .collect()
+}
+
+fn split_message(peer: NodeId, body: &Bytes, meta_len: usize, lens: &[u64]) -> Incoming {
+    Incoming {
+        peer,
+        meta: body.slice(..meta_len),
+        segments: split_segments(body, meta_len, lens),
+    }
+}

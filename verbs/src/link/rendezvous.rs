@@ -1,0 +1,243 @@
+//! The rendezvous path: register the message's parts, send a request-to-send, and on the
+//! peer's clear-to-send write the parts into its buffer, ending with RDMA WRITE WITH
+//! IMMEDIATE. A message that fits an offered buffer takes the direct path instead
+//! (`direct.rs`); both share the writes posted here.
+
+use psnet_transport::{OutMessage, TransportError};
+use rdma_mummy_sys::ibv_sge;
+use sideway::ibverbs::queue_pair::{
+    PostSendGuard, QueuePair, SetScatterGatherEntry, WorkRequestFlags,
+};
+use smallvec::SmallVec;
+use tokio::sync::oneshot;
+
+use super::{lost, wr_id, Link, OutRndv, PendingSend, State, WrKind, SEQ_MASK};
+use crate::proto::credits::Class;
+use crate::proto::wire::{self, Base, Cts, Kind};
+use crate::registrar::Registrar;
+
+/// Largest byte count one work request carries (providers limit a message to 2 GiB).
+const MAX_WR_BYTES: u64 = 1 << 30;
+
+impl Link {
+    /// Sends `msg` by rendezvous (or directly into an offered buffer); completes when the
+    /// peer's buffer holds its bytes.
+    pub(super) async fn send_rendezvous(
+        &self,
+        msg: OutMessage<'_>,
+        header_len: usize,
+        registrar: &Registrar,
+    ) -> Result<(), TransportError> {
+        let peer = self.peer;
+        let meta_inline = header_len + msg.meta.len() <= self.params.slot_size;
+        let mut sges: SmallVec<[ibv_sge; 4]> = SmallVec::new();
+        let mut regs = Vec::new();
+        let remote_parts = (!meta_inline)
+            .then_some(msg.meta)
+            .into_iter()
+            .chain(msg.segments.iter().map(|s| s.bytes()));
+        for (i, part) in remote_parts.enumerate() {
+            if part.is_empty() {
+                continue;
+            }
+            let region = if meta_inline || i > 0 {
+                let seg_index = if meta_inline { i } else { i - 1 };
+                msg.segments[seg_index].region()
+            } else {
+                None
+            };
+            let lkey = match region.and_then(|key| registrar.own_lkey(key)) {
+                Some(lkey) => lkey,
+                None => {
+                    let mr = registrar
+                        .register(part)
+                        .map_err(|reason| lost(peer, reason))?;
+                    let lkey = mr.lkey();
+                    regs.push(mr);
+                    lkey
+                }
+            };
+            // Split parts above what one work request may carry.
+            let mut at = 0usize;
+            while at < part.len() {
+                let n = (part.len() - at).min(MAX_WR_BYTES as usize);
+                sges.push(ibv_sge {
+                    addr: part[at..].as_ptr() as u64,
+                    length: n as u32,
+                    lkey,
+                });
+                at += n;
+            }
+        }
+        let total: u64 = sges.iter().map(|s| s.length as u64).sum();
+        let (tx, rx) = oneshot::channel();
+        let mut done = Some(tx);
+        let mut pending = Some((sges, regs));
+        let seq = self
+            .wait_for(|st| {
+                let offer = meta_inline.then(|| st.offers.fitting(total)).flatten();
+                if let Some(offer) = offer {
+                    return self.post_direct(st, &msg, offer, &mut pending, &mut done, total);
+                }
+                // One credit for the request, one for the write-with-immediate that ends it.
+                if st.sq_free == 0 || st.free_slots.is_empty() || st.credits.available() < 3 {
+                    return Ok(None);
+                }
+                let seq = st.next_seq;
+                let posted = self.try_post_small(st, Class::Normal, |buf, credits| {
+                    let base = Base {
+                        kind: Kind::Rts,
+                        credits,
+                        seq,
+                    };
+                    let lens = msg.segments.iter().map(|s| s.len() as u64);
+                    let flags = if meta_inline {
+                        wire::RTS_META_INLINE
+                    } else {
+                        0
+                    };
+                    let at = wire::put_data_header(buf, base, msg.meta.len() as u32, flags, lens);
+                    if meta_inline {
+                        buf[at..at + msg.meta.len()].copy_from_slice(msg.meta);
+                        at + msg.meta.len()
+                    } else {
+                        at
+                    }
+                })?;
+                if !posted {
+                    return Ok(None);
+                }
+                assert!(
+                    st.credits.try_take(Class::Normal, 1),
+                    "credit checked above"
+                );
+                let tracked = track_send(st, &mut pending, &mut done, total, None);
+                debug_assert_eq!(tracked, seq);
+                st.stats.sent_rendezvous += 1;
+                Ok(Some(seq))
+            })
+            .await?;
+        // From here the peer may write-read our memory: if this future is dropped before the
+        // write completes, the link must go (the borrowed bytes are about to be freed).
+        let guard = AbandonGuard {
+            link: self,
+            seq,
+            armed: true,
+        };
+        let result = rx.await;
+        let mut guard = guard;
+        guard.armed = false;
+        match result {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(reason)) => Err(lost(peer, reason)),
+            Err(_) => Err(lost(
+                peer,
+                self.failure().unwrap_or_else(|| "link closed".into()),
+            )),
+        }
+    }
+
+    /// Posts the RDMA writes of large send `seq`; false if the send queue lacks room.
+    pub(super) fn post_writes(&self, st: &mut State, seq: u32) -> Result<bool, String> {
+        let Some(out) = st.out.get(&seq) else {
+            return Ok(true);
+        };
+        let cts = out.cts.expect("writes follow a clear-to-send or an offer");
+        let imm = out.imm;
+        let groups = write_groups(&out.sges, self.max_sge as usize);
+        let wrs = groups.len() as u32;
+        if st.sq_free < wrs {
+            return Ok(false);
+        }
+        st.sq_free -= wrs;
+        let sges = out.sges.clone();
+        let mut guard = st.qp.start_post_send();
+        let mut remote = cts.addr;
+        for (n, &(from, to, bytes)) in groups.iter().enumerate() {
+            let last = n + 1 == groups.len();
+            let flags = if last {
+                WorkRequestFlags::Signaled
+            } else {
+                WorkRequestFlags::none()
+            };
+            let wr = guard.construct_wr(wr_id(self.id, WrKind::Write, seq), flags);
+            let wr = match imm {
+                Some(imm) if last => wr.setup_write_imm(cts.rkey, remote, imm.to_be()),
+                _ => wr.setup_write(cts.rkey, remote),
+            };
+            // SAFETY: the entries point into the sender's borrowed segments (kept alive by the
+            // pending send future: dropping it fails the link first) or into registrations
+            // held by `OutRndv` until the write completes.
+            unsafe { wr.setup_sge_list(&sges[from..to]) };
+            remote += bytes;
+        }
+        guard.post().map_err(|e| format!("post RDMA write: {e}"))?;
+        if let Some(out) = st.out.get_mut(&seq) {
+            out.wrs = wrs;
+        }
+        Ok(true)
+    }
+}
+
+struct AbandonGuard<'a> {
+    link: &'a Link,
+    seq: u32,
+    armed: bool,
+}
+
+impl Drop for AbandonGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let pending = self.link.lock().out.contains_key(&self.seq);
+            if pending {
+                self.link
+                    .fail("a rendezvous send was abandoned before its write completed");
+            }
+        }
+    }
+}
+
+/// Tracks a large send under the next sequence number until its writes complete. A direct
+/// write knows its destination (`to`) now and ends without an immediate; a rendezvous learns
+/// it from the clear-to-send and ends with an immediate naming the sequence number.
+pub(super) fn track_send(
+    st: &mut State,
+    pending: &mut PendingSend,
+    done: &mut Option<oneshot::Sender<Result<(), String>>>,
+    total: u64,
+    to: Option<Cts>,
+) -> u32 {
+    let seq = st.next_seq;
+    st.next_seq = (seq + 1) & SEQ_MASK;
+    let (sges, regs) = pending.take().expect("tracked once");
+    st.out.insert(
+        seq,
+        OutRndv {
+            sges,
+            total,
+            _regs: regs,
+            wrs: 0,
+            imm: to.is_none().then_some(seq),
+            cts: to,
+            done: done.take(),
+        },
+    );
+    seq
+}
+
+/// Groups scatter-gather entries into RDMA writes of at most `max_sge` entries and
+/// [`MAX_WR_BYTES`] each: `(first, end, bytes)` per write.
+pub(super) fn write_groups(sges: &[ibv_sge], max_sge: usize) -> SmallVec<[(usize, usize, u64); 4]> {
+    let mut groups = SmallVec::new();
+    let (mut start, mut bytes) = (0usize, 0u64);
+    for (i, sge) in sges.iter().enumerate() {
+        if i > start && (i - start == max_sge.max(1) || bytes + sge.length as u64 > MAX_WR_BYTES) {
+            groups.push((start, i, bytes));
+            start = i;
+            bytes = 0;
+        }
+        bytes += sge.length as u64;
+    }
+    groups.push((start, sges.len(), bytes));
+    groups
+}

@@ -1,0 +1,103 @@
+//! Sending: the choice between the eager and the large-message paths, waiting for credits,
+//! buffers and queue room, and posting a small message (eager data, requests, grants,
+//! offers, credits) from a send buffer or inline.
+
+use psnet_transport::codec::FrameHeader;
+use psnet_transport::{FrameKind, OutMessage, TransportError};
+use sideway::ibverbs::queue_pair::{
+    PostSendGuard, QueuePair, SetInlineData, SetScatterGatherEntry, WorkRequestFlags,
+};
+
+use super::{lost, wr_id, Link, State, WrKind, INLINE_INDEX};
+use crate::proto::credits::Class;
+use crate::proto::wire::DataHeader;
+use crate::registrar::Registrar;
+
+impl Link {
+    /// Sends `msg`; completes when its bytes are no longer needed (copied for eager messages,
+    /// written to the peer for rendezvous).
+    pub async fn send(&self, msg: OutMessage<'_>, cache: &Registrar) -> Result<(), TransportError> {
+        let peer = self.peer;
+        let limits = &self.params.limits;
+        if let Err(source) = FrameHeader::for_message(FrameKind::Data, &msg, limits) {
+            return Err(TransportError::Invalid { peer, source });
+        }
+        let nseg = msg.segments.len();
+        let header_len = DataHeader::encoded_len(nseg);
+        let eager_len = header_len as u64 + msg.total_len();
+        if eager_len <= self.params.slot_size as u64 {
+            return self.send_eager(msg, header_len).await;
+        }
+        self.send_rendezvous(msg, header_len, cache).await
+    }
+
+    pub(super) async fn wait_for<T>(
+        &self,
+        mut attempt: impl FnMut(&mut State) -> Result<Option<T>, String>,
+    ) -> Result<T, TransportError> {
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut st = self.lock();
+                if let Some(reason) = &st.failed {
+                    return Err(lost(self.peer, reason.clone()));
+                }
+                if st.remote_ready {
+                    match attempt(&mut st) {
+                        Ok(Some(v)) => return Ok(v),
+                        Ok(None) => {}
+                        Err(reason) => {
+                            drop(st);
+                            self.fail(&reason);
+                            return Err(lost(self.peer, reason));
+                        }
+                    }
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// Posts a small message built by `fill` into a send buffer; false if a credit, a buffer
+    /// or queue room is missing.
+    pub(super) fn try_post_small(
+        &self,
+        st: &mut State,
+        class: Class,
+        fill: impl FnOnce(&mut [u8], u16) -> usize,
+    ) -> Result<bool, String> {
+        if st.sq_free == 0 || st.free_slots.is_empty() || !st.credits.try_take(class, 1) {
+            return Ok(false);
+        }
+        let slot = st.free_slots.pop().expect("checked");
+        st.sq_free -= 1;
+        let report = st.credits.take_report();
+        // SAFETY: the slot was free (its previous send completed) and is ours until posted.
+        let buf = unsafe { self.send.write(slot) };
+        let len = fill(buf, report);
+        let inline = len <= self.params.inline_bytes as usize;
+        let index = if inline { INLINE_INDEX } else { slot };
+        let mut guard = st.qp.start_post_send();
+        let wr = guard
+            .construct_wr(
+                wr_id(self.id, WrKind::Send, index),
+                WorkRequestFlags::Signaled,
+            )
+            .setup_send();
+        if inline {
+            // The bytes are copied into the work request now: the buffer is free again.
+            wr.setup_inline_data(&buf[..len]);
+        } else {
+            // SAFETY: the send slab outlives the queue pair; the slot is not reused before
+            // the send's completion returns it.
+            unsafe { wr.setup_sge(self.send.lkey(), self.send.addr(slot), len as u32) };
+        }
+        guard.post().map_err(|e| format!("post send: {e}"))?;
+        if inline {
+            st.free_slots.push(slot);
+        }
+        Ok(true)
+    }
+}
