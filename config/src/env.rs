@@ -204,6 +204,8 @@ crate::declare_env_vars! {
     PSNET_KV_SERVER_KEY_BYTES = "PSNET_KV_SERVER_KEY_BYTES", "0",
         "bytes of key values one server may hold; an init beyond it fails naming this limit (0: half the machine's memory)";
 
+    PSNET_KV_SERIAL_SENDS = "PSNET_KV_SERIAL_SENDS", "0",
+        "Benchmarks only: 1 makes a worker send a call's requests one server after another (the parts of a sharded key wait for each other's sends) instead of to all servers at once, to measure what sending in parallel gains.";
     PSNET_COMPRESSION_SIMD = "PSNET_COMPRESSION_SIMD", "",
         "Caps gradient compression's SIMD level: avx2, sse2 or scalar (default: the best this CPU has).";
     RUST_LOG = "RUST_LOG", "",

@@ -47,6 +47,9 @@ pub struct KvConfig {
     pub resend: Option<Duration>,
     /// Bytes of key values one server may hold (`PSNET_KV_SERVER_KEY_BYTES`).
     pub server_key_bytes: u64,
+    /// Workers send a call's requests one server after another (`PSNET_KV_SERIAL_SENDS`,
+    /// for benchmarks) instead of to all servers at once.
+    pub serial_sends: bool,
 }
 
 /// Half the machine's memory (`MemTotal` in `/proc/meminfo`), or 16 GiB where it cannot be
@@ -147,6 +150,7 @@ impl KvConfig {
             loopback: true,
             resend: None,
             server_key_bytes: half_the_memory(),
+            serial_sends: false,
         }
     }
 
@@ -189,6 +193,7 @@ impl KvConfig {
                 0 => half_the_memory(),
                 n => n,
             },
+            serial_sends: env::PSNET_KV_SERIAL_SENDS.parse_or_default::<u8>()? != 0,
         })
     }
 

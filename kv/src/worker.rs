@@ -80,6 +80,8 @@ struct Shared<T: Transport> {
     servers: Vec<NodeId>,
     num_workers: u32,
     state: Mutex<WorkerState>,
+    /// `PSNET_KV_SERIAL_SENDS`: one request after another, for benchmarks.
+    serial_sends: bool,
     /// Woken when the job ends or the scheduler is lost (`finalize` waits for it).
     ended: Notify,
 }
@@ -111,6 +113,13 @@ impl<T: Transport> Shared<T> {
         &self,
         requests: Vec<Outgoing<'_>>,
     ) -> Result<Vec<oneshot::Receiver<Reply>>, KvError> {
+        if self.serial_sends {
+            let mut sent = Vec::with_capacity(requests.len());
+            for r in requests {
+                sent.push(self.request(r.to, r.ask, r.value).await?);
+            }
+            return Ok(sent);
+        }
         let total = requests.len();
         let mut by_server: Vec<(NodeId, Vec<(usize, Outgoing<'_>)>)> = Vec::new();
         for (i, r) in requests.into_iter().enumerate() {
@@ -204,6 +213,7 @@ impl<T: Transport> Worker<T> {
             servers,
             num_workers,
             state: Mutex::new(state),
+            serial_sends: config.serial_sends,
             ended: Notify::new(),
         });
         for event in joined.early {

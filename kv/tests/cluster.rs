@@ -204,3 +204,26 @@ async fn forged_hellos_over_tcp_are_refused_and_the_job_goes_on() {
         assert_eq!(r.unwrap(), vec![2.0; 4]);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serial_sends_give_the_same_sums() {
+    // PSNET_KV_SERIAL_SENDS (for benchmarks) changes only how requests go out.
+    let c = cluster_with(2, 2, |c| {
+        let mut c = c.bigarray_bound(100);
+        c.serial_sends = true;
+        c
+    })
+    .await;
+    let results = on_all(&c.workers, |w| async move {
+        w.init(&[4], &[&[0.0; 250]]).await?;
+        let g: Vec<f32> = (0..250).map(|i| i as f32).collect();
+        let mut out = vec![0.0; 250];
+        w.pushpull(4, &g, &mut out).await?;
+        Ok::<_, KvError>(out)
+    })
+    .await;
+    for r in results {
+        let out = r.unwrap();
+        assert!(out.iter().enumerate().all(|(i, v)| *v == 2.0 * i as f32));
+    }
+}

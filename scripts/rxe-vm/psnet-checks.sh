@@ -108,6 +108,22 @@ for offers in 0 16777216; do
   check "psnet-perf kv over $RXE_NETDEV (PSNET_RDMA_OFFER_BYTES=$offers)" $rc
 done
 
+# 5b. A key sharded over 2 servers (8 MiB: two 4 MiB parts), its parts sent to both servers at
+# once against one after another (PSNET_KV_SERIAL_SENDS=1), alternating, twice (for the record:
+# time ratio = serial goodput / parallel goodput).
+for round in 1 2; do
+  for serial in 0 1; do
+    PSNET_KV_SERIAL_SENDS=$serial DMLC_INTERFACE=$RXE_NETDEV timeout -k 5 240 $B/psnet-perf kv \
+      --servers 2 --workers 1 --sizes 8M > $OUT/kv-sharded.$serial 2>&1
+    rc=$?
+    [ $rc = 0 ] || tail -30 $OUT/kv-sharded.$serial
+    check "psnet-perf kv, key sharded over 2 servers (PSNET_KV_SERIAL_SENDS=$serial, round $round)" $rc
+  done
+  par=$(awk '$1 ~ /^[0-9]+$/ && NF >= 6 {print $4}' $OUT/kv-sharded.0)
+  ser=$(awk '$1 ~ /^[0-9]+$/ && NF >= 6 {print $4}' $OUT/kv-sharded.1)
+  echo "FIGURE kv_sharded round=$round size=8388608 servers=2 push_MBps_parallel=$par push_MBps_serial=$ser time_ratio_parallel_over_serial=$(awk -v p="$par" -v s="$ser" 'BEGIN { if (p > 0) printf "%.2f", s / p; else print "n/a" }')"
+done
+
 # 6. Tests that take the RDMA interface down and up again: last, so nothing else sees it.
 for t in "$RXE_SHARE"/late/*; do
   [ -x "$t" ] || continue
