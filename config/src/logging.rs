@@ -29,8 +29,10 @@ pub fn init() {
             filter_for_verbosity(level)
         }
     };
+    // Colour only on a terminal: logs written to a file or a pipe stay plain text.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::new(filter))
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .try_init();
 }

@@ -11,6 +11,7 @@
 use std::net::TcpListener;
 
 use psnet_config::env;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
@@ -96,12 +97,63 @@ pub struct Outcome {
     /// that exited with [`EXIT_PEER_FAILED`] (it stopped because another failed) is blamed
     /// only if no other process failed.
     pub first_failure: Option<(Role, u32, String)>,
+    /// The signal (SIGINT, SIGTERM, SIGHUP) that stopped the job, if one did: every process
+    /// was then stopped, and the launcher should exit with `128 + signal`.
+    pub signal: Option<i32>,
 }
 
 impl Outcome {
-    /// Whether every process exited with status 0.
+    /// Whether every process exited with status 0 and no signal stopped the job.
     pub fn success(&self) -> bool {
-        self.first_failure.is_none()
+        self.first_failure.is_none() && self.signal.is_none()
+    }
+}
+
+/// The signals that stop a job: each is passed on to every process of the job.
+const STOP_SIGNALS: [i32; 3] = [
+    signal_hook::consts::SIGINT,
+    signal_hook::consts::SIGTERM,
+    signal_hook::consts::SIGHUP,
+];
+
+/// Sends `sig` to the process group `child` leads (each child runs in a group of its own, so
+/// that what it started itself goes too). A group already gone is not an error.
+fn signal_group(child: &Child, sig: rustix::process::Signal) {
+    let _ = rustix::process::kill_process_group(rustix::process::Pid::from_child(child), sig);
+}
+
+/// Catches the stop signals while a job runs; the handlers go when this is dropped.
+struct StopSignals {
+    caught: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    ids: Vec<signal_hook::SigId>,
+}
+
+impl StopSignals {
+    fn install() -> Result<Self, LaunchError> {
+        let caught = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut ids = Vec::new();
+        for sig in STOP_SIGNALS {
+            let id = signal_hook::flag::register_usize(sig, caught.clone(), sig as usize)
+                .map_err(LaunchError::Wait)?;
+            ids.push(id);
+        }
+        Ok(StopSignals { caught, ids })
+    }
+
+    /// The signal caught, if any.
+    fn caught(&self) -> Option<i32> {
+        match self.caught.load(std::sync::atomic::Ordering::Acquire) {
+            0 => None,
+            sig => i32::try_from(sig).ok(),
+        }
+    }
+}
+
+impl Drop for StopSignals {
+    fn drop(&mut self) {
+        for id in self.ids.drain(..) {
+            signal_hook::low_level::unregister(id);
+        }
     }
 }
 
@@ -193,16 +245,20 @@ pub fn launch_local(spec: &JobSpec) -> Result<Outcome, LaunchError> {
     let mut roles = vec![(Role::Scheduler, 0)];
     roles.extend((0..spec.servers).map(|i| (Role::Server, i)));
     roles.extend((0..spec.workers).map(|i| (Role::Worker, i)));
+    let signals = StopSignals::install()?;
     let mut children: Vec<(Role, u32, Child)> = Vec::new();
     for (role, index) in roles {
         let mut cmd = Command::new(program);
         cmd.args(&spec.command[1..]);
         cmd.envs(process_env(spec, role, port));
+        // A group of its own: a signal to the job reaches what the process started, and a
+        // terminal's Ctrl-C reaches the launcher, which stops everything in order.
+        cmd.process_group(0);
         match cmd.spawn() {
             Ok(child) => children.push((role, index, child)),
             Err(source) => {
                 for (_, _, mut c) in children {
-                    let _ = c.kill();
+                    signal_group(&c, rustix::process::Signal::KILL);
                     let _ = c.wait();
                 }
                 return Err(LaunchError::Spawn {
@@ -214,10 +270,18 @@ pub fn launch_local(spec: &JobSpec) -> Result<Outcome, LaunchError> {
             }
         }
     }
-    wait_all(children, spec.grace)
+    wait_all(children, spec.grace, &signals)
 }
 
-fn wait_all(mut running: Vec<(Role, u32, Child)>, grace: Duration) -> Result<Outcome, LaunchError> {
+/// How long processes may take to exit after the launcher passed a signal on to them.
+const SIGNAL_GRACE: Duration = Duration::from_secs(5);
+
+fn wait_all(
+    mut running: Vec<(Role, u32, Child)>,
+    grace: Duration,
+    signals: &StopSignals,
+) -> Result<Outcome, LaunchError> {
+    let mut signal: Option<i32> = None;
     let mut ended = Vec::new();
     let mut first_failure: Option<(Role, u32, String, bool)> = None;
     let mut kill_at: Option<Instant> = None;
@@ -247,8 +311,22 @@ fn wait_all(mut running: Vec<(Role, u32, Child)>, grace: Duration) -> Result<Out
                 None => i += 1,
             }
         }
+        if signal.is_none() {
+            if let Some(sig) = signals.caught() {
+                // Passed on to every process (each is a group of its own), then killed if
+                // still there after SIGNAL_GRACE.
+                signal = Some(sig);
+                let term = rustix::process::Signal::TERM;
+                for (_, _, child) in &running {
+                    signal_group(child, term);
+                }
+                let by = Instant::now() + SIGNAL_GRACE.min(grace.max(Duration::from_millis(100)));
+                kill_at = Some(kill_at.map_or(by, |t| t.min(by)));
+            }
+        }
         if kill_at.is_some_and(|t| Instant::now() >= t) {
             for (role, index, mut child) in running.drain(..) {
+                signal_group(&child, rustix::process::Signal::KILL);
                 let _ = child.kill();
                 let _ = child.wait();
                 ended.push(Ended {
@@ -263,6 +341,7 @@ fn wait_all(mut running: Vec<(Role, u32, Child)>, grace: Duration) -> Result<Out
     Ok(Outcome {
         ended,
         first_failure: first_failure.map(|(role, index, status, _)| (role, index, status)),
+        signal,
     })
 }
 

@@ -189,7 +189,7 @@ fn run_kv(
     if sizes.contains(&0) || iters == Some(0) || keys == 0 {
         return Err("sizes, -n and --keys must be at least 1".into());
     }
-    if psnet::config::env::DMLC_ROLE.is_set() {
+    if psnet::kv::started_by_launcher().map_err(|e| e.to_string())? {
         // Scheduler and server processes run inside launch_from_env and exit there.
         let config = psnet::kv::launch_from_env().map_err(|e| e.to_string())?;
         return kv::run_worker(config, sizes, iters, keys, json);
@@ -199,6 +199,11 @@ fn run_kv(
     command.extend(std::env::args().skip(1));
     let spec = psnet_launch::JobSpec::new(servers, workers, command);
     let outcome = psnet_launch::launch_local(&spec).map_err(|e| e.to_string())?;
+    if let Some(sig) = outcome.signal {
+        return Err(format!(
+            "stopped by signal {sig}; every process of the job was stopped"
+        ));
+    }
     match outcome.first_failure {
         None => Ok(()),
         Some((role, index, status)) => Err(format!("{} {index} failed ({status})", role.as_env())),

@@ -95,6 +95,37 @@ pub async fn join(config: &KvConfig) -> Result<Worker, KvError> {
     Worker::join(config, bind_node(config).await?).await
 }
 
+/// Whether this process was started by a launcher as one role of a job (`DMLC_ROLE` set).
+/// Like ps-lite, refuses a half-described job: the job's other `DMLC_*` variables without
+/// `DMLC_ROLE` is an error naming them, not a cue to start a job of one's own.
+pub fn started_by_launcher() -> Result<bool, KvError> {
+    use psnet_config::env::{
+        DMLC_NUM_SERVER, DMLC_NUM_WORKER, DMLC_PS_ROOT_PORT, DMLC_PS_ROOT_URI, DMLC_ROLE,
+    };
+    if DMLC_ROLE.is_set() {
+        return Ok(true);
+    }
+    let set: Vec<&str> = [
+        DMLC_PS_ROOT_URI,
+        DMLC_PS_ROOT_PORT,
+        DMLC_NUM_SERVER,
+        DMLC_NUM_WORKER,
+    ]
+    .iter()
+    .filter(|v| v.is_set())
+    .map(|v| v.name)
+    .collect();
+    if set.is_empty() {
+        return Ok(false);
+    }
+    Err(KvError::Invalid(format!(
+        "DMLC_ROLE is not set, but {} {}: set DMLC_ROLE to scheduler, server or worker, or \
+         unset them to let this program launch a job of its own",
+        set.join(", "),
+        if set.len() == 1 { "is" } else { "are" }
+    )))
+}
+
 /// Joins the job as a worker with the blocking front end (its own runtime).
 pub fn join_blocking(config: &KvConfig) -> Result<KvStore, KvError> {
     let bind_config = config.clone();

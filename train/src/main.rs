@@ -86,9 +86,16 @@ pub struct Args {
 fn main() -> ExitCode {
     psnet::config::logging::init();
     let args = Args::parse();
+    let launched = match psnet::kv::started_by_launcher() {
+        Ok(launched) => launched,
+        Err(e) => {
+            eprintln!("psnet-train: error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let result = if args.reference {
         train::reference(&args).map_err(train::Failure::from)
-    } else if psnet::config::env::DMLC_ROLE.is_set() {
+    } else if launched {
         match psnet::kv::launch_from_env() {
             // Scheduler and server processes never return from launch_from_env.
             Ok(config) => train::worker(&args, config),
@@ -113,6 +120,11 @@ fn launch(args: &Args) -> Result<(), String> {
     command.extend(std::env::args().skip(1));
     let spec = psnet_launch::JobSpec::new(args.servers, args.workers, command);
     let outcome = psnet_launch::launch_local(&spec).map_err(|e| e.to_string())?;
+    if let Some(sig) = outcome.signal {
+        return Err(format!(
+            "stopped by signal {sig}; every process of the job was stopped"
+        ));
+    }
     match outcome.first_failure {
         None => Ok(()),
         Some((role, index, status)) => {

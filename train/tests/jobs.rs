@@ -304,3 +304,34 @@ fn a_frozen_worker_is_declared_dead_after_the_heartbeat_timeout() {
     );
     job.rest_exits();
 }
+
+#[test]
+fn a_job_described_without_its_role_is_refused_not_launched_alone() {
+    // ps-lite refuses to start without DMLC_ROLE; starting a separate job would hide the
+    // mistake behind a run that exits 0.
+    let out = train()
+        .env("DMLC_PS_ROOT_URI", "127.0.0.1")
+        .env("DMLC_PS_ROOT_PORT", "9")
+        .env("DMLC_NUM_SERVER", "1")
+        .env("DMLC_NUM_WORKER", "1")
+        .env_remove("DMLC_ROLE")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("DMLC_ROLE is not set"), "{err}");
+    assert!(String::from_utf8_lossy(&out.stdout).is_empty(), "no job ran");
+}
+
+#[test]
+fn logs_to_a_pipe_carry_no_colour_codes() {
+    let out = train()
+        .args(["--epochs", "1"])
+        .env("PS_VERBOSE", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(!err.is_empty(), "PS_VERBOSE=1 logs something");
+    assert!(!err.contains('\x1b'), "ANSI escape in piped logs: {err}");
+}

@@ -60,6 +60,13 @@ fn main() -> ExitCode {
     spec.grace = Duration::from_secs(cli.grace);
     match launch_local(&spec) {
         Ok(out) if out.success() => ExitCode::SUCCESS,
+        Ok(out) if out.signal.is_some() => {
+            let sig = out.signal.unwrap_or(0);
+            eprintln!(
+                "psnet-launch: stopped by signal {sig}; every process of the job was stopped"
+            );
+            ExitCode::from(u8::try_from(128 + sig).unwrap_or(255))
+        }
         Ok(out) => {
             if let Some((role, index, status)) = out.first_failure {
                 eprintln!(

@@ -1,0 +1,51 @@
+//! A signal to the launcher stops the whole job. In a process of its own: the test sends
+//! SIGTERM to itself, which would reach any other launch running in the same process.
+
+use std::time::{Duration, Instant};
+
+use psnet_launch::{launch_local, JobSpec};
+
+#[test]
+fn a_signal_to_the_launcher_stops_every_process_and_what_they_started() {
+    // Each process starts a grandchild of its own and records its pid; all must be gone once
+    // the launcher, sent SIGTERM, returns.
+    let dir = std::env::temp_dir().join(format!("psnet-launch-signal-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = format!(
+        "sleep 120 & echo $! > {}/$DMLC_ROLE-$$; wait",
+        dir.display()
+    );
+    let mut spec = JobSpec::new(1, 2, vec!["sh".into(), "-c".into(), script]);
+    spec.grace = Duration::from_secs(30);
+    let me = rustix::process::getpid();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        let _ = rustix::process::kill_process(me, rustix::process::Signal::TERM);
+    });
+    let started = Instant::now();
+    let out = launch_local(&spec).unwrap();
+    assert_eq!(out.signal, Some(signal_hook::consts::SIGTERM), "{out:?}");
+    assert!(!out.success());
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        started.elapsed()
+    );
+    let pids: Vec<i32> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok())
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    assert_eq!(
+        pids.len(),
+        4,
+        "scheduler, server and two workers each started one"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    for pid in pids {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"));
+        let alive = stat.is_ok_and(|s| !s.contains(") Z "));
+        assert!(!alive, "grandchild {pid} still runs");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
