@@ -555,6 +555,7 @@ impl<T: Transport> Worker<T> {
     /// Leaves the job cleanly: tells the scheduler this worker is done and waits until the
     /// scheduler ends the job (once every worker is done).
     pub async fn finalize(self) -> Result<(), KvError> {
+        self.shared.state().handle_finalize_sent();
         self.shared
             .link
             .send(SCHEDULER, &Msg::Finalize, None)

@@ -71,6 +71,8 @@ pub struct WorkerState {
     compressor: Option<Arc<dyn Compressor>>,
     dead: BTreeMap<NodeId, String>,
     shutdown: bool,
+    /// This worker sent `Finalize`: servers closing now are the job ending, not a failure.
+    finalizing: bool,
     names: HashMap<String, u64>,
     scheduler_heard: Instant,
 }
@@ -110,6 +112,7 @@ impl WorkerState {
             compressor: None,
             dead: BTreeMap::new(),
             shutdown: false,
+            finalizing: false,
             names: HashMap::new(),
             scheduler_heard: now,
         }
@@ -133,6 +136,12 @@ impl WorkerState {
     /// Whether the scheduler ended the job.
     pub fn is_shutdown(&self) -> bool {
         self.shutdown
+    }
+
+    /// This worker told the scheduler it is done: from now on servers may close before the
+    /// scheduler's shutdown arrives (they got theirs first), which is no failure.
+    pub fn handle_finalize_sent(&mut self) {
+        self.finalizing = true;
     }
 
     /// Why the scheduler counts as lost, if it does.
@@ -389,7 +398,11 @@ impl WorkerState {
         if self.shutdown {
             return;
         }
-        tracing::warn!(node = %describe(node), %reason, "node lost");
+        if self.finalizing && node != SCHEDULER {
+            tracing::debug!(node = %describe(node), %reason, "peer closed while the job ends");
+        } else {
+            tracing::warn!(node = %describe(node), %reason, "node lost");
+        }
         self.dead.insert(node, reason.clone());
         // A lost server takes its shard with it: the keys with a part there, and the
         // dist_sync rounds that other workers (failing on it too) will never finish, cannot
