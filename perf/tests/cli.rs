@@ -334,3 +334,19 @@ fn bandwidth_with_sends_in_flight_delivers_every_message() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--tx-depth"));
 }
+
+#[test]
+fn a_size_beyond_the_largest_message_is_refused_before_any_output() {
+    let out = perf()
+        .args(["bw", "-s", "2G", "--loopback"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("PSNET_MAX_MESSAGE"), "{err}");
+}

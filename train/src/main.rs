@@ -19,9 +19,11 @@ use clap::{Parser, ValueEnum};
 /// Synchronization mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ModeArg {
-    /// dist_sync.
+    /// dist_sync (also accepted under MXNet's name).
+    #[value(alias = "dist_sync")]
     Sync,
-    /// dist_async.
+    /// dist_async (also accepted under MXNet's name).
+    #[value(alias = "dist_async")]
     Async,
 }
 
@@ -93,6 +95,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // Settings are checked before any process starts.
+    if let Err(e) = train::compression(&args) {
+        eprintln!("psnet-train: error: {e}");
+        return ExitCode::FAILURE;
+    }
     let result = if args.reference {
         train::reference(&args).map_err(train::Failure::from)
     } else if launched {

@@ -29,7 +29,8 @@ fn optimizer(args: &Args, workers: usize) -> OptimizerSpec {
     })
 }
 
-fn compression(args: &Args) -> Result<CompressionParams, String> {
+/// The compression the arguments ask for.
+pub fn compression(args: &Args) -> Result<CompressionParams, String> {
     CompressionParams::new(&args.compression, Some(args.threshold)).map_err(|e| e.to_string())
 }
 

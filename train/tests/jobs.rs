@@ -320,7 +320,10 @@ fn a_job_described_without_its_role_is_refused_not_launched_alone() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("DMLC_ROLE is not set"), "{err}");
-    assert!(String::from_utf8_lossy(&out.stdout).is_empty(), "no job ran");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).is_empty(),
+        "no job ran"
+    );
 }
 
 #[test]
@@ -345,5 +348,27 @@ fn clean_runs_print_no_warnings() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{err}");
         assert!(!err.contains("WARN"), "{err}");
+    }
+}
+
+#[test]
+fn settings_are_checked_before_any_process_starts_and_mxnet_mode_names_work() {
+    let out = train().args(["--compression", "3bit"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("3bit") && !err.contains("transport selected"),
+        "{err}"
+    );
+    for mode in ["dist_sync", "dist_async"] {
+        let out = train()
+            .args(["--mode", mode, "--reference", "--epochs", "1"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{mode}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
