@@ -363,12 +363,11 @@ async fn measure(
     let name = selection.decision.kind.name();
     // Sizes are checked before anything is printed: a table that stops half-way misleads.
     let max = t.capabilities().max_message;
-    if let Some(size) = sizes(test, args).into_iter().find(|&s| s as u64 + 64 > max) {
+    if let Some(size) = sizes(test, args).into_iter().find(|&s| s + 64 > max) {
         return Err(format!(
             "a {size}-byte message does not fit the transport's largest message \
              (PSNET_MAX_MESSAGE={max} bytes, headers included)"
-        )
-        .into());
+        ));
     }
     if !args.json {
         let title = match test {
