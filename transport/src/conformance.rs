@@ -11,7 +11,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{Event, Incoming, NodeId, OutMessage, Segment, Transport, TransportError};
+use crate::{
+    Admission, Event, Incoming, NodeId, OutMessage, Proof, Segment, Transport, TransportError,
+    PROOF_LEN,
+};
 
 /// Longest time one case may take before it counts as hung.
 pub const CASE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -46,6 +49,8 @@ macro_rules! conformance_tests {
             disconnect_then_reconnect_reports_no_loss,
             registered_buffers,
             shutdown_closes_everything,
+            admission_refuses_unproven_claims,
+            redial_of_a_gone_peer_fails_at_once,
         );
     };
     (@cases $factory:expr; $($case:ident),* $(,)?) => {
@@ -413,4 +418,65 @@ pub async fn shutdown_closes_everything<F: TransportFactory>(f: &F) {
         .await
         .is_err());
     assert_eq!(next_loss(&*b).await, NodeId(1));
+}
+
+/// Nodes 1 to 3, node n proving its id with `[n; 16]`.
+struct Table;
+
+impl Admission for Table {
+    fn proof(&self, local: NodeId) -> Option<Proof> {
+        (1..=3)
+            .contains(&local.0)
+            .then_some(Proof([local.0 as u8; PROOF_LEN]))
+    }
+
+    fn admit(&self, peer: NodeId, proof: Option<&Proof>) -> Result<(), String> {
+        match (self.proof(peer), proof) {
+            (Some(want), Some(got)) if want.matches(got) => Ok(()),
+            (None, _) => Err(format!("{peer} is not a member")),
+            _ => Err(format!("{peer} did not prove its id")),
+        }
+    }
+}
+
+/// With an admission policy installed, a claim without the id's proof is refused, whether the
+/// id is unknown or that of a live peer, and the live connection goes on untouched.
+pub async fn admission_refuses_unproven_claims<F: TransportFactory>(f: &F) {
+    let a = endpoint(f, 1).await;
+    let b = endpoint(f, 2).await;
+    a.set_admission(Arc::new(Table));
+    b.set_admission(Arc::new(Table));
+    link(&*b, &*a).await;
+    // Node 2's live id, claimed without its proof; then an id that is no member.
+    for claim in [2, 7] {
+        let rogue = endpoint(f, claim).await;
+        let refused = rogue.connect(NodeId(1), a.listen_addr()).await;
+        assert!(refused.is_err(), "{claim} was let in without a proof");
+    }
+    send_seq(&*b, NodeId(1), 5, b"still here").await;
+    let m = next_message(&*a).await;
+    assert_eq!((m.peer, seq_of(&m)), (NodeId(2), 5));
+}
+
+/// A peer whose process is gone (nobody listens at its address) fails a redial at once, well
+/// before the connect timeout that `connect` keeps retrying for.
+pub async fn redial_of_a_gone_peer_fails_at_once<F: TransportFactory>(f: &F) {
+    let a = endpoint(f, 1).await;
+    let b = endpoint(f, 2).await;
+    link(&*a, &*b).await;
+    let addr = b.listen_addr();
+    b.shutdown();
+    drop(b);
+    assert_eq!(next_loss(&*a).await, NodeId(2));
+    let started = std::time::Instant::now();
+    let redial = tokio::time::timeout(Duration::from_secs(20), a.redial(NodeId(2), addr)).await;
+    assert!(
+        matches!(redial, Ok(Err(_))),
+        "a redial of a gone peer must fail, and soon: {redial:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        started.elapsed()
+    );
 }
