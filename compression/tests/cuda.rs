@@ -49,7 +49,27 @@ fn bad_parameters_are_refused_before_touching_the_driver() {
     ));
 }
 
-const SIZES: &[usize] = &[0, 1, 15, 16, 17, 31, 33, 1000, 4097, (1 << 20) + 3];
+// Short lengths cover every partial group; the last spans several passes of the grid.
+const SIZES: &[usize] = &[
+    0,
+    1,
+    2,
+    3,
+    4,
+    5,
+    7,
+    8,
+    9,
+    15,
+    16,
+    17,
+    31,
+    33,
+    1000,
+    4097,
+    (1 << 20) + 3,
+    (5 << 20) + 7,
+];
 
 #[test]
 fn gpu_two_bit_matches_cpu_model() {
@@ -123,4 +143,29 @@ fn gpu_wrong_lengths_are_errors() {
         c.quantize_host(&[1.0; 4], &mut residual, &mut out),
         Err(CompressionError::LengthMismatch { .. })
     ));
+}
+
+#[test]
+fn gpu_measure_reports_every_kernel_beside_the_copy() {
+    use psnet_compression::cuda::measure::{format_gpu_json, format_gpu_table, measure_gpu};
+    let Some(c) = gpu(CompressionParams::one_bit(0.5).unwrap(), "gpu_measure") else {
+        return;
+    };
+    let rows = measure_gpu(&c, (1 << 16) + 3, 2).unwrap();
+    let ops: Vec<&str> = rows.iter().map(|r| r.op.as_str()).collect();
+    assert_eq!(ops, ["quantize", "dequantize", "dequantize_add"]);
+    for r in &rows {
+        assert_eq!(r.scheme, "1bit");
+        assert!(r.kernel_us > 0.0 && r.copy_us > 0.0, "{r:?}");
+        assert!(r.vs_copy.is_finite() && r.vs_copy > 0.0, "{r:?}");
+    }
+    // Quantize moves the gradient, the residual twice and the packed bits (MXNet's padded size).
+    let n = (1 << 16) + 3;
+    assert_eq!(
+        rows[0].kernel_bytes,
+        (3 * 4 * n + c.compressed_len(n)) as u64
+    );
+    assert_eq!(rows[1].kernel_bytes, (4 * n + c.compressed_len(n)) as u64);
+    assert_eq!(format_gpu_table(&rows).lines().count(), 4);
+    assert!(format_gpu_json(&rows).contains("\"vs_copy\""));
 }

@@ -45,3 +45,52 @@ pub fn run(
     }
     Ok(())
 }
+
+/// The CUDA kernels of each scheme on device `ordinal` beside a device-to-device copy, for
+/// `n` elements (default: 2^26 and 2^28).
+#[cfg(feature = "cuda")]
+pub fn run_gpu(
+    schemes: &[Scheme],
+    ordinal: usize,
+    n: Option<usize>,
+    reps: usize,
+    json: bool,
+) -> PerfResult<()> {
+    use psnet::compression::cuda::measure::{format_gpu_json, format_gpu_table, measure_gpu};
+    use psnet::compression::cuda::CudaCompressor;
+    use psnet::compression::CompressionParams;
+
+    let sizes = n.map_or_else(|| vec![1 << 26, 1 << 28], |n| vec![n]);
+    let mut rows = Vec::new();
+    for &scheme in schemes {
+        let params = match scheme {
+            Scheme::TwoBit => CompressionParams::two_bit(psnet::compression::DEFAULT_THRESHOLD),
+            Scheme::OneBit => CompressionParams::one_bit(psnet::compression::DEFAULT_THRESHOLD),
+        }
+        .map_err(|e| e.to_string())?;
+        let compressor = CudaCompressor::new(ordinal, &params).map_err(|e| e.to_string())?;
+        for &n in &sizes {
+            rows.extend(measure_gpu(&compressor, n, reps.max(1)).map_err(|e| e.to_string())?);
+        }
+    }
+    if json {
+        println!("{}", format_gpu_json(&rows));
+    } else {
+        print!("{}", format_gpu_table(&rows));
+    }
+    Ok(())
+}
+
+/// Without the `cuda` feature: says how to build it.
+#[cfg(not(feature = "cuda"))]
+pub fn run_gpu(
+    _schemes: &[Scheme],
+    _ordinal: usize,
+    _n: Option<usize>,
+    _reps: usize,
+    _json: bool,
+) -> PerfResult<()> {
+    Err("--gpu needs psnet-perf built with the cuda feature \
+         (cargo build --release -p psnet-perf --features cuda)"
+        .into())
+}

@@ -50,9 +50,9 @@ enum Command {
     Lat(TestArgs),
     /// Gradient-compression throughput (quantize, dequantize, dequantize-add) vs memcpy.
     Compress {
-        /// Elements per array.
-        #[arg(short = 'n', long, default_value_t = 16 << 20)]
-        elems: usize,
+        /// Elements per array [default: 16777216; with --gpu: 67108864 and 268435456].
+        #[arg(short = 'n', long)]
+        elems: Option<usize>,
         /// 2bit, 1bit or all.
         #[arg(long, default_value = "all")]
         scheme: String,
@@ -65,6 +65,10 @@ enum Command {
         /// Print JSON (units in the field names).
         #[arg(long)]
         json: bool,
+        /// Measure the CUDA kernels on this device instead, beside a device-to-device copy
+        /// (needs the `cuda` feature; `-n` defaults to 2^26 and 2^28 elements here).
+        #[arg(long, value_name = "ORDINAL", num_args = 0..=1, default_missing_value = "0")]
+        gpu: Option<usize>,
     },
     /// kv store goodput (push, pull, push+pull) per worker, for each value size.
     Kv {
@@ -162,8 +166,18 @@ fn main() -> ExitCode {
                 threads,
                 reps,
                 json,
+                gpu: None,
             }) => compress::schemes(&scheme)
-                .and_then(|s| compress::run(&s, elems, threads, reps, json)),
+                .and_then(|s| compress::run(&s, elems.unwrap_or(16 << 20), threads, reps, json)),
+            Some(Command::Compress {
+                elems,
+                scheme,
+                reps,
+                json,
+                gpu: Some(ordinal),
+                threads: _,
+            }) => compress::schemes(&scheme)
+                .and_then(|s| compress::run_gpu(&s, ordinal, elems, reps, json)),
             None => {
                 Err("nothing to do: try `psnet-perf bw --loopback` or `psnet-perf --help`".into())
             }

@@ -26,88 +26,16 @@ use crate::error::{CompressionError, ParamsError};
 use crate::params::CompressionParams;
 use crate::{one_bit, two_bit};
 
-/// CUDA C source of the kernels (one thread per output byte for quantize, one per element
-/// for dequantize; grid-stride loops).
-pub const KERNELS_SRC: &str = r#"
-extern "C" __global__ void psnet_quantize_2bit(
-    const float* __restrict__ grad, float* __restrict__ residual, unsigned char* __restrict__ out,
-    unsigned long long n, unsigned long long out_len, float pos, float neg)
-{
-    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long b = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-         b < out_len; b += stride) {
-        unsigned int byte = 0;
-        for (unsigned int k = 0; k < 4; ++k) {
-            unsigned long long i = b * 4 + k;
-            if (i < n) {
-                float r = __fadd_rn(residual[i], grad[i]);
-                if (r >= pos) {
-                    byte |= 0xC0u >> (2 * k);
-                    r = __fsub_rn(r, pos);
-                } else if (r <= neg) {
-                    byte |= 0x80u >> (2 * k);
-                    r = __fsub_rn(r, neg);
-                }
-                residual[i] = r;
-            }
-        }
-        out[b] = (unsigned char)byte;
-    }
-}
+mod kernels;
+pub mod measure;
 
-extern "C" __global__ void psnet_dequantize_2bit(
-    const unsigned char* __restrict__ in, float* __restrict__ out,
-    unsigned long long n, float pos, float neg, int add)
-{
-    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-         i < n; i += stride) {
-        unsigned int code = (in[i >> 2] >> (6 - 2 * (unsigned int)(i & 3))) & 3u;
-        float v = code == 3u ? pos : (code == 2u ? neg : 0.0f);
-        out[i] = add ? __fadd_rn(out[i], v) : v;
-    }
-}
-
-extern "C" __global__ void psnet_quantize_1bit(
-    const float* __restrict__ grad, float* __restrict__ residual, unsigned char* __restrict__ out,
-    unsigned long long n, unsigned long long out_len, float threshold)
-{
-    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long b = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-         b < out_len; b += stride) {
-        unsigned int byte = 0;
-        for (unsigned int k = 0; k < 8; ++k) {
-            unsigned long long i = b * 8 + k;
-            if (i < n) {
-                float r = __fadd_rn(residual[i], grad[i]);
-                if (r > threshold) {
-                    byte |= 0x80u >> k;
-                    r = __fsub_rn(r, 1.0f);
-                } else {
-                    r = __fadd_rn(r, 1.0f);
-                }
-                residual[i] = r;
-            }
-        }
-        out[b] = (unsigned char)byte;
-    }
-}
-
-extern "C" __global__ void psnet_dequantize_1bit(
-    const unsigned char* __restrict__ in, float* __restrict__ out,
-    unsigned long long n, int add)
-{
-    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-         i < n; i += stride) {
-        float v = (in[i >> 3] & (0x80u >> (unsigned int)(i & 7))) ? 1.0f : -1.0f;
-        out[i] = add ? __fadd_rn(out[i], v) : v;
-    }
-}
-"#;
+pub use kernels::KERNELS_SRC;
 
 const THREADS_PER_BLOCK: u32 = 256;
-const MAX_BLOCKS: u64 = 65_535;
+/// Resident blocks per multiprocessor asked for (2048 threads: a full H100 or A100 SM).
+const BLOCKS_PER_SM: u32 = 8;
+/// Elements each thread handles per loop turn (one `float4`).
+const ELEMS_PER_THREAD: u64 = 4;
 
 /// Number of CUDA devices, or [`CompressionError::NoCudaDevice`] saying why there are none
 /// usable (driver library missing, `cuInit` failure, zero devices). Never panics.
@@ -180,6 +108,9 @@ pub struct CudaCompressor {
     stream: Arc<CudaStream>,
     quantize: CudaFunction,
     dequantize: CudaFunction,
+    /// Largest grid launched: enough blocks to fill every multiprocessor; grid-stride loops
+    /// cover the rest.
+    max_blocks: u32,
 }
 
 impl CudaCompressor {
@@ -211,6 +142,13 @@ impl CudaCompressor {
         let ptx = ptx()?;
         let ctx = guard(|| CudaContext::new(ordinal)).map_err(cuda_err("creating the context"))?;
         let stream = ctx.default_stream();
+        let sms = guard(|| {
+            ctx.attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+        })
+        .map_err(cuda_err("reading the multiprocessor count"))?;
+        let max_blocks = u32::try_from(sms).unwrap_or(1).max(1) * BLOCKS_PER_SM;
         let module = guard(|| ctx.load_module(ptx)).map_err(cuda_err("loading the kernels"))?;
         let (q, d) = match scheme {
             Scheme::TwoBit => ("psnet_quantize_2bit", "psnet_dequantize_2bit"),
@@ -224,6 +162,7 @@ impl CudaCompressor {
             stream,
             quantize,
             dequantize,
+            max_blocks,
         })
     }
 
@@ -285,9 +224,15 @@ impl CudaCompressor {
             Scheme::TwoBit => launch.arg(&pos).arg(&neg),
             Scheme::OneBit => launch.arg(&pos),
         };
+        // A thread per four elements of the padded length, so padding bytes are written too.
+        let groups = match self.scheme {
+            Scheme::TwoBit => out_len,
+            Scheme::OneBit => out_len * 2,
+        };
         // SAFETY: the argument list matches the kernel's parameters (pointers, n, out_len,
         // thresholds) and the lengths checked above bound every index the kernel touches.
-        guard(|| unsafe { launch.launch(config(out_len)) }).map_err(cuda_err("quantize"))?;
+        guard(|| unsafe { launch.launch(self.config(groups * ELEMS_PER_THREAD)) })
+            .map_err(cuda_err("quantize"))?;
         Ok(())
     }
 
@@ -335,7 +280,7 @@ impl CudaCompressor {
         launch.arg(&add);
         // SAFETY: the argument list matches the kernel's parameters and the length check
         // above bounds every index the kernel touches.
-        guard(|| unsafe { launch.launch(config(n)) }).map_err(cuda_err("dequantize"))?;
+        guard(|| unsafe { launch.launch(self.config(n)) }).map_err(cuda_err("dequantize"))?;
         Ok(())
     }
 
@@ -394,6 +339,19 @@ impl CudaCompressor {
         self.download(&d_out, out)
     }
 
+    /// Grid-stride launch over `n` elements, [`ELEMS_PER_THREAD`] per thread.
+    fn config(&self, n: u64) -> LaunchConfig {
+        let threads = n.div_ceil(ELEMS_PER_THREAD);
+        let blocks = threads
+            .div_ceil(u64::from(THREADS_PER_BLOCK))
+            .clamp(1, u64::from(self.max_blocks));
+        LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (THREADS_PER_BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
     fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CompressionError> {
         guard(|| self.stream.clone_htod(host)).map_err(cuda_err("copy to device"))
     }
@@ -405,17 +363,5 @@ impl CudaCompressor {
     ) -> Result<(), CompressionError> {
         guard(|| self.stream.memcpy_dtoh(dev, host)).map_err(cuda_err("copy to host"))?;
         guard(|| self.stream.synchronize()).map_err(cuda_err("synchronize"))
-    }
-}
-
-/// Grid-stride launch over `work` items.
-fn config(work: u64) -> LaunchConfig {
-    let blocks = work
-        .div_ceil(u64::from(THREADS_PER_BLOCK))
-        .clamp(1, MAX_BLOCKS);
-    LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (THREADS_PER_BLOCK, 1, 1),
-        shared_mem_bytes: 0,
     }
 }
