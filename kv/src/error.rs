@@ -65,6 +65,10 @@ pub enum KvError {
     /// The job is shutting down.
     #[error("the job is shutting down")]
     Shutdown,
+    /// A GPU buffer could not be used: no usable device (`NoCudaDevice`, saying why) or a
+    /// failed CUDA call (feature `cuda`).
+    #[error("GPU: {0}")]
+    Gpu(psnet_compression::CompressionError),
 }
 
 /// Exit status of a process that failed on its own account (bad input, its own fault).

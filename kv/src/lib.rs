@@ -30,6 +30,8 @@ mod bootstrap;
 mod clock;
 pub mod config;
 mod error;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod placement;
 pub mod proto;
 mod reliable;

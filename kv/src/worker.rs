@@ -73,11 +73,11 @@ struct Outgoing<'a> {
 /// How long a failed send waits for the receiver to report the peer's loss with its cause.
 const LOSS_GRACE: std::time::Duration = std::time::Duration::from_millis(250);
 
-struct Shared<T: Transport> {
+pub(crate) struct Shared<T: Transport> {
     link: Arc<Link<T>>,
     /// Fixed at join: read without the lock.
     rank: u32,
-    servers: Vec<NodeId>,
+    pub(crate) servers: Vec<NodeId>,
     num_workers: u32,
     state: Mutex<WorkerState>,
     /// `PSNET_KV_SERIAL_SENDS`: one request after another, for benchmarks.
@@ -87,7 +87,7 @@ struct Shared<T: Transport> {
 }
 
 impl<T: Transport> Shared<T> {
-    fn state(&self) -> MutexGuard<'_, WorkerState> {
+    pub(crate) fn state(&self) -> MutexGuard<'_, WorkerState> {
         // The state is only changed by its own methods, none of which panics half-way: a
         // poisoned lock still guards a consistent state.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -165,13 +165,13 @@ impl<T: Transport> Shared<T> {
     }
 }
 
-async fn answer(rx: oneshot::Receiver<Reply>) -> Reply {
+pub(crate) async fn answer(rx: oneshot::Receiver<Reply>) -> Reply {
     rx.await.unwrap_or(Err(KvError::Shutdown))
 }
 
 /// A worker of a kv job, over any transport.
 pub struct Worker<T: Transport> {
-    shared: Arc<Shared<T>>,
+    pub(crate) shared: Arc<Shared<T>>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -406,7 +406,7 @@ impl<T: Transport> Worker<T> {
 
     /// Sends every prepared part of the call's pushes (`values[i]` is key i's array), all
     /// servers at once; the receivers come back in the parts' order.
-    async fn send_pushes(
+    pub(crate) async fn send_pushes(
         &self,
         parts: &[(usize, PreparedPart)],
         values: &[&[f32]],
@@ -592,7 +592,12 @@ fn check_lengths(op: &str, keys: usize, values: usize) -> Result<(), KvError> {
 }
 
 /// Copies an answer's value into `out`, checking its size.
-fn fill(key: u64, out: &mut [f32], value: Option<Bytes>, from: NodeId) -> Result<(), KvError> {
+pub(crate) fn fill(
+    key: u64,
+    out: &mut [f32],
+    value: Option<Bytes>,
+    from: NodeId,
+) -> Result<(), KvError> {
     let bytes = value.unwrap_or_default();
     if bytes.len() != out.len() * 4 {
         return Err(KvError::Protocol {

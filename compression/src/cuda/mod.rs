@@ -17,7 +17,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr,
+    LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
@@ -55,6 +56,30 @@ pub fn device_count() -> Result<usize, CompressionError> {
         )),
         Ok(count) => Ok(count),
     }
+}
+
+/// The cudarc this crate was built with, for callers that allocate the buffers it takes.
+pub use cudarc;
+
+/// Runs a cudarc call, turning its error and any panic of the bindings into
+/// [`CompressionError::Cuda`] naming `what`.
+pub fn guarded<T, E: std::fmt::Display>(
+    what: &str,
+    f: impl FnOnce() -> Result<T, E>,
+) -> Result<T, CompressionError> {
+    guard(f).map_err(cuda_err(what))
+}
+
+/// The primary context of device `ordinal`, or [`CompressionError::NoCudaDevice`] saying why
+/// there is none; never panics.
+pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, CompressionError> {
+    let count = device_count()?;
+    if ordinal >= count {
+        return Err(CompressionError::NoCudaDevice(format!(
+            "device {ordinal} requested but only {count} present"
+        )));
+    }
+    guarded("creating the context", || CudaContext::new(ordinal))
 }
 
 /// Runs a cudarc call, turning both its errors and its panics into a message.
@@ -133,14 +158,8 @@ impl CudaCompressor {
                 (Scheme::OneBit, one_bit::validate_threshold(threshold)?)
             }
         };
-        let count = device_count()?;
-        if ordinal >= count {
-            return Err(CompressionError::NoCudaDevice(format!(
-                "device {ordinal} requested but only {count} present"
-            )));
-        }
+        let ctx = context(ordinal)?;
         let ptx = ptx()?;
-        let ctx = guard(|| CudaContext::new(ordinal)).map_err(cuda_err("creating the context"))?;
         let stream = ctx.default_stream();
         let sms = guard(|| {
             ctx.attribute(
@@ -204,6 +223,21 @@ impl CudaCompressor {
         residual: &mut CudaSlice<f32>,
         out: &mut CudaSlice<u8>,
     ) -> Result<(), CompressionError> {
+        self.quantize_view(
+            &grad.slice(..),
+            &mut residual.slice_mut(..),
+            &mut out.slice_mut(..),
+        )
+    }
+
+    /// [`quantize`](Self::quantize) of views: parts of larger buffers, at any element offset
+    /// (views not 16-byte aligned take the kernels' element-wise path).
+    pub fn quantize_view(
+        &self,
+        grad: &CudaView<'_, f32>,
+        residual: &mut CudaViewMut<'_, f32>,
+        out: &mut CudaViewMut<'_, u8>,
+    ) -> Result<(), CompressionError> {
         let n = grad.len();
         CompressionError::check_len("residual", n, n, residual.len())?;
         CompressionError::check_len("compressed output", n, self.compressed_len(n), out.len())?;
@@ -242,7 +276,7 @@ impl CudaCompressor {
         compressed: &CudaSlice<u8>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CompressionError> {
-        self.launch_dequantize(compressed, out, false)
+        self.dequantize_view(&compressed.slice(..), &mut out.slice_mut(..), false)
     }
 
     /// Queues a dequantize-add of device buffers (`acc += decoded`).
@@ -251,13 +285,14 @@ impl CudaCompressor {
         compressed: &CudaSlice<u8>,
         acc: &mut CudaSlice<f32>,
     ) -> Result<(), CompressionError> {
-        self.launch_dequantize(compressed, acc, true)
+        self.dequantize_view(&compressed.slice(..), &mut acc.slice_mut(..), true)
     }
 
-    fn launch_dequantize(
+    /// Dequantize (`add`: dequantize-add) of views, at any element offset.
+    pub fn dequantize_view(
         &self,
-        compressed: &CudaSlice<u8>,
-        out: &mut CudaSlice<f32>,
+        compressed: &CudaView<'_, u8>,
+        out: &mut CudaViewMut<'_, f32>,
         add: bool,
     ) -> Result<(), CompressionError> {
         let n = out.len();
@@ -335,7 +370,7 @@ impl CudaCompressor {
         )?;
         let d_in = self.upload(compressed)?;
         let mut d_out = self.upload(out)?;
-        self.launch_dequantize(&d_in, &mut d_out, add)?;
+        self.dequantize_view(&d_in.slice(..), &mut d_out.slice_mut(..), add)?;
         self.download(&d_out, out)
     }
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use psnet_compression::Compressor;
+use psnet_compression::{Compressor, Scheme};
 use psnet_transport::NodeId;
 use tokio::sync::oneshot;
 
@@ -69,6 +69,9 @@ pub struct WorkerState {
     keys: HashMap<u64, Layout>,
     residuals: HashMap<u64, Vec<f32>>,
     compressor: Option<Arc<dyn Compressor>>,
+    /// Counts `set_compressor` calls: residuals kept outside this state (on a GPU) restart
+    /// from zero when it changes, as [`Self::residuals`] do.
+    compression_epoch: u64,
     dead: BTreeMap<NodeId, String>,
     shutdown: bool,
     /// This worker sent `Finalize`: servers closing now are the job ending, not a failure.
@@ -110,6 +113,7 @@ impl WorkerState {
             keys: HashMap::new(),
             residuals: HashMap::new(),
             compressor: None,
+            compression_epoch: 0,
             dead: BTreeMap::new(),
             shutdown: false,
             finalizing: false,
@@ -160,6 +164,17 @@ impl WorkerState {
     pub fn set_compressor(&mut self, compressor: Option<Arc<dyn Compressor>>) {
         self.compressor = compressor;
         self.residuals.clear();
+        self.compression_epoch += 1;
+    }
+
+    /// The compression in force (scheme and threshold), and a number that changes whenever
+    /// it is set again (when residuals start again from zero).
+    pub fn compression(&self) -> (Option<(Scheme, f32)>, u64) {
+        let c = self
+            .compressor
+            .as_ref()
+            .map(|c| (c.scheme(), c.threshold()));
+        (c, self.compression_epoch)
     }
 
     /// Lays `key` out over the servers for `len` elements (compressed parts when compression
