@@ -10,14 +10,18 @@
 //! the CPU compressors and the parts are MXNet's. Without compression the gradient is copied
 //! to the host once and pushed as a host push is.
 //!
+//! Values cross PCIe through page-locked host buffers kept per key (allocated on a key's first
+//! use), so copies run at full PCIe speed and the transport sends straight from them.
 //! Work runs on the device's default stream and every call waits for its copies to finish
 //! before it returns; buffers written on another stream are ordered by cudarc's events.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use psnet_compression::cuda::cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
-use psnet_compression::cuda::{context, guarded, CudaCompressor};
+use psnet_compression::cuda::cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, PinnedHostSlice, ValidAsZeroBits,
+};
+use psnet_compression::cuda::{context, guarded, pinned_zeroed, CudaCompressor};
 use psnet_compression::{CompressionError, CompressionParams, Scheme};
 use psnet_transport::Transport;
 
@@ -30,6 +34,7 @@ use crate::worker::{answer, fill, Worker};
 pub struct GpuKv<'w, T: Transport> {
     worker: &'w Worker<T>,
     ordinal: usize,
+    ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     device: Mutex<DeviceState>,
 }
@@ -41,16 +46,34 @@ struct DeviceState {
     compressor: Option<(u64, CudaCompressor)>,
     /// Error-feedback residuals, one per key, on the device.
     residuals: HashMap<u64, CudaSlice<f32>>,
+    /// Page-locked host buffers, one per key (taken out while a call uses them).
+    staging: HashMap<u64, Staging>,
 }
 
-/// A push made ready: its parts, and the host copy of the values when they go uncompressed.
+/// A key's page-locked host buffers.
+struct Staging {
+    values: PinnedHostSlice<f32>,
+    /// The compressed parts, sized on first use.
+    packed: Option<PinnedHostSlice<u8>>,
+}
+
+/// A push made ready: its parts (compressed bytes in them when compression is on).
 struct Staged {
     parts: Vec<(usize, PreparedPart)>,
-    host: Vec<f32>,
 }
 
 fn gpu_err(e: CompressionError) -> KvError {
     KvError::Gpu(e)
+}
+
+/// The host side of a pinned buffer, once the copies queued into it have finished.
+fn host_of<T: ValidAsZeroBits>(pinned: &PinnedHostSlice<T>) -> Result<&[T], KvError> {
+    guarded("waiting for a copy", || pinned.as_slice()).map_err(gpu_err)
+}
+
+/// The host side of a pinned buffer to write, once the copies queued from it have finished.
+fn host_of_mut<T: ValidAsZeroBits>(pinned: &mut PinnedHostSlice<T>) -> Result<&mut [T], KvError> {
+    guarded("waiting for a copy", || pinned.as_mut_slice()).map_err(gpu_err)
 }
 
 impl<'w, T: Transport> GpuKv<'w, T> {
@@ -62,6 +85,7 @@ impl<'w, T: Transport> GpuKv<'w, T> {
             worker,
             ordinal,
             stream: ctx.default_stream(),
+            ctx,
             device: Mutex::new(DeviceState::default()),
         })
     }
@@ -73,22 +97,32 @@ impl<'w, T: Transport> GpuKv<'w, T> {
 
     /// Pushes the device buffer `values` for `key` (see [`Worker::push`]).
     pub async fn push(&self, key: u64, values: &CudaView<'_, f32>) -> Result<(), KvError> {
-        let staged = self.stage(key, values, false)?;
-        let rxs = self
-            .worker
-            .send_pushes(&staged.parts, &[&staged.host])
-            .await?;
-        for rx in rxs {
-            answer(rx).await?;
+        let mut staging = self.take_staging(key, values.len())?;
+        let result = async {
+            let staged = self.stage(key, values, false, &mut staging)?;
+            let host = host_of(&staging.values)?;
+            let rxs = self.worker.send_pushes(&staged.parts, &[host]).await?;
+            for rx in rxs {
+                answer(rx).await?;
+            }
+            Ok(())
         }
-        Ok(())
+        .await;
+        self.put_staging(key, staging);
+        result
     }
 
     /// Pulls `key` into the device buffer `out` (see [`Worker::pull`]).
     pub async fn pull(&self, key: u64, out: &mut CudaViewMut<'_, f32>) -> Result<(), KvError> {
-        let mut host = vec![0f32; out.len()];
-        self.worker.pull(key, &mut host).await?;
-        self.upload(&host, out)
+        let mut staging = self.take_staging(key, out.len())?;
+        let result = async {
+            let host = host_of_mut(&mut staging.values)?;
+            self.worker.pull(key, host).await?;
+            self.upload(&staging.values, out)
+        }
+        .await;
+        self.put_staging(key, staging);
+        result
     }
 
     /// Pushes `values` and pulls the updated value into `out`, in one exchange per server
@@ -106,28 +140,36 @@ impl<'w, T: Transport> GpuKv<'w, T> {
                 got: out.len(),
             });
         }
-        let staged = self.stage(key, values, true)?;
-        let rxs = self
-            .worker
-            .send_pushes(&staged.parts, &[&staged.host])
-            .await?;
-        let mut host = vec![0f32; out.len()];
-        for ((_, pp), rx) in staged.parts.iter().zip(rxs) {
-            let value = answer(rx).await?;
-            let p = pp.part;
-            let from = self.worker.shared.servers[p.server];
-            fill(key, &mut host[p.offset..p.offset + p.len], value, from)?;
+        let mut staging = self.take_staging(key, out.len())?;
+        let result = async {
+            let staged = self.stage(key, values, true, &mut staging)?;
+            let rxs = {
+                let host = host_of(&staging.values)?;
+                self.worker.send_pushes(&staged.parts, &[host]).await?
+            };
+            // The answers overwrite the staged values: the push has left by now.
+            let host = host_of_mut(&mut staging.values)?;
+            for ((_, pp), rx) in staged.parts.iter().zip(rxs) {
+                let value = answer(rx).await?;
+                let p = pp.part;
+                let from = self.worker.shared.servers[p.server];
+                fill(key, &mut host[p.offset..p.offset + p.len], value, from)?;
+            }
+            self.upload(&staging.values, out)
         }
-        self.upload(&host, out)
+        .await;
+        self.put_staging(key, staging);
+        result
     }
 
     /// The parts of a push of `values`: quantized on the device when compression is on,
-    /// else the values copied to the host.
+    /// else the values copied into `staging`.
     fn stage(
         &self,
         key: u64,
         values: &CudaView<'_, f32>,
         pull_back: bool,
+        staging: &mut Staging,
     ) -> Result<Staged, KvError> {
         let (layout, compression, epoch) = {
             let state = self.worker.shared.state();
@@ -141,9 +183,10 @@ impl<'w, T: Transport> GpuKv<'w, T> {
             pull_back,
         };
         let Some((scheme, threshold)) = compression else {
-            let mut host = vec![0f32; values.len()];
+            // cudarc records a pinned buffer's event only when it tracks several streams:
+            // wait for the copy here.
             guarded("copy to host", || {
-                self.stream.memcpy_dtoh(values, &mut host)
+                self.stream.memcpy_dtoh(values, &mut staging.values)
             })
             .and_then(|()| guarded("synchronize", || self.stream.synchronize()))
             .map_err(gpu_err)?;
@@ -160,9 +203,9 @@ impl<'w, T: Transport> GpuKv<'w, T> {
                     (0, part)
                 })
                 .collect();
-            return Ok(Staged { parts, host });
+            return Ok(Staged { parts });
         };
-        let packed = self.quantize(key, values, &layout, scheme, threshold, epoch)?;
+        let packed = self.quantize(key, values, &layout, (scheme, threshold, epoch), staging)?;
         let parts = layout
             .parts
             .iter()
@@ -177,10 +220,7 @@ impl<'w, T: Transport> GpuKv<'w, T> {
                 (0, part)
             })
             .collect();
-        Ok(Staged {
-            parts,
-            host: Vec::new(),
-        })
+        Ok(Staged { parts })
     }
 
     /// Quantizes every part of `values` on the device into one buffer, copies that to the
@@ -190,9 +230,8 @@ impl<'w, T: Transport> GpuKv<'w, T> {
         key: u64,
         values: &CudaView<'_, f32>,
         layout: &Layout,
-        scheme: Scheme,
-        threshold: f32,
-        epoch: u64,
+        (scheme, threshold, epoch): (Scheme, f32, u64),
+        staging: &mut Staging,
     ) -> Result<Vec<Vec<u8>>, KvError> {
         let mut device = self.device();
         let device = &mut *device;
@@ -241,14 +280,19 @@ impl<'w, T: Transport> GpuKv<'w, T> {
                 .map_err(gpu_err)?;
             at += size;
         }
-        let mut host = vec![0u8; total];
+        if staging.packed.as_ref().map(|p| p.len()) != Some(total) {
+            staging.packed = Some(pinned_zeroed(&self.ctx, total).map_err(gpu_err)?);
+        }
+        let Some(host) = staging.packed.as_mut() else {
+            unreachable!("sized just above")
+        };
         guarded("copy to host", || {
-            stream.memcpy_dtoh(&packed.slice(..total), &mut host)
+            stream.memcpy_dtoh(&packed.slice(..total), host)
         })
         .and_then(|()| guarded("synchronize", || stream.synchronize()))
         .map_err(gpu_err)?;
         let mut out = Vec::with_capacity(sizes.len());
-        let mut rest = &host[..];
+        let mut rest = host_of(host)?;
         for size in sizes {
             let (part, tail) = rest.split_at(size);
             out.push(part.to_vec());
@@ -257,8 +301,30 @@ impl<'w, T: Transport> GpuKv<'w, T> {
         Ok(out)
     }
 
+    /// `key`'s staging buffers for `len` elements, taken out of the state until
+    /// [`put_staging`](Self::put_staging) (a concurrent call on the key gets its own).
+    fn take_staging(&self, key: u64, len: usize) -> Result<Staging, KvError> {
+        if let Some(s) = self.device().staging.remove(&key) {
+            if s.values.len() == len {
+                return Ok(s);
+            }
+        }
+        Ok(Staging {
+            values: pinned_zeroed(&self.ctx, len).map_err(gpu_err)?,
+            packed: None,
+        })
+    }
+
+    fn put_staging(&self, key: u64, staging: Staging) {
+        self.device().staging.insert(key, staging);
+    }
+
     /// Copies `host` into `out` and waits for the copy.
-    fn upload(&self, host: &[f32], out: &mut CudaViewMut<'_, f32>) -> Result<(), KvError> {
+    fn upload(
+        &self,
+        host: &PinnedHostSlice<f32>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), KvError> {
         guarded("copy to device", || self.stream.memcpy_htod(host, out))
             .and_then(|()| guarded("synchronize", || self.stream.synchronize()))
             .map_err(gpu_err)

@@ -90,7 +90,5 @@ pub fn run_gpu(
     _reps: usize,
     _json: bool,
 ) -> PerfResult<()> {
-    Err("--gpu needs psnet-perf built with the cuda feature \
-         (cargo build --release -p psnet-perf --features cuda)"
-        .into())
+    Err(crate::kv::GPU_FEATURE.into())
 }

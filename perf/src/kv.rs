@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use psnet::kv::{KvConfig, Worker};
+use psnet::kv::{KvConfig, KvError, Worker};
 use serde::Serialize;
 
 use crate::session::PerfResult;
@@ -45,6 +45,94 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
+/// The operations one size's phases time, on host or device buffers.
+pub(crate) trait Ops {
+    async fn push(&mut self) -> Result<(), KvError>;
+    async fn pull(&mut self) -> Result<(), KvError>;
+    async fn pushpull(&mut self) -> Result<(), KvError>;
+}
+
+/// Host slices, the keys in flight at once.
+struct HostOps<'a> {
+    kv: &'a Worker,
+    keys: Vec<u64>,
+    values: Vec<f32>,
+    outs: Vec<Vec<f32>>,
+}
+
+impl Ops for HostOps<'_> {
+    async fn push(&mut self) -> Result<(), KvError> {
+        let refs: Vec<&[f32]> = self.keys.iter().map(|_| &self.values[..]).collect();
+        self.kv.push_many(&self.keys, &refs).await
+    }
+
+    async fn pull(&mut self) -> Result<(), KvError> {
+        let mut refs: Vec<&mut [f32]> = self.outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+        self.kv.pull_many(&self.keys, &mut refs).await
+    }
+
+    async fn pushpull(&mut self) -> Result<(), KvError> {
+        let refs: Vec<&[f32]> = self.keys.iter().map(|_| &self.values[..]).collect();
+        self.kv
+            .pushpull_many(&self.keys, &refs, &mut self.outs)
+            .await
+    }
+}
+
+/// Times `iters` of each operation (after two untimed), one phase per operation so that
+/// every worker runs the same operation at the same time (a dist_sync push waits for all
+/// workers; mixing phases would time the others).
+pub(crate) async fn time_phases(
+    kv: &Worker,
+    ops: &mut impl Ops,
+    bytes: u64,
+    in_flight: usize,
+    iters: usize,
+) -> Result<KvRow, KvError> {
+    let warmup = 2;
+    let mut times = [Vec::new(), Vec::new(), Vec::new()];
+    for (phase, list) in times.iter_mut().enumerate() {
+        for round in 0..warmup + iters {
+            let t = Instant::now();
+            match phase {
+                0 => ops.push().await?,
+                1 => ops.pull().await?,
+                _ => ops.pushpull().await?,
+            }
+            if round >= warmup {
+                list.push(t.elapsed().as_secs_f64());
+            }
+        }
+        kv.barrier().await?;
+    }
+    let [push_t, pull_t, pp_t] = times;
+    let payload = (bytes * in_flight as u64) as f64;
+    let rate = |times: Vec<f64>| payload / median(times);
+    let (push, pull, pp_median) = (rate(push_t), rate(pull_t), median(pp_t));
+    let pushpull = payload / pp_median;
+    Ok(KvRow {
+        bytes,
+        keys_in_flight: in_flight,
+        iterations: iters,
+        push_mb_s: push / 1e6,
+        pull_mb_s: pull / 1e6,
+        pushpull_mb_s: pushpull / 1e6,
+        push_gbit_s: push * 8.0 / 1e9,
+        pull_gbit_s: pull * 8.0 / 1e9,
+        pushpull_gbit_s: pushpull * 8.0 / 1e9,
+        pushpull_median_us: pp_median * 1e6,
+    })
+}
+
+/// The keys of size `i`, their count, and the elements of each.
+pub(crate) fn size_keys(i: usize, bytes: u64, in_flight: usize) -> (Vec<u64>, usize) {
+    let n = (bytes / 4).max(1) as usize;
+    let keys = (0..in_flight as u64)
+        .map(|k| (i * 1000) as u64 + k)
+        .collect();
+    (keys, n)
+}
+
 /// Measures every size on a joined worker; returns the rows (every worker measures, in
 /// lockstep, since `dist_sync` rounds need all of them).
 pub async fn measure(
@@ -53,66 +141,22 @@ pub async fn measure(
     iters: Option<usize>,
     in_flight: usize,
 ) -> PerfResult<Vec<KvRow>> {
-    let err = |e: psnet::kv::KvError| e.to_string();
+    let err = |e: KvError| e.to_string();
     let in_flight = in_flight.max(1);
     let mut rows = Vec::new();
     for (i, &bytes) in sizes.iter().enumerate() {
-        let n = (bytes / 4).max(1) as usize;
-        let keys: Vec<u64> = (0..in_flight as u64)
-            .map(|k| (i * 1000) as u64 + k)
-            .collect();
-        let values = vec![1.0f32; n];
-        let mut outs: Vec<Vec<f32>> = vec![vec![0.0f32; n]; in_flight];
-        let value_refs: Vec<&[f32]> = keys.iter().map(|_| values.as_slice()).collect();
-        kv.init(&keys, &value_refs).await.map_err(err)?;
+        let (keys, n) = size_keys(i, bytes, in_flight);
+        let mut ops = HostOps {
+            kv,
+            values: vec![1.0f32; n],
+            outs: vec![vec![0.0f32; n]; in_flight],
+            keys,
+        };
+        let refs: Vec<&[f32]> = ops.keys.iter().map(|_| &ops.values[..]).collect();
+        kv.init(&ops.keys, &refs).await.map_err(err)?;
         let iters = iters.unwrap_or_else(|| default_iters(bytes * in_flight as u64));
-        let warmup = 2;
-        // One phase per operation, so that every worker runs the same operation at the same
-        // time (a dist_sync push waits for all workers; mixing phases would time the others).
-        let (mut push_t, mut pull_t, mut pp_t) = (Vec::new(), Vec::new(), Vec::new());
-        for round in 0..warmup + iters {
-            let t = Instant::now();
-            kv.push_many(&keys, &value_refs).await.map_err(err)?;
-            if round >= warmup {
-                push_t.push(t.elapsed().as_secs_f64());
-            }
-        }
-        kv.barrier().await.map_err(err)?;
-        for round in 0..warmup + iters {
-            let t = Instant::now();
-            let mut out_refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
-            kv.pull_many(&keys, &mut out_refs).await.map_err(err)?;
-            if round >= warmup {
-                pull_t.push(t.elapsed().as_secs_f64());
-            }
-        }
-        kv.barrier().await.map_err(err)?;
-        for round in 0..warmup + iters {
-            let t = Instant::now();
-            kv.pushpull_many(&keys, &value_refs, &mut outs)
-                .await
-                .map_err(err)?;
-            if round >= warmup {
-                pp_t.push(t.elapsed().as_secs_f64());
-            }
-        }
-        kv.barrier().await.map_err(err)?;
-        let payload = (n * 4 * in_flight) as f64;
-        let rate = |times: Vec<f64>| payload / median(times);
-        let (push, pull, pp_median) = (rate(push_t), rate(pull_t), median(pp_t.clone()));
-        let pushpull = payload / pp_median;
-        rows.push(KvRow {
-            bytes: (n * 4) as u64,
-            keys_in_flight: in_flight,
-            iterations: iters,
-            push_mb_s: push / 1e6,
-            pull_mb_s: pull / 1e6,
-            pushpull_mb_s: pushpull / 1e6,
-            push_gbit_s: push * 8.0 / 1e9,
-            pull_gbit_s: pull * 8.0 / 1e9,
-            pushpull_gbit_s: pushpull * 8.0 / 1e9,
-            pushpull_median_us: pp_median * 1e6,
-        });
+        let row = time_phases(kv, &mut ops, (n * 4) as u64, in_flight, iters).await;
+        rows.push(row.map_err(err)?);
     }
     Ok(rows)
 }
@@ -141,12 +185,14 @@ pub fn table(rows: &[KvRow], servers: u32, workers: u32, transport: &str) -> Str
 }
 
 /// Runs the benchmark as one worker of a launched job; rank 0 prints.
+/// With `gpu`, the same sizes are measured again from buffers on that device.
 pub fn run_worker(
     config: KvConfig,
     sizes: &[u64],
     iters: Option<usize>,
     in_flight: usize,
     json: bool,
+    gpu: Option<usize>,
 ) -> PerfResult<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -155,24 +201,73 @@ pub fn run_worker(
     runtime.block_on(async {
         let kv = psnet::kv::join(&config).await.map_err(|e| e.to_string())?;
         let rows = measure(&kv, sizes, iters, in_flight).await;
+        let gpu_rows = match (&rows, gpu) {
+            (Ok(_), Some(ordinal)) => Some(gpu_rows(&kv, ordinal, sizes, iters, in_flight).await),
+            _ => None,
+        };
         let (servers, workers, rank) = (kv.num_servers(), kv.num_workers(), kv.rank());
         let transport = kv.transport_name();
         kv.finalize().await.map_err(|e| e.to_string())?;
         let rows = rows?;
+        let gpu_rows = gpu_rows.transpose()?;
         if rank == 0 {
             if json {
-                let doc = serde_json::json!({
+                let mut doc = serde_json::json!({
                     "test": "kv",
                     "servers": servers,
                     "workers": workers,
                     "transport": transport,
                     "results": rows,
                 });
+                if let Some(g) = &gpu_rows {
+                    doc["gpu_results"] = serde_json::json!(g);
+                }
                 println!("{doc}");
             } else {
                 print!("{}", table(&rows, servers, workers, transport));
+                if let Some(g) = &gpu_rows {
+                    println!("from GPU memory (device {}):", gpu.unwrap_or(0));
+                    print!("{}", table(g, servers, workers, transport));
+                    println!("GPU / host memory, same job:");
+                    for (h, g) in rows.iter().zip(g) {
+                        println!(
+                            " {:>10} push {:.2}x  pull {:.2}x  push+pull {:.2}x",
+                            h.bytes,
+                            g.push_mb_s / h.push_mb_s,
+                            g.pull_mb_s / h.pull_mb_s,
+                            g.pushpull_mb_s / h.pushpull_mb_s
+                        );
+                    }
+                }
             }
         }
         Ok(())
     })
 }
+
+#[cfg(feature = "cuda")]
+async fn gpu_rows(
+    kv: &Worker,
+    ordinal: usize,
+    sizes: &[u64],
+    iters: Option<usize>,
+    in_flight: usize,
+) -> PerfResult<Vec<KvRow>> {
+    crate::kv_gpu::measure_gpu(kv, ordinal, sizes, iters, in_flight).await
+}
+
+#[cfg(not(feature = "cuda"))]
+async fn gpu_rows(
+    _kv: &Worker,
+    _ordinal: usize,
+    _sizes: &[u64],
+    _iters: Option<usize>,
+    _in_flight: usize,
+) -> PerfResult<Vec<KvRow>> {
+    Err(GPU_FEATURE.into())
+}
+
+/// What `--gpu` says on a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub const GPU_FEATURE: &str = "--gpu needs psnet-perf built with the cuda feature \
+     (cargo build --release -p psnet-perf --features cuda)";

@@ -11,6 +11,8 @@ mod baseline;
 mod bw;
 mod compress;
 mod kv;
+#[cfg(feature = "cuda")]
+mod kv_gpu;
 mod lat;
 mod protocol;
 mod report;
@@ -90,6 +92,10 @@ enum Command {
         /// Print JSON (units in the field names).
         #[arg(long)]
         json: bool,
+        /// Then the same sizes again from buffers on this GPU, in the same job, with the
+        /// ratios to host memory (needs the `cuda` feature).
+        #[arg(long, value_name = "ORDINAL", num_args = 0..=1, default_missing_value = "0")]
+        gpu: Option<usize>,
     },
     /// Show the address and transport this node would use, and why.
     Select {
@@ -159,7 +165,8 @@ fn main() -> ExitCode {
                 iters,
                 keys,
                 json,
-            }) => run_kv(servers, workers, &sizes, iters, keys, json),
+                gpu,
+            }) => run_kv(servers, workers, &sizes, iters, keys, json, gpu),
             Some(Command::Compress {
                 elems,
                 scheme,
@@ -199,14 +206,18 @@ fn run_kv(
     iters: Option<usize>,
     keys: usize,
     json: bool,
+    gpu: Option<usize>,
 ) -> PerfResult<()> {
     if sizes.contains(&0) || iters == Some(0) || keys == 0 {
         return Err("sizes, -n and --keys must be at least 1".into());
     }
+    if let Some(ordinal) = gpu {
+        gpu_present(ordinal)?;
+    }
     if psnet::kv::started_by_launcher().map_err(|e| e.to_string())? {
         // Scheduler and server processes run inside launch_from_env and exit there.
         let config = psnet::kv::launch_from_env().map_err(|e| e.to_string())?;
-        return kv::run_worker(config, sizes, iters, keys, json);
+        return kv::run_worker(config, sizes, iters, keys, json, gpu);
     }
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut command = vec![exe.to_string_lossy().into_owned()];
@@ -222,6 +233,21 @@ fn run_kv(
         None => Ok(()),
         Some((role, index, status)) => Err(format!("{} {index} failed ({status})", role.as_env())),
     }
+}
+
+/// Whether `--gpu` can run here, checked before any process of the job starts.
+#[cfg(feature = "cuda")]
+fn gpu_present(ordinal: usize) -> PerfResult<()> {
+    match psnet::compression::cuda::device_count() {
+        Ok(count) if ordinal < count => Ok(()),
+        Ok(count) => Err(format!("--gpu {ordinal}: only {count} CUDA devices here")),
+        Err(e) => Err(format!("--gpu: {e}")),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_present(_ordinal: usize) -> PerfResult<()> {
+    Err(kv::GPU_FEATURE.into())
 }
 
 fn print_env() {

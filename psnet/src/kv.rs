@@ -24,6 +24,10 @@ pub type Worker = psnet_kv::Worker<AnyTransport>;
 pub type Scheduler = psnet_kv::Scheduler<AnyTransport>;
 /// The blocking front end on the transport [`bind_node`] chose.
 pub type KvStore = psnet_kv::blocking::KvStore<AnyTransport>;
+/// A worker's push and pull of GPU buffers (feature `cuda`), on the transport [`bind_node`]
+/// chose.
+#[cfg(feature = "cuda")]
+pub type GpuKv<'w> = psnet_kv::gpu::GpuKv<'w, AnyTransport>;
 
 fn setup(e: SelectError) -> KvError {
     match e {

@@ -18,7 +18,7 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr,
-    LaunchConfig, PushKernelArg,
+    LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
@@ -80,6 +80,24 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, CompressionError> {
         )));
     }
     guarded("creating the context", || CudaContext::new(ordinal))
+}
+
+/// `len` zeroed elements of page-locked host memory on `ctx`, for copies to and from the
+/// device at full PCIe speed. Plain (not write-combined) memory: the CPU reads it to send it.
+pub fn pinned_zeroed<T: DeviceRepr + ValidAsZeroBits>(
+    ctx: &Arc<CudaContext>,
+    len: usize,
+) -> Result<PinnedHostSlice<T>, CompressionError> {
+    // SAFETY: the allocation's contents are unset; they are zeroed below before anything
+    // reads them, and all-zero bits are a valid `T` (`ValidAsZeroBits`).
+    let mut slice = guarded("allocating pinned host memory", || unsafe {
+        ctx.alloc_pinned_with_flags::<T>(len, 0)
+    })?;
+    let ptr = guarded("pinned host memory", || slice.as_mut_ptr())?;
+    // SAFETY: `ptr` is the start of the allocation of `len` elements made above, exclusively
+    // ours (`slice` is borrowed mutably and nothing else has seen it).
+    unsafe { std::ptr::write_bytes(ptr, 0, len) };
+    Ok(slice)
 }
 
 /// Runs a cudarc call, turning both its errors and its panics into a message.
