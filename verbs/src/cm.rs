@@ -9,6 +9,8 @@ use std::net::{IpAddr, SocketAddr};
 use sideway::ibverbs::device::{DeviceInfo, DeviceList};
 use sideway::rdmacm::communication_manager::{EventChannel, PortSpace};
 
+use crate::error::VerbsError;
+
 /// The device port rdma_cm binds an address to.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CmBinding {
@@ -22,34 +24,46 @@ pub struct CmBinding {
 ///
 /// Fails (never panics) where librdmacm or the kernel's rdma_cm is missing, or no RDMA port
 /// carries `ip`.
-pub fn device_for_address(ip: IpAddr) -> Result<CmBinding, String> {
+pub fn device_for_address(ip: IpAddr) -> Result<CmBinding, VerbsError> {
     if ip.is_loopback() || ip.is_unspecified() {
-        return Err(format!("{ip} names no single RDMA port"));
+        return Err(VerbsError::Setup(format!("{ip} names no single RDMA port")));
     }
     bind_and_query(ip)
 }
 
 /// [`device_for_address`] without its address checks (rdma_cm maps loopback to some port).
-pub(crate) fn bind_and_query(ip: IpAddr) -> Result<CmBinding, String> {
-    let channel = EventChannel::new().map_err(|e| format!("rdma_cm event channel: {e}"))?;
+pub(crate) fn bind_and_query(ip: IpAddr) -> Result<CmBinding, VerbsError> {
+    let channel = EventChannel::new()
+        .map_err(|e| VerbsError::os("rdma_create_event_channel", "rdma_cm event channel", &e))?;
     let id = channel
         .create_id(PortSpace::Tcp)
-        .map_err(|e| format!("rdma_cm id: {e}"))?;
+        .map_err(|e| VerbsError::os("rdma_create_id", "rdma_cm id", &e))?;
     id.bind_addr(SocketAddr::new(ip, 0))
-        .map_err(|e| format!("rdma_cm cannot bind {ip}: {e}"))?;
+        .map_err(|e| VerbsError::os("rdma_bind_addr", format!("rdma_cm cannot bind {ip}"), &e))?;
     let ctx = id
         .get_device_context()
-        .ok_or_else(|| format!("rdma_cm bound {ip} to no RDMA device"))?;
+        .ok_or_else(|| VerbsError::Setup(format!("rdma_cm bound {ip} to no RDMA device")))?;
     let guid = ctx
         .query_device()
-        .map_err(|e| format!("query the device rdma_cm chose for {ip}: {e}"))?
+        .map_err(|e| {
+            VerbsError::os(
+                "ibv_query_device",
+                format!("query the device rdma_cm chose for {ip}"),
+                &e,
+            )
+        })?
         .node_guid();
-    let list = DeviceList::new().map_err(|e| format!("libibverbs: {e}"))?;
+    let list =
+        DeviceList::new().map_err(|e| VerbsError::os("ibv_get_device_list", "libibverbs", &e))?;
     let device = list
         .iter()
         .find(|d| d.guid() == guid)
         .map(|d| d.name())
-        .ok_or_else(|| format!("rdma_cm chose a device for {ip} that libibverbs does not list"))?;
+        .ok_or_else(|| {
+            VerbsError::Setup(format!(
+                "rdma_cm chose a device for {ip} that libibverbs does not list"
+            ))
+        })?;
     Ok(CmBinding {
         device,
         port: id.port(),

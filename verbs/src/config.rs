@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use psnet_fallback_tcp::TcpConfig;
 
 use crate::device::DeviceSpec;
+use crate::error::VerbsError;
 
 /// Settings of a [`VerbsTransport`](crate::VerbsTransport).
 #[derive(Clone, Debug)]
@@ -49,13 +50,17 @@ pub enum Handshake {
 }
 
 impl std::str::FromStr for Handshake {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = VerbsError;
+    fn from_str(s: &str) -> Result<Self, VerbsError> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" => Ok(Handshake::Auto),
             "rdma_cm" | "rdmacm" | "cm" => Ok(Handshake::RdmaCm),
             "socket" | "tcp" => Ok(Handshake::Socket),
-            other => Err(format!("{other:?} is not auto, rdma_cm or socket")),
+            other => Err(VerbsError::BadSetting {
+                name: psnet_config::env::PSNET_RDMA_CONNECT.name,
+                value: other.to_string(),
+                expected: "auto, rdma_cm or socket",
+            }),
         }
     }
 }

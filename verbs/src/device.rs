@@ -11,6 +11,7 @@ use sideway::ibverbs::device_context::{DeviceContext, LinkLayer, Mtu};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 
 use crate::discovery::GID_SCAN_LIMIT;
+use crate::error::VerbsError;
 
 /// Which device port to open, and the IP address whose GID to use.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -71,50 +72,63 @@ impl std::fmt::Debug for Device {
 
 impl Device {
     /// Opens `spec`'s device port with a completion queue of about `cq_depth` entries.
-    pub fn open(spec: &DeviceSpec, cq_depth: u32) -> Result<Device, String> {
-        let list = DeviceList::new().map_err(|e| format!("libibverbs: {e}"))?;
+    pub fn open(spec: &DeviceSpec, cq_depth: u32) -> Result<Device, VerbsError> {
+        let name = &spec.device;
+        let list = DeviceList::new()
+            .map_err(|e| VerbsError::os("ibv_get_device_list", "libibverbs", &e))?;
         let names: Vec<String> = list.iter().map(|d| d.name()).collect();
-        let dev = list
-            .iter()
-            .find(|d| d.name() == spec.device)
-            .ok_or_else(|| {
-                format!(
-                    "RDMA device {} not found (libibverbs lists {names:?})",
-                    spec.device
-                )
-            })?;
+        let dev = list.iter().find(|d| d.name() == *name).ok_or_else(|| {
+            VerbsError::Setup(format!(
+                "RDMA device {name} not found (libibverbs lists {names:?})"
+            ))
+        })?;
         let ctx = dev
             .open()
-            .map_err(|e| format!("cannot open {}: {e}", spec.device))?;
-        let port = ctx
-            .query_port(spec.port)
-            .map_err(|e| format!("{} port {}: {e}", spec.device, spec.port))?;
+            .map_err(|e| VerbsError::os("ibv_open_device", format!("cannot open {name}"), &e))?;
+        let port = ctx.query_port(spec.port).map_err(|e| {
+            VerbsError::os("ibv_query_port", format!("{name} port {}", spec.port), &e)
+        })?;
         let ethernet = matches!(port.link_layer(), LinkLayer::Ethernet);
         let attr = ctx
             .query_device()
-            .map_err(|e| format!("{}: query_device: {e}", spec.device))?;
+            .map_err(|e| VerbsError::os("ibv_query_device", format!("{name}: query_device"), &e))?;
         let gid_index = match spec.gid_index {
             Some(i) => i,
             None => find_gid_index(&ctx, spec.port, spec.ip, ethernet),
         };
-        let gid = ctx
-            .query_gid(spec.port, gid_index)
-            .map_err(|e| format!("{} port {} GID {gid_index}: {e}", spec.device, spec.port))?;
+        let gid = ctx.query_gid(spec.port, gid_index).map_err(|e| {
+            VerbsError::os(
+                "ibv_query_gid",
+                format!("{name} port {} GID {gid_index}", spec.port),
+                &e,
+            )
+        })?;
         let cq_depth = cq_depth.min(attr.max_cqe().max(1) as u32);
-        let channel = CompletionChannel::new(&ctx)
-            .map_err(|e| format!("{}: completion channel: {e}", spec.device))?;
+        let channel = CompletionChannel::new(&ctx).map_err(|e| {
+            VerbsError::os(
+                "ibv_create_comp_channel",
+                format!("{name}: completion channel"),
+                &e,
+            )
+        })?;
         channel
             .set_nonblocking(true)
-            .map_err(|e| format!("completion channel: {e}"))?;
+            .map_err(|e| VerbsError::os("fcntl(O_NONBLOCK)", "completion channel", &e))?;
         let cq = ctx
             .create_cq_builder()
             .setup_cqe(cq_depth)
             .setup_comp_channel(&channel, 0)
             .build()
-            .map_err(|e| format!("{}: completion queue of {cq_depth}: {e}", spec.device))?;
-        let pd = ctx
-            .alloc_pd()
-            .map_err(|e| format!("{}: protection domain: {e}", spec.device))?;
+            .map_err(|e| {
+                VerbsError::os(
+                    "ibv_create_cq",
+                    format!("{name}: completion queue of {cq_depth}"),
+                    &e,
+                )
+            })?;
+        let pd = ctx.alloc_pd().map_err(|e| {
+            VerbsError::os("ibv_alloc_pd", format!("{name}: protection domain"), &e)
+        })?;
         Ok(Device {
             name: spec.device.clone(),
             port: spec.port,

@@ -80,7 +80,7 @@ pub fn configured_binding(device: &str, port: u32) -> Option<RdmaBinding> {
 /// sysfs's answer stands.
 pub fn reconcile(
     sysfs: Option<RdmaBinding>,
-    cm: Result<crate::cm::CmBinding, String>,
+    cm: Result<crate::cm::CmBinding, crate::VerbsError>,
     link_layer_of: impl FnOnce(&str, u32) -> String,
 ) -> Option<RdmaBinding> {
     let cm = match cm {
@@ -260,7 +260,7 @@ mod tests {
         })
     }
 
-    fn cm_says(device: &str, port: u8) -> Result<crate::cm::CmBinding, String> {
+    fn cm_says(device: &str, port: u8) -> Result<crate::cm::CmBinding, crate::VerbsError> {
         Ok(crate::cm::CmBinding {
             device: device.into(),
             port,
@@ -290,7 +290,13 @@ mod tests {
             ("mlx5_1", BindingSource::RdmaCm)
         );
         // No rdma_cm: sysfs stands, and nothing stays nothing.
-        let none = || Err::<crate::cm::CmBinding, _>("ENOSYS".to_string());
+        let none = || {
+            Err::<crate::cm::CmBinding, _>(crate::VerbsError::errno(
+                "rdma_create_event_channel",
+                "rdma_cm event channel",
+                libc::ENOSYS,
+            ))
+        };
         assert_eq!(
             reconcile(sysfs_says("rxe0", 1), none(), ll),
             sysfs_says("rxe0", 1)
@@ -301,11 +307,15 @@ mod tests {
     #[test]
     fn rdma_cm_without_hardware_is_an_error_not_a_panic() {
         // On hosts without RDMA (and for addresses that name no port) this must fail cleanly.
-        let err = crate::cm::device_for_address("127.0.0.1".parse().unwrap()).unwrap_err();
+        let err = crate::cm::device_for_address("127.0.0.1".parse().unwrap())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("127.0.0.1"), "{err}");
         if rdma_devices().is_empty() {
             // Binding sends nothing; without devices it fails in librdmacm or the kernel.
-            let err = crate::cm::bind_and_query("127.0.0.1".parse().unwrap()).unwrap_err();
+            let err = crate::cm::bind_and_query("127.0.0.1".parse().unwrap())
+                .unwrap_err()
+                .to_string();
             assert!(
                 err.contains("rdma_cm") || err.contains("libibverbs"),
                 "{err}"

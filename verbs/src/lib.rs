@@ -13,6 +13,9 @@
 //! - `gpu` (feature `cuda`) registers CUDA device memory with the NIC (GPUDirect: dma-buf,
 //!   nvidia-peermem, or staging through pinned host memory).
 //!
+//! Failures are [`VerbsError`]s (the call that failed and its error number, or what the peer
+//! did wrong); they reach the transport contract as [`psnet_transport::TransportError`]s.
+//!
 //! libibverbs is loaded at run time (through `sideway`), so one binary starts everywhere and
 //! reports [`psnet_transport::TransportError::Unavailable`] where no device exists.
 #![deny(missing_docs)]
@@ -23,6 +26,7 @@ pub mod control;
 pub mod device;
 pub mod devices;
 pub mod discovery;
+mod error;
 pub mod events;
 #[cfg(feature = "cuda")]
 pub mod gpu;
@@ -36,4 +40,5 @@ mod sys;
 pub mod transport;
 
 pub use device::DeviceSpec;
+pub use error::VerbsError;
 pub use transport::{Handshake, VerbsConfig, VerbsTransport};

@@ -12,6 +12,8 @@ use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::AccessFlags;
 
+use crate::error::VerbsError;
+
 /// Access rights of every registration: local writes (receives) and remote writes
 /// (rendezvous into this side's buffers).
 pub fn access() -> AccessFlags {
@@ -26,16 +28,17 @@ pub unsafe fn register(
     pd: &Arc<ProtectionDomain>,
     ptr: *const u8,
     len: usize,
-) -> Result<Arc<MemoryRegion>, String> {
+) -> Result<Arc<MemoryRegion>, VerbsError> {
     // A zero-length registration is refused by providers; register one byte instead of none
     // (only ever used for empty buffers that the NIC never touches).
     let len = len.max(1);
     // SAFETY: the caller keeps the memory allocated while the registration lives.
     unsafe { pd.reg_mr(ptr as usize, len, access()) }.map_err(|e| {
-        let cause = std::error::Error::source(&e)
-            .map(|c| format!(": {c}"))
-            .unwrap_or_default();
-        format!("memory registration of {len} bytes failed{cause} (is RLIMIT_MEMLOCK high enough?)")
+        VerbsError::os(
+            "ibv_reg_mr",
+            format!("memory registration of {len} bytes failed (is RLIMIT_MEMLOCK high enough?)"),
+            &e,
+        )
     })
 }
 
@@ -55,7 +58,7 @@ unsafe impl Sync for Region {}
 
 impl Region {
     /// `len` zeroed bytes, registered.
-    pub fn new(pd: &Arc<ProtectionDomain>, len: usize) -> Result<Region, String> {
+    pub fn new(pd: &Arc<ProtectionDomain>, len: usize) -> Result<Region, VerbsError> {
         let mut memory = vec![0u8; len.max(1)].into_boxed_slice();
         let ptr = memory.as_mut_ptr();
         // SAFETY: `memory` is kept in the region and outlives `mr` (field order).
@@ -127,7 +130,11 @@ pub struct Slab {
 
 impl Slab {
     /// `slots` buffers of `slot_size` bytes.
-    pub fn new(pd: &Arc<ProtectionDomain>, slots: u32, slot_size: usize) -> Result<Slab, String> {
+    pub fn new(
+        pd: &Arc<ProtectionDomain>,
+        slots: u32,
+        slot_size: usize,
+    ) -> Result<Slab, VerbsError> {
         Ok(Slab {
             region: Region::new(pd, slots as usize * slot_size)?,
             slot_size,
@@ -215,7 +222,7 @@ impl RecvPool {
     }
 
     /// A registered buffer of at least `len` bytes.
-    pub fn take(&self, len: usize) -> Result<Region, String> {
+    pub fn take(&self, len: usize) -> Result<Region, VerbsError> {
         let class = Self::class(len);
         {
             let mut st = self.free.lock().expect("pool lock");

@@ -8,6 +8,7 @@ use psnet_transport::RegionKey;
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 
+use crate::error::VerbsError;
 use crate::memory;
 use crate::regcache::RegCache;
 
@@ -28,7 +29,7 @@ impl Registrar {
     }
 
     /// A registration covering `bytes`.
-    pub fn register(&self, bytes: &[u8]) -> Result<Arc<MemoryRegion>, String> {
+    pub fn register(&self, bytes: &[u8]) -> Result<Arc<MemoryRegion>, VerbsError> {
         let register = || {
             // SAFETY: the registration pins the pages it covers; it is held by the send until
             // the write completes (or by the cache, whose stale-entry hazard is documented and

@@ -7,6 +7,7 @@ use std::sync::{Arc, OnceLock};
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue};
 use sideway::ibverbs::device_context::DeviceContext;
 
+use crate::error::VerbsError;
 use crate::events::{self, AsyncEvent, Scope};
 
 /// Calls `ibv_fork_init` once per process, before the first registration, so that a child
@@ -26,8 +27,8 @@ pub fn fork_init_once() {
     }
 }
 
-/// Checks that this process may lock `need` bytes, with a message saying how to fix it.
-pub fn check_memlock(need: u64) -> Result<(), String> {
+/// Checks that this process may lock `need` bytes; [`VerbsError::Memlock`] says how to fix it.
+pub fn check_memlock(need: u64) -> Result<(), VerbsError> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -41,14 +42,10 @@ pub fn check_memlock(need: u64) -> Result<(), String> {
     if root || lim.rlim_cur == libc::RLIM_INFINITY || lim.rlim_cur >= need {
         return Ok(());
     }
-    Err(format!(
-        "RLIMIT_MEMLOCK is {} KiB but psnet's RDMA buffers need at least {} KiB: raise it with \
-         `ulimit -l unlimited` (or `* - memlock unlimited` in /etc/security/limits.conf, \
-         `LimitMEMLOCK=infinity` for systemd, `--ulimit memlock=-1` for docker), or use \
-         PSNET_TRANSPORT=tcp",
-        lim.rlim_cur / 1024,
-        need / 1024
-    ))
+    Err(VerbsError::Memlock {
+        limit: lim.rlim_cur,
+        need,
+    })
 }
 
 /// Makes a descriptor the caller owns non-blocking (for tokio's reactor).

@@ -225,8 +225,8 @@ fn reg_staged(
     let host = PinnedHost::new(driver, ctx, len)?;
     // SAFETY: the staging buffer (at least `len` bytes) is owned by the region and freed only
     // after the registration is dropped (`GpuRegion`'s field order).
-    let mr =
-        unsafe { memory::register(&dev.pd, host.as_ptr(), len) }.map_err(GpuError::Registration)?;
+    let mr = unsafe { memory::register(&dev.pd, host.as_ptr(), len) }
+        .map_err(|e| GpuError::Registration(e.to_string()))?;
     let addr = host.as_ptr() as u64;
     Ok((mr, Backing::Staged(host), addr))
 }

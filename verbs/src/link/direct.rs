@@ -7,6 +7,7 @@ use tokio::sync::oneshot;
 
 use super::rendezvous::{track_send, write_groups};
 use super::{Link, PendingSend, State};
+use crate::error::VerbsError;
 use crate::proto::credits::Class;
 use crate::proto::offers::RemoteBuf;
 use crate::proto::wire::{self, Base, Cts, Kind};
@@ -20,9 +21,9 @@ impl Link {
         msg: &OutMessage<'_>,
         offer: RemoteBuf,
         pending: &mut PendingSend,
-        done: &mut Option<oneshot::Sender<Result<(), String>>>,
+        done: &mut Option<oneshot::Sender<Result<(), VerbsError>>>,
         total: u64,
-    ) -> Result<Option<u32>, String> {
+    ) -> Result<Option<u32>, VerbsError> {
         let sges = &pending.as_ref().expect("posted once").0;
         let wrs = write_groups(sges, self.max_sge as usize).len() as u32;
         // The writes, then the direct message (one credit, one send buffer).
@@ -37,7 +38,9 @@ impl Link {
         };
         let seq = track_send(st, pending, done, total, Some(to));
         if !self.post_writes(st, seq)? {
-            return Err("no queue room for a direct write after checking for it".into());
+            return Err(VerbsError::Internal(
+                "no queue room for a direct write after checking for it",
+            ));
         }
         let posted = self.try_post_small(st, Class::Normal, |buf, credits| {
             let base = Base {
@@ -51,7 +54,9 @@ impl Link {
             at + msg.meta.len()
         })?;
         if !posted {
-            return Err("no credit for a direct message after checking for one".into());
+            return Err(VerbsError::Internal(
+                "no credit for a direct message after checking for one",
+            ));
         }
         st.stats.sent_direct += 1;
         Ok(Some(seq))

@@ -26,6 +26,7 @@ use smallvec::SmallVec;
 use tokio::sync::{oneshot, Notify};
 
 use crate::device::Device;
+use crate::error::VerbsError;
 use crate::memory::{RecvPool, Region, Slab};
 use crate::proto::credits::Credits;
 use crate::proto::offers::{Offered, Offers};
@@ -53,6 +54,17 @@ pub(crate) enum WrKind {
     Recv = 1,
     Send = 2,
     Write = 3,
+}
+
+impl WrKind {
+    /// The kind's name, as errors print it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            WrKind::Recv => "Recv",
+            WrKind::Send => "Send",
+            WrKind::Write => "Write",
+        }
+    }
 }
 
 /// Builds a work-request id.
@@ -106,7 +118,7 @@ struct OutRndv {
     /// The immediate ending the writes (the rendezvous' seq); `None` for a write into an
     /// offered buffer, which a direct message follows instead.
     imm: Option<u32>,
-    done: Option<oneshot::Sender<Result<(), String>>>,
+    done: Option<oneshot::Sender<Result<(), VerbsError>>>,
 }
 
 /// How a link's large messages went, for tests and benchmarks.
@@ -176,7 +188,7 @@ pub(crate) struct Completion {
 #[derive(Default)]
 pub(crate) struct Progress {
     pub delivered: Vec<Incoming>,
-    pub failure: Option<String>,
+    pub failure: Option<VerbsError>,
 }
 
 /// Registered parts and the registrations made for them, until a send is posted.
@@ -273,7 +285,7 @@ impl Link {
         st.failed = Some(reason.to_string());
         for (_, mut out) in st.out.drain() {
             if let Some(done) = out.done.take() {
-                let _ = done.send(Err(reason.to_string()));
+                let _ = done.send(Err(VerbsError::LinkFailed(reason.to_string())));
             }
         }
         let mut err = QueuePairAttribute::new();

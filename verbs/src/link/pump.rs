@@ -3,6 +3,7 @@
 //! room, and credits to return.
 
 use super::{Link, Progress};
+use crate::error::VerbsError;
 use crate::proto::credits::Class;
 use crate::proto::wire::{self, Base, Cts, Kind};
 
@@ -14,7 +15,7 @@ impl Link {
         if st.failed.is_some() {
             return progress;
         }
-        let result = (|| -> Result<(), String> {
+        let result = (|| -> Result<(), VerbsError> {
             for slot in std::mem::take(&mut st.repost) {
                 self.post_recv(&mut st, slot)?;
             }

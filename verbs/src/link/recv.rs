@@ -9,11 +9,12 @@ use sideway::ibverbs::queue_pair::{QueuePair, SetScatterGatherEntry};
 use smallvec::SmallVec;
 
 use super::{wr_id, Completion, DeferredRts, InRndv, Link, State, WrKind, INLINE_INDEX};
+use crate::error::VerbsError;
 use crate::proto::offers::{RemoteBuf, PER_CLASS};
 use crate::proto::wire::{self, Cts, Kind};
 
 impl Link {
-    pub(super) fn post_recv(&self, st: &mut State, slot: u32) -> Result<(), String> {
+    pub(super) fn post_recv(&self, st: &mut State, slot: u32) -> Result<(), VerbsError> {
         let mut guard = st.qp.start_post_recv();
         let wr = guard.construct_wr(wr_id(self.id, WrKind::Recv, slot));
         // SAFETY: the slot belongs to this link's receive slab, which outlives the queue pair;
@@ -32,12 +33,12 @@ impl Link {
                 st.repost.push(slot);
                 Ok(())
             }
-            Err(e) => Err(format!("post receive: {e}")),
+            Err(e) => Err(VerbsError::os("ibv_post_recv", "post receive", &e)),
         }
     }
 
     /// Handles one completion of this link.
-    pub(crate) fn on_completion(&self, c: Completion, inbox_full: bool) -> Result<(), String> {
+    pub(crate) fn on_completion(&self, c: Completion, inbox_full: bool) -> Result<(), VerbsError> {
         let Completion {
             kind,
             index,
@@ -52,9 +53,11 @@ impl Link {
         }
         if status != WorkCompletionStatus::Success as u32 {
             let what = WorkCompletionStatus::from(status);
-            return Err(format!(
-                "{kind:?} work request failed: {what:?} (status {status})"
-            ));
+            return Err(VerbsError::WorkRequest {
+                kind: kind.name(),
+                name: format!("{what:?}"),
+                status,
+            });
         }
         match kind {
             WrKind::Send => {
@@ -89,13 +92,18 @@ impl Link {
     }
 
     /// Handles a received message; returns whether it was data (its credit may be withheld).
-    fn on_message(&self, st: &mut State, bytes: &[u8], inbox_full: bool) -> Result<bool, String> {
-        let base = wire::parse_base(bytes).map_err(|e| e.to_string())?;
+    fn on_message(
+        &self,
+        st: &mut State,
+        bytes: &[u8],
+        inbox_full: bool,
+    ) -> Result<bool, VerbsError> {
+        let base = wire::parse_base(bytes)?;
         st.credits.granted(base.credits);
         match base.kind {
             Kind::Credit => Ok(false),
             Kind::Offer => {
-                let offer = wire::parse_cts(bytes).map_err(|e| e.to_string())?;
+                let offer = wire::parse_cts(bytes)?;
                 st.offers.add(RemoteBuf {
                     id: base.seq,
                     addr: offer.addr,
@@ -109,30 +117,31 @@ impl Link {
                 Ok(true)
             }
             Kind::Cts => {
-                let cts = wire::parse_cts(bytes).map_err(|e| e.to_string())?;
-                let out = st
-                    .out
-                    .get_mut(&base.seq)
-                    .ok_or_else(|| format!("clear-to-send for unknown rendezvous {}", base.seq))?;
+                let cts = wire::parse_cts(bytes)?;
+                let out = st.out.get_mut(&base.seq).ok_or_else(|| {
+                    VerbsError::Protocol(format!(
+                        "clear-to-send for unknown rendezvous {}",
+                        base.seq
+                    ))
+                })?;
                 if out.cts.is_some() || cts.len < out.total {
-                    return Err(format!(
+                    return Err(VerbsError::Protocol(format!(
                         "bad clear-to-send for rendezvous {} ({} bytes offered, {} needed)",
                         base.seq, cts.len, out.total
-                    ));
+                    )));
                 }
                 out.cts = Some(cts);
                 st.write_backlog.push_back(base.seq);
                 Ok(false)
             }
             Kind::Eager => {
-                let (h, at) = wire::parse_data_header(bytes, &self.params.limits)
-                    .map_err(|e| e.to_string())?;
+                let (h, at) = wire::parse_data_header(bytes, &self.params.limits)?;
                 let payload = h.payload_len() as usize;
                 if at + payload > bytes.len() {
-                    return Err(format!(
+                    return Err(VerbsError::Protocol(format!(
                         "eager message claims {payload} bytes but carries {}",
                         bytes.len() - at
-                    ));
+                    )));
                 }
                 let body = Bytes::copy_from_slice(&bytes[at..at + payload]);
                 let msg = split_message(self.peer, &body, h.meta_len as usize, &h.seg_lens);
@@ -140,19 +149,21 @@ impl Link {
                 Ok(true)
             }
             Kind::Rts => {
-                let (h, at) = wire::parse_data_header(bytes, &self.params.limits)
-                    .map_err(|e| e.to_string())?;
+                let (h, at) = wire::parse_data_header(bytes, &self.params.limits)?;
                 let meta = if h.flags & wire::RTS_META_INLINE != 0 {
                     let n = h.meta_len as usize;
                     if at + n > bytes.len() {
-                        return Err("request-to-send truncated".into());
+                        return Err(VerbsError::Protocol("request-to-send truncated".into()));
                     }
                     Some(Bytes::copy_from_slice(&bytes[at..at + n]))
                 } else {
                     None
                 };
                 if st.inbound.contains_key(&base.seq) {
-                    return Err(format!("duplicate rendezvous {}", base.seq));
+                    return Err(VerbsError::Protocol(format!(
+                        "duplicate rendezvous {}",
+                        base.seq
+                    )));
                 }
                 st.order.push_pending(base.seq);
                 let rts = DeferredRts {
@@ -170,7 +181,7 @@ impl Link {
         }
     }
 
-    pub(super) fn accept_rts(&self, st: &mut State, rts: DeferredRts) -> Result<(), String> {
+    pub(super) fn accept_rts(&self, st: &mut State, rts: DeferredRts) -> Result<(), VerbsError> {
         let meta_len = rts.header.meta_len as usize;
         let remote_meta = if rts.meta.is_some() {
             0
@@ -200,23 +211,24 @@ impl Link {
 
     /// A direct message: the peer wrote its segments into offer `id`, which is handed on and
     /// replaced by a fresh offer of the same size.
-    fn on_direct(&self, st: &mut State, id: u32, bytes: &[u8]) -> Result<(), String> {
-        let (h, at) =
-            wire::parse_data_header(bytes, &self.params.limits).map_err(|e| e.to_string())?;
+    fn on_direct(&self, st: &mut State, id: u32, bytes: &[u8]) -> Result<(), VerbsError> {
+        let (h, at) = wire::parse_data_header(bytes, &self.params.limits)?;
         let meta_len = h.meta_len as usize;
         if at + meta_len > bytes.len() {
-            return Err("direct message truncated".into());
+            return Err(VerbsError::Protocol("direct message truncated".into()));
         }
         let meta = Bytes::copy_from_slice(&bytes[at..at + meta_len]);
         let (class, region) = st.offered.redeem(id).ok_or_else(|| {
-            format!("direct message for buffer {id}, which is not on offer (never, or no more)")
+            VerbsError::Protocol(format!(
+                "direct message for buffer {id}, which is not on offer (never, or no more)"
+            ))
         })?;
         let total: u64 = h.seg_lens.iter().sum();
         if total > region.len() as u64 {
-            return Err(format!(
+            return Err(VerbsError::Protocol(format!(
                 "direct message of {total} bytes for an offered buffer of {}",
                 region.len()
-            ));
+            )));
         }
         // SAFETY: the peer's writes into the region were posted before this message on the
         // same reliable-connected queue pair, so they are placed; the offer was redeemed
@@ -240,16 +252,16 @@ impl Link {
         }
     }
 
-    fn on_write_landed(&self, st: &mut State, seq: u32, byte_len: u32) -> Result<(), String> {
+    fn on_write_landed(&self, st: &mut State, seq: u32, byte_len: u32) -> Result<(), VerbsError> {
         let inbound = st
             .inbound
             .remove(&seq)
-            .ok_or_else(|| format!("write for unknown rendezvous {seq}"))?;
+            .ok_or_else(|| VerbsError::Protocol(format!("write for unknown rendezvous {seq}")))?;
         if inbound.total <= u32::MAX as u64 && byte_len as u64 != inbound.total {
-            return Err(format!(
+            return Err(VerbsError::Protocol(format!(
                 "rendezvous {seq}: {byte_len} bytes written, {} expected",
                 inbound.total
-            ));
+            )));
         }
         // A message like this one is likely to come again (the same key): offer its size in
         // advance, if the sender can use an offer (its metadata travels in the message).
@@ -268,7 +280,9 @@ impl Link {
             None => split_message(self.peer, &body, inbound.meta_len, &inbound.seg_lens),
         };
         if !st.order.complete(seq, msg) {
-            return Err(format!("rendezvous {seq} completed twice"));
+            return Err(VerbsError::Protocol(format!(
+                "rendezvous {seq} completed twice"
+            )));
         }
         Ok(())
     }

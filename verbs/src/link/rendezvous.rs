@@ -12,6 +12,7 @@ use smallvec::SmallVec;
 use tokio::sync::oneshot;
 
 use super::{lost, wr_id, Link, OutRndv, PendingSend, State, WrKind, SEQ_MASK};
+use crate::error::VerbsError;
 use crate::proto::credits::Class;
 use crate::proto::wire::{self, Base, Cts, Kind};
 use crate::registrar::Registrar;
@@ -49,9 +50,7 @@ impl Link {
             let lkey = match region.and_then(|key| registrar.own_lkey(key)) {
                 Some(lkey) => lkey,
                 None => {
-                    let mr = registrar
-                        .register(part)
-                        .map_err(|reason| lost(peer, reason))?;
+                    let mr = registrar.register(part).map_err(|e| e.into_lost(peer))?;
                     let lkey = mr.lkey();
                     regs.push(mr);
                     lkey
@@ -129,7 +128,7 @@ impl Link {
         guard.armed = false;
         match result {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(reason)) => Err(lost(peer, reason)),
+            Ok(Err(e)) => Err(e.into_lost(peer)),
             Err(_) => Err(lost(
                 peer,
                 self.failure().unwrap_or_else(|| "link closed".into()),
@@ -138,7 +137,7 @@ impl Link {
     }
 
     /// Posts the RDMA writes of large send `seq`; false if the send queue lacks room.
-    pub(super) fn post_writes(&self, st: &mut State, seq: u32) -> Result<bool, String> {
+    pub(super) fn post_writes(&self, st: &mut State, seq: u32) -> Result<bool, VerbsError> {
         let Some(out) = st.out.get(&seq) else {
             return Ok(true);
         };
@@ -171,7 +170,9 @@ impl Link {
             unsafe { wr.setup_sge_list(&sges[from..to]) };
             remote += bytes;
         }
-        guard.post().map_err(|e| format!("post RDMA write: {e}"))?;
+        guard
+            .post()
+            .map_err(|e| VerbsError::os("ibv_post_send", "post RDMA write", &e))?;
         if let Some(out) = st.out.get_mut(&seq) {
             out.wrs = wrs;
         }
@@ -203,7 +204,7 @@ impl Drop for AbandonGuard<'_> {
 pub(super) fn track_send(
     st: &mut State,
     pending: &mut PendingSend,
-    done: &mut Option<oneshot::Sender<Result<(), String>>>,
+    done: &mut Option<oneshot::Sender<Result<(), VerbsError>>>,
     total: u64,
     to: Option<Cts>,
 ) -> u32 {

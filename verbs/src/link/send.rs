@@ -9,6 +9,7 @@ use sideway::ibverbs::queue_pair::{
 };
 
 use super::{lost, wr_id, Link, State, WrKind, INLINE_INDEX};
+use crate::error::VerbsError;
 use crate::proto::credits::Class;
 use crate::proto::wire::DataHeader;
 use crate::registrar::Registrar;
@@ -33,7 +34,7 @@ impl Link {
 
     pub(super) async fn wait_for<T>(
         &self,
-        mut attempt: impl FnMut(&mut State) -> Result<Option<T>, String>,
+        mut attempt: impl FnMut(&mut State) -> Result<Option<T>, VerbsError>,
     ) -> Result<T, TransportError> {
         loop {
             let notified = self.changed.notified();
@@ -48,10 +49,10 @@ impl Link {
                     match attempt(&mut st) {
                         Ok(Some(v)) => return Ok(v),
                         Ok(None) => {}
-                        Err(reason) => {
+                        Err(e) => {
                             drop(st);
-                            self.fail(&reason);
-                            return Err(lost(self.peer, reason));
+                            self.fail(&e.to_string());
+                            return Err(e.into_lost(self.peer));
                         }
                     }
                 }
@@ -67,7 +68,7 @@ impl Link {
         st: &mut State,
         class: Class,
         fill: impl FnOnce(&mut [u8], u16) -> usize,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, VerbsError> {
         if st.sq_free == 0 || st.free_slots.is_empty() || !st.credits.try_take(class, 1) {
             return Ok(false);
         }
@@ -94,7 +95,9 @@ impl Link {
             // the send's completion returns it.
             unsafe { wr.setup_sge(self.send.lkey(), self.send.addr(slot), len as u32) };
         }
-        guard.post().map_err(|e| format!("post send: {e}"))?;
+        guard
+            .post()
+            .map_err(|e| VerbsError::os("ibv_post_send", "post send", &e))?;
         if inline {
             st.free_slots.push(slot);
         }

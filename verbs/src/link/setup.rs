@@ -16,6 +16,7 @@ use tokio::sync::Notify;
 
 use super::{Link, LinkParams, LinkStats, QpInfo, State};
 use crate::device::Device;
+use crate::error::VerbsError;
 use crate::memory::{self, RecvPool, Slab};
 use crate::proto::credits::Credits;
 use crate::proto::offers::{Offered, Offers};
@@ -31,7 +32,7 @@ impl Link {
         nonce: u64,
         params: LinkParams,
         tag: u32,
-    ) -> Result<Link, String> {
+    ) -> Result<Link, VerbsError> {
         let recv = Slab::new(&dev.pd, params.recv_depth, params.slot_size)?;
         let send = Slab::new(&dev.pd, params.send_slots, params.slot_size)?;
         let sq_depth = params.sq_depth(dev.max_sge);
@@ -48,7 +49,7 @@ impl Link {
                 .setup_max_recv_sge(1)
                 .setup_max_inline_data(inline)
                 .build()
-                .map_err(|e| format!("create queue pair: {e}"))
+                .map_err(|e| VerbsError::os("ibv_create_qp", "create queue pair", &e))
         };
         let mut params = params;
         let qp = match build(params.inline_bytes) {
@@ -67,7 +68,7 @@ impl Link {
             .setup_port(dev.port)
             .setup_access_flags(memory::access());
         qp.modify(&attr)
-            .map_err(|e| format!("queue pair to INIT: {e}"))?;
+            .map_err(|e| VerbsError::os("ibv_modify_qp", "queue pair to INIT", &e))?;
         let qpn = qp.qp_number();
         let link = Link {
             id,
@@ -115,7 +116,7 @@ impl Link {
     }
 
     /// sending waits for [`Link::set_remote_ready`].
-    pub fn connect_to(&self, remote: &QpInfo) -> Result<(), String> {
+    pub fn connect_to(&self, remote: &QpInfo) -> Result<(), VerbsError> {
         self.check_peer_buffers(remote.recv_depth, remote.slot_size)?;
         let mtu = Mtu::from(remote.mtu.min(self.dev.mtu as u32));
         let mut st = self.lock();
@@ -139,7 +140,7 @@ impl Link {
             .setup_address_vector(&ah);
         st.qp
             .modify(&rtr)
-            .map_err(|e| format!("queue pair to RTR: {e}"))?;
+            .map_err(|e| VerbsError::os("ibv_modify_qp", "queue pair to RTR", &e))?;
         let mut rts = QueuePairAttribute::new();
         rts.setup_state(QueuePairState::ReadyToSend)
             .setup_sq_psn(self.local_psn)
@@ -151,17 +152,17 @@ impl Link {
             .setup_max_read_atomic(1);
         st.qp
             .modify(&rts)
-            .map_err(|e| format!("queue pair to RTS: {e}"))?;
+            .map_err(|e| VerbsError::os("ibv_modify_qp", "queue pair to RTS", &e))?;
         Ok(())
     }
 
-    fn check_peer_buffers(&self, recv_depth: u32, slot_size: u32) -> Result<(), String> {
+    fn check_peer_buffers(&self, recv_depth: u32, slot_size: u32) -> Result<(), VerbsError> {
         if recv_depth < 4 || slot_size as usize != self.params.slot_size {
-            return Err(format!(
-                "peer's buffers ({recv_depth} x {slot_size} bytes) do not match this side's ({} \
-                 bytes, at least 4): set PSNET_RDMA_EAGER alike on every node",
-                self.params.slot_size
-            ));
+            return Err(VerbsError::IncompatiblePeer {
+                recv_depth,
+                slot_size,
+                local_slot_size: self.params.slot_size,
+            });
         }
         Ok(())
     }
@@ -176,20 +177,28 @@ impl Link {
         slot_size: u32,
         mut rtr: QueuePairAttribute,
         mut rts: QueuePairAttribute,
-    ) -> Result<(), String> {
+    ) -> Result<(), VerbsError> {
         self.check_peer_buffers(recv_depth, slot_size)?;
         let mut st = self.lock();
         st.credits = Credits::new(recv_depth);
         rtr.setup_min_rnr_timer(12);
-        st.qp
-            .modify(&rtr)
-            .map_err(|e| format!("queue pair to RTR (rdma_cm attributes): {e}"))?;
+        st.qp.modify(&rtr).map_err(|e| {
+            VerbsError::os(
+                "ibv_modify_qp",
+                "queue pair to RTR (rdma_cm attributes)",
+                &e,
+            )
+        })?;
         // The same timeouts as the socket handshake's queue pairs: a dead peer is an error
         // completion after about 2 s rather than never.
         rts.setup_timeout(14).setup_retry_cnt(7).setup_rnr_retry(6);
-        st.qp
-            .modify(&rts)
-            .map_err(|e| format!("queue pair to RTS (rdma_cm attributes): {e}"))?;
+        st.qp.modify(&rts).map_err(|e| {
+            VerbsError::os(
+                "ibv_modify_qp",
+                "queue pair to RTS (rdma_cm attributes)",
+                &e,
+            )
+        })?;
         Ok(())
     }
 }

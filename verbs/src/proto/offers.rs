@@ -25,6 +25,8 @@
 
 use std::collections::HashMap;
 
+use crate::error::VerbsError;
+
 /// Offers of one buffer size a receiver keeps outstanding to one peer.
 pub const PER_CLASS: u32 = 4;
 /// Offers a sender keeps from one peer; more is a protocol error.
@@ -124,12 +126,17 @@ pub struct Offers {
 
 impl Offers {
     /// Keeps an offer the peer made.
-    pub fn add(&mut self, buf: RemoteBuf) -> Result<(), String> {
+    pub fn add(&mut self, buf: RemoteBuf) -> Result<(), VerbsError> {
         if self.held.len() >= MAX_HELD {
-            return Err(format!("peer offered more than {MAX_HELD} buffers"));
+            return Err(VerbsError::Protocol(format!(
+                "peer offered more than {MAX_HELD} buffers"
+            )));
         }
         if self.held.iter().any(|b| b.id == buf.id) {
-            return Err(format!("peer offered buffer {} twice", buf.id));
+            return Err(VerbsError::Protocol(format!(
+                "peer offered buffer {} twice",
+                buf.id
+            )));
         }
         self.held.push(buf);
         Ok(())

@@ -31,6 +31,7 @@ use tokio::sync::{mpsc, watch, Notify};
 
 use crate::control::Control;
 use crate::device::Device;
+use crate::error::VerbsError;
 use crate::link::{Link, LinkParams};
 use crate::memory::{self, RecvPool};
 use crate::proto::wire::DataHeader;
@@ -167,11 +168,11 @@ impl VerbsTransport {
         };
         let per_link =
             2 * config.recv_depth as u64 * config.eager_bytes as u64 + config.offer_bytes;
-        sys::check_memlock(per_link * 4 + (16 << 20)).map_err(unavailable)?;
+        sys::check_memlock(per_link * 4 + (16 << 20)).map_err(VerbsError::into_unavailable)?;
         sys::fork_init_once();
         let cq_per_link = params.recv_depth + params.sq_depth(16) + 1;
         let dev = Device::open(&config.device, cq_per_link.saturating_mul(256).min(1 << 17))
-            .map_err(unavailable)?;
+            .map_err(VerbsError::into_unavailable)?;
         tracing::info!(device = %dev.name, port = dev.port, gid_index = dev.gid_index,
             gid = %dev.gid, roce = dev.ethernet, "RDMA device opened");
         let dev = Arc::new(dev);
@@ -306,7 +307,7 @@ impl Inner {
         self.closed.load(Ordering::Acquire)
     }
 
-    fn new_link(&self, peer: NodeId, nonce: u64) -> Result<Arc<Link>, String> {
+    fn new_link(&self, peer: NodeId, nonce: u64) -> Result<Arc<Link>, VerbsError> {
         let id = self.next_link.fetch_add(1, Ordering::Relaxed);
         let link = Arc::new(Link::new(
             self.dev.clone(),
@@ -475,7 +476,7 @@ impl Transport for VerbsTransport {
         // SAFETY: the registration is stored in the RegisteredBuf next to the memory and is
         // dropped before it (RegisteredBuf's field order and Drop).
         let mr = unsafe { memory::register(&self.inner.dev.pd, data.as_mut_ptr(), len) }
-            .map_err(TransportError::Unavailable)?;
+            .map_err(VerbsError::into_unavailable)?;
         let key = RegionKey(((self.inner.registrar.tag as u64) << 32) | mr.lkey() as u64);
         Ok(RegisteredBuf::with_registration(data, key, mr))
     }

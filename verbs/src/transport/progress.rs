@@ -69,8 +69,8 @@ impl Inner {
                     byte_len: wc.byte_len(),
                     imm: wc.imm_data(),
                 };
-                if let Err(reason) = link.on_completion(completion, full) {
-                    self.fail_link(&link, reason);
+                if let Err(e) = link.on_completion(completion, full) {
+                    self.fail_link(&link, e.to_string());
                 }
             }
         }
@@ -85,8 +85,8 @@ impl Inner {
         for m in progress.delivered {
             self.inbox.push_message(m);
         }
-        if let Some(reason) = progress.failure {
-            self.fail_link(link, reason);
+        if let Some(e) = progress.failure {
+            self.fail_link(link, e.to_string());
         }
     }
 

@@ -128,7 +128,7 @@ impl Inner {
                         }
                         let link = inner
                             .new_link(peer, random_u64())
-                            .map_err(|reason| TransportError::Handshake { peer, reason })?;
+                            .map_err(|e| e.into_handshake(peer))?;
                         mine = Some(link.clone());
                         let info = link.local_info();
                         let nonce = link.nonce;
@@ -154,9 +154,9 @@ impl Inner {
                 inner.drop_cm_of_link(link);
             }
             if let Some(link) = start_cm {
-                if let Err(reason) = inner.start_cm_connect(peer, addr, &link) {
-                    inner.remove_link(peer, Some(link.id), &reason);
-                    return Err(TransportError::Handshake { peer, reason });
+                if let Err(e) = inner.start_cm_connect(peer, addr, &link) {
+                    inner.remove_link(peer, Some(link.id), &e.to_string());
+                    return Err(e.into_handshake(peer));
                 }
                 continue;
             }

@@ -12,6 +12,7 @@ use sideway::ibverbs::queue_pair::QueuePairState;
 use super::beats_request;
 use crate::control::{CmMessage, Refusal};
 use crate::device::Device;
+use crate::error::VerbsError;
 use crate::link::Link;
 use crate::rdmacm::{self, CmChannel, CmEvent, CmId, ConnParam};
 use crate::transport::{lock, random_u64, Current, Inner, Phase};
@@ -90,14 +91,16 @@ impl Inner {
         peer: NodeId,
         addr: SocketAddr,
         link: &Link,
-    ) -> Result<(), String> {
+    ) -> Result<(), VerbsError> {
         let cm = self.cm.as_ref().ok_or_else(|| {
-            "rdma_cm is unavailable on this node (set PSNET_RDMA_CONNECT=socket)".to_string()
+            VerbsError::Setup(
+                "rdma_cm is unavailable on this node (set PSNET_RDMA_CONNECT=socket)".into(),
+            )
         })?;
         let id = cm
             .channel
             .create_id()
-            .map_err(|e| format!("rdma_cm id: {e}"))?;
+            .map_err(|e| VerbsError::os("rdma_create_id", "rdma_cm id", &e))?;
         let key = id.key();
         let local = self.tcp.listen_addr();
         let src = (!local.ip().is_unspecified()).then(|| SocketAddr::new(local.ip(), 0));
@@ -118,7 +121,11 @@ impl Inner {
             let conn = conns.remove(&key);
             drop(conns);
             drop(conn);
-            return Err(format!("rdma_cm cannot resolve {addr}: {e}"));
+            return Err(VerbsError::os(
+                "rdma_resolve_addr",
+                format!("rdma_cm cannot resolve {addr}"),
+                &e,
+            ));
         }
         Ok(())
     }
@@ -151,7 +158,14 @@ impl Inner {
         let step = match ev.kind {
             rdmacm::kind::ADDR_RESOLVED => self
                 .with_cm_id(ev.id, |id| id.resolve_route(CM_RESOLVE_MS))
-                .map_err(|e| format!("rdma_cm cannot resolve a route to {target}: {e}")),
+                .and_then(|resolving| resolving)
+                .map_err(|e| {
+                    VerbsError::os(
+                        "rdma_resolve_route",
+                        format!("rdma_cm cannot resolve a route to {target}"),
+                        &e,
+                    )
+                }),
             rdmacm::kind::ROUTE_RESOLVED => self.send_cm_request(ev.id, &link, &target),
             rdmacm::kind::CONNECT_RESPONSE => self.on_cm_response(ev.id, peer, &link, &ev),
             rdmacm::kind::ESTABLISHED => {
@@ -170,20 +184,16 @@ impl Inner {
                     }
                     Ok(())
                 }
-                Some(CmMessage::Refused(why)) => Err(format!(
-                    "{target} refused the RDMA connection: {}",
-                    why.describe()
-                )),
-                _ => Err(format!(
-                    "{target} refused the RDMA connection (rdma_cm reject reason {}{})",
-                    ev.status,
-                    if ev.status == 8 {
-                        ": nothing listens there through rdma_cm; if the peer runs without \
-                         rdma_cm, set PSNET_RDMA_CONNECT=socket"
-                    } else {
-                        ""
-                    }
-                )),
+                Some(CmMessage::Refused(why)) => Err(VerbsError::Refused {
+                    target: target.clone(),
+                    refusal: Some(why),
+                    status: ev.status,
+                }),
+                _ => Err(VerbsError::Refused {
+                    target: target.clone(),
+                    refusal: None,
+                    status: ev.status,
+                }),
             },
             rdmacm::kind::DISCONNECTED => {
                 // The peer ended this queue pair on purpose or died; its control connection
@@ -204,22 +214,20 @@ impl Inner {
             | rdmacm::kind::ROUTE_ERROR
             | rdmacm::kind::CONNECT_ERROR
             | rdmacm::kind::UNREACHABLE
-            | rdmacm::kind::DEVICE_REMOVAL => Err(format!(
-                "rdma_cm: {name} for {target}: {}",
-                std::io::Error::from_raw_os_error(ev.status.abs())
+            | rdmacm::kind::DEVICE_REMOVAL => Err(VerbsError::errno(
+                name,
+                format!("rdma_cm: {name} for {target}"),
+                ev.status.abs(),
             )),
             _ => Ok(()),
         };
-        if let Err(reason) = step {
-            self.fail_link(&link, reason);
+        if let Err(e) = step {
+            self.fail_link(&link, e.to_string());
         }
     }
 
-    fn with_cm_id<R>(
-        &self,
-        key: usize,
-        f: impl FnOnce(&CmId) -> std::io::Result<R>,
-    ) -> std::io::Result<R> {
+    /// Runs `f` on the rdma_cm id `key`; an error if rdma_cm is off or the id is gone.
+    fn with_cm_id<R>(&self, key: usize, f: impl FnOnce(&CmId) -> R) -> std::io::Result<R> {
         let cm = self
             .cm
             .as_ref()
@@ -228,11 +236,11 @@ impl Inner {
         let conn = conns
             .get(&key)
             .ok_or_else(|| std::io::Error::other("rdma_cm id already gone"))?;
-        f(&conn.id)
+        Ok(f(&conn.id))
     }
 
     /// Active side, route resolved: checks rdma_cm chose this transport's port, then asks.
-    fn send_cm_request(&self, key: usize, link: &Link, target: &str) -> Result<(), String> {
+    fn send_cm_request(&self, key: usize, link: &Link, target: &str) -> Result<(), VerbsError> {
         let hello = CmMessage::Hello {
             from: self.tcp.local_id().0,
             nonce: link.nonce,
@@ -240,19 +248,23 @@ impl Inner {
             slot_size: self.params.slot_size as u32,
         };
         let param = cm_param(link, hello);
+        let detail = || format!("rdma_cm cannot connect to {target}");
         self.with_cm_id(key, |id| {
             if let Some((device, port)) = id.device_port() {
                 if device != self.dev.name || port != self.dev.port {
-                    return Err(std::io::Error::other(format!(
-                        "rdma_cm routes to it through {device} port {port}, but this transport \
-                         runs on {} port {} (check DMLC_INTERFACE and PSNET_IB_DEVICE)",
-                        self.dev.name, self.dev.port
+                    return Err(VerbsError::Setup(format!(
+                        "{}: rdma_cm routes to it through {device} port {port}, but this \
+                         transport runs on {} port {} (check DMLC_INTERFACE and PSNET_IB_DEVICE)",
+                        detail(),
+                        self.dev.name,
+                        self.dev.port
                     )));
                 }
             }
             id.connect(&param)
+                .map_err(|e| VerbsError::os("rdma_connect", detail(), &e))
         })
-        .map_err(|e| format!("rdma_cm cannot connect to {target}: {e}"))
+        .unwrap_or_else(|gone| Err(VerbsError::os("rdma_connect", detail(), &gone)))
     }
 
     /// Active side: the peer accepted; connect the queue pair, complete the exchange, send.
@@ -262,14 +274,16 @@ impl Inner {
         peer: NodeId,
         link: &Arc<Link>,
         ev: &CmEvent,
-    ) -> Result<(), String> {
+    ) -> Result<(), VerbsError> {
         let Some(CmMessage::Welcome {
             nonce: _,
             recv_depth,
             slot_size,
         }) = CmMessage::decode(&ev.private_data)
         else {
-            return Err("the peer accepted the RDMA connection without psnet's reply".into());
+            return Err(VerbsError::Protocol(
+                "the peer accepted the RDMA connection without psnet's reply".into(),
+            ));
         };
         let current = lock(&self.links)
             .get(&peer)
@@ -279,14 +293,22 @@ impl Inner {
             self.drop_cm_of_link(link.id);
             return Ok(());
         }
+        const FAILED: &str = "cannot complete the RDMA connection";
         self.with_cm_id(key, |id| {
-            let rtr = id.qp_attr(QueuePairState::ReadyToReceive)?;
-            let rts = id.qp_attr(QueuePairState::ReadyToSend)?;
+            let attr = |state| {
+                id.qp_attr(state)
+                    .map_err(|e| VerbsError::os("rdma_init_qp_attr", FAILED, &e))
+            };
+            let (rtr, rts) = (
+                attr(QueuePairState::ReadyToReceive)?,
+                attr(QueuePairState::ReadyToSend)?,
+            );
             link.connect_with(recv_depth, slot_size, rtr, rts)
-                .map_err(std::io::Error::other)?;
+                .map_err(|e| e.during(FAILED))?;
             id.establish()
+                .map_err(|e| VerbsError::os("rdma_establish", FAILED, &e))
         })
-        .map_err(|e| format!("cannot complete the RDMA connection: {e}"))?;
+        .unwrap_or_else(|gone| Err(VerbsError::os("rdma_establish", FAILED, &gone)))?;
         if let Some(c) = lock(&self.links).get_mut(&peer) {
             if c.link.id == link.id {
                 c.phase = Phase::Connected;
@@ -335,10 +357,12 @@ impl Inner {
             let connected = id
                 .qp_attr(QueuePairState::ReadyToReceive)
                 .and_then(|rtr| Ok((rtr, id.qp_attr(QueuePairState::ReadyToSend)?)))
-                .map_err(|e| format!("rdma_cm queue-pair attributes: {e}"))
+                .map_err(|e| {
+                    VerbsError::os("rdma_init_qp_attr", "rdma_cm queue-pair attributes", &e)
+                })
                 .and_then(|(rtr, rts)| link.connect_with(recv_depth, slot_size, rtr, rts));
             if let Err(e) = connected {
-                link.fail(&e);
+                link.fail(&e.to_string());
                 lock(&self.by_id).remove(&link.id);
                 return Err(e);
             }
@@ -403,24 +427,32 @@ fn cm_param(link: &Link, message: CmMessage) -> ConnParam {
 
 /// Opens rdma_cm's channel and listens on the control connection's address (the same IP and
 /// port, in rdma_cm's own port space), so that peers find both at one address.
-pub(in crate::transport) fn listen_cm(dev: &Device, addr: SocketAddr) -> Result<CmState, String> {
-    let channel = CmChannel::new().map_err(|e| format!("rdma_cm event channel: {e}"))?;
+pub(in crate::transport) fn listen_cm(
+    dev: &Device,
+    addr: SocketAddr,
+) -> Result<CmState, VerbsError> {
+    let channel = CmChannel::new()
+        .map_err(|e| VerbsError::os("rdma_create_event_channel", "rdma_cm event channel", &e))?;
     let listener = channel
         .create_id()
-        .map_err(|e| format!("rdma_cm id: {e}"))?;
+        .map_err(|e| VerbsError::os("rdma_create_id", "rdma_cm id", &e))?;
     listener
         .bind(addr)
-        .map_err(|e| format!("rdma_cm cannot bind {addr}: {e}"))?;
-    listener
-        .listen(128)
-        .map_err(|e| format!("rdma_cm cannot listen on {addr}: {e}"))?;
+        .map_err(|e| VerbsError::os("rdma_bind_addr", format!("rdma_cm cannot bind {addr}"), &e))?;
+    listener.listen(128).map_err(|e| {
+        VerbsError::os(
+            "rdma_listen",
+            format!("rdma_cm cannot listen on {addr}"),
+            &e,
+        )
+    })?;
     if let Some((device, port)) = listener.device_port() {
         if device != dev.name || port != dev.port {
-            return Err(format!(
+            return Err(VerbsError::Setup(format!(
                 "rdma_cm binds {addr} to {device} port {port}, but this transport runs on {} \
                  port {}",
                 dev.name, dev.port
-            ));
+            )));
         }
     }
     tracing::debug!(%addr, "rdma_cm listening");

@@ -44,7 +44,7 @@ impl Inner {
                 let reply_nonce = random_u64();
                 let link = match self.new_link(peer, reply_nonce).and_then(|l| {
                     l.connect_to(&info).map(|()| l.clone()).inspect_err(|e| {
-                        l.fail(e);
+                        l.fail(&e.to_string());
                         lock(&self.by_id).remove(&l.id);
                     })
                 }) {
@@ -95,7 +95,8 @@ impl Inner {
                     let _ = self.send_control(peer, Control::Ready { nonce }).await;
                     return;
                 }
-                if let Err(reason) = link.connect_to(&info) {
+                if let Err(e) = link.connect_to(&info) {
+                    let reason = e.to_string();
                     tracing::warn!(%peer, %reason, "cannot connect the queue pair");
                     self.remove_link(peer, Some(link.id), &reason);
                     self.drop_control(peer);
