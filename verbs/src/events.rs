@@ -1,7 +1,7 @@
 //! What psnet does about a device's asynchronous events (`ibv_get_async_event`): a port going
 //! down, a device failing or a queue pair breaking becomes a per-peer error at once, naming
 //! the device and the event, instead of a stall until retries run out. Plain logic: the FFI
-//! that reads the events is in [`crate::sys`].
+//! that reads the events is in the crate's `sys` module.
 
 /// An asynchronous event of a device (`ibv_get_async_event`), already acknowledged.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

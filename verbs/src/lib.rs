@@ -7,7 +7,7 @@
 //! - [`transport::VerbsTransport`] moves bytes: eager sends into pre-posted buffers for small
 //!   messages, a rendezvous (request-to-send, clear-to-send, RDMA WRITE WITH IMMEDIATE into a
 //!   pooled registered buffer of the receiver) for large ones.
-//! - [`rdmacm`] wraps librdmacm, which connects the queue pairs (route from the interface's
+//! - [`rdmacm`] is librdmacm, which connects the queue pairs (route from the interface's
 //!   address, psnet's handshake in the connection exchange's private data); [`control`] holds
 //!   that handshake and its socket twin as plain bytes.
 //! - `gpu` (feature `cuda`) registers CUDA device memory with the NIC (GPUDirect: dma-buf,
@@ -16,9 +16,15 @@
 //! Failures are [`VerbsError`]s (the call that failed and its error number, or what the peer
 //! did wrong); they reach the transport contract as [`psnet_transport::TransportError`]s.
 //!
+//! All FFI (libibverbs, librdmacm, the CUDA driver, libc) and every `unsafe` block are in one
+//! private module, `sys`, behind safe types; the rest of the crate denies `unsafe` code.
+//!
 //! libibverbs is loaded at run time (through `sideway`), so one binary starts everywhere and
 //! reports [`psnet_transport::TransportError::Unavailable`] where no device exists.
 #![deny(missing_docs)]
+// Every foreign call and every `unsafe` block lives in `sys`, behind safe wrappers.
+#![deny(unsafe_code)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod cm;
 mod config;
@@ -36,6 +42,7 @@ pub mod proto;
 pub mod rdmacm;
 pub mod regcache;
 mod registrar;
+#[allow(unsafe_code)]
 mod sys;
 pub mod transport;
 

@@ -9,8 +9,8 @@ use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 
 use crate::error::VerbsError;
-use crate::memory;
 use crate::regcache::RegCache;
+use crate::sys;
 
 /// Registers plain user memory for rendezvous sends, through the cache when enabled, and
 /// recognises buffers this transport handed out.
@@ -30,12 +30,10 @@ impl Registrar {
 
     /// A registration covering `bytes`.
     pub fn register(&self, bytes: &[u8]) -> Result<Arc<MemoryRegion>, VerbsError> {
-        let register = || {
-            // SAFETY: the registration pins the pages it covers; it is held by the send until
-            // the write completes (or by the cache, whose stale-entry hazard is documented and
-            // opt-in), and the NIC only reads through it while the send borrows `bytes`.
-            unsafe { memory::register(&self.pd, bytes.as_ptr(), bytes.len()) }
-        };
+        // The registration is held by the send until the write completes (or by the cache,
+        // whose stale-entry hazard is documented and opt-in), and the NIC only reads through
+        // it while the send borrows `bytes`.
+        let register = || sys::memory::register_borrowed(&self.pd, bytes);
         match &self.cache {
             Some(cache) => cache
                 .lock()

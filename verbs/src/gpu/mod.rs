@@ -25,17 +25,22 @@
 //! installation, and on a host without the driver [`Driver::load`] and every registration
 //! return [`GpuError::NoDriver`] instead of panicking; everything else in the crate works as
 //! without the feature.
+//!
+//! The CUDA calls ([`Driver`]), the registrations with the NIC and the `unsafe` entry point
+//! [`register_gpu`] are in the crate's `sys` module; this one decides the path.
 
-mod driver;
 mod path;
 mod register;
 
-pub use driver::{page_size, Context, Current, Driver, PinnedHost};
+pub use crate::sys::cuda::{Context, Current, Driver, PinnedHost};
+pub use crate::sys::gpu::register_gpu;
+pub use crate::sys::os::page_size;
 pub use path::{
     check_pointer, check_range, dmabuf_layout, first_success, plan, DmaBufLayout, GpuPath, Mode,
     Plan, PointerAttrs, Probe, ENV,
 };
-pub use register::{peermem_loaded, peermem_loaded_under, register_gpu, GpuRegion};
+pub(crate) use register::register;
+pub use register::{peermem_loaded, peermem_loaded_under, GpuRegion};
 
 /// Why a GPU buffer could not be registered.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -17,21 +17,20 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use psnet_transport::{Incoming, Limits, NodeId, TransportError};
-use rdma_mummy_sys::ibv_sge;
 use sideway::ibverbs::memory_region::MemoryRegion;
-use sideway::ibverbs::queue_pair::{
-    GenericQueuePair, QueuePair, QueuePairAttribute, QueuePairState,
-};
-use smallvec::SmallVec;
+use sideway::ibverbs::queue_pair::{QueuePairAttribute, QueuePairState};
 use tokio::sync::{oneshot, Notify};
 
 use crate::device::Device;
 use crate::error::VerbsError;
-use crate::memory::{RecvPool, Region, Slab};
+use crate::memory::{RecvPool, Region};
 use crate::proto::credits::Credits;
 use crate::proto::offers::{Offered, Offers};
 use crate::proto::order::Reorder;
 use crate::proto::wire::{Cts, DataHeader};
+use crate::sys::memory::{Slab, Slot};
+pub(crate) use crate::sys::verbs::{split_wr_id, wr_id, WorkCompletion, WrKind};
+use crate::sys::verbs::{Gather, QueuePair, INDEX_MASK};
 
 mod direct;
 mod eager;
@@ -44,44 +43,9 @@ mod setup;
 pub use crate::proto::qp::QpInfo;
 
 /// Rendezvous sequence numbers and work-request indices share 28 bits.
-const SEQ_MASK: u32 = 0x0FFF_FFFF;
+const SEQ_MASK: u32 = INDEX_MASK;
 /// Index of an inline send: its buffer went back to the free list when it was posted.
 const INLINE_INDEX: u32 = SEQ_MASK;
-
-/// What a work request was, encoded in its id with the link and an index.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum WrKind {
-    Recv = 1,
-    Send = 2,
-    Write = 3,
-}
-
-impl WrKind {
-    /// The kind's name, as errors print it.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            WrKind::Recv => "Recv",
-            WrKind::Send => "Send",
-            WrKind::Write => "Write",
-        }
-    }
-}
-
-/// Builds a work-request id.
-pub(crate) fn wr_id(link: u32, kind: WrKind, index: u32) -> u64 {
-    ((link as u64) << 32) | ((kind as u64) << 28) | (index & SEQ_MASK) as u64
-}
-
-/// Splits a work-request id into link, kind and index.
-pub(crate) fn split_wr_id(id: u64) -> (u32, Option<WrKind>, u32) {
-    let kind = match (id >> 28) & 0xF {
-        1 => Some(WrKind::Recv),
-        2 => Some(WrKind::Send),
-        3 => Some(WrKind::Write),
-        _ => None,
-    };
-    ((id >> 32) as u32, kind, id as u32 & SEQ_MASK)
-}
 
 /// Sizes of a link's queues and buffers.
 #[derive(Clone, Debug)]
@@ -109,7 +73,7 @@ impl LinkParams {
 }
 
 struct OutRndv {
-    sges: SmallVec<[ibv_sge; 4]>,
+    gather: Gather,
     total: u64,
     // Registrations made for this send; dropped (deregistered) when it completes.
     _regs: Vec<Arc<MemoryRegion>>,
@@ -149,9 +113,9 @@ struct DeferredRts {
 }
 
 struct State {
-    qp: GenericQueuePair,
+    qp: QueuePair,
     credits: Credits,
-    free_slots: Vec<u32>,
+    free_slots: Vec<Slot>,
     sq_free: u32,
     next_seq: u32,
     remote_ready: bool,
@@ -161,7 +125,7 @@ struct State {
     cts_backlog: VecDeque<(u32, Cts)>,
     write_backlog: VecDeque<u32>,
     deferred_rts: VecDeque<DeferredRts>,
-    repost: Vec<u32>,
+    repost: Vec<Slot>,
     /// Buffers offered to the peer and not yet written (receiver side).
     offered: Offered<Region>,
     /// Sizes to offer again once the inbox has room.
@@ -174,14 +138,11 @@ struct State {
     failed: Option<String>,
 }
 
-/// One work completion, as the poller read it.
+/// One work completion of a link, as the poller read it.
 pub(crate) struct Completion {
     pub kind: WrKind,
     pub index: u32,
-    pub status: u32,
-    pub opcode: u32,
-    pub byte_len: u32,
-    pub imm: u32,
+    pub wc: WorkCompletion,
 }
 
 /// The result of handling completions: messages now deliverable in order.
@@ -192,7 +153,7 @@ pub(crate) struct Progress {
 }
 
 /// Registered parts and the registrations made for them, until a send is posted.
-type PendingSend = Option<(SmallVec<[ibv_sge; 4]>, Vec<Arc<MemoryRegion>>)>;
+type PendingSend = Option<(Gather, Vec<Arc<MemoryRegion>>)>;
 
 /// One queue pair to one peer.
 pub struct Link {
@@ -209,7 +170,7 @@ pub struct Link {
     tag: u32,
     qpn: u32,
     local_psn: u32,
-    // Field order: the queue pair (in `st`) is destroyed before the buffers it used.
+    // The queue pair (in `st`) keeps the slabs' memory registered until it is destroyed.
     st: Mutex<State>,
     recv: Slab,
     send: Slab,

@@ -5,48 +5,31 @@
 use bytes::Bytes;
 use psnet_transport::{Incoming, NodeId};
 use sideway::ibverbs::completion::{WorkCompletionOperationType, WorkCompletionStatus};
-use sideway::ibverbs::queue_pair::{QueuePair, SetScatterGatherEntry};
 use smallvec::SmallVec;
 
-use super::{wr_id, Completion, DeferredRts, InRndv, Link, State, WrKind, INLINE_INDEX};
+use super::{Completion, DeferredRts, InRndv, Link, Slot, State, WrKind, INLINE_INDEX};
 use crate::error::VerbsError;
 use crate::proto::offers::{RemoteBuf, PER_CLASS};
 use crate::proto::wire::{self, Cts, Kind};
 
 impl Link {
-    pub(super) fn post_recv(&self, st: &mut State, slot: u32) -> Result<(), VerbsError> {
-        let mut guard = st.qp.start_post_recv();
-        let wr = guard.construct_wr(wr_id(self.id, WrKind::Recv, slot));
-        // SAFETY: the slot belongs to this link's receive slab, which outlives the queue pair;
-        // it is not read again until its completion arrives.
-        unsafe {
-            wr.setup_sge(
-                self.recv.lkey(),
-                self.recv.addr(slot),
-                self.recv.slot_size() as u32,
-            )
-        };
-        match guard.post() {
+    /// Posts receive buffer `slot`; it is read again only once its completion returns it.
+    pub(super) fn post_recv(&self, st: &mut State, slot: Slot) -> Result<(), VerbsError> {
+        match st.qp.post_recv(&self.recv, slot) {
             Ok(()) => Ok(()),
             // Soft-RoCE reports a momentarily full receive queue as ENOMEM: retry later.
-            Err(sideway::ibverbs::queue_pair::PostRecvError::NotEnoughResources(_)) => {
+            Err((slot, sideway::ibverbs::queue_pair::PostRecvError::NotEnoughResources(_))) => {
                 st.repost.push(slot);
                 Ok(())
             }
-            Err(e) => Err(VerbsError::os("ibv_post_recv", "post receive", &e)),
+            Err((_, e)) => Err(VerbsError::os("ibv_post_recv", "post receive", &e)),
         }
     }
 
     /// Handles one completion of this link.
     pub(crate) fn on_completion(&self, c: Completion, inbox_full: bool) -> Result<(), VerbsError> {
-        let Completion {
-            kind,
-            index,
-            status,
-            opcode,
-            byte_len,
-            imm,
-        } = c;
+        let Completion { kind, index, wc } = c;
+        let (status, opcode, byte_len, imm) = (wc.status(), wc.opcode(), wc.byte_len(), wc.imm());
         let mut st = self.lock();
         if st.failed.is_some() {
             return Ok(());
@@ -62,7 +45,10 @@ impl Link {
         match kind {
             WrKind::Send => {
                 if index != INLINE_INDEX {
-                    st.free_slots.push(index);
+                    let slot = self.send.completed(&wc).ok_or(VerbsError::Internal(
+                        "a send completed for a buffer that was not posted",
+                    ))?;
+                    st.free_slots.push(slot);
                 }
                 st.sq_free += 1;
             }
@@ -75,16 +61,18 @@ impl Link {
                 }
             }
             WrKind::Recv => {
+                let slot = self.recv.completed(&wc).ok_or(VerbsError::Internal(
+                    "a receive completed into a buffer that was not posted",
+                ))?;
                 let data = if opcode == WorkCompletionOperationType::ReceiveWithImmediate as u32 {
                     self.on_write_landed(&mut st, u32::from_be(imm), byte_len)?;
                     true
                 } else {
-                    // SAFETY: the receive completed and the slot is re-posted only below,
-                    // after the bytes were copied out.
-                    let bytes = unsafe { self.recv.read(index, byte_len as usize) };
+                    // The slot is re-posted only below, once this borrow of it has ended.
+                    let bytes = self.recv.read(&slot, byte_len as usize);
                     self.on_message(&mut st, bytes, inbox_full)?
                 };
-                self.post_recv(&mut st, index)?;
+                self.post_recv(&mut st, slot)?;
                 st.credits.slot_reposted(data && inbox_full);
             }
         }
@@ -230,10 +218,10 @@ impl Link {
                 region.len()
             )));
         }
-        // SAFETY: the peer's writes into the region were posted before this message on the
-        // same reliable-connected queue pair, so they are placed; the offer was redeemed
-        // above, so the peer will not write it again and it is offered to no one else.
-        let body = unsafe { self.pool.into_bytes(region, total as usize) };
+        // The peer's writes into the region were posted before this message on the same
+        // reliable-connected queue pair, so they are placed; the offer was redeemed above, so
+        // the peer will not write it again and it is offered to no one else.
+        let body = self.pool.into_bytes(region, total as usize);
         st.order.push_ready(Incoming {
             peer: self.peer,
             meta,
@@ -268,9 +256,9 @@ impl Link {
         if inbound.meta.is_some() {
             self.want_offer(st, inbound.region.len() as u64);
         }
-        // SAFETY: the write-with-immediate completed, so the sender's writes into the region
-        // are done, and it was offered for this rendezvous only.
-        let body = unsafe { self.pool.into_bytes(inbound.region, inbound.total as usize) };
+        // The write-with-immediate completed, so the sender's writes into the region are done,
+        // and it was offered for this rendezvous only.
+        let body = self.pool.into_bytes(inbound.region, inbound.total as usize);
         let msg = match inbound.meta {
             Some(meta) => Incoming {
                 peer: self.peer,

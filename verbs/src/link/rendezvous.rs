@@ -4,10 +4,6 @@
 //! (`direct.rs`); both share the writes posted here.
 
 use psnet_transport::{OutMessage, TransportError};
-use rdma_mummy_sys::ibv_sge;
-use sideway::ibverbs::queue_pair::{
-    PostSendGuard, QueuePair, SetScatterGatherEntry, WorkRequestFlags,
-};
 use smallvec::SmallVec;
 use tokio::sync::oneshot;
 
@@ -16,6 +12,7 @@ use crate::error::VerbsError;
 use crate::proto::credits::Class;
 use crate::proto::wire::{self, Base, Cts, Kind};
 use crate::registrar::Registrar;
+use crate::sys::verbs::Gather;
 
 /// Largest byte count one work request carries (providers limit a message to 2 GiB).
 const MAX_WR_BYTES: u64 = 1 << 30;
@@ -31,7 +28,7 @@ impl Link {
     ) -> Result<(), TransportError> {
         let peer = self.peer;
         let meta_inline = header_len + msg.meta.len() <= self.params.slot_size;
-        let mut sges: SmallVec<[ibv_sge; 4]> = SmallVec::new();
+        let mut gather = Gather::default();
         let mut regs = Vec::new();
         let remote_parts = (!meta_inline)
             .then_some(msg.meta)
@@ -60,18 +57,14 @@ impl Link {
             let mut at = 0usize;
             while at < part.len() {
                 let n = (part.len() - at).min(MAX_WR_BYTES as usize);
-                sges.push(ibv_sge {
-                    addr: part[at..].as_ptr() as u64,
-                    length: n as u32,
-                    lkey,
-                });
+                gather.push(&part[at..at + n], lkey);
                 at += n;
             }
         }
-        let total: u64 = sges.iter().map(|s| s.length as u64).sum();
+        let total = gather.total();
         let (tx, rx) = oneshot::channel();
         let mut done = Some(tx);
-        let mut pending = Some((sges, regs));
+        let mut pending = Some((gather, regs));
         let seq = self
             .wait_for(|st| {
                 let offer = meta_inline.then(|| st.offers.fitting(total)).flatten();
@@ -143,35 +136,25 @@ impl Link {
         };
         let cts = out.cts.expect("writes follow a clear-to-send or an offer");
         let imm = out.imm;
-        let groups = write_groups(&out.sges, self.max_sge as usize);
+        let groups = write_groups(&out.gather, self.max_sge as usize);
         let wrs = groups.len() as u32;
         if st.sq_free < wrs {
             return Ok(false);
         }
         st.sq_free -= wrs;
-        let sges = out.sges.clone();
-        let mut guard = st.qp.start_post_send();
-        let mut remote = cts.addr;
-        for (n, &(from, to, bytes)) in groups.iter().enumerate() {
-            let last = n + 1 == groups.len();
-            let flags = if last {
-                WorkRequestFlags::Signaled
-            } else {
-                WorkRequestFlags::none()
-            };
-            let wr = guard.construct_wr(wr_id(self.id, WrKind::Write, seq), flags);
-            let wr = match imm {
-                Some(imm) if last => wr.setup_write_imm(cts.rkey, remote, imm.to_be()),
-                _ => wr.setup_write(cts.rkey, remote),
-            };
-            // SAFETY: the entries point into the sender's borrowed segments (kept alive by the
-            // pending send future: dropping it fails the link first) or into registrations
-            // held by `OutRndv` until the write completes.
-            unsafe { wr.setup_sge_list(&sges[from..to]) };
-            remote += bytes;
-        }
-        guard
-            .post()
+        let gather = out.gather.clone();
+        // The entries point into the sender's borrowed segments (kept alive by the pending
+        // send future: dropping it fails the link first) or into registrations held by
+        // `OutRndv` until the write completes.
+        st.qp
+            .post_writes(
+                wr_id(self.id, WrKind::Write, seq),
+                &gather,
+                &groups,
+                cts.rkey,
+                cts.addr,
+                imm,
+            )
             .map_err(|e| VerbsError::os("ibv_post_send", "post RDMA write", &e))?;
         if let Some(out) = st.out.get_mut(&seq) {
             out.wrs = wrs;
@@ -210,11 +193,11 @@ pub(super) fn track_send(
 ) -> u32 {
     let seq = st.next_seq;
     st.next_seq = (seq + 1) & SEQ_MASK;
-    let (sges, regs) = pending.take().expect("tracked once");
+    let (gather, regs) = pending.take().expect("tracked once");
     st.out.insert(
         seq,
         OutRndv {
-            sges,
+            gather,
             total,
             _regs: regs,
             wrs: 0,
@@ -226,19 +209,21 @@ pub(super) fn track_send(
     seq
 }
 
-/// Groups scatter-gather entries into RDMA writes of at most `max_sge` entries and
+/// Groups a gather list's entries into RDMA writes of at most `max_sge` entries and
 /// [`MAX_WR_BYTES`] each: `(first, end, bytes)` per write.
-pub(super) fn write_groups(sges: &[ibv_sge], max_sge: usize) -> SmallVec<[(usize, usize, u64); 4]> {
+pub(super) fn write_groups(gather: &Gather, max_sge: usize) -> SmallVec<[(usize, usize, u64); 4]> {
     let mut groups = SmallVec::new();
     let (mut start, mut bytes) = (0usize, 0u64);
-    for (i, sge) in sges.iter().enumerate() {
-        if i > start && (i - start == max_sge.max(1) || bytes + sge.length as u64 > MAX_WR_BYTES) {
+    let lens = gather.lens();
+    let entries = lens.len();
+    for (i, len) in lens.enumerate() {
+        if i > start && (i - start == max_sge.max(1) || bytes + len > MAX_WR_BYTES) {
             groups.push((start, i, bytes));
             start = i;
             bytes = 0;
         }
-        bytes += sge.length as u64;
+        bytes += len;
     }
-    groups.push((start, sges.len(), bytes));
+    groups.push((start, entries, bytes));
     groups
 }

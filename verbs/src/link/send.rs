@@ -4,9 +4,6 @@
 
 use psnet_transport::codec::FrameHeader;
 use psnet_transport::{FrameKind, OutMessage, TransportError};
-use sideway::ibverbs::queue_pair::{
-    PostSendGuard, QueuePair, SetInlineData, SetScatterGatherEntry, WorkRequestFlags,
-};
 
 use super::{lost, wr_id, Link, State, WrKind, INLINE_INDEX};
 use crate::error::VerbsError;
@@ -72,34 +69,23 @@ impl Link {
         if st.sq_free == 0 || st.free_slots.is_empty() || !st.credits.try_take(class, 1) {
             return Ok(false);
         }
-        let slot = st.free_slots.pop().expect("checked");
+        let mut slot = st.free_slots.pop().expect("checked");
         st.sq_free -= 1;
         let report = st.credits.take_report();
-        // SAFETY: the slot was free (its previous send completed) and is ours until posted.
-        let buf = unsafe { self.send.write(slot) };
+        // The slot was free (its previous send completed) and is ours until posted.
+        let buf = self.send.fill(&mut slot);
         let len = fill(buf, report);
         let inline = len <= self.params.inline_bytes as usize;
-        let index = if inline { INLINE_INDEX } else { slot };
-        let mut guard = st.qp.start_post_send();
-        let wr = guard
-            .construct_wr(
-                wr_id(self.id, WrKind::Send, index),
-                WorkRequestFlags::Signaled,
-            )
-            .setup_send();
+        let post_error = |e| VerbsError::os("ibv_post_send", "post send", &e);
         if inline {
             // The bytes are copied into the work request now: the buffer is free again.
-            wr.setup_inline_data(&buf[..len]);
-        } else {
-            // SAFETY: the send slab outlives the queue pair; the slot is not reused before
-            // the send's completion returns it.
-            unsafe { wr.setup_sge(self.send.lkey(), self.send.addr(slot), len as u32) };
-        }
-        guard
-            .post()
-            .map_err(|e| VerbsError::os("ibv_post_send", "post send", &e))?;
-        if inline {
+            st.qp
+                .post_send_inline(wr_id(self.id, WrKind::Send, INLINE_INDEX), &buf[..len])
+                .map_err(post_error)?;
             st.free_slots.push(slot);
+        } else {
+            // The slot is not reused before the send's completion returns it.
+            st.qp.post_send(&self.send, slot, len).map_err(post_error)?;
         }
         Ok(true)
     }

@@ -9,18 +9,18 @@ use psnet_transport::NodeId;
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::GenericCompletionQueue;
 use sideway::ibverbs::device_context::Mtu;
-use sideway::ibverbs::queue_pair::{
-    GenericQueuePair, QueuePair, QueuePairAttribute, QueuePairState,
-};
+use sideway::ibverbs::queue_pair::{GenericQueuePair, QueuePairAttribute, QueuePairState};
 use tokio::sync::Notify;
 
 use super::{Link, LinkParams, LinkStats, QpInfo, State};
 use crate::device::Device;
 use crate::error::VerbsError;
-use crate::memory::{self, RecvPool, Slab};
+use crate::memory::{self, RecvPool};
 use crate::proto::credits::Credits;
 use crate::proto::offers::{Offered, Offers};
 use crate::proto::order::Reorder;
+use crate::sys::memory::Slab;
+use crate::sys::verbs::{QueuePair, WrKind};
 
 impl Link {
     /// A queue pair in INIT with all receive buffers posted.
@@ -33,8 +33,22 @@ impl Link {
         params: LinkParams,
         tag: u32,
     ) -> Result<Link, VerbsError> {
-        let recv = Slab::new(&dev.pd, params.recv_depth, params.slot_size)?;
-        let send = Slab::new(&dev.pd, params.send_slots, params.slot_size)?;
+        let (recv, recv_slots) = Slab::new(
+            &dev.pd,
+            params.recv_depth,
+            params.slot_size,
+            id,
+            WrKind::Recv,
+        )?;
+        let (send, mut send_slots) = Slab::new(
+            &dev.pd,
+            params.send_slots,
+            params.slot_size,
+            id,
+            WrKind::Send,
+        )?;
+        // Popped from the end: the first buffer goes first.
+        send_slots.reverse();
         let sq_depth = params.sq_depth(dev.max_sge);
         let recv_wr = params.recv_depth + 1;
         let build = |inline: u32| {
@@ -61,7 +75,7 @@ impl Link {
             }
             built => built?,
         };
-        let mut qp: GenericQueuePair = qp.into();
+        let mut qp = QueuePair::new(GenericQueuePair::from(qp));
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
@@ -82,7 +96,7 @@ impl Link {
             st: Mutex::new(State {
                 qp,
                 credits: Credits::new(4),
-                free_slots: (0..params.send_slots).rev().collect(),
+                free_slots: send_slots,
                 sq_free: sq_depth,
                 next_seq: 1,
                 remote_ready: false,
@@ -108,7 +122,7 @@ impl Link {
         };
         {
             let mut st = link.lock();
-            for slot in 0..link.recv.slots() {
+            for slot in recv_slots {
                 link.post_recv(&mut st, slot)?;
             }
         }

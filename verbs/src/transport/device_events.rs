@@ -49,14 +49,14 @@ impl Inner {
 /// Turns the device's asynchronous events into per-peer failures (see [`events::decide`]).
 pub(super) async fn device_event_loop(
     inner: Arc<Inner>,
-    fd: AsyncFd<sys::AsyncEventFd>,
+    fd: AsyncFd<sys::verbs::AsyncEventFd>,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
         tokio::select! {
             ready = fd.readable() => {
                 let Ok(mut guard) = ready else { return };
-                while let Some(event) = sys::next_async_event(&inner.dev.ctx) {
+                while let Some(event) = sys::verbs::next_async_event(&inner.dev.ctx) {
                     inner.on_device_event(&event);
                 }
                 guard.clear_ready();

@@ -33,7 +33,7 @@ use crate::control::Control;
 use crate::device::Device;
 use crate::error::VerbsError;
 use crate::link::{Link, LinkParams};
-use crate::memory::{self, RecvPool};
+use crate::memory::RecvPool;
 use crate::proto::wire::DataHeader;
 use crate::rdmacm;
 use crate::regcache::RegCache;
@@ -168,8 +168,8 @@ impl VerbsTransport {
         };
         let per_link =
             2 * config.recv_depth as u64 * config.eager_bytes as u64 + config.offer_bytes;
-        sys::check_memlock(per_link * 4 + (16 << 20)).map_err(VerbsError::into_unavailable)?;
-        sys::fork_init_once();
+        sys::os::check_memlock(per_link * 4 + (16 << 20)).map_err(VerbsError::into_unavailable)?;
+        sys::verbs::fork_init_once();
         let cq_per_link = params.recv_depth + params.sq_depth(16) + 1;
         let dev = Device::open(&config.device, cq_per_link.saturating_mul(256).min(1 << 17))
             .map_err(VerbsError::into_unavailable)?;
@@ -235,7 +235,7 @@ impl VerbsTransport {
             cm,
             cm_fallback,
         });
-        let fd = sys::watch_channel(inner.dev.channel.clone())
+        let fd = sys::verbs::watch_channel(inner.dev.channel.clone())
             .map_err(|e| unavailable(format!("completion channel: {e}")))?;
         tokio::spawn(poll_loop(inner.clone(), fd, inner.stop.subscribe()));
         let cm_fd = match &inner.cm {
@@ -251,7 +251,7 @@ impl VerbsTransport {
             cm_fd,
             inner.stop.subscribe(),
         ));
-        match sys::watch_async_events(inner.dev.ctx.clone()) {
+        match sys::verbs::watch_async_events(inner.dev.ctx.clone()) {
             Ok(fd) => {
                 tokio::spawn(device_event_loop(inner.clone(), fd, inner.stop.subscribe()));
             }
@@ -472,13 +472,11 @@ impl Transport for VerbsTransport {
     }
 
     fn alloc_registered(&self, len: usize) -> Result<RegisteredBuf, TransportError> {
-        let mut data = vec![0u8; len].into_boxed_slice();
-        // SAFETY: the registration is stored in the RegisteredBuf next to the memory and is
-        // dropped before it (RegisteredBuf's field order and Drop).
-        let mr = unsafe { memory::register(&self.inner.dev.pd, data.as_mut_ptr(), len) }
-            .map_err(VerbsError::into_unavailable)?;
-        let key = RegionKey(((self.inner.registrar.tag as u64) << 32) | mr.lkey() as u64);
-        Ok(RegisteredBuf::with_registration(data, key, mr))
+        let tag = self.inner.registrar.tag as u64;
+        sys::memory::alloc_registered(&self.inner.dev.pd, len, |lkey| {
+            RegionKey((tag << 32) | lkey as u64)
+        })
+        .map_err(VerbsError::into_unavailable)
     }
 
     fn shutdown(&self) {

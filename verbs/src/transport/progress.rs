@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sideway::ibverbs::completion::PollCompletionQueueError;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::watch;
 
@@ -34,46 +33,27 @@ impl Inner {
     }
 
     fn drain_polled(&self) -> usize {
-        let mut handled = 0;
         let mut touched: Vec<Arc<Link>> = Vec::new();
-        loop {
-            let poller = match self.dev.cq.start_poll() {
-                Ok(p) => p,
-                Err(PollCompletionQueueError::CompletionQueueEmpty) => break,
-                Err(e) => {
-                    tracing::error!(error = %e, "polling the completion queue failed");
-                    break;
-                }
+        let handled = sys::verbs::poll(&self.dev.cq, |wc| {
+            let (link_id, kind, index) = link::split_wr_id(wc.wr_id());
+            let Some(kind) = kind else { return };
+            let link = match touched.iter().find(|l| l.id == link_id) {
+                Some(l) => l.clone(),
+                None => match lock(&self.by_id).get(&link_id) {
+                    Some(l) => {
+                        touched.push(l.clone());
+                        l.clone()
+                    }
+                    // A completion of a link already torn down.
+                    None => return,
+                },
             };
-            for wc in poller {
-                handled += 1;
-                let (link_id, kind, index) = link::split_wr_id(wc.wr_id());
-                let Some(kind) = kind else { continue };
-                let link = match touched.iter().find(|l| l.id == link_id) {
-                    Some(l) => l.clone(),
-                    None => match lock(&self.by_id).get(&link_id) {
-                        Some(l) => {
-                            touched.push(l.clone());
-                            l.clone()
-                        }
-                        // A completion of a link already torn down.
-                        None => continue,
-                    },
-                };
-                let full = self.inbox.full();
-                let completion = link::Completion {
-                    kind,
-                    index,
-                    status: wc.status(),
-                    opcode: wc.opcode(),
-                    byte_len: wc.byte_len(),
-                    imm: wc.imm_data(),
-                };
-                if let Err(e) = link.on_completion(completion, full) {
-                    self.fail_link(&link, e.to_string());
-                }
+            let full = self.inbox.full();
+            let completion = link::Completion { kind, index, wc };
+            if let Err(e) = link.on_completion(completion, full) {
+                self.fail_link(&link, e.to_string());
             }
-        }
+        });
         for link in touched {
             self.pump(&link);
         }
@@ -123,7 +103,7 @@ pub(super) async fn poll_loop(
             tokio::task::yield_now().await;
             continue;
         }
-        if let Err(e) = sys::req_notify(&inner.dev.cq) {
+        if let Err(e) = sys::verbs::req_notify(&inner.dev.cq) {
             tracing::error!(error = %e, "cannot arm the completion queue");
             tokio::time::sleep(Duration::from_millis(1)).await;
             continue;
@@ -136,7 +116,7 @@ pub(super) async fn poll_loop(
         tokio::select! {
             ready = fd.readable() => {
                 if let Ok(mut guard) = ready {
-                    sys::drain_cq_events(fd.get_ref());
+                    sys::verbs::drain_cq_events(fd.get_ref());
                     guard.clear_ready();
                 }
             }

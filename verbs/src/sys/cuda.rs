@@ -1,4 +1,4 @@
-//! The CUDA driver API, loaded at run time through cudarc.
+//! The CUDA driver API, loaded at run time through cudarc: every CUDA call of the crate.
 //!
 //! cudarc panics when `libcuda` cannot be opened or lacks a symbol it is asked for, so
 //! [`Driver::load`] first probes for the library (`libcuda.so`, `libcuda.so.1`, ...) and then
@@ -16,8 +16,8 @@ use cudarc::driver::sys::{
     self, CUcontext, CUdevice_attribute, CUmemRangeHandleType, CUpointer_attribute, CUresult,
 };
 
-use super::path::PointerAttrs;
-use super::GpuError;
+use super::os::page_size;
+use crate::gpu::{GpuError, PointerAttrs};
 
 /// Entry points every registration path may call.
 const REQUIRED: &[&str] = &[
@@ -37,7 +37,7 @@ const REQUIRED: &[&str] = &[
     "cuMemcpyHtoD_v2",
 ];
 
-/// The dma-buf export (CUDA 11.7+ drivers); its absence only rules out [`super::GpuPath::DmaBuf`].
+/// The dma-buf export (CUDA 11.7+ drivers); its absence only rules out [`crate::gpu::GpuPath::DmaBuf`].
 const DMABUF_EXPORT: &str = "cuMemGetHandleForAddressRange";
 
 /// A loaded, initialised CUDA driver with at least one device.
@@ -112,16 +112,12 @@ impl Driver {
         }
         let mut version: c_int = 0;
         // SAFETY: writes one int into the valid pointer; symbol checked.
-        check(
-            unsafe { sys::cuDriverGetVersion(&mut version) },
-            "cuDriverGetVersion",
-        )?;
+        let rc = unsafe { sys::cuDriverGetVersion(&mut version) };
+        check(rc, "cuDriverGetVersion")?;
         let mut count: c_int = 0;
         // SAFETY: writes one int into the valid pointer; the driver is initialised.
-        check(
-            unsafe { sys::cuDeviceGetCount(&mut count) },
-            "cuDeviceGetCount",
-        )?;
+        let rc = unsafe { sys::cuDeviceGetCount(&mut count) };
+        check(rc, "cuDeviceGetCount")?;
         let devices = usize::try_from(count).unwrap_or(0);
         if devices == 0 {
             return Err(GpuError::NoDevice(
@@ -159,22 +155,18 @@ impl Driver {
         }
         let mut dev: sys::CUdevice = 0;
         // SAFETY: writes one device handle into the valid pointer; the driver is initialised.
-        check(
-            unsafe { sys::cuDeviceGet(&mut dev, ordinal) },
-            "cuDeviceGet",
-        )?;
+        let rc = unsafe { sys::cuDeviceGet(&mut dev, ordinal) };
+        check(rc, "cuDeviceGet")?;
         let mut value: c_int = 0;
         // SAFETY: writes one int into the valid pointer for a device handle just obtained.
-        check(
-            unsafe {
-                sys::cuDeviceGetAttribute(
-                    &mut value,
-                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED,
-                    dev,
-                )
-            },
-            "cuDeviceGetAttribute(DMA_BUF_SUPPORTED)",
-        )?;
+        let rc = unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut value,
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED,
+                dev,
+            )
+        };
+        check(rc, "cuDeviceGetAttribute(DMA_BUF_SUPPORTED)")?;
         Ok(value != 0)
     }
 
@@ -271,10 +263,8 @@ impl Driver {
             return Err(GpuError::Cuda("no CUDA context".into()));
         }
         // SAFETY: pushes a context handle the driver gave for live memory; symbol checked.
-        check(
-            unsafe { sys::cuCtxPushCurrent_v2(ctx.0) },
-            "cuCtxPushCurrent",
-        )?;
+        let rc = unsafe { sys::cuCtxPushCurrent_v2(ctx.0) };
+        check(rc, "cuCtxPushCurrent")?;
         Ok(Current {
             _thread: std::marker::PhantomData,
         })
@@ -294,10 +284,8 @@ impl Driver {
     ) -> Result<(), GpuError> {
         let _current = self.make_current(ctx)?;
         // SAFETY: forwarded from the caller; symbol checked.
-        check(
-            unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), src, len) },
-            "cuMemcpyDtoH",
-        )
+        let rc = unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), src, len) };
+        check(rc, "cuMemcpyDtoH")
     }
 
     /// Copies `len` bytes from host memory `src` to device address `dst` (synchronous).
@@ -314,10 +302,8 @@ impl Driver {
     ) -> Result<(), GpuError> {
         let _current = self.make_current(ctx)?;
         // SAFETY: forwarded from the caller; symbol checked.
-        check(
-            unsafe { sys::cuMemcpyHtoD_v2(dst, src.cast(), len) },
-            "cuMemcpyHtoD",
-        )
+        let rc = unsafe { sys::cuMemcpyHtoD_v2(dst, src.cast(), len) };
+        check(rc, "cuMemcpyHtoD")
     }
 }
 
@@ -433,14 +419,4 @@ impl Drop for PinnedHost {
         // SAFETY: allocated in `new` with this layout; nothing refers to it any more.
         unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
     }
-}
-
-/// The host page size.
-pub fn page_size() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    usize::try_from(page)
-        .ok()
-        .filter(|p| p.is_power_of_two())
-        .unwrap_or(4096)
 }
