@@ -189,6 +189,10 @@ crate::declare_env_vars! {
     DMLC_PS_ROOT_PORT = "DMLC_PS_ROOT_PORT", "", "the scheduler's port";
     DMLC_NUM_SERVER = "DMLC_NUM_SERVER", "", "number of server processes";
     DMLC_NUM_WORKER = "DMLC_NUM_WORKER", "", "number of worker processes";
+    DMLC_WORKER_ID = "DMLC_WORKER_ID", "",
+        "a worker's wished rank (BytePS's name; psnet-launch sets it): honoured when every worker names a different rank below DMLC_NUM_WORKER, else ranks follow listening addresses";
+    DMLC_SERVER_ID = "DMLC_SERVER_ID", "",
+        "a server's wished rank (psnet-launch sets it): honoured when every server names a different rank below DMLC_NUM_SERVER, else ranks follow listening addresses";
     PS_HEARTBEAT_INTERVAL = "PS_HEARTBEAT_INTERVAL", "1",
         "seconds between heartbeats to the scheduler (0: off)";
     PS_HEARTBEAT_TIMEOUT = "PS_HEARTBEAT_TIMEOUT", "10",

@@ -70,6 +70,7 @@ pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joine
         &Msg::Register {
             role: config.role,
             addr: listen,
+            rank_hint: config.rank_hint,
         },
         None,
     )

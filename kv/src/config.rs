@@ -14,8 +14,9 @@ use crate::proto::resend::MAX_TIMEOUT;
 // The kv store's variables live in the one registry, psnet_config::env.
 pub use psnet_config::env::{
     DMLC_NUM_SERVER, DMLC_NUM_WORKER, DMLC_PS_ROOT_PORT, DMLC_PS_ROOT_URI, DMLC_ROLE,
-    MXNET_KVSTORE_BIGARRAY_BOUND, PSNET_BOOTSTRAP_TIMEOUT, PSNET_KV_SERVER_KEY_BYTES,
-    PS_HEARTBEAT_INTERVAL, PS_HEARTBEAT_TIMEOUT, PS_RESEND, PS_RESEND_TIMEOUT,
+    DMLC_SERVER_ID, DMLC_WORKER_ID, MXNET_KVSTORE_BIGARRAY_BOUND, PSNET_BOOTSTRAP_TIMEOUT,
+    PSNET_KV_SERVER_KEY_BYTES, PS_HEARTBEAT_INTERVAL, PS_HEARTBEAT_TIMEOUT, PS_RESEND,
+    PS_RESEND_TIMEOUT,
 };
 
 /// Everything a kv node needs to join a job.
@@ -50,6 +51,11 @@ pub struct KvConfig {
     /// Workers send a call's requests one server after another (`PSNET_KV_SERIAL_SENDS`,
     /// for benchmarks) instead of to all servers at once.
     pub serial_sends: bool,
+    /// The rank this node wishes (`DMLC_WORKER_ID` / `DMLC_SERVER_ID`, set by psnet-launch so
+    /// that its `[worker 1]` is kv's worker 1): the scheduler honours the wishes of a role
+    /// when every node of it wishes a different rank in range, else ranks follow listening
+    /// addresses (ps-lite's rule).
+    pub rank_hint: Option<u32>,
 }
 
 /// Half the machine's memory (`MemTotal` in `/proc/meminfo`), or 16 GiB where it cannot be
@@ -151,13 +157,15 @@ impl KvConfig {
             resend: None,
             server_key_bytes: half_the_memory(),
             serial_sends: false,
+            rank_hint: None,
         }
     }
 
     /// Reads `DMLC_ROLE`, `DMLC_PS_ROOT_URI`, `DMLC_PS_ROOT_PORT`, `DMLC_NUM_SERVER`,
     /// `DMLC_NUM_WORKER`, `PS_HEARTBEAT_INTERVAL`, `PS_HEARTBEAT_TIMEOUT`,
     /// `MXNET_KVSTORE_BIGARRAY_BOUND`, `PSNET_BOOTSTRAP_TIMEOUT`, `PS_RESEND`,
-    /// `PS_RESEND_TIMEOUT`, `PSNET_KV_SERVER_KEY_BYTES`. A missing or malformed variable is an error naming it.
+    /// `PS_RESEND_TIMEOUT`, `PSNET_KV_SERVER_KEY_BYTES`, `DMLC_WORKER_ID` / `DMLC_SERVER_ID`.
+    /// A missing or malformed variable is an error naming it.
     pub fn from_env() -> Result<Self, ConfigError> {
         let role_text = DMLC_ROLE.require()?;
         let role = Role::parse(&role_text).ok_or_else(|| ConfigError::Invalid {
@@ -194,6 +202,11 @@ impl KvConfig {
                 n => n,
             },
             serial_sends: env::PSNET_KV_SERIAL_SENDS.parse_or_default::<u8>()? != 0,
+            rank_hint: match role {
+                Role::Worker => DMLC_WORKER_ID.parse()?,
+                Role::Server => DMLC_SERVER_ID.parse()?,
+                Role::Scheduler => None,
+            },
         })
     }
 

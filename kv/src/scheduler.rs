@@ -70,7 +70,11 @@ impl<T: Transport> Scheduler<T> {
                     let now = crate::clock::now();
                     match event? {
                         Received::Msg { from, msg, .. } => match msg {
-                            Msg::Register { role, addr } => state.handle_register(from, role, addr, now),
+                            Msg::Register {
+                                role,
+                                addr,
+                                rank_hint,
+                            } => state.handle_register(from, role, addr, rank_hint, now),
                             Msg::Barrier { group } => state.handle_barrier(from, group, now),
                             Msg::Heartbeat => state.handle_heartbeat(from, now),
                             Msg::Finalize => state.handle_finalize(from, now),

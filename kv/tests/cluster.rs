@@ -227,3 +227,47 @@ async fn serial_sends_give_the_same_sums() {
         assert!(out.iter().enumerate().all(|(i, v)| *v == 2.0 * i as f32));
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wished_ranks_from_the_launcher_are_the_ranks() {
+    use psnet_kv::{run_server, KvConfig, Role, Scheduler, Worker};
+    use psnet_transport::NodeId;
+    let config =
+        |role, root| KvConfig::local(role, root, 1, 3).bootstrap_timeout(Duration::from_secs(30));
+    let sched = Scheduler::new(
+        &config(Role::Scheduler, "127.0.0.1:0".parse().unwrap()),
+        common::tcp(psnet_kv::proto::ids::SCHEDULER, 0).await,
+    );
+    let root = sched.addr();
+    let scheduler = tokio::spawn(sched.run());
+    let server = {
+        let c = config(Role::Server, root);
+        tokio::spawn(async move { run_server(&c, common::tcp(NodeId(0), 0).await).await })
+    };
+    // Launch index i wishes rank (i + 1) % 3: not the order of the listening ports.
+    let joins: Vec<_> = (0..3u32)
+        .map(|i| {
+            let mut c = config(Role::Worker, root);
+            c.rank_hint = Some((i + 1) % 3);
+            tokio::spawn(async move {
+                let w = Worker::join(&c, common::tcp(NodeId(0), 0).await).await?;
+                Ok::<_, KvError>((i, w))
+            })
+        })
+        .collect();
+    let mut workers = Vec::new();
+    for j in joins {
+        let (i, w) = j.await.unwrap().expect("worker joins");
+        assert_eq!(w.rank(), (i + 1) % 3, "launch index {i}");
+        workers.push(w);
+    }
+    let finals: Vec<_> = workers
+        .into_iter()
+        .map(|w| tokio::spawn(async move { w.finalize().await }))
+        .collect();
+    for f in finals {
+        f.await.unwrap().expect("finalize");
+    }
+    server.await.unwrap().expect("server ends");
+    scheduler.await.unwrap().expect("scheduler ends");
+}

@@ -5,6 +5,11 @@
 //!
 //! If any process fails, the others are stopped after a grace period, so a broken job never
 //! lingers; the outcome says which process failed first.
+//!
+//! Server and worker `i` are told `DMLC_SERVER_ID=i` / `DMLC_WORKER_ID=i`, which the kv store
+//! grants as their ranks, so the launcher's numbering is the job's: with
+//! [`JobSpec::tag_output`], every line a process prints comes out prefixed `[worker 1] `,
+//! and a kv error about "worker 1" means that same process.
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
@@ -12,8 +17,11 @@ use std::net::TcpListener;
 
 use psnet_config::env;
 use std::os::unix::process::CommandExt;
-use std::process::{Child, Command, ExitStatus};
+use std::process::{Child, Command, ExitStatus, Stdio};
+
+mod tagged;
 use std::time::{Duration, Instant};
+use tagged::Tagger;
 
 /// The exit status psnet's processes use when they stop because another process of the job
 /// failed (`psnet_kv::EXIT_PEER_FAILED`).
@@ -60,6 +68,10 @@ pub struct JobSpec {
     pub root_port: u16,
     /// How long the others may run on after one process failed.
     pub grace: Duration,
+    /// Prefix every line a process prints with its role and rank (`[worker 1] `,
+    /// `[scheduler] `), as `mpirun --tag-output` does; otherwise processes write straight to
+    /// the launcher's stdout and stderr.
+    pub tag_output: bool,
 }
 
 impl JobSpec {
@@ -73,6 +85,7 @@ impl JobSpec {
             root_host: default_root_host(),
             root_port: 0,
             grace: Duration::from_secs(10),
+            tag_output: false,
         }
     }
 }
@@ -202,8 +215,8 @@ pub fn free_port(host: &str) -> Result<u16, LaunchError> {
         .map_err(|e| LaunchError::Invalid(e.to_string()))
 }
 
-/// The environment of one process of the job.
-pub fn process_env(spec: &JobSpec, role: Role, port: u16) -> Vec<(String, String)> {
+/// The environment of process `index` of `role`.
+pub fn process_env(spec: &JobSpec, role: Role, index: u32, port: u16) -> Vec<(String, String)> {
     let mut env = vec![
         ("DMLC_ROLE".to_string(), role.as_env().to_string()),
         ("DMLC_PS_ROOT_URI".to_string(), spec.root_host.clone()),
@@ -222,6 +235,11 @@ pub fn process_env(spec: &JobSpec, role: Role, port: u16) -> Vec<(String, String
         .is_ok_and(|ip| ip.is_loopback());
     if loopback && !told("DMLC_INTERFACE") && !told("DMLC_NODE_HOST") {
         env.push(("DMLC_NODE_HOST".to_string(), spec.root_host.clone()));
+    }
+    match role {
+        Role::Worker => env.push(("DMLC_WORKER_ID".to_string(), index.to_string())),
+        Role::Server => env.push(("DMLC_SERVER_ID".to_string(), index.to_string())),
+        Role::Scheduler => {}
     }
     env.extend(spec.env.iter().cloned());
     env
@@ -247,15 +265,24 @@ pub fn launch_local(spec: &JobSpec) -> Result<Outcome, LaunchError> {
     roles.extend((0..spec.workers).map(|i| (Role::Worker, i)));
     let signals = StopSignals::install()?;
     let mut children: Vec<(Role, u32, Child)> = Vec::new();
+    let mut tagger = spec.tag_output.then(Tagger::new);
     for (role, index) in roles {
         let mut cmd = Command::new(program);
         cmd.args(&spec.command[1..]);
-        cmd.envs(process_env(spec, role, port));
+        cmd.envs(process_env(spec, role, index, port));
         // A group of its own: a signal to the job reaches what the process started, and a
         // terminal's Ctrl-C reaches the launcher, which stops everything in order.
         cmd.process_group(0);
+        if tagger.is_some() {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
         match cmd.spawn() {
-            Ok(child) => children.push((role, index, child)),
+            Ok(mut child) => {
+                if let Some(t) = &mut tagger {
+                    t.follow(&mut child, &tag(role, index));
+                }
+                children.push((role, index, child));
+            }
             Err(source) => {
                 for (_, _, mut c) in children {
                     signal_group(&c, rustix::process::Signal::KILL);
@@ -270,7 +297,23 @@ pub fn launch_local(spec: &JobSpec) -> Result<Outcome, LaunchError> {
             }
         }
     }
-    wait_all(children, spec.grace, &signals)
+    let outcome = wait_all(children, spec.grace, &signals);
+    if let Some(t) = tagger {
+        t.finish(OUTPUT_DRAIN);
+    }
+    outcome
+}
+
+/// How long the launcher waits, once every process ended, for the rest of their output
+/// (a process's own child may still hold its pipe open).
+const OUTPUT_DRAIN: Duration = Duration::from_secs(2);
+
+/// The prefix of a process's lines.
+fn tag(role: Role, index: u32) -> String {
+    match role {
+        Role::Scheduler => "[scheduler] ".into(),
+        _ => format!("[{} {index}] ", role.as_env()),
+    }
 }
 
 /// How long processes may take to exit after the launcher passed a signal on to them.
@@ -353,7 +396,7 @@ mod tests {
     fn environment_names_role_and_shape() {
         let mut spec = JobSpec::new(2, 3, vec!["prog".into()]);
         spec.env.push(("PS_VERBOSE".into(), "1".into()));
-        let env = process_env(&spec, Role::Server, 9000);
+        let env = process_env(&spec, Role::Server, 1, 9000);
         let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
         assert_eq!(get("DMLC_ROLE"), Some("server"));
         assert_eq!(get("DMLC_PS_ROOT_URI"), Some("127.0.0.1"));
@@ -361,6 +404,12 @@ mod tests {
         assert_eq!(get("DMLC_NUM_SERVER"), Some("2"));
         assert_eq!(get("DMLC_NUM_WORKER"), Some("3"));
         assert_eq!(get("PS_VERBOSE"), Some("1"));
+        assert_eq!(
+            get("DMLC_SERVER_ID"),
+            Some("1"),
+            "the rank the launcher numbers it by"
+        );
+        assert_eq!(get("DMLC_WORKER_ID"), None);
         if !env::DMLC_INTERFACE.is_set() && !env::DMLC_NODE_HOST.is_set() {
             assert_eq!(
                 get("DMLC_NODE_HOST"),
@@ -369,7 +418,8 @@ mod tests {
             );
         }
         spec.env.push(("DMLC_INTERFACE".into(), "eth0".into()));
-        let env = process_env(&spec, Role::Worker, 9000);
+        let env = process_env(&spec, Role::Worker, 2, 9000);
+        assert!(env.contains(&("DMLC_WORKER_ID".into(), "2".into())));
         assert!(!env.iter().any(|(k, _)| k == "DMLC_NODE_HOST"));
     }
 

@@ -18,7 +18,7 @@ use psnet_transport::{NodeId, Proof, PROOF_LEN};
 use super::ids::{Group, Role};
 
 /// The kv protocol version in every message.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Longest string field (reasons, optimizer and compression specs).
 pub const MAX_STRING: usize = 64 << 10;
 /// Most nodes in an assignment.
@@ -29,6 +29,8 @@ pub const ENVELOPE: u8 = 0xE1;
 /// Most bytes an envelope adds in front of a message (marker, flags, sequence number, ack).
 pub const ENVELOPE_LEN: usize = 18;
 
+/// `Register`'s rank hint when the node wishes none.
+const NO_RANK_HINT: u32 = u32::MAX;
 const HAS_SEQ: u8 = 1;
 const HAS_ACK: u8 = 2;
 
@@ -114,6 +116,8 @@ pub enum Msg {
         role: Role,
         /// Where it listens.
         addr: SocketAddr,
+        /// The rank it wishes (`DMLC_WORKER_ID` / `DMLC_SERVER_ID`).
+        rank_hint: Option<u32>,
     },
     /// Scheduler to node: your id, and everyone.
     Assign {
@@ -401,8 +405,14 @@ impl Msg {
         let mut w = Writer(LeWriter::with_capacity(32));
         w.u8(VERSION).u8(self.tag());
         match self {
-            Msg::Register { role, addr } => {
-                w.u8(role.code()).addr(*addr);
+            Msg::Register {
+                role,
+                addr,
+                rank_hint,
+            } => {
+                w.u8(role.code())
+                    .addr(*addr)
+                    .u32(rank_hint.unwrap_or(NO_RANK_HINT));
             }
             Msg::Assign { your_id, nodes } => {
                 w.u64(your_id.0).u32(nodes.len().min(MAX_NODES) as u32);
@@ -462,6 +472,7 @@ impl Msg {
             1 => Msg::Register {
                 role: r.role()?,
                 addr: r.addr()?,
+                rank_hint: Some(r.u32()?).filter(|&h| h != NO_RANK_HINT),
             },
             2 => {
                 let your_id = NodeId(r.u64()?);
@@ -538,6 +549,12 @@ mod tests {
             Msg::Register {
                 role: Role::Worker,
                 addr,
+                rank_hint: None,
+            },
+            Msg::Register {
+                role: Role::Server,
+                addr,
+                rank_hint: Some(3),
             },
             Msg::Assign {
                 your_id: NodeId(9),
@@ -605,15 +622,16 @@ mod tests {
     #[test]
     fn rejects_bad_input() {
         assert_eq!(Msg::decode(&[]), Err(DecodeError::Truncated));
-        assert_eq!(Msg::decode(&[2, 6]), Err(DecodeError::Version(2)));
-        assert_eq!(Msg::decode(&[1, 99]), Err(DecodeError::UnknownTag(99)));
-        assert_eq!(Msg::decode(&[1, 6, 0]), Err(DecodeError::Trailing(1)));
-        let mut huge = vec![1, 2];
+        let v = VERSION;
+        assert_eq!(Msg::decode(&[v + 1, 6]), Err(DecodeError::Version(v + 1)));
+        assert_eq!(Msg::decode(&[v, 99]), Err(DecodeError::UnknownTag(99)));
+        assert_eq!(Msg::decode(&[v, 6, 0]), Err(DecodeError::Trailing(1)));
+        let mut huge = vec![v, 2];
         huge.extend_from_slice(&9u64.to_le_bytes());
         huge.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(Msg::decode(&huge), Err(DecodeError::Invalid(_))));
         assert!(matches!(
-            Msg::decode(&[1, 3, 0]),
+            Msg::decode(&[v, 3, 0]),
             Err(DecodeError::Invalid("bad group"))
         ));
     }

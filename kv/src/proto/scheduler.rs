@@ -4,7 +4,10 @@
 //!
 //! Ranks follow ps-lite's rule, so a job with fixed ports gets the same ranks every time:
 //! within each role, nodes are ordered by listening address (IP, then port) and numbered from
-//! 0 in that order. Launch order does not matter.
+//! 0 in that order. Launch order does not matter. One exception: when every node of a role
+//! wishes a rank (`DMLC_WORKER_ID` / `DMLC_SERVER_ID`, which psnet-launch sets) and the wishes
+//! are a permutation of the role's ranks, they are granted, so that the launcher's
+//! `[worker 1]` is the kv store's worker 1.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
@@ -27,8 +30,8 @@ pub struct SchedulerState {
     num_servers: u32,
     num_workers: u32,
     heartbeat_timeout: Option<Duration>,
-    /// Registrations before assignment: provisional id, role, address.
-    pending: Vec<(NodeId, Role, SocketAddr)>,
+    /// Registrations before assignment: provisional id, role, address, wished rank.
+    pending: Vec<(NodeId, Role, SocketAddr, Option<u32>)>,
     members: BTreeMap<NodeId, Member>,
     barriers: BTreeMap<u8, BTreeSet<NodeId>>,
     dead: BTreeMap<NodeId, String>,
@@ -109,8 +112,15 @@ impl SchedulerState {
         }
     }
 
-    /// A node (under its provisional id) registers.
-    pub fn handle_register(&mut self, from: NodeId, role: Role, addr: SocketAddr, now: Instant) {
+    /// A node (under its provisional id) registers, wishing rank `rank_hint` or none.
+    pub fn handle_register(
+        &mut self,
+        from: NodeId,
+        role: Role,
+        addr: SocketAddr,
+        rank_hint: Option<u32>,
+        now: Instant,
+    ) {
         let limit = match role {
             Role::Server => self.num_servers,
             Role::Worker => self.num_workers,
@@ -132,7 +142,7 @@ impl SchedulerState {
                 .push_back((from, Msg::NodeFailed { id: from, reason }));
             return;
         }
-        self.pending.push((from, role, addr));
+        self.pending.push((from, role, addr, rank_hint));
         if self.pending.len() as u32 == self.num_servers + self.num_workers {
             self.assign(now);
         }
@@ -140,8 +150,29 @@ impl SchedulerState {
 
     fn assign(&mut self, now: Instant) {
         let mut pending = std::mem::take(&mut self.pending);
-        // ps-lite's order: by address (IP, then port), per role.
+        // ps-lite's order: by address (IP, then port), per role; then a role's wished ranks
+        // where they are a permutation of its ranks.
         pending.sort_by_key(|p| (p.1, p.2.ip(), p.2.port()));
+        for role in [Role::Server, Role::Worker] {
+            let wishes: Vec<Option<u32>> = pending
+                .iter()
+                .filter(|p| p.1 == role)
+                .map(|p| p.3)
+                .collect();
+            let mut granted: Vec<u32> = wishes.iter().flatten().copied().collect();
+            granted.sort_unstable();
+            let permutation = granted.len() == wishes.len()
+                && granted.iter().enumerate().all(|(i, &r)| r as usize == i);
+            if permutation {
+                pending.sort_by_key(|p| (p.1, if p.1 == role { p.3 } else { None }));
+            } else if wishes.iter().any(Option::is_some) {
+                tracing::info!(
+                    "{role} ranks follow listening addresses: the wished ranks \
+                     (DMLC_WORKER_ID / DMLC_SERVER_ID) are not each of 0..{} once",
+                    wishes.len()
+                );
+            }
+        }
         let mut nodes = vec![NodeInfo {
             id: SCHEDULER,
             role: Role::Scheduler,
@@ -151,7 +182,7 @@ impl SchedulerState {
         }];
         let mut provisional = Vec::new();
         for role in [Role::Server, Role::Worker] {
-            for (rank, (prov, _, addr)) in pending.iter().filter(|p| p.1 == role).enumerate() {
+            for (rank, (prov, _, addr, _)) in pending.iter().filter(|p| p.1 == role).enumerate() {
                 let info = NodeInfo {
                     id: ids::node_id(role, rank as u32),
                     role,

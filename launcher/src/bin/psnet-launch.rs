@@ -33,6 +33,10 @@ struct Cli {
     /// Seconds the others may run on after one process failed.
     #[arg(long, default_value_t = 10)]
     grace: u64,
+    /// Pass the processes' output through untouched, without the `[worker 1] ` prefix on
+    /// each line (a process then sees the launcher's terminal, for progress bars).
+    #[arg(long)]
+    no_prefix: bool,
     /// The command every process runs.
     #[arg(last = true, required = true)]
     command: Vec<String>,
@@ -58,6 +62,7 @@ fn main() -> ExitCode {
     spec.env = cli.env;
     spec.root_port = cli.port;
     spec.grace = Duration::from_secs(cli.grace);
+    spec.tag_output = !cli.no_prefix;
     match launch_local(&spec) {
         Ok(out) if out.success() => ExitCode::SUCCESS,
         Ok(out) if out.signal.is_some() => {

@@ -18,7 +18,7 @@ fn assigned(now: Instant) -> SchedulerState {
         (Role::Worker, 9100),
         (Role::Server, 9050),
     ] {
-        s.handle_register(provisional_id(addr(port)), role, addr(port), now);
+        s.handle_register(provisional_id(addr(port)), role, addr(port), None, now);
     }
     drain(&mut s);
     s
@@ -43,13 +43,19 @@ fn ranks_follow_address_order_not_registration_order() {
         (Role::Worker, 9100),
     ];
     for (role, port) in regs {
-        s.handle_register(provisional_id(addr(port)), role, addr(port), now);
+        s.handle_register(provisional_id(addr(port)), role, addr(port), None, now);
         assert!(
             drain(&mut s).is_empty(),
             "assigned before everyone registered"
         );
     }
-    s.handle_register(provisional_id(addr(9050)), Role::Server, addr(9050), now);
+    s.handle_register(
+        provisional_id(addr(9050)),
+        Role::Server,
+        addr(9050),
+        None,
+        now,
+    );
     let out = drain(&mut s);
     assert_eq!(out.len(), 4);
     let assigned: std::collections::HashMap<NodeId, NodeId> = out
@@ -84,8 +90,8 @@ fn ranks_follow_address_order_not_registration_order() {
 fn extra_nodes_are_refused_with_the_reason() {
     let now = Instant::now();
     let mut s = SchedulerState::new(1, 1, addr(9000), None, counter());
-    s.handle_register(provisional_id(addr(1)), Role::Worker, addr(1), now);
-    s.handle_register(provisional_id(addr(2)), Role::Worker, addr(2), now);
+    s.handle_register(provisional_id(addr(1)), Role::Worker, addr(1), None, now);
+    s.handle_register(provisional_id(addr(2)), Role::Worker, addr(2), None, now);
     match drain(&mut s).as_slice() {
         [(to, Msg::NodeFailed { reason, .. })] => {
             assert_eq!(*to, provisional_id(addr(2)));
@@ -190,8 +196,20 @@ fn shutdown_when_every_worker_finalized_or_died() {
 fn every_node_gets_its_own_token_and_heartbeats_are_answered() {
     let now = Instant::now();
     let mut s = SchedulerState::new(1, 1, addr(9000), None, counter());
-    s.handle_register(provisional_id(addr(9100)), Role::Server, addr(9100), now);
-    s.handle_register(provisional_id(addr(9200)), Role::Worker, addr(9200), now);
+    s.handle_register(
+        provisional_id(addr(9100)),
+        Role::Server,
+        addr(9100),
+        None,
+        now,
+    );
+    s.handle_register(
+        provisional_id(addr(9200)),
+        Role::Worker,
+        addr(9200),
+        None,
+        now,
+    );
     let out = drain(&mut s);
     let Msg::Assign { nodes, .. } = &out[0].1 else {
         panic!("{out:?}")
@@ -247,4 +265,67 @@ fn only_registered_workers_finalize_and_only_members_enter_barriers() {
     assert!(drain(&mut s).is_empty(), "a stranger's barrier is ignored");
     s.handle_finalize(node_id(Role::Worker, 1), now);
     assert!(s.is_finished());
+}
+
+/// The worker ranks assigned when three workers at ports 9100, 9200, 9300 wish `hints`.
+fn worker_ranks(hints: [Option<u32>; 3]) -> Vec<(u16, u32)> {
+    let now = Instant::now();
+    let mut s = SchedulerState::new(1, 3, addr(9000), None, counter());
+    s.handle_register(
+        provisional_id(addr(9050)),
+        Role::Server,
+        addr(9050),
+        Some(5),
+        now,
+    );
+    for (port, hint) in [9100, 9200, 9300].into_iter().zip(hints) {
+        s.handle_register(
+            provisional_id(addr(port)),
+            Role::Worker,
+            addr(port),
+            hint,
+            now,
+        );
+    }
+    let Some((_, Msg::Assign { nodes, .. })) = drain(&mut s).into_iter().next() else {
+        panic!("no assignment");
+    };
+    let mut ranks: Vec<(u16, u32)> = nodes
+        .iter()
+        .filter(|n| n.role == Role::Worker)
+        .map(|n| (n.addr.port(), n.rank))
+        .collect();
+    ranks.sort_unstable();
+    assert!(
+        nodes.iter().any(|n| n.role == Role::Server && n.rank == 0),
+        "a lone server's out-of-range wish is not granted"
+    );
+    ranks
+}
+
+#[test]
+fn wished_ranks_are_granted_only_as_a_whole_permutation() {
+    // Every worker wishes a different rank in range: granted.
+    assert_eq!(
+        worker_ranks([Some(2), Some(0), Some(1)]),
+        [(9100, 2), (9200, 0), (9300, 1)]
+    );
+    // Anything else: ps-lite's address order.
+    let by_address = [(9100, 0), (9200, 1), (9300, 2)];
+    assert_eq!(
+        worker_ranks([Some(1), Some(1), Some(0)]),
+        by_address,
+        "a duplicate"
+    );
+    assert_eq!(
+        worker_ranks([Some(2), Some(0), Some(3)]),
+        by_address,
+        "out of range"
+    );
+    assert_eq!(
+        worker_ranks([Some(2), None, Some(1)]),
+        by_address,
+        "one without"
+    );
+    assert_eq!(worker_ranks([None, None, None]), by_address);
 }
