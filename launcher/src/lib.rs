@@ -4,14 +4,18 @@
 //! `DMLC_PS_ROOT_PORT`, `DMLC_NUM_SERVER` and `DMLC_NUM_WORKER`.
 //!
 //! If any process fails, the others are stopped after a grace period, so a broken job never
-//! lingers; the outcome says which process failed first.
+//! lingers; the outcome says which process failed first. Each process runs in a process group
+//! of its own (a signal to the job reaches what it started) and is killed by the kernel if the
+//! launcher's thread ends first (`PR_SET_PDEATHSIG`: a launcher killed outright leaves no
+//! process of the job; what a process started itself is its own to stop).
 //!
 //! Server and worker `i` are told `DMLC_SERVER_ID=i` / `DMLC_WORKER_ID=i`, which the kv store
 //! grants as their ranks, so the launcher's numbering is the job's: with
 //! [`JobSpec::tag_output`], every line a process prints comes out prefixed `[worker 1] `,
 //! and a kv error about "worker 1" means that same process.
 #![deny(missing_docs)]
-#![forbid(unsafe_code)]
+// `unsafe` only in `sys` (code that runs between fork and exec).
+#![deny(unsafe_code)]
 
 use std::net::TcpListener;
 
@@ -19,6 +23,8 @@ use psnet_config::env;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 
+#[allow(unsafe_code)]
+mod sys;
 mod tagged;
 use std::time::{Duration, Instant};
 use tagged::Tagger;
@@ -273,6 +279,7 @@ pub fn launch_local(spec: &JobSpec) -> Result<Outcome, LaunchError> {
         // A group of its own: a signal to the job reaches what the process started, and a
         // terminal's Ctrl-C reaches the launcher, which stops everything in order.
         cmd.process_group(0);
+        sys::die_with_launcher(&mut cmd);
         if tagger.is_some() {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         }

@@ -49,3 +49,44 @@ fn a_signal_to_the_launcher_stops_every_process_and_what_they_started() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_launcher_killed_outright_leaves_no_process_of_the_job() {
+    // SIGKILL cannot be caught: the processes go because the kernel's parent-death signal
+    // kills them, not because the launcher passed anything on.
+    let dir = std::env::temp_dir().join(format!("psnet-launch-kill-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = format!("echo $$ > {}/$DMLC_ROLE-$$; exec sleep 120", dir.display());
+    let mut launcher = std::process::Command::new(env!("CARGO_BIN_EXE_psnet-launch"))
+        .args(["-n", "2", "-s", "1", "--", "sh", "-c", &script])
+        .spawn()
+        .expect("start psnet-launch");
+    let pids = || -> Vec<i32> {
+        std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok())
+            .filter_map(|s| s.trim().parse().ok())
+            .collect()
+    };
+    let started = Instant::now();
+    while pids().len() < 4 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the job did not start"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    let alive = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids().into_iter().any(alive) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for pid in pids() {
+        assert!(!alive(pid), "process {pid} outlived its launcher");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
