@@ -216,6 +216,16 @@ crate::declare_env_vars! {
         "tracing's filter (e.g. psnet_kv=debug); wins over PS_VERBOSE.";
     PS_VERBOSE = "PS_VERBOSE", "0",
         "Logging: 0 warnings and start-up choices, 1 lifecycle, 2 every message. RUST_LOG, if set, wins.";
+    // Read by `psnet-launch --role-from-env` under mpirun or srun (set by them, not by users).
+    OMPI_COMM_WORLD_RANK = "OMPI_COMM_WORLD_RANK", "",
+        "Open MPI's rank of this process (psnet-launch --role-from-env: 0 scheduler, then servers, then workers)";
+    OMPI_COMM_WORLD_SIZE = "OMPI_COMM_WORLD_SIZE", "", "Open MPI's number of processes";
+    PMI_RANK = "PMI_RANK", "", "MPICH / Intel MPI's rank of this process (as OMPI_COMM_WORLD_RANK)";
+    PMI_SIZE = "PMI_SIZE", "", "MPICH / Intel MPI's number of processes";
+    SLURM_PROCID = "SLURM_PROCID", "", "Slurm's rank of this task (as OMPI_COMM_WORLD_RANK)";
+    SLURM_NTASKS = "SLURM_NTASKS", "", "Slurm's number of tasks";
+    SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST", "",
+        "the Slurm allocation's nodes (psnet-launch --launcher slurm puts the scheduler on the first)";
 }
 
 #[cfg(test)]

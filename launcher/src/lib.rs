@@ -23,6 +23,7 @@ use psnet_config::env;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 
+pub mod cluster;
 #[allow(unsafe_code)]
 mod sys;
 mod tagged;

@@ -1,18 +1,32 @@
-//! `psnet-launch -s SERVERS -n WORKERS [--env K=V]... -- COMMAND [ARGS...]`: runs a psnet job
-//! on this host (MXNet's `tools/launch.py --launcher local`).
+//! `psnet-launch -n WORKERS [-s SERVERS] [--launcher local|mpi|slurm] [-H HOSTFILE]
+//! [--env NAME=VALUE]... -- COMMAND [ARGS...]`: runs a psnet job, as MXNet's
+//! `tools/launch.py` does; `--role-from-env` is the per-rank side under mpirun or srun.
 #![forbid(unsafe_code)]
 
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::Parser;
-use psnet_launch::{launch_local, JobSpec};
+use clap::{Parser, ValueEnum};
+use psnet_config::env;
+use psnet_launch::{cluster, launch_local, JobSpec};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Launcher {
+    /// Every process on this host.
+    Local,
+    /// One `mpirun` for every process (rank 0 the scheduler, then servers, then workers).
+    Mpi,
+    /// One `srun` inside a Slurm allocation (task 0 the scheduler on the first node).
+    Slurm,
+    /// Not built yet.
+    Ssh,
+}
 
 #[derive(Parser)]
 #[command(
     name = "psnet-launch",
     version,
-    about = "Run a psnet job (scheduler, servers, workers) on this host"
+    about = "Run a psnet job: a scheduler, servers and workers, on this host or through mpirun / srun"
 )]
 struct Cli {
     /// Number of workers.
@@ -21,15 +35,28 @@ struct Cli {
     /// Number of servers (default: as many as workers, like launch.py).
     #[arg(short = 's', long = "num-servers")]
     servers: Option<u32>,
-    /// Launcher: only `local` is built in this version.
-    #[arg(long, default_value = "local")]
-    launcher: String,
-    /// Extra environment for every process, `NAME=VALUE` (repeatable).
+    /// How the processes are started.
+    #[arg(long, value_enum, default_value = "local")]
+    launcher: Launcher,
+    /// Hosts for `--launcher mpi` (Open MPI's format: `host slots=N` per line); the
+    /// scheduler runs on the first.
+    #[arg(short = 'H', long)]
+    hostfile: Option<String>,
+    /// Extra environment for every process, `NAME=VALUE` or `NAME:VALUE` (repeatable).
     #[arg(long = "env", value_parser = parse_env)]
     env: Vec<(String, String)>,
-    /// Scheduler port (0: a free one).
-    #[arg(long, default_value_t = 0)]
-    port: u16,
+    /// Scheduler port (local: 0 picks a free one; mpi / slurm: default a random one in
+    /// 20000..40000; --role-from-env: default DMLC_PS_ROOT_PORT).
+    #[arg(long)]
+    port: Option<u16>,
+    /// The scheduler's host (mpi: default the hostfile's first host, or 127.0.0.1 without
+    /// one; slurm: the allocation's first node; --role-from-env: default DMLC_PS_ROOT_URI).
+    #[arg(long)]
+    root: Option<String>,
+    /// Take this process's role from OMPI_COMM_WORLD_RANK, PMI_RANK or SLURM_PROCID (0 the
+    /// scheduler, then servers, then workers) and become COMMAND in that role.
+    #[arg(long)]
+    role_from_env: bool,
     /// Seconds the others may run on after one process failed.
     #[arg(long, default_value_t = 10)]
     grace: u64,
@@ -43,26 +70,116 @@ struct Cli {
 }
 
 fn parse_env(s: &str) -> Result<(String, String), String> {
-    s.split_once('=')
+    let at = s.find(['=', ':']);
+    at.map(|i| (&s[..i], &s[i + 1..]))
         .filter(|(k, _)| !k.is_empty())
         .map(|(k, v)| (k.to_string(), v.to_string()))
-        .ok_or_else(|| format!("{s:?} is not NAME=VALUE"))
+        .ok_or_else(|| format!("{s:?} is not NAME=VALUE or NAME:VALUE"))
+}
+
+fn fail(message: impl std::fmt::Display) -> ExitCode {
+    eprintln!("psnet-launch: error: {message}");
+    ExitCode::FAILURE
+}
+
+/// A port for a scheduler on another host, which cannot be probed from here.
+fn random_port() -> u16 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    20_000 + ((nanos ^ std::process::id()) % 20_000) as u16
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if cli.launcher != "local" {
-        eprintln!(
-            "psnet-launch: error: launcher {:?} is not built yet; use --launcher local",
-            cli.launcher
-        );
-        return ExitCode::FAILURE;
-    }
     let mut spec = JobSpec::new(cli.servers.unwrap_or(cli.workers), cli.workers, cli.command);
+    if spec.servers == 0 || spec.workers == 0 {
+        return fail("a job needs at least one server and one worker");
+    }
     spec.env = cli.env;
-    spec.root_port = cli.port;
     spec.grace = Duration::from_secs(cli.grace);
     spec.tag_output = !cli.no_prefix;
+    if cli.role_from_env {
+        let Some(root) = cli.root.or_else(|| env::DMLC_PS_ROOT_URI.get()) else {
+            return fail("--role-from-env needs the scheduler's host: --root or DMLC_PS_ROOT_URI");
+        };
+        spec.root_host = root;
+        spec.root_port = match cli.port {
+            Some(p) => p,
+            None => match env::DMLC_PS_ROOT_PORT.parse::<u16>() {
+                Ok(p) => p.unwrap_or(0),
+                Err(e) => return fail(e),
+            },
+        };
+        return fail(cluster::exec_role_from_env(&spec));
+    }
+    let launcher_path = std::env::current_exe()
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "psnet-launch".into());
+    let cluster_cmd = match cli.launcher {
+        Launcher::Local => {
+            if cli.hostfile.is_some() {
+                return fail("--hostfile needs --launcher mpi");
+            }
+            spec.root_port = cli.port.unwrap_or(0);
+            if let Some(root) = cli.root {
+                spec.root_host = root;
+            }
+            None
+        }
+        Launcher::Ssh => return fail("--launcher ssh is not built yet; use local, mpi or slurm"),
+        Launcher::Mpi => {
+            let first = match &cli.hostfile {
+                Some(h) => match std::fs::read_to_string(h) {
+                    Ok(text) => cluster::first_host_of_hostfile(&text),
+                    Err(e) => return fail(format!("--hostfile {h}: {e}")),
+                },
+                None => Some("127.0.0.1".into()),
+            };
+            let Some(root) = cli.root.or(first) else {
+                return fail("the hostfile names no host");
+            };
+            spec.root_host = root;
+            spec.root_port = cli.port.unwrap_or_else(random_port);
+            Some(cluster::mpirun_command(
+                &spec,
+                cli.hostfile.as_deref(),
+                &launcher_path,
+            ))
+        }
+        Launcher::Slurm => {
+            let root = match cli.root.map_or_else(cluster::first_slurm_node, Ok) {
+                Ok(r) => r,
+                Err(e) => return fail(e),
+            };
+            spec.root_host = root;
+            spec.root_port = cli.port.unwrap_or_else(random_port);
+            Some(cluster::srun_command(&spec, &launcher_path))
+        }
+    };
+    if let Some(cmd) = cluster_cmd {
+        return match cluster::run_cluster_launcher(&cmd) {
+            Ok((_, Some(sig))) => {
+                eprintln!(
+                    "psnet-launch: stopped by signal {sig}; {} was told to stop every process",
+                    cmd[0]
+                );
+                ExitCode::from(u8::try_from(128 + sig).unwrap_or(255))
+            }
+            Ok((status, None)) if status.success() => ExitCode::SUCCESS,
+            Ok((status, None)) => {
+                eprintln!("psnet-launch: {} failed ({status})", cmd[0]);
+                ExitCode::from(
+                    status
+                        .code()
+                        .and_then(|c| u8::try_from(c).ok())
+                        .unwrap_or(1)
+                        .max(1),
+                )
+            }
+            Err(e) => fail(e),
+        };
+    }
     match launch_local(&spec) {
         Ok(out) if out.success() => ExitCode::SUCCESS,
         Ok(out) if out.signal.is_some() => {
@@ -81,9 +198,6 @@ fn main() -> ExitCode {
             }
             ExitCode::FAILURE
         }
-        Err(e) => {
-            eprintln!("psnet-launch: error: {e}");
-            ExitCode::FAILURE
-        }
+        Err(e) => fail(e),
     }
 }
