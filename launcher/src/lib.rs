@@ -24,6 +24,7 @@ use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 
 pub mod cluster;
+pub mod ssh;
 #[allow(unsafe_code)]
 mod sys;
 mod tagged;
@@ -252,8 +253,23 @@ pub fn process_env(spec: &JobSpec, role: Role, index: u32, port: u16) -> Vec<(St
     env
 }
 
-/// Launches the job and waits for every process.
+/// Launches the job on this host and waits for every process.
 pub fn launch_local(spec: &JobSpec) -> Result<Outcome, LaunchError> {
+    launch_with(spec, |role, index, port| {
+        let mut cmd = Command::new(&spec.command[0]);
+        cmd.args(&spec.command[1..]);
+        cmd.envs(process_env(spec, role, index, port));
+        cmd
+    })
+}
+
+/// Launches the job, each process started by the command `command(role, index, port)`
+/// returns (the program itself here, `ssh HOST ...` for another host), and waits for every
+/// process: one group each, signals passed on, output tagged, the first failure blamed.
+pub(crate) fn launch_with(
+    spec: &JobSpec,
+    command: impl Fn(Role, u32, u16) -> Command,
+) -> Result<Outcome, LaunchError> {
     if spec.servers == 0 || spec.workers == 0 {
         return Err(LaunchError::Invalid(
             "a job needs at least one server and one worker".into(),
@@ -274,9 +290,7 @@ pub fn launch_local(spec: &JobSpec) -> Result<Outcome, LaunchError> {
     let mut children: Vec<(Role, u32, Child)> = Vec::new();
     let mut tagger = spec.tag_output.then(Tagger::new);
     for (role, index) in roles {
-        let mut cmd = Command::new(program);
-        cmd.args(&spec.command[1..]);
-        cmd.envs(process_env(spec, role, index, port));
+        let mut cmd = command(role, index, port);
         // A group of its own: a signal to the job reaches what the process started, and a
         // terminal's Ctrl-C reaches the launcher, which stops everything in order.
         cmd.process_group(0);

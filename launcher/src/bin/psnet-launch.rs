@@ -18,7 +18,7 @@ enum Launcher {
     Mpi,
     /// One `srun` inside a Slurm allocation (task 0 the scheduler on the first node).
     Slurm,
-    /// Not built yet.
+    /// The scheduler here; servers, then workers, on the hostfile's hosts in turn, by ssh.
     Ssh,
 }
 
@@ -38,10 +38,13 @@ struct Cli {
     /// How the processes are started.
     #[arg(long, value_enum, default_value = "local")]
     launcher: Launcher,
-    /// Hosts for `--launcher mpi` (Open MPI's format: `host slots=N` per line); the
-    /// scheduler runs on the first.
+    /// Hosts for `--launcher ssh` (servers first, then workers, take them in turn) or
+    /// `--launcher mpi` (Open MPI's format; the scheduler runs on the first): one per line.
     #[arg(short = 'H', long)]
     hostfile: Option<String>,
+    /// ssh: copy this directory to DIR on every host (rsync) and run the command there.
+    #[arg(long, value_name = "DIR")]
+    sync_dst_dir: Option<String>,
     /// Extra environment for every process, `NAME=VALUE` or `NAME:VALUE` (repeatable).
     #[arg(long = "env", value_parser = parse_env)]
     env: Vec<(String, String)>,
@@ -118,8 +121,8 @@ fn main() -> ExitCode {
         .unwrap_or_else(|_| "psnet-launch".into());
     let cluster_cmd = match cli.launcher {
         Launcher::Local => {
-            if cli.hostfile.is_some() {
-                return fail("--hostfile needs --launcher mpi");
+            if cli.hostfile.is_some() || cli.sync_dst_dir.is_some() {
+                return fail("--hostfile and --sync-dst-dir need --launcher ssh or mpi");
             }
             spec.root_port = cli.port.unwrap_or(0);
             if let Some(root) = cli.root {
@@ -127,7 +130,32 @@ fn main() -> ExitCode {
             }
             None
         }
-        Launcher::Ssh => return fail("--launcher ssh is not built yet; use local, mpi or slurm"),
+        Launcher::Ssh => {
+            let Some(hostfile) = &cli.hostfile else {
+                return fail("--launcher ssh needs --hostfile (one host per line)");
+            };
+            let hosts = match std::fs::read_to_string(hostfile) {
+                Ok(text) => psnet_launch::ssh::hosts_of_hostfile(&text),
+                Err(e) => return fail(format!("--hostfile {hostfile}: {e}")),
+            };
+            let dir = match &cli.sync_dst_dir {
+                Some(d) => d.clone(),
+                None => match std::env::current_dir() {
+                    Ok(d) => d.to_string_lossy().into_owned(),
+                    Err(e) => return fail(format!("the current directory: {e}")),
+                },
+            };
+            spec.root_port = cli.port.unwrap_or(0);
+            if let Some(root) = cli.root {
+                spec.root_host = root;
+            }
+            let job = psnet_launch::ssh::SshJob {
+                hosts,
+                dir,
+                sync: cli.sync_dst_dir.is_some(),
+            };
+            return report(psnet_launch::ssh::launch_ssh(&spec, &job));
+        }
         Launcher::Mpi => {
             let first = match &cli.hostfile {
                 Some(h) => match std::fs::read_to_string(h) {
@@ -180,7 +208,12 @@ fn main() -> ExitCode {
             Err(e) => fail(e),
         };
     }
-    match launch_local(&spec) {
+    report(launch_local(&spec))
+}
+
+/// The exit status and the one line for a job's outcome.
+fn report(outcome: Result<psnet_launch::Outcome, psnet_launch::LaunchError>) -> ExitCode {
+    match outcome {
         Ok(out) if out.success() => ExitCode::SUCCESS,
         Ok(out) if out.signal.is_some() => {
             let sig = out.signal.unwrap_or(0);

@@ -1,0 +1,177 @@
+//! `--launcher ssh`, as MXNet's `launch.py --launcher ssh`: the scheduler runs here; the
+//! servers, then the workers, take the hostfile's hosts in turn, each started by
+//! `ssh HOST 'cd DIR && NAME=VALUE... exec COMMAND'`.
+//!
+//! No remote process outlives the job: each runs behind a watchdog on its ssh session's
+//! standard input, which the launcher holds open and never writes. When the launcher stops a
+//! process it kills that process's ssh client, and a launcher that dies closes every pipe:
+//! either way sshd closes the remote input, and the watchdog stops the command (SIGTERM, then
+//! SIGKILL after 2 s).
+
+use std::process::{Command, Stdio};
+
+use crate::cluster::forwarded_env;
+use crate::{process_env, JobSpec, LaunchError, Outcome, Role};
+
+/// What an ssh job needs beyond the job itself.
+#[derive(Clone, Debug)]
+pub struct SshJob {
+    /// The hosts, in the hostfile's order (servers first, then workers, take them in turn).
+    pub hosts: Vec<String>,
+    /// The directory the command runs in on every host (default: this one's path).
+    pub dir: String,
+    /// Copy this directory to `dir` on every host with rsync first (`--sync-dst-dir`).
+    pub sync: bool,
+}
+
+/// The hosts of a hostfile: one per line (`host`, `host slots=N` or `host:N`), comments and
+/// blank lines skipped.
+pub fn hosts_of_hostfile(text: &str) -> Vec<String> {
+    text.lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter(|l| !l.is_empty())
+        .filter_map(|l| l.split_whitespace().next())
+        .map(|h| h.split(':').next().unwrap_or(h).to_string())
+        .collect()
+}
+
+/// The host of process `index` of `role` (servers first, then workers, cycling the hosts).
+pub fn host_of(hosts: &[String], servers: u32, role: Role, index: u32) -> Option<&str> {
+    let slot = match role {
+        Role::Scheduler => return None,
+        Role::Server => index,
+        Role::Worker => servers + index,
+    };
+    hosts
+        .get(slot as usize % hosts.len().max(1))
+        .map(String::as_str)
+}
+
+/// `text` as one word for a POSIX shell.
+pub fn shell_quote(text: &str) -> String {
+    if !text.is_empty()
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_./=:,@%+".contains(&b))
+    {
+        return text.to_string();
+    }
+    format!("'{}'", text.replace('\'', r"'\''"))
+}
+
+/// The shell line run on the remote host: the environment, the directory, the command, and
+/// the watchdog that stops it when the ssh session's input closes.
+pub fn remote_line(env: &[(String, String)], dir: &str, command: &[String]) -> String {
+    let exports: Vec<String> = env
+        .iter()
+        .map(|(k, v)| format!("{k}={}", shell_quote(v)))
+        .collect();
+    let cmd: Vec<String> = command.iter().map(|a| shell_quote(a)).collect();
+    // fd 3 keeps the session's input for the watchdog: an asynchronous list's own input is
+    // /dev/null in a shell without job control.
+    format!(
+        "cd {dir} || exit 127; exec 3<&0; export {exports}; {cmd} </dev/null & pid=$!; \
+         {{ while read -r _ <&3; do :; done; kill -TERM $pid 2>/dev/null; sleep 2; \
+         kill -KILL $pid 2>/dev/null; }} & dog=$!; wait $pid; rc=$?; kill $dog 2>/dev/null; \
+         exit $rc",
+        dir = shell_quote(dir),
+        exports = exports.join(" "),
+        cmd = cmd.join(" "),
+    )
+}
+
+fn ssh_command(host: &str, line: &str) -> Command {
+    let mut cmd = Command::new("ssh");
+    cmd.args([
+        "-o",
+        "StrictHostKeyChecking=no",
+        "-o",
+        "BatchMode=yes",
+        host,
+        line,
+    ]);
+    // Held open by the launcher and never written: the watchdog's lifeline.
+    cmd.stdin(Stdio::piped());
+    cmd
+}
+
+/// Copies the current directory to `dir` on every host (rsync over ssh), before the job.
+pub fn sync_dirs(hosts: &[String], dir: &str) -> Result<(), LaunchError> {
+    let mut seen = std::collections::BTreeSet::new();
+    for host in hosts.iter().filter(|h| seen.insert(h.as_str())) {
+        let status = Command::new("rsync")
+            .args(["-az", "--delete", "./", &format!("{host}:{dir}")])
+            .status()
+            .map_err(|e| LaunchError::Invalid(format!("rsync to {host}:{dir}: {e}")))?;
+        if !status.success() {
+            return Err(LaunchError::Invalid(format!(
+                "rsync to {host}:{dir} failed ({status})"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Runs the job: the scheduler here, every server and worker through ssh.
+pub fn launch_ssh(spec: &JobSpec, job: &SshJob) -> Result<Outcome, LaunchError> {
+    if job.hosts.is_empty() {
+        return Err(LaunchError::Invalid("the hostfile names no host".into()));
+    }
+    if spec.command.is_empty() {
+        return Err(LaunchError::Invalid("no command to launch".into()));
+    }
+    if job.sync {
+        sync_dirs(&job.hosts, &job.dir)?;
+    }
+    let forwarded = forwarded_env();
+    crate::launch_with(spec, |role, index, port| {
+        let mut env = process_env(spec, role, index, port);
+        match host_of(&job.hosts, spec.servers, role, index) {
+            None => {
+                let mut cmd = Command::new(&spec.command[0]);
+                cmd.args(&spec.command[1..]).envs(env);
+                cmd
+            }
+            Some(host) => {
+                let mut all = forwarded.clone();
+                all.retain(|(k, _)| !env.iter().any(|(e, _)| e == k));
+                env.extend(all);
+                ssh_command(host, &remote_line(&env, &job.dir, &spec.command))
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn servers_then_workers_cycle_the_hosts() {
+        let hosts: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(host_of(&hosts, 2, Role::Scheduler, 0), None);
+        assert_eq!(host_of(&hosts, 2, Role::Server, 0), Some("a"));
+        assert_eq!(host_of(&hosts, 2, Role::Server, 1), Some("b"));
+        assert_eq!(host_of(&hosts, 2, Role::Worker, 0), Some("c"));
+        assert_eq!(host_of(&hosts, 2, Role::Worker, 1), Some("a"));
+    }
+
+    #[test]
+    fn hostfiles_and_quoting() {
+        assert_eq!(
+            hosts_of_hostfile("# hosts\nnode1\n\nnode2 slots=4\nnode3:2\n"),
+            ["node1", "node2", "node3"]
+        );
+        assert_eq!(shell_quote("plain-1.0"), "plain-1.0");
+        assert_eq!(shell_quote("it's $HOME"), r"'it'\''s $HOME'");
+        assert_eq!(shell_quote(""), "''");
+        let line = remote_line(
+            &[("DMLC_ROLE".into(), "worker".into())],
+            "/w d",
+            &["train".into(), "--x".into(), "a b".into()],
+        );
+        assert!(line.starts_with("cd '/w d' || exit 127;"), "{line}");
+        assert!(line.contains("export DMLC_ROLE=worker;"), "{line}");
+        assert!(line.contains("train --x 'a b' </dev/null &"), "{line}");
+    }
+}

@@ -1,0 +1,149 @@
+//! `--launcher ssh` with a stub `ssh` on PATH that runs the remote line on this host, detached
+//! from the launcher's process group (`setsid`) as a real remote command is, and a stub
+//! `rsync` that records its arguments.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn stubs(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("psnet-ssh-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    };
+    write(
+        "ssh",
+        "#!/bin/sh\nwhile [ \"$1\" = -o ]; do shift 2; done\nhost=$1; shift\n\
+         PSNET_TEST_HOST=$host exec setsid --wait sh -c \"$1\"\n",
+    );
+    write(
+        "rsync",
+        &format!("#!/bin/sh\necho \"$@\" >> {}/rsync.log\n", dir.display()),
+    );
+    std::fs::write(dir.join("hosts"), "# two hosts\nh1\nh2 slots=4\n").unwrap();
+    dir
+}
+
+fn launcher(stubs: &Path, args: &[&str], script: &str) -> Command {
+    let path = format!(
+        "{}:{}",
+        stubs.display(),
+        psnet_config::env::harness_var("PATH").unwrap_or_default()
+    );
+    let hosts = stubs.join("hosts");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_psnet-launch"));
+    cmd.args(["--launcher", "ssh", "-H", hosts.to_str().unwrap()])
+        .args(args)
+        .args(["--", "sh", "-c", script])
+        .env("PATH", path);
+    cmd
+}
+
+#[test]
+fn servers_then_workers_take_the_hosts_in_turn_and_the_scheduler_stays_here() {
+    let dir = stubs("roles");
+    let work = dir.join("work dir");
+    std::fs::create_dir_all(&work).unwrap();
+    let script = r#"echo "$DMLC_ROLE ${DMLC_WORKER_ID:-${DMLC_SERVER_ID:--}} ${PSNET_TEST_HOST:-here} $(basename "$PWD") ${PSNET_TRANSPORT:-}""#;
+    let out = launcher(
+        &dir,
+        &[
+            "-n",
+            "2",
+            "-s",
+            "1",
+            "--sync-dst-dir",
+            work.to_str().unwrap(),
+        ],
+        script,
+    )
+    .env("PSNET_TRANSPORT", "tcp")
+    .output()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let mut lines: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.trim_end().to_string())
+        .collect();
+    lines.sort();
+    let scheduler_dir = std::env::current_dir().unwrap();
+    let here = scheduler_dir.file_name().unwrap().to_string_lossy();
+    assert_eq!(
+        lines,
+        [
+            format!("[scheduler] scheduler - here {here} tcp"),
+            "[server 0] server 0 h1 work dir tcp".to_string(),
+            "[worker 0] worker 0 h2 work dir tcp".to_string(),
+            "[worker 1] worker 1 h1 work dir tcp".to_string(),
+        ]
+    );
+    let rsync = std::fs::read_to_string(dir.join("rsync.log")).unwrap();
+    let w = work.display();
+    assert_eq!(
+        rsync.lines().collect::<Vec<_>>(),
+        [
+            format!("-az --delete ./ h1:{w}"),
+            format!("-az --delete ./ h2:{w}")
+        ]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn stopping_the_launcher_stops_the_remote_commands() {
+    let dir = stubs("stop");
+    let pids = dir.join("pids");
+    std::fs::create_dir_all(&pids).unwrap();
+    let script = format!("echo $$ > {}/$DMLC_ROLE-$$; exec sleep 120", pids.display());
+    let read_pids = || -> Vec<i32> {
+        std::fs::read_dir(&pids)
+            .unwrap()
+            .filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok())
+            .filter_map(|s| s.trim().parse().ok())
+            .collect()
+    };
+    let alive = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
+    };
+    // SIGTERM (passed on) and SIGKILL (the launcher dies outright): the remote side is only
+    // reachable through its ssh session either way.
+    for sig in [rustix::process::Signal::TERM, rustix::process::Signal::KILL] {
+        for e in std::fs::read_dir(&pids).unwrap() {
+            let _ = std::fs::remove_file(e.unwrap().path());
+        }
+        let mut child = launcher(&dir, &["-n", "1", "-s", "1", "--no-prefix"], &script)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let started = Instant::now();
+        while read_pids().len() < 3 {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "the job did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // Running, and staying so while the launcher runs.
+        std::thread::sleep(Duration::from_millis(500));
+        for p in read_pids() {
+            assert!(alive(p), "process {p} ended before the launcher was stopped");
+        }
+        let pid = rustix::process::Pid::from_child(&child);
+        rustix::process::kill_process(pid, sig).unwrap();
+        child.wait().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while read_pids().into_iter().any(alive) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        for p in read_pids() {
+            assert!(!alive(p), "{sig:?}: process {p} outlived the launcher");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
