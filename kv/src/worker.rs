@@ -280,6 +280,12 @@ impl<T: Transport> Worker<T> {
         self.shared.servers.len() as u32
     }
 
+    /// How many servers a key of `len` elements is spread over (1 below
+    /// `MXNET_KVSTORE_BIGARRAY_BOUND`, every server from it).
+    pub fn servers_for(&self, key: u64, len: usize) -> usize {
+        self.shared.state().servers_for(key, len)
+    }
+
     /// The transport this worker runs on (`"tcp"`, `"rdma"`).
     pub fn transport_name(&self) -> &'static str {
         self.shared.link.transport().capabilities().name

@@ -80,12 +80,14 @@ check "lat (ib_write_lat rc=$rc1, ib_send_lat rc=$rc3, psnet-perf rc=$rc2)" $(( 
 # interface (RDMA) and on an interface without RDMA (TCP); both must end bit-identical to
 # the single-process reference.
 ip link add eth1 type dummy 2>/dev/null; ip addr add 192.168.78.1/24 dev eth1 2>/dev/null; ip link set eth1 up
-$B/psnet-train --reference --workers 2 --epochs 2 --dump $OUT/ref.bin > $OUT/ref.log 2>&1
+# A small perceptron (psnet-train's default model is sized for a real host, not the guest).
+MODEL="--hidden 64 --features 32 --classes 5 --samples 2048 --batch 32"
+$B/psnet-train $MODEL --reference --workers 2 --epochs 2 --dump $OUT/ref.bin > $OUT/ref.log 2>&1
 check "train reference" $?
 for pair in "$RXE_NETDEV:rdma" "eth1:tcp"; do
   iface=${pair%%:*}; want=${pair##*:}
   rm -f $OUT/w.$iface.bin
-  DMLC_INTERFACE=$iface PS_VERBOSE=1 timeout -k 5 240 $B/psnet-train --servers 1 --workers 2 --epochs 2 \
+  DMLC_INTERFACE=$iface PS_VERBOSE=1 timeout -k 5 240 $B/psnet-train $MODEL --servers 1 --workers 2 --epochs 2 \
     --dump $OUT/w.$iface.bin > $OUT/train.$iface.log 2>&1
   rc=$?
   n=$(grep "psnet transport selected" $OUT/train.$iface.log | grep -c "$want")

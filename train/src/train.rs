@@ -1,19 +1,17 @@
 //! The training loops: one worker of a distributed job, and the single-process reference.
 
-use std::time::Duration;
+use std::io::IsTerminal;
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
 
 use psnet::compression::{CompressionParams, Compressor};
 use psnet::kv::updater::{OptimizerSpec, SgdParams};
 use psnet::kv::{KvConfig, Mode, Worker};
 
 use crate::data::Dataset;
-use crate::model::{Grads, Params};
+use crate::model::Params;
 use crate::{Args, ModeArg};
-
-/// Key of the weights.
-const KEY_W: u64 = 0;
-/// Key of the biases.
-const KEY_B: u64 = 1;
 
 fn optimizer(args: &Args, workers: usize) -> OptimizerSpec {
     // Gradients are summed over a batch and (dist_sync) over workers: rescale to a mean.
@@ -34,10 +32,31 @@ pub fn compression(args: &Args) -> Result<CompressionParams, String> {
     CompressionParams::new(&args.compression, Some(args.threshold)).map_err(|e| e.to_string())
 }
 
-fn data(args: &Args) -> Result<Dataset, String> {
+/// The layer widths: features, the hidden layers, classes.
+pub fn widths(args: &Args) -> Result<Vec<usize>, String> {
     if args.batch == 0 || args.features == 0 || args.classes < 2 {
         return Err("--batch and --features must be positive, --classes at least 2".into());
     }
+    let mut widths = vec![args.features];
+    let hidden = args.hidden.trim();
+    if !hidden.is_empty() && hidden != "none" {
+        for h in hidden.split(',') {
+            match h.trim().parse::<usize>() {
+                Ok(n) if n > 0 => widths.push(n),
+                _ => {
+                    return Err(format!(
+                        "--hidden {hidden:?}: give layer widths like 1024,256, or none"
+                    ))
+                }
+            }
+        }
+    }
+    widths.push(args.classes);
+    Ok(widths)
+}
+
+fn data(args: &Args) -> Result<Dataset, String> {
+    widths(args)?;
     Ok(Dataset::generate(
         args.samples,
         args.features,
@@ -46,17 +65,22 @@ fn data(args: &Args) -> Result<Dataset, String> {
     ))
 }
 
-fn report(epoch: usize, params: &Params, data: &Dataset, shard: std::ops::Range<usize>) {
-    let (loss, accuracy) = params.evaluate(data, shard);
-    println!("epoch {epoch} loss {loss:.6} accuracy {accuracy:.4}");
+/// Samples of a worker's shard the loss and accuracy are measured on each epoch.
+const EVAL_SAMPLES: usize = 1024;
+
+/// The epoch's loss and accuracy, the part of an epoch line a reference run prints too.
+fn quality(params: &Params, data: &Dataset, shard: &std::ops::Range<usize>) -> String {
+    let end = shard.end.min(shard.start + EVAL_SAMPLES);
+    let (loss, accuracy) = params.evaluate(data, shard.start..end);
+    format!("loss {loss:.6} accuracy {accuracy:.4}")
 }
 
 fn dump(args: &Args, params: &Params) -> Result<(), String> {
     if let Some(path) = &args.dump {
         let bytes: Vec<u8> = params
-            .w
+            .tensors
             .iter()
-            .chain(&params.b)
+            .flatten()
             .flat_map(|v| v.to_le_bytes())
             .collect();
         std::fs::write(path, bytes).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
@@ -107,17 +131,15 @@ pub fn worker(args: &Args, config: KvConfig) -> Result<(), Failure> {
 async fn train(args: &Args, kv: &Worker) -> Result<(), Failure> {
     let err = Failure::from;
     let data = data(args)?;
+    let widths = widths(args)?;
     let (rank, workers) = (kv.rank() as usize, kv.num_workers() as usize);
     let shard = data.shard(rank, workers);
-    if rank == 0 {
-        println!(
-            "psnet-train: {workers} workers, {} servers, {:?}, compression {}",
-            kv.num_servers(),
-            args.mode,
-            args.compression
-        );
-    }
+    let mut p = Params::init(&widths, args.seed);
+    let keys: Vec<u64> = (0..p.tensors.len() as u64).collect();
     let params = compression(args)?;
+    if rank == 0 {
+        println!("{}", job_line(args, kv, &p));
+    }
     if params != CompressionParams::None {
         kv.set_gradient_compression(params).await.map_err(err)?;
     }
@@ -127,68 +149,177 @@ async fn train(args: &Args, kv: &Worker) -> Result<(), Failure> {
     kv.set_optimizer(&optimizer(args, workers))
         .await
         .map_err(err)?;
-    let mut p = Params::zeros(args.features, args.classes);
-    kv.init(&[KEY_W, KEY_B], &[&p.w, &p.b]).await.map_err(err)?;
+    let init: Vec<&[f32]> = p.tensors.iter().map(|t| &t[..]).collect();
+    kv.init(&keys, &init).await.map_err(err)?;
     let steps = shard.len() / args.batch;
+    let progress = Progress::new(rank == 0, args.epochs, steps);
+    let started = Instant::now();
+    let mut total = Comm::default();
     for epoch in 0..args.epochs {
+        let epoch_start = Instant::now();
+        let mut comm = Comm::default();
         for s in 0..steps {
             let start = shard.start + s * args.batch;
             let g = p.gradients(&data, start..start + args.batch);
-            kv.pushpull(KEY_W, &g.w, &mut p.w).await.map_err(err)?;
-            kv.pushpull(KEY_B, &g.b, &mut p.b).await.map_err(err)?;
+            let grads: Vec<&[f32]> = g.tensors.iter().map(|t| &t[..]).collect();
+            let t = Instant::now();
+            kv.pushpull_many(&keys, &grads, &mut p.tensors)
+                .await
+                .map_err(err)?;
+            comm.add(t.elapsed(), 2 * 4 * p.len() as u64);
             if args.step_delay_ms > 0 {
                 tokio::time::sleep(Duration::from_millis(args.step_delay_ms)).await;
             }
+            progress.step(epoch, s + 1);
         }
         if rank == 0 {
-            report(epoch, &p, &data, shard.clone());
+            let line = format!(
+                "epoch {epoch} {} | {}",
+                quality(&p, &data, &shard),
+                comm.describe(epoch_start.elapsed())
+            );
+            progress.line(&line);
         }
+        total.merge(&comm);
     }
+    progress.finish();
     // In dist_async, other workers may still be pushing: wait for them, then read the end state.
     kv.barrier().await.map_err(err)?;
-    kv.pull_many(&[KEY_W, KEY_B], &mut [&mut p.w, &mut p.b])
-        .await
-        .map_err(err)?;
+    let mut outs: Vec<&mut [f32]> = p.tensors.iter_mut().map(|t| &mut t[..]).collect();
+    kv.pull_many(&keys, &mut outs).await.map_err(err)?;
     if rank == 0 {
+        println!(
+            "psnet-train: {} epochs in {:.2} s, {}; {}",
+            args.epochs,
+            started.elapsed().as_secs_f64(),
+            quality(&p, &data, &shard),
+            total.describe(started.elapsed())
+        );
         dump(args, &p)?;
     }
     Ok(())
 }
 
-/// One worker's error-feedback state in the reference.
-struct Feedback {
-    compressor: Box<dyn Compressor>,
-    residual_w: Vec<f32>,
-    residual_b: Vec<f32>,
+/// The first line: the job and the model's shape.
+fn job_line(args: &Args, kv: &Worker, p: &Params) -> String {
+    let sharded = p
+        .tensors
+        .iter()
+        .enumerate()
+        .filter(|(k, t)| kv.servers_for(*k as u64, t.len()) > 1)
+        .count();
+    format!(
+        "psnet-train: {} workers, {} servers, {:?}, compression {}; model {} ({:.1} MB of \
+         parameters in {} keys, {sharded} sharded over every server)",
+        kv.num_workers(),
+        kv.num_servers(),
+        args.mode,
+        args.compression,
+        p.widths
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join("-"),
+        (4 * p.len()) as f64 / 1e6,
+        p.tensors.len()
+    )
 }
 
-/// Adds `grads` of every worker, in rank order, as the servers do.
-fn rank_ordered_sum(
-    grads: &[Grads],
-    feedback: &mut [Feedback],
-    pick: fn(&Grads) -> &Vec<f32>,
-    key: u64,
-) -> Vec<f32> {
+/// Time spent in push+pull and the bytes moved (pushed plus pulled, uncompressed).
+#[derive(Default)]
+struct Comm {
+    time: Duration,
+    bytes: u64,
+}
+
+impl Comm {
+    fn add(&mut self, time: Duration, bytes: u64) {
+        self.time += time;
+        self.bytes += bytes;
+    }
+
+    fn merge(&mut self, other: &Comm) {
+        self.add(other.time, other.bytes);
+    }
+
+    fn describe(&self, wall: Duration) -> String {
+        let secs = self.time.as_secs_f64();
+        format!(
+            "push+pull {:.1} MB/s, communication {:.2} s of {:.2} s ({:.0}%)",
+            if secs > 0.0 {
+                self.bytes as f64 / secs / 1e6
+            } else {
+                0.0
+            },
+            secs,
+            wall.as_secs_f64(),
+            100.0 * secs / wall.as_secs_f64().max(1e-9)
+        )
+    }
+}
+
+/// Rank 0's progress: a bar on a terminal, nothing extra otherwise (the epoch lines are
+/// printed either way).
+struct Progress(Option<ProgressBar>);
+
+impl Progress {
+    fn new(rank0: bool, epochs: usize, steps: usize) -> Self {
+        if !rank0 || !std::io::stdout().is_terminal() {
+            return Progress(None);
+        }
+        let bar = ProgressBar::new((epochs * steps) as u64);
+        if let Ok(style) = ProgressStyle::with_template(
+            "{spinner} epoch {msg} [{bar:40}] {pos}/{len} steps, {elapsed} (eta {eta})",
+        ) {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        Progress(Some(bar))
+    }
+
+    fn step(&self, epoch: usize, _step: usize) {
+        if let Some(bar) = &self.0 {
+            bar.set_message(epoch.to_string());
+            bar.inc(1);
+        }
+    }
+
+    fn line(&self, line: &str) {
+        match &self.0 {
+            Some(bar) => bar.println(line),
+            None => println!("{line}"),
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.0 {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// One worker's error-feedback state in the reference: a residual per key.
+struct Feedback {
+    compressor: Box<dyn Compressor>,
+    residuals: Vec<Vec<f32>>,
+}
+
+/// Adds tensor `key` of every worker's gradients, in rank order, as the servers do.
+fn rank_ordered_sum(grads: &[Params], feedback: &mut [Feedback], key: usize) -> Vec<f32> {
     if feedback.is_empty() {
-        let mut sum = pick(&grads[0]).clone();
+        let mut sum = grads[0].tensors[key].clone();
         for g in &grads[1..] {
-            for (s, v) in sum.iter_mut().zip(pick(g)) {
+            for (s, v) in sum.iter_mut().zip(&g.tensors[key]) {
                 *s += *v;
             }
         }
         return sum;
     }
-    let n = pick(&grads[0]).len();
+    let n = grads[0].tensors[key].len();
     let mut sum = vec![0.0; n];
     for (r, (g, fb)) in grads.iter().zip(feedback.iter_mut()).enumerate() {
-        let residual = if key == KEY_W {
-            &mut fb.residual_w
-        } else {
-            &mut fb.residual_b
-        };
         let mut bytes = vec![0u8; fb.compressor.compressed_len(n)];
         fb.compressor
-            .quantize(pick(g), residual, &mut bytes)
+            .quantize(&g.tensors[key], &mut fb.residuals[key], &mut bytes)
             .expect("sizes match");
         let r = if r == 0 {
             fb.compressor.dequantize(&bytes, &mut sum)
@@ -206,55 +337,39 @@ pub fn reference(args: &Args) -> Result<(), String> {
         return Err("--reference reproduces dist_sync only (dist_async depends on timing)".into());
     }
     let data = data(args)?;
+    let widths = widths(args)?;
     let workers = args.workers.max(1) as usize;
     let mut updater = optimizer(args, workers).build();
+    let mut p = Params::init(&widths, args.seed);
     let mut feedback: Vec<Feedback> = Vec::new();
-    if let Some(c) = compression(args)?.compressor().map_err(|e| e.to_string())? {
-        let scheme = c.scheme();
-        let threshold = c.threshold();
-        feedback.push(Feedback {
-            compressor: c,
-            residual_w: vec![0.0; args.features * args.classes],
-            residual_b: vec![0.0; args.classes],
-        });
-        for _ in 1..workers {
-            let params = match scheme {
-                psnet::compression::Scheme::TwoBit => CompressionParams::two_bit(threshold),
-                psnet::compression::Scheme::OneBit => CompressionParams::one_bit(threshold),
-            }
-            .map_err(|e| e.to_string())?;
+    let params = compression(args)?;
+    for _ in 0..workers {
+        if let Some(compressor) = params.compressor().map_err(|e| e.to_string())? {
             feedback.push(Feedback {
-                compressor: params
-                    .compressor()
-                    .map_err(|e| e.to_string())?
-                    .expect("compressing"),
-                residual_w: vec![0.0; args.features * args.classes],
-                residual_b: vec![0.0; args.classes],
+                compressor,
+                residuals: p.tensors.iter().map(|t| vec![0.0; t.len()]).collect(),
             });
         }
     }
     let shards: Vec<_> = (0..workers).map(|r| data.shard(r, workers)).collect();
     let steps = shards[0].len() / args.batch;
-    let mut p = Params::zeros(args.features, args.classes);
     for epoch in 0..args.epochs {
         for s in 0..steps {
-            let grads: Vec<Grads> = shards
+            let grads: Vec<Params> = shards
                 .iter()
                 .map(|sh| {
                     let start = sh.start + s * args.batch;
                     p.gradients(&data, start..start + args.batch)
                 })
                 .collect();
-            let sum_w = rank_ordered_sum(&grads, &mut feedback, |g| &g.w, KEY_W);
-            let sum_b = rank_ordered_sum(&grads, &mut feedback, |g| &g.b, KEY_B);
-            updater
-                .update(KEY_W, &sum_w, &mut p.w)
-                .map_err(|e| e.to_string())?;
-            updater
-                .update(KEY_B, &sum_b, &mut p.b)
-                .map_err(|e| e.to_string())?;
+            for key in 0..p.tensors.len() {
+                let sum = rank_ordered_sum(&grads, &mut feedback, key);
+                updater
+                    .update(key as u64, &sum, &mut p.tensors[key])
+                    .map_err(|e| e.to_string())?;
+            }
         }
-        report(epoch, &p, &data, shards[0].clone());
+        println!("epoch {epoch} {}", quality(&p, &data, &shards[0]));
     }
     dump(args, &p)
 }

@@ -6,7 +6,28 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+/// The small model the job tests train (softmax regression, 20 features, 5 classes): quick
+/// on 2 cores. The default multi-layer perceptron is tested by `mlp_matches_reference`.
+const SMALL: [&str; 10] = [
+    "--hidden",
+    "none",
+    "--features",
+    "20",
+    "--classes",
+    "5",
+    "--samples",
+    "4096",
+    "--batch",
+    "32",
+];
+
 fn train() -> Command {
+    let mut cmd = train_any();
+    cmd.args(SMALL);
+    cmd
+}
+
+fn train_any() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_psnet-train"));
     for var in [
         "DMLC_ROLE",
@@ -36,12 +57,22 @@ fn ok(out: Output) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// The epoch lines' loss and accuracy (a distributed run adds its communication figures
+/// after ` | `, which the reference has not).
 fn epochs(stdout: &str) -> Vec<&str> {
-    stdout.lines().filter(|l| l.starts_with("epoch ")).collect()
+    stdout
+        .lines()
+        .filter(|l| l.starts_with("epoch "))
+        .map(|l| l.split(" | ").next().unwrap_or(l))
+        .collect()
 }
 
 /// Runs a distributed job and the reference with the same arguments; both must agree exactly.
 fn matches_reference(name: &str, args: &[&str], env: &[(&str, &str)]) {
+    matches_reference_with(train, name, args, env);
+}
+
+fn matches_reference_with(train: fn() -> Command, name: &str, args: &[&str], env: &[(&str, &str)]) {
     let (dist, refr) = (tmp(&format!("{name}-dist")), tmp(&format!("{name}-ref")));
     let distributed = ok(train()
         .args(args)
@@ -66,6 +97,77 @@ fn matches_reference(name: &str, args: &[&str], env: &[(&str, &str)]) {
     let _ = (std::fs::remove_file(&dist), std::fs::remove_file(&refr));
     assert!(!a.is_empty());
     assert!(a == b, "final weights differ from the reference");
+}
+
+#[test]
+fn mlp_matches_reference_with_a_sharded_layer_and_compression() {
+    // Two hidden layers; the first layer's 640 weights are sharded over both servers.
+    let mlp = [
+        "--hidden",
+        "32,16",
+        "--features",
+        "20",
+        "--classes",
+        "5",
+        "--samples",
+        "1024",
+        "--batch",
+        "16",
+        "--servers",
+        "2",
+        "--workers",
+        "2",
+    ];
+    let bound = [("MXNET_KVSTORE_BIGARRAY_BOUND", "100")];
+    matches_reference_with(train_any, "mlp", &mlp, &bound);
+    let mut compressed = mlp.to_vec();
+    compressed.extend(["--compression", "2bit", "--threshold", "0.01"]);
+    matches_reference_with(train_any, "mlp-2bit", &compressed, &bound);
+}
+
+#[test]
+fn a_run_reports_its_model_communication_and_a_summary() {
+    let out = ok(train_any()
+        .args([
+            "--hidden",
+            "32",
+            "--features",
+            "20",
+            "--classes",
+            "5",
+            "--samples",
+            "512",
+            "--epochs",
+            "2",
+            "--servers",
+            "1",
+            "--workers",
+            "2",
+        ])
+        .output()
+        .unwrap());
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(
+        lines[0].contains("model 20-32-5") && lines[0].contains("in 4 keys"),
+        "{out}"
+    );
+    let epoch_lines: Vec<&&str> = lines.iter().filter(|l| l.starts_with("epoch ")).collect();
+    assert_eq!(epoch_lines.len(), 2, "{out}");
+    for l in epoch_lines {
+        assert!(
+            l.contains(" | push+pull ") && l.contains("MB/s, communication "),
+            "{l}"
+        );
+    }
+    let last = lines.last().unwrap();
+    assert!(
+        last.starts_with("psnet-train: 2 epochs in ") && last.contains("communication"),
+        "{out}"
+    );
+    assert!(
+        !out.contains('\x1b'),
+        "no terminal codes when not on a terminal: {out}"
+    );
 }
 
 #[test]

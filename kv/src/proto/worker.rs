@@ -202,6 +202,12 @@ impl WorkerState {
         self.keys.insert(key, Layout { len, parts });
     }
 
+    /// How many servers a key of `len` elements is spread over (1 below
+    /// `MXNET_KVSTORE_BIGARRAY_BOUND`, every server from it).
+    pub fn servers_for(&self, key: u64, len: usize) -> usize {
+        self.placement.parts(key, len).len()
+    }
+
     /// The layout of `key`, checked against `len` elements.
     pub fn layout(&self, key: u64, len: usize) -> Result<&Layout, KvError> {
         let layout = self.keys.get(&key).ok_or(KvError::UnknownKey(key))?;
