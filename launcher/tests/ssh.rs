@@ -132,7 +132,10 @@ fn stopping_the_launcher_stops_the_remote_commands() {
         // Running, and staying so while the launcher runs.
         std::thread::sleep(Duration::from_millis(500));
         for p in read_pids() {
-            assert!(alive(p), "process {p} ended before the launcher was stopped");
+            assert!(
+                alive(p),
+                "process {p} ended before the launcher was stopped"
+            );
         }
         let pid = rustix::process::Pid::from_child(&child);
         rustix::process::kill_process(pid, sig).unwrap();
