@@ -29,11 +29,11 @@ use psnet_transport::{
 };
 use tokio::sync::{mpsc, watch, Notify};
 
-use crate::control::Control;
 use crate::device::Device;
 use crate::error::VerbsError;
 use crate::link::{Link, LinkParams};
 use crate::memory::RecvPool;
+use crate::proto::handshake::Links;
 use crate::proto::wire::DataHeader;
 use crate::rdmacm;
 use crate::regcache::RegCache;
@@ -49,26 +49,6 @@ pub use crate::registrar::Registrar;
 use connect::{control_loop, listen_cm, CmState};
 use device_events::device_event_loop;
 use progress::poll_loop;
-
-#[derive(PartialEq, Eq, Clone, Copy, Debug)]
-enum Phase {
-    /// We sent a request and wait for the reply.
-    Requested,
-    /// Our queue pair is connected (we may receive); sends wait for the peer's.
-    Connected,
-}
-
-struct Current {
-    link: Arc<Link>,
-    phase: Phase,
-    announced: bool,
-    /// For a link built on a peer's request: that request's nonce and our reply, sent again
-    /// if the request is repeated (its first copy or our reply may have been on a TCP
-    /// connection that a simultaneous connect closed).
-    answered: Option<(u64, Control)>,
-    /// Connected (or being connected) through rdma_cm.
-    via_cm: bool,
-}
 
 struct Inbox {
     tx: mpsc::UnboundedSender<(Event, usize)>,
@@ -104,7 +84,8 @@ struct Inner {
     drained: Notify,
     /// Signalled when a link is created, connected or removed.
     links_changed: Notify,
-    links: Mutex<HashMap<NodeId, Current>>,
+    /// Every peer's link and where its handshake stands.
+    links: Mutex<Links<Arc<Link>>>,
     by_id: Mutex<HashMap<u32, Arc<Link>>>,
     addrs: Mutex<HashMap<NodeId, SocketAddr>>,
     next_link: AtomicU32,
@@ -217,7 +198,7 @@ impl VerbsTransport {
             },
             drained: Notify::new(),
             links_changed: Notify::new(),
-            links: Mutex::new(HashMap::new()),
+            links: Mutex::new(Links::new()),
             by_id: Mutex::new(HashMap::new()),
             addrs: Mutex::new(HashMap::new()),
             next_link: AtomicU32::new(1),
@@ -270,7 +251,7 @@ impl VerbsTransport {
     /// How large messages to and from `peer` went (rendezvous or written into an offered
     /// buffer), or `None` if no queue pair to `peer` exists.
     pub fn link_stats(&self, peer: NodeId) -> Option<crate::link::LinkStats> {
-        lock(&self.inner.links).get(&peer).map(|c| c.link.stats())
+        lock(&self.inner.links).get(peer).map(|c| c.link().stats())
     }
 
     /// How this node connects queue pairs ([`Handshake::Auto`] resolved at bind).
@@ -281,8 +262,8 @@ impl VerbsTransport {
     /// How the queue pair to `peer` was connected (by whichever side dialled), or `None` if
     /// no queue pair to `peer` exists.
     pub fn connected_via(&self, peer: NodeId) -> Option<Handshake> {
-        lock(&self.inner.links).get(&peer).map(|c| {
-            if c.via_cm {
+        lock(&self.inner.links).get(peer).map(|c| {
+            if c.via_cm() {
                 Handshake::RdmaCm
             } else {
                 Handshake::Socket
@@ -325,19 +306,12 @@ impl Inner {
     /// Removes `peer`'s link (if it is `only_id`, when given); returns it and whether a
     /// `PeerConnected` was reported for it.
     fn remove_link(&self, peer: NodeId, only_id: Option<u32>, reason: &str) -> Option<bool> {
-        let mut links = lock(&self.links);
-        if let Some(id) = only_id {
-            if links.get(&peer).map(|c| c.link.id) != Some(id) {
-                return None;
-            }
-        }
-        let current = links.remove(&peer)?;
-        drop(links);
-        current.link.fail(reason);
-        lock(&self.by_id).remove(&current.link.id);
-        self.drop_cm_of_link(current.link.id);
+        let current = lock(&self.links).remove(peer, only_id)?;
+        current.link().fail(reason);
+        lock(&self.by_id).remove(&current.link().id);
+        self.drop_cm_of_link(current.link().id);
         self.links_changed.notify_waiters();
-        Some(current.announced)
+        Some(current.announced())
     }
 
     fn shutdown(&self) {
@@ -346,7 +320,7 @@ impl Inner {
         }
         let _ = self.stop.send(true);
         self.tcp.shutdown();
-        let peers: Vec<NodeId> = lock(&self.links).keys().copied().collect();
+        let peers: Vec<NodeId> = lock(&self.links).peers();
         for peer in peers {
             self.remove_link(peer, None, "transport shut down");
         }
@@ -414,8 +388,8 @@ impl Transport for VerbsTransport {
             return Err(TransportError::Closed);
         }
         let link = lock(&self.inner.links)
-            .get(&peer)
-            .map(|c| c.link.clone())
+            .get(peer)
+            .map(|c| c.link().clone())
             .ok_or(TransportError::NotConnected { peer })?;
         link.send(msg, &self.inner.registrar).await
     }
@@ -464,8 +438,8 @@ impl Transport for VerbsTransport {
     fn connected_peers(&self) -> Vec<NodeId> {
         let mut peers: Vec<NodeId> = lock(&self.inner.links)
             .iter()
-            .filter(|(_, c)| c.link.is_ready())
-            .map(|(p, _)| *p)
+            .filter(|(_, c)| c.link().is_ready())
+            .map(|(p, _)| p)
             .collect();
         peers.sort();
         peers

@@ -9,13 +9,13 @@ use std::sync::{Arc, Mutex};
 use psnet_transport::{Event, NodeId, Transport};
 use sideway::ibverbs::queue_pair::QueuePairState;
 
-use super::beats_request;
 use crate::control::{CmMessage, Refusal};
 use crate::device::Device;
 use crate::error::VerbsError;
 use crate::link::Link;
+use crate::proto::handshake::Phase;
 use crate::rdmacm::{self, CmChannel, CmEvent, CmId, ConnParam};
-use crate::transport::{lock, random_u64, Current, Inner, Phase};
+use crate::transport::{lock, random_u64, Inner};
 
 /// How long rdma_cm may take to resolve an address or a route.
 const CM_RESOLVE_MS: i32 = 2000;
@@ -286,8 +286,8 @@ impl Inner {
             ));
         };
         let current = lock(&self.links)
-            .get(&peer)
-            .is_some_and(|c| c.link.id == link.id && c.phase == Phase::Requested);
+            .get(peer)
+            .is_some_and(|c| c.link().id == link.id && c.phase() == Phase::Requested);
         if !current {
             // Superseded by the peer's own request meanwhile: let this connection go.
             self.drop_cm_of_link(link.id);
@@ -309,12 +309,7 @@ impl Inner {
                 .map_err(|e| VerbsError::os("rdma_establish", FAILED, &e))
         })
         .unwrap_or_else(|gone| Err(VerbsError::os("rdma_establish", FAILED, &gone)))?;
-        if let Some(c) = lock(&self.links).get_mut(&peer) {
-            if c.link.id == link.id {
-                c.phase = Phase::Connected;
-                c.announced = true;
-            }
-        }
+        lock(&self.links).handle_connected(peer, link.id);
         self.announce(peer);
         link.set_remote_ready();
         self.links_changed.notify_waiters();
@@ -346,10 +341,7 @@ impl Inner {
         if !self.tcp.connected_peers().contains(&peer) || !lock(&self.addrs).contains_key(&peer) {
             return refuse(id, Refusal::NoControlConnection);
         }
-        if lock(&self.links)
-            .get(&peer)
-            .is_some_and(|c| beats_request(c, nonce))
-        {
+        if !lock(&self.links).answers(peer, nonce) {
             return refuse(id, Refusal::Crossed);
         }
         let reply_nonce = random_u64();
@@ -375,14 +367,8 @@ impl Inner {
                 return refuse(id, Refusal::CannotConnect);
             }
         };
-        let answer = Current {
-            link: link.clone(),
-            phase: Phase::Connected,
-            announced: true,
-            answered: None,
-            via_cm: true,
-        };
-        if !self.install_answer(peer, nonce, answer) {
+        let installed = lock(&self.links).install_answer(peer, nonce, link.clone(), None, true);
+        if !self.settle_answer(installed) {
             return refuse(id, Refusal::Crossed);
         }
         let welcome = CmMessage::Welcome {

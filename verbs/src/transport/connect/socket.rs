@@ -1,12 +1,11 @@
-//! The socket handshake: queue-pair numbers, GIDs and sequence numbers exchanged over the
-//! TCP control connection ([`Control`] messages: request, reply, ready), as NCCL and
-//! perftest do.
+//! The socket handshake's driver: [`Control`] messages over the TCP control connection,
+//! decided by [`crate::proto::handshake::socket`].
 
 use psnet_transport::{NodeId, OutMessage, Transport, TransportError};
 
-use super::beats_request;
 use crate::control::Control;
-use crate::transport::{lock, random_u64, Current, Inner, Phase};
+use crate::proto::handshake::socket::{Answered, OnReply, OnRequest};
+use crate::transport::{lock, random_u64, Inner};
 
 impl Inner {
     pub(super) async fn send_control(
@@ -22,27 +21,16 @@ impl Inner {
         tracing::debug!(local = %self.tcp.local_id(), %peer, ?msg, "RDMA handshake message");
         match msg {
             Control::Request { nonce, info } => {
-                let repeat = {
-                    let links = lock(&self.links);
-                    match links.get(&peer) {
-                        // Both sides requested at once and ours wins.
-                        Some(c) if c.phase == Phase::Requested && beats_request(c, nonce) => return,
-                        Some(c) if c.phase == Phase::Connected => match c.answered {
-                            // Our reply may have been lost: send it again.
-                            Some((answered, reply)) if answered == nonce => Some(reply),
-                            // A request the peer gave up when both sides requested at once
-                            // (a new connection removes this link before its requests come).
-                            _ => return,
-                        },
-                        _ => None,
+                let step = lock(&self.links).handle_request(peer, nonce);
+                match step {
+                    OnRequest::Ignore => return,
+                    OnRequest::Resend(reply) => {
+                        let _ = self.send_control(peer, reply).await;
+                        return;
                     }
-                };
-                if let Some(reply) = repeat {
-                    let _ = self.send_control(peer, reply).await;
-                    return;
+                    OnRequest::Answer => {}
                 }
-                let reply_nonce = random_u64();
-                let link = match self.new_link(peer, reply_nonce).and_then(|l| {
+                let link = match self.new_link(peer, random_u64()).and_then(|l| {
                     l.connect_to(&info).map(|()| l.clone()).inspect_err(|e| {
                         l.fail(&e.to_string());
                         lock(&self.by_id).remove(&l.id);
@@ -55,21 +43,17 @@ impl Inner {
                         return;
                     }
                 };
-                let reply = Control::Reply {
-                    request: nonce,
-                    nonce: reply_nonce,
-                    info: link.local_info(),
+                let answered = lock(&self.links).handle_answer_built(peer, nonce, link);
+                let reply = match answered {
+                    Answered::Installed { retired, reply } => {
+                        self.settle_answer(Ok(retired));
+                        reply
+                    }
+                    Answered::Superseded(link) => {
+                        self.settle_answer(Err(link));
+                        return;
+                    }
                 };
-                let answer = Current {
-                    link: link.clone(),
-                    phase: Phase::Connected,
-                    announced: true,
-                    answered: Some((nonce, reply)),
-                    via_cm: false,
-                };
-                if !self.install_answer(peer, nonce, answer) {
-                    return;
-                }
                 self.links_changed.notify_waiters();
                 self.announce(peer);
                 if self.send_control(peer, reply).await.is_err() {
@@ -81,20 +65,16 @@ impl Inner {
                 nonce,
                 info,
             } => {
-                let (link, repeated) = {
-                    let links = lock(&self.links);
-                    match links.get(&peer) {
-                        Some(c) if c.link.nonce == request => {
-                            (c.link.clone(), c.phase != Phase::Requested)
-                        }
-                        _ => return,
+                let step = lock(&self.links).handle_reply(peer, request, nonce);
+                let (link, ready) = match step {
+                    OnReply::Ignore => return,
+                    OnReply::Resend(ready) => {
+                        // A repeated reply: our confirmation was lost, send it again.
+                        let _ = self.send_control(peer, ready).await;
+                        return;
                     }
+                    OnReply::Connect { link, ready } => (link, ready),
                 };
-                if repeated {
-                    // A repeated reply: our confirmation was lost, send it again.
-                    let _ = self.send_control(peer, Control::Ready { nonce }).await;
-                    return;
-                }
                 if let Err(e) = link.connect_to(&info) {
                     let reason = e.to_string();
                     tracing::warn!(%peer, %reason, "cannot connect the queue pair");
@@ -102,18 +82,9 @@ impl Inner {
                     self.drop_control(peer);
                     return;
                 }
-                if let Some(c) = lock(&self.links).get_mut(&peer) {
-                    if c.link.id == link.id {
-                        c.phase = Phase::Connected;
-                        c.announced = true;
-                    }
-                }
+                lock(&self.links).handle_connected(peer, link.id);
                 self.announce(peer);
-                if self
-                    .send_control(peer, Control::Ready { nonce })
-                    .await
-                    .is_err()
-                {
+                if self.send_control(peer, ready).await.is_err() {
                     self.remove_link(peer, Some(link.id), "control connection lost");
                     return;
                 }
@@ -121,13 +92,10 @@ impl Inner {
                 self.links_changed.notify_waiters();
             }
             Control::Ready { nonce } => {
-                let links = lock(&self.links);
-                if let Some(c) = links.get(&peer) {
-                    if c.link.nonce == nonce {
-                        c.link.set_remote_ready();
-                    }
+                let link = lock(&self.links).handle_ready(peer, nonce);
+                if let Some(link) = link {
+                    link.set_remote_ready();
                 }
-                drop(links);
                 self.links_changed.notify_waiters();
             }
         }
