@@ -3,7 +3,8 @@
 //!
 //! - [`discovery`] finds the RDMA device and port bound to a network interface (sysfs), which
 //!   is how psnet chooses between RDMA and TCP; [`devices`] lists what libibverbs reports.
-//! - [`proto`] holds the protocol as plain types: the header codec, credits, in-order delivery.
+//! - [`proto`] holds the protocol as plain types: the header codec, credits, in-order delivery,
+//!   and connection set-up (both handshakes as state machines, [`proto::handshake`]).
 //! - [`transport::VerbsTransport`] moves bytes: eager sends into pre-posted buffers for small
 //!   messages, a rendezvous (request-to-send, clear-to-send, RDMA WRITE WITH IMMEDIATE into a
 //!   pooled registered buffer of the receiver) for large ones.

@@ -11,7 +11,8 @@
 //!
 //! The parts, by concern: `config.rs` ([`VerbsConfig`], [`Handshake`]: settings and
 //! defaults), `registrar.rs` ([`Registrar`]: registering user memory), `connect/` (the control
-//! loop and both handshakes: `socket.rs`, `rdma_cm.rs`), `progress.rs` (completion polling
+//! loop and the drivers of both handshakes, `socket.rs` and `rdma_cm.rs`, whose decisions are
+//! [`crate::proto::handshake`]'s), `progress.rs` (completion polling
 //! and the poller task), `device_events.rs` (the device's asynchronous events); the queue
 //! pairs themselves are [`crate::link`]'s.
 

@@ -20,6 +20,7 @@ use crate::control::{self, Control, OwnLink};
 use crate::proto::qp::QpInfo;
 
 pub mod connect;
+pub mod rdma_cm;
 pub mod socket;
 
 #[cfg(test)]

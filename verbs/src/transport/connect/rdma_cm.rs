@@ -1,6 +1,6 @@
-//! The rdma_cm handshake: the route resolved from the interface's address, REQ / REP / RTU,
-//! psnet's handshake ([`CmMessage`]) in the private data, as ps-lite does; disconnects and
-//! rejections arrive as rdma_cm events.
+//! The rdma_cm handshake's driver: the connection manager's ids and events (route resolved
+//! from the interface's address, REQ / REP / RTU, disconnects and rejections), decided by
+//! [`crate::proto::handshake::rdma_cm`].
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -13,7 +13,9 @@ use crate::control::{CmMessage, Refusal};
 use crate::device::Device;
 use crate::error::VerbsError;
 use crate::link::Link;
-use crate::proto::handshake::Phase;
+use crate::proto::handshake::rdma_cm::{
+    self as machine, CmAnswered, Hello, OnEvent, OnHello, OnWelcome,
+};
 use crate::rdmacm::{self, CmChannel, CmEvent, CmId, ConnParam};
 use crate::transport::{lock, random_u64, Inner};
 
@@ -51,7 +53,7 @@ impl Inner {
         let Some(link) = link else { return };
         let accepted = lock(&cm.conns)
             .values()
-            .any(|c| c.link == link.id && !c.active);
+            .any(|c| c.link == link.id && machine::established_readies(c.active));
         if accepted {
             link.set_remote_ready();
             self.links_changed.notify_waiters();
@@ -152,11 +154,9 @@ impl Inner {
             self.drop_cm_of_link(link_id);
             return;
         };
-        let target = addr
-            .map(|a| a.to_string())
-            .unwrap_or_else(|| peer.to_string());
-        let step = match ev.kind {
-            rdmacm::kind::ADDR_RESOLVED => self
+        let target = machine::target(addr, peer);
+        let step = match machine::on_event(ev.kind, ev.status, active, &target) {
+            OnEvent::ResolveRoute => self
                 .with_cm_id(ev.id, |id| id.resolve_route(CM_RESOLVE_MS))
                 .and_then(|resolving| resolving)
                 .map_err(|e| {
@@ -166,39 +166,25 @@ impl Inner {
                         &e,
                     )
                 }),
-            rdmacm::kind::ROUTE_RESOLVED => self.send_cm_request(ev.id, &link, &target),
-            rdmacm::kind::CONNECT_RESPONSE => self.on_cm_response(ev.id, peer, &link, &ev),
-            rdmacm::kind::ESTABLISHED => {
-                if !active {
-                    link.set_remote_ready();
-                    self.links_changed.notify_waiters();
-                }
+            OnEvent::SendHello => self.send_cm_request(ev.id, &link, &target),
+            OnEvent::Welcome => self.on_cm_response(ev.id, peer, &link, &ev),
+            OnEvent::PeerReady => {
+                link.set_remote_ready();
+                self.links_changed.notify_waiters();
                 Ok(())
             }
-            rdmacm::kind::REJECTED => match CmMessage::decode(&ev.private_data) {
-                // Retried by `connect` while the link waits (see `cm_pending`).
-                Some(CmMessage::Refused(Refusal::Crossed | Refusal::NoControlConnection)) => {
-                    tracing::debug!(%peer, "connect request refused for now; retrying");
+            OnEvent::Rejected => {
+                let verdict = machine::handle_rejected(peer, &target, &ev.private_data, ev.status);
+                // Refused for now: retried by `connect` while the link waits (see
+                // `cm_pending`) once this id is gone.
+                if verdict.is_ok() {
                     if let Some(conn) = lock(&cm.conns).remove(&ev.id) {
                         drop(conn);
                     }
-                    Ok(())
                 }
-                Some(CmMessage::Refused(why)) => Err(VerbsError::Refused {
-                    target: target.clone(),
-                    refusal: Some(why),
-                    status: ev.status,
-                }),
-                _ => Err(VerbsError::Refused {
-                    target: target.clone(),
-                    refusal: None,
-                    status: ev.status,
-                }),
-            },
-            rdmacm::kind::DISCONNECTED => {
-                // The peer ended this queue pair on purpose or died; its control connection
-                // goes (or went) with it, and a new one may already be up: leave that alone.
-                let reason = format!("{target} disconnected ({name})");
+                verdict
+            }
+            OnEvent::Disconnected(reason) => {
                 match self.remove_link(peer, Some(link.id), &reason) {
                     Some(true) => self.inbox.push_event(Event::PeerLost { peer, reason }),
                     Some(false) => {}
@@ -210,16 +196,8 @@ impl Inner {
                 }
                 Ok(())
             }
-            rdmacm::kind::ADDR_ERROR
-            | rdmacm::kind::ROUTE_ERROR
-            | rdmacm::kind::CONNECT_ERROR
-            | rdmacm::kind::UNREACHABLE
-            | rdmacm::kind::DEVICE_REMOVAL => Err(VerbsError::errno(
-                name,
-                format!("rdma_cm: {name} for {target}"),
-                ev.status.abs(),
-            )),
-            _ => Ok(()),
+            OnEvent::Fail(e) => Err(e),
+            OnEvent::Ignore => Ok(()),
         };
         if let Err(e) = step {
             self.fail_link(&link, e.to_string());
@@ -240,27 +218,29 @@ impl Inner {
     }
 
     /// Active side, route resolved: checks rdma_cm chose this transport's port, then asks.
-    fn send_cm_request(&self, key: usize, link: &Link, target: &str) -> Result<(), VerbsError> {
-        let hello = CmMessage::Hello {
-            from: self.tcp.local_id().0,
-            nonce: link.nonce,
-            recv_depth: self.params.recv_depth,
-            slot_size: self.params.slot_size as u32,
-        };
+    fn send_cm_request(
+        &self,
+        key: usize,
+        link: &Arc<Link>,
+        target: &str,
+    ) -> Result<(), VerbsError> {
+        let hello = machine::hello(
+            self.tcp.local_id(),
+            link,
+            self.params.recv_depth,
+            self.params.slot_size as u32,
+        );
         let param = cm_param(link, hello);
         let detail = || format!("rdma_cm cannot connect to {target}");
         self.with_cm_id(key, |id| {
-            if let Some((device, port)) = id.device_port() {
-                if device != self.dev.name || port != self.dev.port {
-                    return Err(VerbsError::Setup(format!(
-                        "{}: rdma_cm routes to it through {device} port {port}, but this \
-                         transport runs on {} port {} (check DMLC_INTERFACE and PSNET_IB_DEVICE)",
-                        detail(),
-                        self.dev.name,
-                        self.dev.port
-                    )));
-                }
-            }
+            let routed = id.device_port();
+            machine::check_route(
+                target,
+                routed
+                    .as_ref()
+                    .map(|(device, port)| (device.as_str(), *port)),
+                (&self.dev.name, self.dev.port),
+            )?;
             id.connect(&param)
                 .map_err(|e| VerbsError::os("rdma_connect", detail(), &e))
         })
@@ -275,24 +255,16 @@ impl Inner {
         link: &Arc<Link>,
         ev: &CmEvent,
     ) -> Result<(), VerbsError> {
-        let Some(CmMessage::Welcome {
-            nonce: _,
+        let step = lock(&self.links).handle_welcome(peer, link.id, &ev.private_data)?;
+        let OnWelcome::Connect {
             recv_depth,
             slot_size,
-        }) = CmMessage::decode(&ev.private_data)
+        } = step
         else {
-            return Err(VerbsError::Protocol(
-                "the peer accepted the RDMA connection without psnet's reply".into(),
-            ));
-        };
-        let current = lock(&self.links)
-            .get(peer)
-            .is_some_and(|c| c.link().id == link.id && c.phase() == Phase::Requested);
-        if !current {
             // Superseded by the peer's own request meanwhile: let this connection go.
             self.drop_cm_of_link(link.id);
             return Ok(());
-        }
+        };
         const FAILED: &str = "cannot complete the RDMA connection";
         self.with_cm_id(key, |id| {
             let attr = |state| {
@@ -317,35 +289,34 @@ impl Inner {
     }
 
     /// Passive side: a peer asks to connect. Builds and connects a queue pair and accepts,
-    /// or refuses saying why; simultaneous requests are settled by nonce, as over sockets.
+    /// or refuses saying why, as [`machine::admit_hello`] and [`Links::handle_hello`] decide.
+    ///
+    /// [`Links::handle_hello`]: crate::proto::handshake::Links::handle_hello
     fn on_cm_request(&self, id: CmId, data: &[u8]) {
         let refuse = |id: CmId, why: Refusal| {
             if let Err(e) = id.reject(&CmMessage::Refused(why).encode()) {
                 tracing::debug!(error = %e, "rdma_cm reject");
             }
         };
-        let Some(CmMessage::Hello {
-            from,
+        // The peer's control connection must be up and its arrival handled here.
+        let control_seen = |peer| {
+            self.tcp.connected_peers().contains(&peer) && lock(&self.addrs).contains_key(&peer)
+        };
+        let hello = match machine::admit_hello(data, control_seen) {
+            Ok(hello) => hello,
+            Err(why) => return refuse(id, why),
+        };
+        let step = lock(&self.links).handle_hello(hello);
+        let Hello {
+            peer,
             nonce,
             recv_depth,
             slot_size,
-        }) = CmMessage::decode(data)
-        else {
-            tracing::warn!("refused an rdma_cm connect request that is not psnet's");
-            return refuse(id, Refusal::Malformed);
+        } = match step {
+            OnHello::Refuse(why) => return refuse(id, why),
+            OnHello::Answer(hello) => hello,
         };
-        let peer = NodeId(from);
-        // The peer's control connection must be up and its arrival handled here: handling it
-        // after this request would take the new link for a stale one. Refused for now
-        // otherwise; the peer asks again.
-        if !self.tcp.connected_peers().contains(&peer) || !lock(&self.addrs).contains_key(&peer) {
-            return refuse(id, Refusal::NoControlConnection);
-        }
-        if !lock(&self.links).answers(peer, nonce) {
-            return refuse(id, Refusal::Crossed);
-        }
-        let reply_nonce = random_u64();
-        let built = self.new_link(peer, reply_nonce).and_then(|link| {
+        let built = self.new_link(peer, random_u64()).and_then(|link| {
             let connected = id
                 .qp_attr(QueuePairState::ReadyToReceive)
                 .and_then(|rtr| Ok((rtr, id.qp_attr(QueuePairState::ReadyToSend)?)))
@@ -362,19 +333,24 @@ impl Inner {
         });
         let link = match built {
             Ok(link) => link,
-            Err(reason) => {
-                tracing::warn!(%peer, %reason, "cannot build the queue pair a peer asked for");
-                return refuse(id, Refusal::CannotConnect);
-            }
+            Err(reason) => return refuse(id, machine::cannot_answer(peer, &reason)),
         };
-        let installed = lock(&self.links).install_answer(peer, nonce, link.clone(), None, true);
-        if !self.settle_answer(installed) {
-            return refuse(id, Refusal::Crossed);
-        }
-        let welcome = CmMessage::Welcome {
-            nonce: reply_nonce,
-            recv_depth: self.params.recv_depth,
-            slot_size: self.params.slot_size as u32,
+        let answered = lock(&self.links).handle_cm_answer_built(
+            peer,
+            nonce,
+            link.clone(),
+            self.params.recv_depth,
+            self.params.slot_size as u32,
+        );
+        let welcome = match answered {
+            CmAnswered::Accept { retired, welcome } => {
+                self.settle_answer(Ok(retired));
+                welcome
+            }
+            CmAnswered::Refuse { link, why } => {
+                self.settle_answer(Err(link));
+                return refuse(id, why);
+            }
         };
         let param = cm_param(&link, welcome);
         if let Err(e) = id.accept(&param) {
