@@ -180,7 +180,7 @@ crate::declare_env_vars! {
     PSNET_RDMA_OFFER_BYTES = "PSNET_RDMA_OFFER_BYTES", "16777216",
         "RDMA: bytes of receive buffers a node offers each peer in advance, sized like the large messages it received from it, so that a repeated message (the same key pushed or pulled again) is written straight in without a request-to-send round trip; 0: always rendezvous.";
     PSNET_RDMA_CONNECT = "PSNET_RDMA_CONNECT", "auto",
-        "RDMA: how this node connects queue pairs: auto (rdma_cm where available, else socket; a connection rdma_cm has not completed within 6 s is made over the socket instead), rdma_cm (route resolved from the interface's address; REQ/REP/RTU with psnet's handshake in private data; disconnects arrive as rdma_cm events) or socket (queue-pair numbers exchanged over the TCP control connection). Every node accepts both.";
+        "RDMA: how this node connects queue pairs: auto (rdma_cm where available, else socket; a connection rdma_cm has not completed within 6 s, or that failed before it was established, is made over the socket instead), rdma_cm (route resolved from the interface's address; REQ/REP/RTU with psnet's handshake in private data; disconnects arrive as rdma_cm events) or socket (queue-pair numbers exchanged over the TCP control connection). Every node accepts both.";
     PSNET_GPUDIRECT = "PSNET_GPUDIRECT", "auto",
         "RDMA with GPU buffers (psnet-verbs feature `cuda`): how GPU memory is registered with the NIC: auto (dma-buf, else nvidia-peermem, else staged through pinned host memory), dmabuf, peermem, staged, or off.";
     // The kv store (ps-lite's and MXNet's names).

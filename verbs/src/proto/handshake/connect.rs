@@ -1,7 +1,8 @@
 //! One `connect` call's part of the handshake, free of I/O: it starts a request (over the
 //! control connection or through rdma_cm), repeats it while unanswered, falls back from
-//! rdma_cm to sockets when rdma_cm stays silent (`PSNET_RDMA_CONNECT=auto`), and ends when
-//! the peer's link is ready, fails, or the connect timeout passes.
+//! rdma_cm to sockets when rdma_cm stays silent or its connection fails before it carried
+//! anything (`PSNET_RDMA_CONNECT=auto`), and ends when the peer's link is ready, fails, or
+//! the connect timeout passes.
 //!
 //! The driver polls [`Connect::poll`] with the peer's [`Links`] (under the lock that guards
 //! them) whenever a link changes or the step's wake-up time comes, and does what the step
@@ -72,6 +73,8 @@ pub struct Connect<L> {
     cm_fallback: bool,
     /// The link this call made: its failure is reported once it is gone from the table.
     mine: Option<L>,
+    /// This call already replaced a failed rdma_cm link by one over the control connection.
+    retried_over_sockets: bool,
 }
 
 impl<L: LinkHandle> Connect<L> {
@@ -95,6 +98,7 @@ impl<L: LinkHandle> Connect<L> {
             via_cm,
             cm_fallback,
             mine: None,
+            retried_over_sockets: false,
         }
     }
 
@@ -132,9 +136,21 @@ impl<L: LinkHandle> Connect<L> {
             Some(s) => s,
             None => {
                 // The link this call made failed and is gone already (an rdma_cm refusal is
-                // handled by the control loop): report it, do not retry.
+                // handled by the control loop): report it, do not retry; except that an
+                // rdma_cm connection failing before it was established (seen on Soft-RoCE
+                // under load: rdma_establish answering EINVAL) is made again, once, over the
+                // control connection when falling back is allowed.
                 if let Some(reason) = self.mine.as_ref().and_then(|l| l.failure()) {
-                    return Poll::Step(Step::Fail(reason));
+                    if !self.may_retry_over_sockets() {
+                        return Poll::Step(Step::Fail(reason));
+                    }
+                    tracing::warn!(%peer, addr = %self.addr, %reason, "the rdma_cm connection failed; \
+                        connecting the queue pair over the TCP control connection instead \
+                        (PSNET_RDMA_CONNECT=rdma_cm never does)");
+                    self.via_cm = false;
+                    self.retried_over_sockets = true;
+                    self.mine = None;
+                    self.resend_at = now + REQUEST_RESEND;
                 }
                 if !control_up() {
                     return Poll::Step(Step::Fail(
@@ -148,6 +164,11 @@ impl<L: LinkHandle> Connect<L> {
             return Poll::Step(Step::Done);
         }
         if let Some(reason) = s.link.failure() {
+            let mine = self.mine.as_ref().is_some_and(|m| m.id() == s.link.id());
+            if mine && s.via_cm && s.phase == Phase::Requested && self.may_retry_over_sockets() {
+                // Retried over sockets once the driver has removed it (which wakes us).
+                return wait(self);
+            }
             return Poll::Step(Step::Fail(reason));
         }
         if s.via_cm {
@@ -178,6 +199,11 @@ impl<L: LinkHandle> Connect<L> {
             (Phase::Connected, None) => return wait(self),
         };
         Poll::Step(Step::Send { msg, abandon_cm })
+    }
+
+    /// Whether a failed rdma_cm link of this call may be replaced by one over sockets.
+    fn may_retry_over_sockets(&self) -> bool {
+        self.via_cm && self.cm_fallback && !self.retried_over_sockets
     }
 
     /// The link built after [`Poll::NewLink`]: it becomes the peer's link, requested, and

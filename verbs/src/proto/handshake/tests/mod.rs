@@ -366,3 +366,52 @@ fn rdma_cm_requests_are_retried_and_fall_back_to_sockets() {
         Poll::Step(Step::StartCm(_))
     ));
 }
+
+#[test]
+fn a_failed_rdma_cm_link_is_made_again_over_sockets_once() {
+    let t0 = Instant::now();
+    let mut links = Links::<Fake>::new();
+    let mut connect = Connect::new(B, addr(), t0, Duration::from_secs(20), true, true);
+    connect.poll(&mut links, t0, |_| false, || true);
+    let first = Fake::new(1, 101, 10);
+    connect.handle_new_link(&mut links, first.clone());
+    // It fails during the rdma_cm handshake: the call waits for the driver to remove it...
+    first.fail("rdma_establish: Invalid argument");
+    assert!(matches!(
+        connect.poll(&mut links, t0, |_| true, || true),
+        Poll::Step(Step::Wait(_))
+    ));
+    links.remove(B, Some(1));
+    // ...then builds a new link, asked for over the control connection.
+    assert_eq!(
+        connect.poll(&mut links, t0, |_| false, || true),
+        Poll::NewLink
+    );
+    let second = Fake::new(2, 102, 11);
+    assert_eq!(
+        connect.handle_new_link(&mut links, second.clone()),
+        Step::Send {
+            msg: request(&second),
+            abandon_cm: None
+        }
+    );
+    assert!(links.get(B).is_some_and(|s| !s.via_cm()));
+    // Once only: its failure is the call's.
+    second.fail("boom");
+    assert_eq!(
+        connect.poll(&mut links, t0, |_| false, || true),
+        Poll::Step(Step::Fail("boom".into()))
+    );
+
+    // Without the fall-back (PSNET_RDMA_CONNECT=rdma_cm) the first failure is the call's.
+    let mut links = Links::<Fake>::new();
+    let mut connect = Connect::new(B, addr(), t0, Duration::from_secs(20), true, false);
+    connect.poll(&mut links, t0, |_| false, || true);
+    let link = Fake::new(3, 103, 12);
+    connect.handle_new_link(&mut links, link.clone());
+    link.fail("rdma_establish: Invalid argument");
+    assert_eq!(
+        connect.poll(&mut links, t0, |_| true, || true),
+        Poll::Step(Step::Fail("rdma_establish: Invalid argument".into()))
+    );
+}
