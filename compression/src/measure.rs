@@ -258,9 +258,25 @@ pub fn format_table(rows: &[MeasureRow]) -> String {
     s
 }
 
-/// Formats rows as a JSON array (the [`MeasureRow`] fields, units in the names).
+/// Formats rows as JSON Lines: one flat object per row, on its own line (no trailing newline),
+/// `"test": "compress"` then the [`MeasureRow`] fields (units in the names).
 pub fn format_json(rows: &[MeasureRow]) -> String {
-    serde_json::to_string_pretty(rows).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+    #[derive(Serialize)]
+    struct Line<'a> {
+        test: &'static str,
+        #[serde(flatten)]
+        row: &'a MeasureRow,
+    }
+    rows.iter()
+        .map(|row| {
+            serde_json::to_string(&Line {
+                test: "compress",
+                row,
+            })
+            .unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 #[cfg(test)]
@@ -279,9 +295,14 @@ mod tests {
             let table = format_table(std::slice::from_ref(&row));
             assert!(table.starts_with("scheme"));
             assert_eq!(table.lines().count(), 2);
-            let json: serde_json::Value = serde_json::from_str(&format_json(&[row])).unwrap();
-            assert!(json[0]["quantize_gb_s"].is_number());
-            assert!(json[0]["dequantize_add_vs_memcpy"].is_number());
+            let text = format_json(&[row.clone(), row]);
+            assert_eq!(text.lines().count(), 2, "one line per row: {text}");
+            for line in text.lines() {
+                let json: serde_json::Value = serde_json::from_str(line).unwrap();
+                assert_eq!(json["test"], "compress");
+                assert!(json["quantize_gb_s"].is_number());
+                assert!(json["dequantize_add_vs_memcpy"].is_number());
+            }
         }
     }
 

@@ -8,7 +8,7 @@ use std::time::Instant;
 use psnet::transport::{OutMessage, Segment, Transport, TransportError};
 
 use crate::protocol::Control;
-use crate::report::BwRow;
+use crate::report::{peak_is_meaningful, BwRow};
 use crate::session::{expect_ready, next_message, send_control, PerfResult, SERVER_ID};
 
 /// Default message count: perftest's 5000, capped so that one size moves at most 2 GiB.
@@ -23,7 +23,8 @@ pub const DEFAULT_TX_DEPTH: usize = 16;
 type SendFuture<'a> = Pin<Box<dyn Future<Output = Result<(), TransportError>> + Send + 'a>>;
 
 /// Sends `iters` messages of `size` bytes from one registered buffer, keeping up to `depth`
-/// sends in flight, and waits for the server to confirm the last one.
+/// sends in flight, and waits for the server to confirm the last one. The row has a peak only
+/// where the transport makes it meaningful ([`peak_is_meaningful`]).
 pub async fn run<T: Transport>(t: &T, size: u64, iters: u64, depth: usize) -> PerfResult<BwRow> {
     let len = usize::try_from(size).map_err(|_| format!("size {size} does not fit in memory"))?;
     if depth == 0 {
@@ -57,7 +58,7 @@ pub async fn run<T: Transport>(t: &T, size: u64, iters: u64, depth: usize) -> Pe
             size,
             iters,
             start.elapsed().as_secs_f64(),
-            peak_bytes_per_s,
+            peak_is_meaningful(t.capabilities().name).then_some(peak_bytes_per_s),
         )),
         other => Err(format!("expected BwDone from the server, got {other:?}")),
     }

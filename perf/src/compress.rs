@@ -35,12 +35,15 @@ pub fn run(
     for &scheme in schemes {
         for &t in &thread_counts {
             let opts = MeasureOptions::new(scheme, n, t, reps.max(1));
-            rows.push(measure_with(&opts).map_err(|e| e.to_string())?);
+            let row = measure_with(&opts).map_err(|e| e.to_string())?;
+            // JSON Lines: each row as soon as it is measured.
+            if json {
+                println!("{}", format_json(std::slice::from_ref(&row)));
+            }
+            rows.push(row);
         }
     }
-    if json {
-        println!("{}", format_json(&rows));
-    } else {
+    if !json {
         print!("{}", format_table(&rows));
     }
     Ok(())
@@ -70,12 +73,15 @@ pub fn run_gpu(
         .map_err(|e| e.to_string())?;
         let compressor = CudaCompressor::new(ordinal, &params).map_err(|e| e.to_string())?;
         for &n in &sizes {
-            rows.extend(measure_gpu(&compressor, n, reps.max(1)).map_err(|e| e.to_string())?);
+            let measured = measure_gpu(&compressor, n, reps.max(1)).map_err(|e| e.to_string())?;
+            // JSON Lines: each size's rows as soon as they are measured.
+            if json {
+                println!("{}", format_gpu_json(&measured));
+            }
+            rows.extend(measured);
         }
     }
-    if json {
-        println!("{}", format_gpu_json(&rows));
-    } else {
+    if !json {
         print!("{}", format_gpu_table(&rows));
     }
     Ok(())

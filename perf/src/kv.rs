@@ -184,6 +184,17 @@ pub fn table(rows: &[KvRow], servers: u32, workers: u32, transport: &str) -> Str
     out
 }
 
+/// What every JSON line of `psnet-perf kv` carries beside its row.
+#[derive(Serialize)]
+struct KvContext {
+    test: &'static str,
+    servers: u32,
+    workers: u32,
+    transport: &'static str,
+    /// Where the values lived: `"host"`, or `"gpu"` for `--gpu`'s rows.
+    memory: &'static str,
+}
+
 /// Runs the benchmark as one worker of a launched job; rank 0 prints.
 /// With `gpu`, the same sizes are measured again from buffers on that device.
 pub fn run_worker(
@@ -212,17 +223,20 @@ pub fn run_worker(
         let gpu_rows = gpu_rows.transpose()?;
         if rank == 0 {
             if json {
-                let mut doc = serde_json::json!({
-                    "test": "kv",
-                    "servers": servers,
-                    "workers": workers,
-                    "transport": transport,
-                    "results": rows,
-                });
-                if let Some(g) = &gpu_rows {
-                    doc["gpu_results"] = serde_json::json!(g);
+                // JSON Lines: one flat object per size and memory, with the job's shape.
+                let context = |memory| KvContext {
+                    test: "kv",
+                    servers,
+                    workers,
+                    transport,
+                    memory,
+                };
+                for row in &rows {
+                    println!("{}", crate::report::json_line(&context("host"), row));
                 }
-                println!("{doc}");
+                for row in gpu_rows.iter().flatten() {
+                    println!("{}", crate::report::json_line(&context("gpu"), row));
+                }
             } else {
                 print!("{}", table(&rows, servers, workers, transport));
                 if let Some(g) = &gpu_rows {

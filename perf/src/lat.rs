@@ -1,4 +1,5 @@
-//! The latency test's client side (perftest's `ib_send_lat`, reporting round trips).
+//! The latency test's client side (perftest's `ib_send_lat`): times round trips, reported as
+//! one-way latencies (half of each), as `ib_send_lat` reports them.
 
 use std::time::Instant;
 
@@ -36,5 +37,5 @@ pub async fn run<T: Transport>(t: &T, size: u64, iters: u64) -> PerfResult<LatRo
             samples.push(rtt.as_secs_f64() * 1e6);
         }
     }
-    Ok(LatRow::from_samples(size, samples))
+    Ok(LatRow::from_round_trips(size, samples))
 }

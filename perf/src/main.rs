@@ -2,7 +2,8 @@
 //!
 //! - `psnet-perf bw` / `psnet-perf lat`: without a host, serve; with a host, be the client;
 //!   `--loopback` runs both ends in one process. `--baseline` adds the raw-TCP reference
-//!   measured in the same run.
+//!   measured in the same run. Tables in perftest's columns (`ib_write_bw`, `ib_send_lat`:
+//!   one-way latency); `--json` prints JSON Lines, one flat object per result row.
 //! - `psnet-perf select`: which address and transport this node would use, and why.
 //! - `psnet-perf --print-env`: every environment variable psnet reads.
 #![forbid(unsafe_code)]
@@ -20,14 +21,14 @@ mod server;
 mod session;
 mod size;
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use psnet::transport::Transport;
-use psnet::{AnyTransport, Selection, TransportPref};
+use psnet::{AnyTransport, Selection, TransportKind, TransportPref};
 
-use crate::report::{BwRow, LatRow};
+use crate::report::{BwUnit, RunContext};
 use crate::session::{PerfResult, SERVER_ID};
 
 #[derive(Parser)]
@@ -48,7 +49,7 @@ struct Cli {
 enum Command {
     /// Bandwidth, like perftest's ib_write_bw.
     Bw(TestArgs),
-    /// Latency (round trip), like perftest's ib_send_lat.
+    /// Latency, like perftest's ib_send_lat: one-way, half of each round trip.
     Lat(TestArgs),
     /// Gradient-compression throughput (quantize, dequantize, dequantize-add) vs memcpy.
     Compress {
@@ -64,7 +65,7 @@ enum Command {
         /// Repetitions (the median is reported).
         #[arg(long, default_value_t = 10)]
         reps: usize,
-        /// Print JSON (units in the field names).
+        /// Print JSON Lines: one object per row, units in the field names.
         #[arg(long)]
         json: bool,
         /// Measure the CUDA kernels on this device instead, beside a device-to-device copy
@@ -89,7 +90,7 @@ enum Command {
         /// Keys in flight per operation (ps-lite's benchmark keeps 4 per server).
         #[arg(long, default_value_t = 1)]
         keys: usize,
-        /// Print JSON (units in the field names).
+        /// Print JSON Lines: one object per row, units in the field names.
         #[arg(long)]
         json: bool,
         /// Then the same sizes again from buffers on this GPU, in the same job, with the
@@ -130,9 +131,12 @@ struct TestArgs {
     /// Transport: auto, rdma or tcp (beats PSNET_TRANSPORT).
     #[arg(long)]
     transport: Option<TransportPref>,
-    /// Print the results as JSON (units in the field names).
+    /// Print JSON Lines: one object per size, units in the field names.
     #[arg(long)]
     json: bool,
+    /// `bw`: BW columns in Gb/sec (10^9 bits) instead of MB/sec (2^20 bytes), as perftest.
+    #[arg(long = "report_gbits", alias = "report-gbits")]
+    report_gbits: bool,
     /// Run server and client in this process, over 127.0.0.1.
     #[arg(long)]
     loopback: bool,
@@ -310,6 +314,9 @@ fn run_test(test: Test, args: TestArgs) -> PerfResult<()> {
     if args.baseline && test == Test::Lat {
         return Err("--baseline applies to `bw`".into());
     }
+    if args.report_gbits && test == Test::Lat {
+        return Err("--report_gbits applies to `bw`".into());
+    }
     if args.iters == Some(0) {
         return Err("-n must be at least 1".into());
     }
@@ -337,29 +344,52 @@ fn run_test(test: Test, args: TestArgs) -> PerfResult<()> {
     } else {
         let selection = Selection::from_env(args.transport).map_err(|e| e.to_string())?;
         selection.log();
-        let sink_addr = SocketAddr::new(selection.address.ip, args.port.wrapping_add(1));
+        let listen = server_selection(&selection);
+        let sink_addr = SocketAddr::new(listen.address.ip, args.port.wrapping_add(1));
         let _sink = baseline::spawn_sink(sink_addr)?;
         let rt = session::runtime()?;
         rt.block_on(async {
-            let t = psnet::bind(SERVER_ID, &selection, args.port)
+            let t = psnet::bind(SERVER_ID, &listen, args.port)
                 .await
                 .map_err(|e| e.to_string())?;
-            println!(
-                "{}",
-                report::banner(
-                    "psnet-perf server",
-                    &format!(
-                        "{} ({})",
-                        selection.decision.kind.name(),
-                        selection.decision.reason
-                    ),
-                    &t.listen_addr().to_string(),
-                    "waiting for a client"
-                )
+            let banner = report::banner(
+                "psnet-perf server",
+                &format!("{} ({})", t.capabilities().name, selection.decision.reason),
+                &format!("{} ({})", t.listen_addr(), listen.address.reason),
+                "waiting for a client",
             );
+            // stdout carries only result rows under --json (the client prints them).
+            if args.json {
+                eprintln!("{banner}");
+            } else {
+                println!("{banner}");
+            }
             server::serve_one_client(&t).await
         })
     }
+}
+
+/// What the `bw`/`lat` server listens on. With no interface chosen (neither
+/// `DMLC_INTERFACE` nor `DMLC_NODE_HOST`), every address of the host (the unspecified address
+/// of the selected one's family), so that a client reaches it through any of them; with one
+/// chosen, that address only. RDMA keeps the selected address: the device, its GID and the
+/// rdma_cm listener are those of that one address.
+fn server_selection(selection: &Selection) -> Selection {
+    let chosen = psnet::config::env::DMLC_INTERFACE.get().is_some()
+        || psnet::config::env::DMLC_NODE_HOST.get().is_some();
+    if chosen || !matches!(selection.decision.kind, TransportKind::Tcp) {
+        return selection.clone();
+    }
+    let mut listen = selection.clone();
+    listen.address.ip = match selection.address.ip {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    };
+    listen.address.reason = format!(
+        "every address: DMLC_INTERFACE and DMLC_NODE_HOST unset; this node's is {}",
+        selection.address.ip
+    );
+    listen
 }
 
 fn resolve(host: &str, port: u16) -> PerfResult<SocketAddr> {
@@ -385,7 +415,7 @@ fn run_client(
     };
     rt.block_on(async {
         let t = session::connect_client(selection, server).await?;
-        let outcome = measure(test, args, &t, selection, server, raw.as_mut()).await;
+        let outcome = measure(test, args, &t, server, raw.as_mut()).await;
         // Let the server exit even if a measurement failed.
         let _ = session::send_control(&t, SERVER_ID, protocol::Control::Bye, &[]).await;
         outcome
@@ -396,11 +426,11 @@ async fn measure(
     test: Test,
     args: &TestArgs,
     t: &AnyTransport,
-    selection: &Selection,
     server: SocketAddr,
     mut raw: Option<&mut baseline::RawClient>,
 ) -> PerfResult<()> {
-    let name = selection.decision.kind.name();
+    // The transport that carries the messages (`auto` may have fallen back to TCP).
+    let name = t.capabilities().name;
     // Sizes are checked before anything is printed: a table that stops half-way misleads.
     let max = t.capabilities().max_message;
     if let Some(size) = sizes(test, args).into_iter().find(|&s| s + 64 > max) {
@@ -409,32 +439,40 @@ async fn measure(
              (PSNET_MAX_MESSAGE={max} bytes, headers included)"
         ));
     }
+    let unit = if args.report_gbits {
+        BwUnit::GbitPerSec
+    } else {
+        BwUnit::MibPerSec
+    };
+    let context = RunContext {
+        test: match test {
+            Test::Bw => "bw",
+            Test::Lat => "lat",
+        },
+        transport: name,
+        local: t.listen_addr().to_string(),
+        remote: server.to_string(),
+    };
     if !args.json {
         let title = match test {
             Test::Bw => "psnet bandwidth test (perftest ib_write_bw layout)",
-            Test::Lat => "psnet latency test (perftest ib_send_lat layout)",
+            Test::Lat => "psnet latency test (perftest ib_send_lat layout, one-way)",
         };
         println!(
             "{}",
-            report::banner(
-                title,
-                name,
-                &t.listen_addr().to_string(),
-                &server.to_string()
-            )
+            report::banner(title, name, &context.local, &context.remote)
         );
         println!(
             "{}",
             match test {
-                Test::Bw => report::bw_header(raw.is_some()),
+                Test::Bw => report::bw_header(unit, raw.is_some()),
                 Test::Lat => report::lat_header(),
             }
         );
     }
-    let mut bw_rows: Vec<BwRow> = Vec::new();
-    let mut lat_rows: Vec<LatRow> = Vec::new();
+    // Each row is printed as soon as it is measured, as a table line or one JSON line.
     for size in sizes(test, args) {
-        match test {
+        let line = match test {
             Test::Bw => {
                 let iters = args.iters.unwrap_or_else(|| bw::default_iters(size));
                 let mut row = bw::run(t, size, iters, args.tx_depth).await?;
@@ -442,36 +480,25 @@ async fn measure(
                     let elapsed = raw.stream(size * iters)?;
                     row = row.with_baseline(elapsed.as_secs_f64());
                 }
-                if !args.json {
-                    println!("{}", report::bw_line(&row));
+                if args.json {
+                    report::json_line(&context, &row)
+                } else {
+                    report::bw_line(&row, unit)
                 }
-                bw_rows.push(row);
             }
             Test::Lat => {
                 let iters = args.iters.unwrap_or_else(|| lat::default_iters(size));
                 let row = lat::run(t, size, iters).await?;
-                if !args.json {
-                    println!("{}", report::lat_line(&row));
+                if args.json {
+                    report::json_line(&context, &row)
+                } else {
+                    report::lat_line(&row)
                 }
-                lat_rows.push(row);
             }
-        }
+        };
+        println!("{line}");
     }
-    if args.json {
-        let results = match test {
-            Test::Bw => serde_json::to_value(&bw_rows),
-            Test::Lat => serde_json::to_value(&lat_rows),
-        }
-        .map_err(|e| e.to_string())?;
-        let doc = serde_json::json!({
-            "test": if test == Test::Bw { "bw" } else { "lat" },
-            "transport": name,
-            "local": t.listen_addr().to_string(),
-            "remote": server.to_string(),
-            "results": results,
-        });
-        println!("{doc}");
-    } else {
+    if !args.json {
         println!("{}", report::rule());
     }
     Ok(())

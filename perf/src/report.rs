@@ -1,48 +1,105 @@
-//! Results in perftest's table layout, or as JSON with units in the field names.
+//! Results in perftest's table layout, or as JSON Lines with units in the field names.
+//!
+//! perftest's conventions, followed here:
+//! - `ib_write_bw`: `#bytes #iterations BW peak[MB/sec] BW average[MB/sec] MsgRate[Mpps]`,
+//!   MB = 2^20 bytes (recent perftest labels the same figure MiB/sec); `--report_gbits`
+//!   turns both BW columns into Gb/sec, 10^9 bits. MsgRate is millions of messages per second.
+//! - `ib_send_lat`: one-way latency, half of each measured round trip, with
+//!   `t_min t_max t_typical t_avg t_stdev` and the 99% / 99.9% percentiles in usec;
+//!   `t_typical` is the median. (perftest also drops the two slowest samples before its
+//!   statistics; psnet-perf keeps every timed sample, so `t_max` is the slowest one.)
+//!
+//! JSON: one flat object per line (JSON Lines), each carrying its context (`test`,
+//! `transport`, addresses) beside the row's figures; every figure's unit is in its name
+//! (`_mib_s` 2^20 bytes/s, `_mb_s` 10^6 bytes/s, `_gbit_s` 10^9 bits/s, `_us`, `_s`).
 
 use serde::Serialize;
 
 /// Bytes per MB in perftest's MB/sec columns (2^20).
 const MIB: f64 = 1024.0 * 1024.0;
+/// Bytes per Gb in perftest's Gb/sec columns (10^9 bits).
+const GBIT_BYTES: f64 = 1e9 / 8.0;
+
+/// Whether a bandwidth peak means anything on `transport` (a `Capabilities::name`). On TCP
+/// the receiver sees messages in bursts drained from the socket buffer, so the best window
+/// of arrivals measures the kernel's buffering, not the wire: no peak is reported there.
+pub fn peak_is_meaningful(transport: &str) -> bool {
+    transport == "rdma"
+}
+
+/// The unit of the bandwidth table's BW columns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BwUnit {
+    /// MB/sec, MB = 2^20 bytes (perftest's default).
+    MibPerSec,
+    /// Gb/sec, 10^9 bits (perftest's `--report_gbits`).
+    GbitPerSec,
+}
+
+impl BwUnit {
+    fn label(self) -> &'static str {
+        match self {
+            BwUnit::MibPerSec => "MB/sec",
+            BwUnit::GbitPerSec => "Gb/sec",
+        }
+    }
+
+    /// `bytes_per_s` in this unit.
+    pub fn of(self, bytes_per_s: f64) -> f64 {
+        match self {
+            BwUnit::MibPerSec => bytes_per_s / MIB,
+            BwUnit::GbitPerSec => bytes_per_s / GBIT_BYTES,
+        }
+    }
+}
 
 /// One bandwidth row.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct BwRow {
     /// Message size.
     pub bytes: u64,
     /// Messages sent.
     pub iterations: u64,
-    /// Best rate over a tenth of the messages, at the receiver.
-    pub bw_peak_gbit_s: f64,
-    /// Total bytes over the sender's time from first send to the receiver's confirmation.
-    pub bw_avg_gbit_s: f64,
-    /// Peak in MiB/s (perftest's MB/sec).
-    pub bw_peak_mib_s: f64,
-    /// Average in MiB/s (perftest's MB/sec).
+    /// Best rate over a tenth of the messages, at the receiver, in 2^20 bytes per second;
+    /// absent where a peak means nothing ([`peak_is_meaningful`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bw_peak_mib_s: Option<f64>,
+    /// Total bytes over the sender's time from first send to the receiver's confirmation,
+    /// in 2^20 bytes per second (perftest's MB/sec).
     pub bw_avg_mib_s: f64,
+    /// The peak in 10^9 bits per second.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bw_peak_gbit_s: Option<f64>,
+    /// The average in 10^9 bits per second.
+    pub bw_avg_gbit_s: f64,
     /// Messages per second, millions.
     pub msg_rate_mpps: f64,
-    /// The raw TCP reference over the same bytes, when `--baseline` was given.
+    /// The raw TCP reference over the same bytes, when `--baseline` was given, 2^20 bytes/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub baseline_bw_mib_s: Option<f64>,
+    /// The raw TCP reference in 10^9 bits per second.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub baseline_bw_gbit_s: Option<f64>,
-    /// `bw_avg_gbit_s / baseline_bw_gbit_s`.
+    /// `bw_avg / baseline_bw` (a ratio, unit-free).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio_vs_baseline: Option<f64>,
 }
 
 impl BwRow {
-    /// A row from totals.
-    pub fn new(bytes: u64, iterations: u64, elapsed_s: f64, peak_bytes_per_s: f64) -> Self {
+    /// A row from totals; `peak_bytes_per_s` is `None` where a peak means nothing.
+    pub fn new(bytes: u64, iterations: u64, elapsed_s: f64, peak_bytes_per_s: Option<f64>) -> Self {
         let avg = (bytes * iterations) as f64 / elapsed_s;
-        let peak = peak_bytes_per_s.max(avg);
+        // The best window can never be slower than the whole run.
+        let peak = peak_bytes_per_s.map(|p| p.max(avg));
         BwRow {
             bytes,
             iterations,
-            bw_peak_gbit_s: peak * 8.0 / 1e9,
-            bw_avg_gbit_s: avg * 8.0 / 1e9,
-            bw_peak_mib_s: peak / MIB,
-            bw_avg_mib_s: avg / MIB,
+            bw_peak_mib_s: peak.map(|p| BwUnit::MibPerSec.of(p)),
+            bw_avg_mib_s: BwUnit::MibPerSec.of(avg),
+            bw_peak_gbit_s: peak.map(|p| BwUnit::GbitPerSec.of(p)),
+            bw_avg_gbit_s: BwUnit::GbitPerSec.of(avg),
             msg_rate_mpps: iterations as f64 / elapsed_s / 1e6,
+            baseline_bw_mib_s: None,
             baseline_bw_gbit_s: None,
             ratio_vs_baseline: None,
         }
@@ -50,52 +107,134 @@ impl BwRow {
 
     /// Adds the reference measured over the same bytes.
     pub fn with_baseline(mut self, elapsed_s: f64) -> Self {
-        let gbit = (self.bytes * self.iterations) as f64 * 8.0 / elapsed_s / 1e9;
-        self.baseline_bw_gbit_s = Some(gbit);
-        self.ratio_vs_baseline = Some(self.bw_avg_gbit_s / gbit);
+        let rate = (self.bytes * self.iterations) as f64 / elapsed_s;
+        self.baseline_bw_mib_s = Some(BwUnit::MibPerSec.of(rate));
+        self.baseline_bw_gbit_s = Some(BwUnit::GbitPerSec.of(rate));
+        self.ratio_vs_baseline = Some(self.bw_avg_mib_s / BwUnit::MibPerSec.of(rate));
         self
+    }
+
+    /// (peak, average, baseline) in `unit`.
+    fn in_unit(&self, unit: BwUnit) -> (Option<f64>, f64, Option<f64>) {
+        match unit {
+            BwUnit::MibPerSec => (
+                self.bw_peak_mib_s,
+                self.bw_avg_mib_s,
+                self.baseline_bw_mib_s,
+            ),
+            BwUnit::GbitPerSec => (
+                self.bw_peak_gbit_s,
+                self.bw_avg_gbit_s,
+                self.baseline_bw_gbit_s,
+            ),
+        }
     }
 }
 
-/// One latency row; times are round trips in microseconds.
-#[derive(Clone, Debug, Serialize)]
+/// One latency row. Like perftest's `ib_send_lat`, the `t_*` figures are one-way latencies:
+/// half of each measured round trip, in microseconds.
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct LatRow {
     /// Message size.
     pub bytes: u64,
     /// Measured round trips (after warm-up).
     pub iterations: u64,
-    /// Fastest round trip.
-    pub lat_min_us: f64,
-    /// Median round trip.
-    pub lat_median_us: f64,
-    /// 99th percentile.
-    pub lat_p99_us: f64,
-    /// Slowest round trip.
-    pub lat_max_us: f64,
-    /// Mean round trip.
-    pub lat_avg_us: f64,
+    /// Fastest one-way latency.
+    pub t_min_us: f64,
+    /// Slowest one-way latency.
+    pub t_max_us: f64,
+    /// Median one-way latency (perftest's `t_typical`).
+    pub t_typical_us: f64,
+    /// Mean one-way latency.
+    pub t_avg_us: f64,
+    /// Standard deviation of the one-way latencies (population: divided by the count, as
+    /// perftest).
+    pub t_stdev_us: f64,
+    /// 99th percentile (nearest rank: the smallest sample at or above 99% of them).
+    pub t_p99_us: f64,
+    /// 99.9th percentile (nearest rank).
+    pub t_p99_9_us: f64,
+    /// Median round trip, not halved (`2 * t_typical_us`), to compare with raw ping-pongs.
+    pub rtt_median_us: f64,
+}
+
+/// The median of ascending `sorted` (the mean of the middle two for an even count, as
+/// perftest's); 0 for none.
+fn median(sorted: &[f64]) -> f64 {
+    let n = sorted.len();
+    match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => sorted[n / 2],
+        _ => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
+/// The nearest-rank `num/den` percentile of ascending `sorted`: the sample of rank
+/// `ceil(n * num / den)` (1-based), so that at least that share of the samples is at or below
+/// it; 0 for none. Integer arithmetic: 0.999 has no exact binary form.
+fn percentile(sorted: &[f64], num: usize, den: usize) -> f64 {
+    let rank = (sorted.len() * num).div_ceil(den).max(1);
+    sorted.get(rank - 1).copied().unwrap_or(0.0)
+}
+
+/// Mean and population standard deviation (two passes); zeros for none.
+fn mean_stdev(samples: &[f64]) -> (f64, f64) {
+    if samples.is_empty() {
+        return (0.0, 0.0);
+    }
+    let n = samples.len() as f64;
+    let mean = samples.iter().sum::<f64>() / n;
+    let var = samples.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / n;
+    (mean, var.sqrt())
 }
 
 impl LatRow {
     /// A row from round-trip samples in microseconds.
-    pub fn from_samples(bytes: u64, mut us: Vec<f64>) -> Self {
-        us.sort_by(f64::total_cmp);
-        let n = us.len().max(1);
-        let at = |q: f64| {
-            us.get(((n - 1) as f64 * q).round() as usize)
-                .copied()
-                .unwrap_or(0.0)
-        };
+    pub fn from_round_trips(bytes: u64, rtt_us: Vec<f64>) -> Self {
+        let mut one_way: Vec<f64> = rtt_us.into_iter().map(|rtt| rtt / 2.0).collect();
+        one_way.sort_by(f64::total_cmp);
+        let (avg, stdev) = mean_stdev(&one_way);
+        let typical = median(&one_way);
         LatRow {
             bytes,
-            iterations: us.len() as u64,
-            lat_min_us: at(0.0),
-            lat_median_us: at(0.5),
-            lat_p99_us: at(0.99),
-            lat_max_us: at(1.0),
-            lat_avg_us: us.iter().sum::<f64>() / n as f64,
+            iterations: one_way.len() as u64,
+            t_min_us: one_way.first().copied().unwrap_or(0.0),
+            t_max_us: one_way.last().copied().unwrap_or(0.0),
+            t_typical_us: typical,
+            t_avg_us: avg,
+            t_stdev_us: stdev,
+            t_p99_us: percentile(&one_way, 99, 100),
+            t_p99_9_us: percentile(&one_way, 999, 1000),
+            // Halving is exact in binary floating point, so this is the round trips' median.
+            rtt_median_us: typical * 2.0,
         }
     }
+}
+
+/// One JSON Lines record: `context`'s fields, then `row`'s, in one flat object on one line.
+pub fn json_line<C: Serialize, R: Serialize>(context: &C, row: &R) -> String {
+    #[derive(Serialize)]
+    struct Line<'a, C, R> {
+        #[serde(flatten)]
+        context: &'a C,
+        #[serde(flatten)]
+        row: &'a R,
+    }
+    serde_json::to_string(&Line { context, row })
+        .unwrap_or_else(|e| format!("{{\"error\":\"cannot serialise a row: {e}\"}}"))
+}
+
+/// The context of every JSON line of a `bw` or `lat` run.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunContext {
+    /// `"bw"` or `"lat"`.
+    pub test: &'static str,
+    /// The transport that carried the messages (`"tcp"`, `"rdma"`).
+    pub transport: &'static str,
+    /// The client's address.
+    pub local: String,
+    /// The server's address.
+    pub remote: String,
 }
 
 const RULE: &str =
@@ -108,68 +247,112 @@ pub fn banner(title: &str, transport: &str, local: &str, remote: &str) -> String
     )
 }
 
-/// The bandwidth table's header.
-pub fn bw_header(baseline: bool) -> String {
-    let mut h = format!(
-        " {:<10} {:<13} {:>16} {:>19} {:>16} {:>19} {:>14}",
-        "#bytes",
-        "#iterations",
-        "BW peak[Gb/sec]",
-        "BW average[Gb/sec]",
-        "BW peak[MB/sec]",
-        "BW average[MB/sec]",
-        "MsgRate[Mpps]"
-    );
-    if baseline {
-        h.push_str(&format!(" {:>17} {:>9}", "raw TCP[Gb/sec]", "ratio"));
+/// A table line: each cell left-aligned in its column (the column's label and the gap after
+/// it in perftest's header), one space at least between cells, no trailing blanks.
+fn cells<S: AsRef<str>>(columns: &[(&str, usize)], values: &[S]) -> String {
+    let mut line = String::from(" ");
+    for ((label, gap), value) in columns.iter().zip(values) {
+        let width = label.len() + gap;
+        let value = value.as_ref();
+        line.push_str(&format!("{value:<width$}"));
+        if value.len() >= width {
+            line.push(' ');
+        }
     }
-    h
-}
-
-/// One bandwidth line.
-pub fn bw_line(r: &BwRow) -> String {
-    let mut line = format!(
-        " {:<10} {:<13} {:>16.2} {:>19.2} {:>16.2} {:>19.2} {:>14.6}",
-        r.bytes,
-        r.iterations,
-        r.bw_peak_gbit_s,
-        r.bw_avg_gbit_s,
-        r.bw_peak_mib_s,
-        r.bw_avg_mib_s,
-        r.msg_rate_mpps
-    );
-    if let (Some(b), Some(ratio)) = (r.baseline_bw_gbit_s, r.ratio_vs_baseline) {
-        line.push_str(&format!(" {b:>17.2} {ratio:>9.3}"));
-    }
+    line.truncate(line.trim_end().len());
     line
 }
 
-/// The latency table's header (round trips, where perftest's `ib_send_lat` halves them).
+/// perftest's `#bytes` and `#iterations` columns (the gaps of `ib_write_bw`'s header, which
+/// leave room for 10-digit sizes).
+const SIZE_COLUMNS: [(&str, usize); 2] = [("#bytes", 5), ("#iterations", 4)];
+
+fn bw_columns(unit: BwUnit, baseline: bool) -> Vec<(String, usize)> {
+    let u = unit.label();
+    let mut columns = vec![
+        (format!("BW peak[{u}]"), 4),
+        (format!("BW average[{u}]"), 3),
+        ("MsgRate[Mpps]".to_string(), 3),
+    ];
+    if baseline {
+        columns.push((format!("raw TCP[{u}]"), 3));
+        columns.push(("ratio".to_string(), 0));
+    }
+    columns
+}
+
+fn bw_table_line<S: AsRef<str>>(unit: BwUnit, baseline: bool, values: &[S]) -> String {
+    let extra = bw_columns(unit, baseline);
+    let columns: Vec<(&str, usize)> = SIZE_COLUMNS
+        .iter()
+        .copied()
+        .chain(extra.iter().map(|(l, g)| (l.as_str(), *g)))
+        .collect();
+    cells(&columns, values)
+}
+
+/// The bandwidth table's header: perftest's `ib_write_bw` columns in `unit`, then the
+/// baseline's when `--baseline` was given.
+pub fn bw_header(unit: BwUnit, baseline: bool) -> String {
+    let mut labels: Vec<String> = SIZE_COLUMNS.iter().map(|(l, _)| l.to_string()).collect();
+    labels.extend(bw_columns(unit, baseline).into_iter().map(|(l, _)| l));
+    bw_table_line(unit, baseline, &labels)
+}
+
+/// One bandwidth line in `unit`; `-` in the peak column where there is no peak.
+pub fn bw_line(r: &BwRow, unit: BwUnit) -> String {
+    let (peak, avg, base) = r.in_unit(unit);
+    let mut values = vec![
+        r.bytes.to_string(),
+        r.iterations.to_string(),
+        peak.map_or_else(|| "-".to_string(), |p| format!("{p:.2}")),
+        format!("{avg:.2}"),
+        format!("{:.6}", r.msg_rate_mpps),
+    ];
+    let baseline = base.is_some();
+    if let (Some(b), Some(ratio)) = (base, r.ratio_vs_baseline) {
+        values.push(format!("{b:.2}"));
+        values.push(format!("{ratio:.3}"));
+    }
+    bw_table_line(unit, baseline, &values)
+}
+
+/// perftest's `ib_send_lat` columns and the gaps after them.
+const LAT_COLUMNS: [(&str, usize); 9] = [
+    SIZE_COLUMNS[0],
+    SIZE_COLUMNS[1],
+    ("t_min[usec]", 4),
+    ("t_max[usec]", 2),
+    ("t_typical[usec]", 4),
+    ("t_avg[usec]", 4),
+    ("t_stdev[usec]", 3),
+    ("99% percentile[usec]", 3),
+    ("99.9% percentile[usec]", 0),
+];
+
+/// The latency table's header (one-way latencies, as perftest's `ib_send_lat`).
 pub fn lat_header() -> String {
-    format!(
-        " {:<10} {:<13} {:>13} {:>16} {:>13} {:>13} {:>13}\n (round-trip times; perftest's ib_send_lat reports half of this)",
-        "#bytes",
-        "#iterations",
-        "t_min[usec]",
-        "t_median[usec]",
-        "t_p99[usec]",
-        "t_max[usec]",
-        "t_avg[usec]"
-    )
+    let labels: Vec<&str> = LAT_COLUMNS.iter().map(|(l, _)| *l).collect();
+    cells(&LAT_COLUMNS, &labels)
 }
 
 /// One latency line.
 pub fn lat_line(r: &LatRow) -> String {
-    format!(
-        " {:<10} {:<13} {:>13.2} {:>16.2} {:>13.2} {:>13.2} {:>13.2}",
-        r.bytes,
-        r.iterations,
-        r.lat_min_us,
-        r.lat_median_us,
-        r.lat_p99_us,
-        r.lat_max_us,
-        r.lat_avg_us
-    )
+    let mut values = vec![r.bytes.to_string(), r.iterations.to_string()];
+    values.extend(
+        [
+            r.t_min_us,
+            r.t_max_us,
+            r.t_typical_us,
+            r.t_avg_us,
+            r.t_stdev_us,
+            r.t_p99_us,
+            r.t_p99_9_us,
+        ]
+        .iter()
+        .map(|v| format!("{v:.2}")),
+    );
+    cells(&LAT_COLUMNS, &values)
 }
 
 /// The rule between header, rows and end.
@@ -180,41 +363,212 @@ pub fn rule() -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn bandwidth_units() {
         // 1000 messages of 1 MiB in one second.
-        let r = BwRow::new(1 << 20, 1000, 1.0, 0.0);
+        let r = BwRow::new(1 << 20, 1000, 1.0, Some(0.0));
         assert!((r.bw_avg_mib_s - 1000.0).abs() < 1e-9);
         assert!((r.bw_avg_gbit_s - 8.388608).abs() < 1e-9);
         assert_eq!(
-            r.bw_peak_gbit_s, r.bw_avg_gbit_s,
+            r.bw_peak_gbit_s,
+            Some(r.bw_avg_gbit_s),
             "peak is at least the average"
         );
         assert!((r.msg_rate_mpps - 0.001).abs() < 1e-12);
         let r = r.with_baseline(2.0);
         assert!((r.ratio_vs_baseline.unwrap() - 2.0).abs() < 1e-9);
+        assert!((r.baseline_bw_mib_s.unwrap() - 500.0).abs() < 1e-9);
+        assert!((r.baseline_bw_gbit_s.unwrap() - 4.194304).abs() < 1e-9);
+        // 125 MB/s (10^6) is 1 Gb/s.
+        assert!((BwUnit::GbitPerSec.of(125e6) - 1.0).abs() < 1e-12);
     }
 
     #[test]
-    fn latency_percentiles() {
-        let samples: Vec<f64> = (1..=100).map(f64::from).collect();
-        let r = LatRow::from_samples(64, samples);
-        assert_eq!((r.lat_min_us, r.lat_max_us), (1.0, 100.0));
-        assert_eq!(r.lat_median_us, 51.0);
-        assert_eq!(r.lat_p99_us, 99.0);
-        assert!((r.lat_avg_us - 50.5).abs() < 1e-9);
+    fn peak_only_where_it_means_something() {
+        assert!(peak_is_meaningful("rdma") && !peak_is_meaningful("tcp"));
+        let r = BwRow::new(64, 10, 1.0, None);
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(!json.contains("peak"), "{json}");
+        let line = bw_line(&r, BwUnit::MibPerSec);
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(cols[..3], ["64", "10", "-"], "{line}");
+        let r = BwRow::new(64, 10, 1.0, Some(2.0 * MIB));
+        assert_eq!(r.bw_peak_mib_s, Some(2.0));
+        let cols: Vec<String> = bw_line(&r, BwUnit::MibPerSec)
+            .split_whitespace()
+            .map(String::from)
+            .collect();
+        assert_eq!(cols[2], "2.00");
     }
 
     #[test]
-    fn json_fields_carry_units() {
-        let json = serde_json::to_string(&BwRow::new(64, 10, 1.0, 0.0)).unwrap();
-        assert!(json.contains("\"bw_avg_gbit_s\"") && json.contains("\"bw_avg_mib_s\""));
-        assert!(
-            !json.contains("baseline"),
-            "absent baseline is omitted: {json}"
+    fn bw_columns_line_up_under_their_headers() {
+        for unit in [BwUnit::MibPerSec, BwUnit::GbitPerSec] {
+            for baseline in [false, true] {
+                let header = bw_header(unit, baseline);
+                let mut r = BwRow::new(8 << 20, 5000, 3.0, Some(1e10));
+                if baseline {
+                    r = r.with_baseline(2.5);
+                }
+                let line = bw_line(&r, unit);
+                // Every value starts where its header label starts.
+                let starts = |s: &str| -> Vec<usize> {
+                    let b = s.as_bytes();
+                    (1..b.len())
+                        .filter(|&i| b[i] != b' ' && b[i - 1] == b' ')
+                        .collect()
+                };
+                let label_starts: Vec<usize> = ["#bytes", "#iterations", "BW peak", "BW average"]
+                    .iter()
+                    .map(|l| header.find(l).unwrap())
+                    .collect();
+                assert_eq!(starts(&line)[..4], label_starts[..], "{header}\n{line}");
+                assert_eq!(
+                    line.split_whitespace().count(),
+                    if baseline { 7 } else { 5 },
+                    "{line}"
+                );
+            }
+        }
+        assert!(bw_header(BwUnit::MibPerSec, false).contains(
+            "#bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]"
+        ));
+        assert!(bw_header(BwUnit::GbitPerSec, false)
+            .contains("BW peak[Gb/sec]    BW average[Gb/sec]   MsgRate[Mpps]"));
+    }
+
+    #[test]
+    fn latency_is_half_the_round_trip() {
+        // Round trips 2, 4, ..., 200 us: one-way 1..=100.
+        let rtts: Vec<f64> = (1..=100).map(|i| f64::from(i) * 2.0).collect();
+        let r = LatRow::from_round_trips(64, rtts);
+        assert_eq!(r.iterations, 100);
+        assert_eq!((r.t_min_us, r.t_max_us), (1.0, 100.0));
+        assert_eq!(r.t_typical_us, 50.5, "mean of the middle two");
+        assert_eq!(r.rtt_median_us, 101.0);
+        assert_eq!(r.t_p99_us, 99.0);
+        assert_eq!(r.t_p99_9_us, 100.0);
+        assert!((r.t_avg_us - 50.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn stdev_and_percentiles_of_known_samples() {
+        // One-way {1,2,2,2,2.5,2.5,3.5,4.5}: the classic population stdev 2 of
+        // {2,4,4,4,5,5,7,9}, halved.
+        let r = LatRow::from_round_trips(8, vec![2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0]);
+        assert!((r.t_stdev_us - 1.0).abs() < 1e-12, "{}", r.t_stdev_us);
+        assert!((r.t_avg_us - 2.5).abs() < 1e-12);
+        assert_eq!(r.t_typical_us, 2.25);
+        // 1000 samples: 99% is the 990th, 99.9% the 999th.
+        let r = LatRow::from_round_trips(8, (1..=1000).rev().map(f64::from).collect());
+        assert_eq!((r.t_p99_us, r.t_p99_9_us), (495.0, 499.5));
+        // One sample: every figure is that sample, stdev 0.
+        let r = LatRow::from_round_trips(8, vec![7.0]);
+        assert_eq!(
+            (
+                r.t_min_us,
+                r.t_max_us,
+                r.t_typical_us,
+                r.t_p99_us,
+                r.t_p99_9_us
+            ),
+            (3.5, 3.5, 3.5, 3.5, 3.5)
         );
-        let json = serde_json::to_string(&LatRow::from_samples(64, vec![1.0])).unwrap();
-        assert!(json.contains("\"lat_median_us\""));
+        assert_eq!(r.t_stdev_us, 0.0);
+        // None: zeros, not a panic.
+        let r = LatRow::from_round_trips(8, Vec::new());
+        assert_eq!((r.iterations, r.t_max_us, r.t_p99_9_us), (0, 0.0, 0.0));
+    }
+
+    #[test]
+    fn latency_table_has_perftest_columns() {
+        let header = lat_header();
+        assert!(header.contains(
+            "t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]"
+        ), "{header}");
+        let line = lat_line(&LatRow::from_round_trips(
+            64,
+            (1..=1000).map(f64::from).collect(),
+        ));
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(
+            cols,
+            ["64", "1000", "0.50", "500.00", "250.25", "250.25", "144.34", "495.00", "499.50"]
+        );
+    }
+
+    #[test]
+    fn json_lines_are_flat_with_context_first() {
+        let ctx = RunContext {
+            test: "bw",
+            transport: "tcp",
+            local: "127.0.0.1:1".into(),
+            remote: "127.0.0.1:2".into(),
+        };
+        let line = json_line(&ctx, &BwRow::new(64, 10, 1.0, None));
+        assert!(!line.contains('\n'));
+        assert!(
+            line.starts_with("{\"test\":\"bw\",\"transport\":\"tcp\""),
+            "{line}"
+        );
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["bytes"], 64);
+        assert!(v["bw_avg_mib_s"].is_number() && v["bw_avg_gbit_s"].is_number());
+        assert!(v.get("baseline_bw_gbit_s").is_none() && v.get("bw_peak_mib_s").is_none());
+        let line = json_line(&ctx, &LatRow::from_round_trips(64, vec![1.0]));
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        for field in [
+            "t_min_us",
+            "t_max_us",
+            "t_typical_us",
+            "t_avg_us",
+            "t_stdev_us",
+            "t_p99_us",
+            "t_p99_9_us",
+            "rtt_median_us",
+        ] {
+            assert!(v[field].is_number(), "{field}: {line}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn latency_statistics_hold_for_any_samples(
+            rtts in proptest::collection::vec(0.01f64..1e6, 1..400),
+            shift in 0.0f64..1e3,
+        ) {
+            let r = LatRow::from_round_trips(1, rtts.clone());
+            let mut one_way: Vec<f64> = rtts.iter().map(|x| x / 2.0).collect();
+            one_way.sort_by(f64::total_cmp);
+            let n = one_way.len();
+            prop_assert_eq!(r.iterations, n as u64);
+            prop_assert!(r.t_min_us <= r.t_typical_us && r.t_typical_us <= r.t_max_us);
+            prop_assert!(r.t_min_us <= r.t_p99_us && r.t_p99_us <= r.t_p99_9_us);
+            prop_assert!(r.t_p99_9_us <= r.t_max_us);
+            let eps = 1e-9 * r.t_max_us.max(1.0);
+            prop_assert!(r.t_min_us - eps <= r.t_avg_us && r.t_avg_us <= r.t_max_us + eps);
+            prop_assert_eq!(r.rtt_median_us, 2.0 * r.t_typical_us);
+            // Nearest rank: at least q of the samples at or below, fewer strictly below.
+            for (p, num, den) in [(r.t_p99_us, 99, 100), (r.t_p99_9_us, 999, 1000)] {
+                let rank = (n * num).div_ceil(den);
+                prop_assert!(one_way.iter().filter(|&&x| x <= p).count() >= rank);
+                prop_assert!(one_way.iter().filter(|&&x| x < p).count() < rank);
+            }
+            // Stdev: non-negative, at most half the range (Popoviciu), and the textbook
+            // formula E[x^2] - E[x]^2 within rounding.
+            prop_assert!(r.t_stdev_us >= 0.0);
+            prop_assert!(r.t_stdev_us <= (r.t_max_us - r.t_min_us) / 2.0 + eps);
+            let mean_sq = one_way.iter().map(|x| x * x).sum::<f64>() / n as f64;
+            let var = (mean_sq - r.t_avg_us * r.t_avg_us).max(0.0);
+            prop_assert!((r.t_stdev_us.powi(2) - var).abs() <= 1e-6 * mean_sq.max(1.0));
+            // Shifting every round trip shifts the one-way figures by half, keeps the spread.
+            let shifted = LatRow::from_round_trips(1, rtts.iter().map(|x| x + shift).collect());
+            let tol = 1e-6 * (r.t_max_us + shift).max(1.0);
+            prop_assert!((shifted.t_typical_us - r.t_typical_us - shift / 2.0).abs() <= tol);
+            prop_assert!((shifted.t_p99_us - r.t_p99_us - shift / 2.0).abs() <= tol);
+            prop_assert!((shifted.t_stdev_us - r.t_stdev_us).abs() <= tol);
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! `psnet-perf` as a user runs it: loopback, two processes, errors.
 
 use std::net::TcpListener;
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 
 fn perf() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_psnet-perf"));
@@ -17,6 +17,33 @@ fn perf() -> Command {
     cmd
 }
 
+/// A server process, killed if the test fails before it exits on its own.
+struct Server(Option<Child>);
+
+impl Server {
+    fn start(cmd: &mut Command) -> Self {
+        Server(Some(cmd.spawn().expect("start server")))
+    }
+
+    /// Waits for the server to exit by itself (after its client's goodbye).
+    fn finish(mut self) -> Output {
+        self.0
+            .take()
+            .expect("not finished yet")
+            .wait_with_output()
+            .expect("server exits")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 fn run_ok(cmd: &mut Command) -> String {
     let out = cmd.output().expect("run psnet-perf");
     assert!(
@@ -30,6 +57,51 @@ fn run_ok(cmd: &mut Command) -> String {
 
 fn json(text: &str) -> serde_json::Value {
     serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+/// JSON Lines: every line of `text` is one flat JSON object (no nested arrays or objects).
+fn json_lines(text: &str) -> Vec<serde_json::Value> {
+    assert!(!text.trim().is_empty(), "no output");
+    text.lines()
+        .map(|line| {
+            let v: serde_json::Value = serde_json::from_str(line)
+                .unwrap_or_else(|e| panic!("line is not JSON ({e}): {line}\n{text}"));
+            let obj = v
+                .as_object()
+                .unwrap_or_else(|| panic!("not an object: {line}"));
+            assert!(
+                obj.values().all(|f| !f.is_object() && !f.is_array()),
+                "not flat: {line}"
+            );
+            v
+        })
+        .collect()
+}
+
+/// The one JSON line of a single-size run.
+fn one_row(text: &str) -> serde_json::Value {
+    let mut rows = json_lines(text);
+    assert_eq!(rows.len(), 1, "{text}");
+    rows.remove(0)
+}
+
+fn f64_of(row: &serde_json::Value, field: &str) -> f64 {
+    row[field]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{field} missing: {row}"))
+}
+
+/// The data lines of a table (those starting with a size), split into columns.
+fn table_rows(table: &str) -> Vec<Vec<String>> {
+    table
+        .lines()
+        .filter(|l| {
+            l.split_whitespace()
+                .next()
+                .is_some_and(|w| w.parse::<u64>().is_ok())
+        })
+        .map(|l| l.split_whitespace().map(String::from).collect())
+        .collect()
 }
 
 fn free_port() -> u16 {
@@ -55,44 +127,150 @@ fn loopback_bandwidth_json_has_units_and_baseline() {
         "--json",
         "--baseline",
     ]));
-    let doc = json(&out);
-    assert_eq!(doc["test"], "bw");
-    assert_eq!(doc["transport"], "tcp");
-    let row = &doc["results"][0];
+    let row = one_row(&out);
+    assert_eq!(row["test"], "bw");
+    assert_eq!(row["transport"], "tcp");
+    assert!(row["local"].as_str().unwrap().starts_with("127.0.0.1:"));
+    assert!(row["remote"].as_str().unwrap().starts_with("127.0.0.1:"));
     assert_eq!(row["bytes"], 65536);
     assert_eq!(row["iterations"], 50);
     for field in [
-        "bw_avg_gbit_s",
-        "bw_peak_gbit_s",
         "bw_avg_mib_s",
+        "bw_avg_gbit_s",
         "msg_rate_mpps",
+        "baseline_bw_mib_s",
         "baseline_bw_gbit_s",
         "ratio_vs_baseline",
     ] {
-        assert!(
-            row[field].as_f64().unwrap_or(0.0) > 0.0,
-            "{field} missing or zero: {row}"
-        );
+        assert!(f64_of(&row, field) > 0.0, "{field} zero: {row}");
     }
-    assert!(row["bw_peak_gbit_s"].as_f64() >= row["bw_avg_gbit_s"].as_f64());
+    // The same figure in both units: Gb/s (10^9 bits) = MiB/s * 2^20 * 8 / 10^9.
+    let (mib, gbit) = (f64_of(&row, "bw_avg_mib_s"), f64_of(&row, "bw_avg_gbit_s"));
+    assert!(
+        (mib * 1048576.0 * 8.0 / 1e9 - gbit).abs() <= 1e-9 * gbit,
+        "{row}"
+    );
+    // 50 messages of 64 KiB: MsgRate[Mpps] = bandwidth / message size.
+    let mpps = f64_of(&row, "msg_rate_mpps");
+    assert!(
+        (mib * 1048576.0 / 65536.0 / 1e6 - mpps).abs() <= 1e-9 * mpps,
+        "{row}"
+    );
+    // No peak over TCP: absent, not zero.
+    for field in ["bw_peak_mib_s", "bw_peak_gbit_s"] {
+        assert!(row.get(field).is_none(), "{field} on tcp: {row}");
+    }
+    // Every numeric field's name carries its unit (or is a count).
+    for (name, value) in row.as_object().unwrap() {
+        if value.is_number() {
+            assert!(
+                [
+                    "_mib_s",
+                    "_gbit_s",
+                    "_mpps",
+                    "ratio_vs_baseline",
+                    "bytes",
+                    "iterations"
+                ]
+                .iter()
+                .any(|u| name.ends_with(u) || name == u),
+                "{name} has no unit: {row}"
+            );
+        }
+    }
 }
 
 #[test]
-fn loopback_latency_table_and_json() {
-    let out = run_ok(perf().args(["lat", "--loopback", "-s", "64", "-n", "50", "--json"]));
-    let row = &json(&out)["results"][0];
-    assert_eq!(row["bytes"], 64);
-    assert_eq!(row["iterations"], 50);
-    let (min, med, max) = (
-        row["lat_min_us"].as_f64().unwrap(),
-        row["lat_median_us"].as_f64().unwrap(),
-        row["lat_max_us"].as_f64().unwrap(),
+fn bandwidth_table_has_perftest_columns_and_no_peak_on_tcp() {
+    let table = run_ok(perf().args(["bw", "--loopback", "-s", "1M", "-n", "20"]));
+    assert!(
+        table.contains(
+            " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]"
+        ),
+        "{table}"
     );
-    assert!(0.0 < min && min <= med && med <= max, "{row}");
+    assert!(!table.contains("Gb/sec"), "{table}");
+    let rows = table_rows(&table);
+    assert_eq!(rows.len(), 1, "{table}");
+    assert_eq!(rows[0][..3], ["1048576", "20", "-"], "{table}");
+    assert!(rows[0][3].parse::<f64>().unwrap() > 0.0, "{table}");
+    assert!(rows[0][4].parse::<f64>().unwrap() > 0.0, "{table}");
+
+    let table = run_ok(perf().args([
+        "bw",
+        "--loopback",
+        "-s",
+        "1M",
+        "-n",
+        "20",
+        "--report_gbits",
+        "--baseline",
+    ]));
+    assert!(
+        table.contains("BW peak[Gb/sec]    BW average[Gb/sec]   MsgRate[Mpps]")
+            && table.contains("raw TCP[Gb/sec]"),
+        "{table}"
+    );
+    assert!(!table.contains("MB/sec"), "{table}");
+    let rows = table_rows(&table);
+    assert_eq!(rows[0].len(), 7, "{table}");
+    assert_eq!(rows[0][2], "-", "{table}");
+
+    // Gb/sec applies to bw only.
+    let out = perf()
+        .args(["lat", "--loopback", "--report_gbits"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--report_gbits"));
+}
+
+#[test]
+fn loopback_latency_is_one_way_in_table_and_json() {
+    let out = run_ok(perf().args(["lat", "--loopback", "-s", "64", "-n", "200", "--json"]));
+    let row = one_row(&out);
+    assert_eq!(row["test"], "lat");
+    assert_eq!(row["transport"], "tcp");
+    assert_eq!(row["bytes"], 64);
+    assert_eq!(row["iterations"], 200);
+    let f = |field: &str| f64_of(&row, field);
+    let (min, typical, max) = (f("t_min_us"), f("t_typical_us"), f("t_max_us"));
+    assert!(0.0 < min && min <= typical && typical <= max, "{row}");
+    assert!(min <= f("t_avg_us") && f("t_avg_us") <= max, "{row}");
+    assert!(
+        typical <= f("t_p99_us") && f("t_p99_us") <= f("t_p99_9_us"),
+        "{row}"
+    );
+    assert!(f("t_p99_9_us") <= max, "{row}");
+    assert!(f("t_stdev_us") >= 0.0 && f("t_stdev_us") <= (max - min) / 2.0 + 1e-9);
+    // One-way is half the round trip (ib_send_lat's convention).
+    let rtt = f("rtt_median_us");
+    assert!((rtt / 2.0 - typical).abs() <= 1e-9 * rtt, "{row}");
+    for (name, value) in row.as_object().unwrap() {
+        if value.is_number() && !["bytes", "iterations"].contains(&name.as_str()) {
+            assert!(name.ends_with("_us"), "{name} has no unit: {row}");
+        }
+    }
 
     let table = run_ok(perf().args(["lat", "--loopback", "-s", "2", "-n", "20"]));
     assert!(
-        table.contains("t_median[usec]") && table.contains("round-trip"),
+        table.contains(
+            " #bytes     #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    \
+             t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]"
+        ),
+        "{table}"
+    );
+    assert!(
+        !table.contains("round-trip") && !table.contains("t_median"),
+        "{table}"
+    );
+    let rows = table_rows(&table);
+    assert_eq!(rows.len(), 1, "{table}");
+    let v: Vec<f64> = rows[0].iter().map(|c| c.parse().unwrap()).collect();
+    assert_eq!((v.len(), v[0], v[1]), (9, 2.0, 20.0), "{table}");
+    // min <= typical <= max, p99 <= p99.9 <= max (two decimals).
+    assert!(
+        v[2] <= v[4] && v[4] <= v[3] && v[7] <= v[8] && v[8] <= v[3],
         "{table}"
     );
 }
@@ -100,24 +278,28 @@ fn loopback_latency_table_and_json() {
 #[test]
 fn all_sizes_give_one_row_each() {
     let out = run_ok(perf().args(["bw", "--loopback", "-a", "-n", "3", "--json"]));
-    let rows = json(&out)["results"].as_array().unwrap().clone();
+    let rows = json_lines(&out);
     let sizes: Vec<u64> = rows.iter().map(|r| r["bytes"].as_u64().unwrap()).collect();
     assert_eq!(sizes, (1..=23).map(|p| 1u64 << p).collect::<Vec<_>>());
+    assert!(rows
+        .iter()
+        .all(|r| r["test"] == "bw" && r["transport"] == "tcp"));
     let table = run_ok(perf().args(["bw", "--loopback", "-a", "-n", "2"]));
-    assert!(table.contains("BW average[Gb/sec]") && table.contains("BW average[MB/sec]"));
-    assert!(table.contains("8388608"), "{table}");
+    let rows = table_rows(&table);
+    assert_eq!(rows.len(), 23, "{table}");
+    assert_eq!(rows[22][0], "8388608", "{table}");
 }
 
 #[test]
 fn two_processes_server_and_client() {
     let port = free_port().to_string();
-    let mut server = perf()
-        .args(["bw", "-p", &port])
-        .env("DMLC_INTERFACE", "lo")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start server");
+    let server = Server::start(
+        perf()
+            .args(["bw", "-p", &port, "--json"])
+            .env("DMLC_INTERFACE", "lo")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
     let out = run_ok(
         perf()
             .args([
@@ -134,13 +316,99 @@ fn two_processes_server_and_client() {
             ])
             .env("DMLC_INTERFACE", "lo"),
     );
-    let row = &json(&out)["results"][0];
+    let row = one_row(&out);
     assert_eq!(row["bytes"], 1 << 20);
+    assert_eq!(row["remote"], format!("127.0.0.1:{port}"));
     assert!(row["ratio_vs_baseline"].as_f64().unwrap() > 0.0);
-    let status = server
-        .wait()
-        .expect("server exits after the client's goodbye");
-    assert!(status.success());
+    let server = server.finish();
+    assert!(server.status.success());
+    // Under --json the server's banner goes to stderr: stdout holds only JSON lines (none).
+    assert!(server.stdout.is_empty(), "{:?}", server.stdout);
+    let banner = String::from_utf8_lossy(&server.stderr);
+    assert!(banner.contains(&format!("127.0.0.1:{port}")), "{banner}");
+}
+
+/// This host's address psnet would choose without DMLC_INTERFACE, if it has a non-loopback one.
+fn default_address() -> Option<String> {
+    let out = perf().args(["select", "--json"]).output().unwrap();
+    if !out.status.success() {
+        eprintln!(
+            "SKIPPED: no non-loopback interface here: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return None;
+    }
+    let doc = json(&String::from_utf8_lossy(&out.stdout));
+    Some(doc["address"].as_str().unwrap().to_string())
+}
+
+/// Without DMLC_INTERFACE or DMLC_NODE_HOST the server listens on every address: a client
+/// reaches it over 127.0.0.1 although the address psnet picks for the node is another one.
+/// With an interface chosen it listens on that address only.
+#[test]
+fn server_listens_on_every_address_unless_an_interface_is_chosen() {
+    let Some(addr) = default_address() else {
+        return;
+    };
+    let port = free_port().to_string();
+    let server = Server::start(
+        perf()
+            .args(["lat", "-p", &port, "--transport", "tcp"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    let out = run_ok(
+        perf()
+            .args([
+                "lat",
+                "127.0.0.1",
+                "-p",
+                &port,
+                "-s",
+                "64",
+                "-n",
+                "20",
+                "--json",
+            ])
+            .env("DMLC_INTERFACE", "lo"),
+    );
+    assert_eq!(one_row(&out)["iterations"], 20);
+    let server = server.finish();
+    assert!(server.status.success());
+    let banner = String::from_utf8_lossy(&server.stdout);
+    assert!(
+        banner.contains(&format!("0.0.0.0:{port}")) && banner.contains(&addr),
+        "{banner}"
+    );
+
+    // DMLC_INTERFACE=lo: 127.0.0.1 only, so the node's other address is refused.
+    if addr == "127.0.0.1" {
+        return;
+    }
+    let port = free_port().to_string();
+    let server = Server::start(
+        perf()
+            .args(["lat", "-p", &port])
+            .env("DMLC_INTERFACE", "lo")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    let out = perf()
+        .args(["lat", &addr, "-p", &port, "-n", "5"])
+        .env("DMLC_INTERFACE", "lo")
+        .env("PSNET_CONNECT_TIMEOUT", "1")
+        .output()
+        .unwrap();
+    let refused = !out.status.success();
+    // Let the server go: a client over 127.0.0.1 gets through.
+    let out = run_ok(
+        perf()
+            .args(["lat", "127.0.0.1", "-p", &port, "-n", "5", "--json"])
+            .env("DMLC_INTERFACE", "lo"),
+    );
+    assert_eq!(one_row(&out)["iterations"], 5);
+    assert!(server.finish().status.success());
+    assert!(refused, "a server on lo answered on {addr}");
 }
 
 #[test]
@@ -224,10 +492,10 @@ fn select_on_loopback_is_tcp_with_a_reason() {
 #[test]
 fn compress_reports_throughput_next_to_memcpy() {
     let out = run_ok(perf().args(["compress", "-n", "100000", "--reps", "2", "--json"]));
-    let doc = json(&out);
-    let rows = doc.as_array().expect("an array of rows");
-    assert_eq!(rows.len(), 4, "2 schemes x (1 thread, all threads): {doc}");
-    for row in rows {
+    let rows = json_lines(&out);
+    assert_eq!(rows.len(), 4, "2 schemes x (1 thread, all threads): {out}");
+    for row in &rows {
+        assert_eq!(row["test"], "compress", "{row}");
         for field in [
             "quantize_gb_s",
             "dequantize_add_gb_s",
@@ -277,15 +545,18 @@ fn kv_goodput_launches_a_job_and_reports_every_size() {
             ])
             .env("MXNET_KVSTORE_BIGARRAY_BOUND", "100000"),
     );
-    let doc = json(&out);
-    assert_eq!(
-        (doc["servers"].as_u64(), doc["workers"].as_u64()),
-        (Some(2), Some(2))
-    );
-    let rows = doc["results"].as_array().unwrap();
+    let rows = json_lines(&out);
     let sizes: Vec<u64> = rows.iter().map(|r| r["bytes"].as_u64().unwrap()).collect();
     assert_eq!(sizes, vec![4096, 2 << 20]);
-    for row in rows {
+    for row in &rows {
+        assert_eq!(row["test"], "kv", "{row}");
+        assert_eq!(
+            (row["servers"].as_u64(), row["workers"].as_u64()),
+            (Some(2), Some(2)),
+            "{row}"
+        );
+        assert_eq!(row["memory"], "host", "{row}");
+        assert_eq!(row["transport"], "tcp", "{row}");
         for field in ["push_mb_s", "pull_mb_s", "pushpull_mb_s", "pushpull_gbit_s"] {
             assert!(row[field].as_f64().unwrap_or(0.0) > 0.0, "{field}: {row}");
         }
@@ -323,7 +594,7 @@ fn bandwidth_with_sends_in_flight_delivers_every_message() {
             depth,
             "--json",
         ]));
-        let row = &json(&out)["results"][0];
+        let row = one_row(&out);
         assert_eq!(row["bytes"], 1 << 20, "depth {depth}: {row}");
         assert_eq!(row["iterations"], 20, "depth {depth}: {row}");
     }

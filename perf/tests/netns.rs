@@ -1,7 +1,7 @@
 //! Interface and transport selection for real, in network namespaces of the test's own with
 //! veth pairs named `ib0` and `eth0`. Needs root and iproute2; skips with a message otherwise.
 
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 
 /// Two namespaces joined by two veth pairs, `ib0`<->`ib0` and `eth0`<->`eth0`, removed on drop.
 struct Hosts {
@@ -236,8 +236,10 @@ fn traffic_crosses_the_chosen_interface() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(server_status.success());
-    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(doc["results"][0]["iterations"], 100);
+    let row: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(row["test"], "bw");
+    assert_eq!(row["iterations"], 100);
+    assert_eq!(row["remote"], format!("{A_IB0}:18515"));
     let ib = Hosts::rx_bytes(&h.a, "ib0") - before_ib;
     let eth = Hosts::rx_bytes(&h.a, "eth0") - before_eth;
     assert!(ib >= 100 * 65536, "ib0 received only {ib} bytes");
@@ -245,4 +247,72 @@ fn traffic_crosses_the_chosen_interface() {
         eth < 65536,
         "eth0 carried {eth} bytes of a test bound to ib0"
     );
+}
+
+/// A server process, killed if the test fails before it exits on its own.
+struct Server(Option<Child>);
+
+impl Server {
+    fn start(cmd: &mut Command) -> Self {
+        Server(Some(cmd.spawn().expect("start server")))
+    }
+
+    /// Waits for the server to exit by itself (after its client's goodbye).
+    fn finish(mut self) -> Output {
+        self.0
+            .take()
+            .expect("not finished yet")
+            .wait_with_output()
+            .expect("server exits")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A `lat` client in `b` against a server in `a` at `addr`; whether it got its row.
+fn lat_client(h: &Hosts, addr: &str) -> bool {
+    let out = Hosts::perf(
+        &h.b,
+        &[("DMLC_INTERFACE", "eth0"), ("PSNET_CONNECT_TIMEOUT", "1")],
+        &["lat", addr, "-p", "18515", "-s", "64", "-n", "20", "--json"],
+    )
+    .output()
+    .expect("run client");
+    out.status.success()
+        && serde_json::from_slice::<serde_json::Value>(&out.stdout)
+            .is_ok_and(|row| row["iterations"] == 20)
+}
+
+/// Without DMLC_INTERFACE / DMLC_NODE_HOST the server listens on every address: a client
+/// reaches it through either of the host's interfaces. With DMLC_INTERFACE=ib0, only through
+/// ib0's address.
+#[test]
+fn server_without_an_interface_listens_on_every_address() {
+    let Some(h) = hosts("any") else { return };
+    for addr in [A_IB0, A_ETH0] {
+        let server =
+            Server::start(Hosts::perf(&h.a, &[], &["lat", "-p", "18515"]).stdout(Stdio::piped()));
+        let reached = lat_client(&h, addr);
+        let server = server.finish();
+        let banner = String::from_utf8_lossy(&server.stdout);
+        assert!(reached, "no answer through {addr}: {banner}");
+        assert!(server.status.success());
+        assert!(banner.contains("0.0.0.0:18515"), "{banner}");
+    }
+    let server = Server::start(
+        Hosts::perf(&h.a, &[("DMLC_INTERFACE", "ib0")], &["lat", "-p", "18515"])
+            .stdout(Stdio::null()),
+    );
+    let through_eth0 = lat_client(&h, A_ETH0);
+    let through_ib0 = lat_client(&h, A_IB0);
+    let status = server.finish().status;
+    assert!(!through_eth0, "a server bound to ib0 answered on eth0");
+    assert!(through_ib0 && status.success());
 }

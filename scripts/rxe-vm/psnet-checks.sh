@@ -46,7 +46,7 @@ bw_pair() { # bw_pair SIZE ITERS
   sleep 1
   DMLC_INTERFACE=$RXE_NETDEV timeout -k 5 120 $B/psnet-perf bw --transport rdma -s $1 -n $2 --json $RXE_ADDR > $OUT/psbw.$1 2>&1
   rc2=$?; wait
-  ps=$(sed -n 's/.*"bw_avg_mib_s": *\([0-9.]*\).*/\1/p' $OUT/psbw.$1 | tail -1)
+  ps=$(sed -n '/"test":"bw"/s/.*"bw_avg_mib_s": *\([0-9.eE+-]*\).*/\1/p' $OUT/psbw.$1 | tail -1)
   [ $rc2 = 0 ] || { cat $OUT/psbw.$1 $OUT/psbw-srv.$1 | tail -30; }
   echo "FIGURE bw size=$1 ib_write_bw_MBps=$ib psnet_rdma_MiBps=$ps ratio=$(awk -v a="$ps" -v b="$ib" 'BEGIN{ if (b > 0) printf "%.2f", a/b; else print "n/a" }')"
   check "bw $1 (ib_write_bw rc=$rc1, psnet-perf rc=$rc2)" $(( rc1 != 0 || rc2 != 0 ))
@@ -71,7 +71,7 @@ DMLC_INTERFACE=$RXE_NETDEV timeout -k 5 60 $B/psnet-perf lat --transport rdma > 
 sleep 1
 DMLC_INTERFACE=$RXE_NETDEV timeout -k 5 60 $B/psnet-perf lat --transport rdma -s 8 -n 1000 --json $RXE_ADDR > $OUT/pslat 2>&1
 rc2=$?; wait
-ps=$(sed -n 's/.*"lat_median_us": *\([0-9.]*\).*/\1/p' $OUT/pslat | tail -1)
+ps=$(sed -n '/"test":"lat"/s/.*"rtt_median_us": *\([0-9.eE+-]*\).*/\1/p' $OUT/pslat | tail -1)
 [ $rc2 = 0 ] || { cat $OUT/pslat $OUT/pslat-srv | tail -30; }
 echo "FIGURE lat size=8 ib_write_lat_typical_us=$wlat ib_send_lat_typical_us=$slat psnet_rdma_rtt_median_us=$ps one_way_ratio_vs_send_lat=$(awk -v a="$ps" -v b="$slat" 'BEGIN{ if (b > 0) printf "%.2f", a/2/b; else print "n/a" }')"
 check "lat (ib_write_lat rc=$rc1, ib_send_lat rc=$rc3, psnet-perf rc=$rc2)" $(( rc1 != 0 || rc2 != 0 || rc3 != 0 ))

@@ -180,9 +180,25 @@ pub fn format_gpu_table(rows: &[GpuMeasureRow]) -> String {
     s
 }
 
-/// The rows as one JSON document (`{"test": "compress-gpu", "results": [...]}`).
+/// The rows as JSON Lines: one flat object per row, on its own line (no trailing newline),
+/// `"test": "compress-gpu"` then the [`GpuMeasureRow`] fields (units in the names).
 pub fn format_gpu_json(rows: &[GpuMeasureRow]) -> String {
-    serde_json::json!({ "test": "compress-gpu", "results": rows }).to_string()
+    #[derive(Serialize)]
+    struct Line<'a> {
+        test: &'static str,
+        #[serde(flatten)]
+        row: &'a GpuMeasureRow,
+    }
+    rows.iter()
+        .map(|row| {
+            serde_json::to_string(&Line {
+                test: "compress-gpu",
+                row,
+            })
+            .unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 #[cfg(test)]
