@@ -2,13 +2,15 @@
 # Installs what building and testing psnet needs on Debian 12 (apt packages only; nothing is
 # downloaded from outside the package registries). Run as root, or with sudo available.
 #   iproute2              the network-namespace tests (ib0/eth0 veth pairs)
-#   cmake clang libclang-dev
+#   cmake make clang libclang-dev
 #                         building sideway's rdma-mummy-sys (libibverbs is loaded at run time,
 #                         so rdma-core is needed neither to build nor to run the tests)
-#   gcc                   the raw TCP ping-pong reference of the benchmarks
+#   gcc                   the linker rustc calls, and the raw TCP ping-pong reference of the
+#                         benchmarks
+#   ca-certificates       cargo's HTTPS downloads of the crates
 # Already installed packages are left alone; a machine without apt-get is told what to install.
 set -euo pipefail
-PACKAGES=(iproute2 cmake clang libclang-dev gcc)
+PACKAGES=(iproute2 cmake make clang libclang-dev gcc ca-certificates)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
