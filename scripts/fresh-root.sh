@@ -37,7 +37,7 @@ say "debootstrap --variant=minbase bookworm $ROOT ($MIRROR)"
 rm -rf "$ROOT"
 debootstrap --variant=minbase bookworm "$ROOT" "$MIRROR" > /tmp/psnet-fresh-root.log 2>&1 \
   || { tail -20 /tmp/psnet-fresh-root.log; exit 1; }
-say "root built in $(( $(date +%s) - t0 )) s; packages the README's command will install: none yet"
+say "root built in $(( $(date +%s) - t0 )) s"
 cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
 mount -t proc proc "$ROOT/proc"; mounts+=("$ROOT/proc")
 bind /dev "$ROOT/dev"
