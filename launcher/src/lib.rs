@@ -128,6 +128,23 @@ impl Outcome {
     pub fn success(&self) -> bool {
         self.first_failure.is_none() && self.signal.is_none()
     }
+
+    /// The exit status the launcher takes from the blamed process: its own exit code, or
+    /// `128 + signal` when a signal ended it (as a shell reports it); `None` without a failure.
+    pub fn failure_code(&self) -> Option<u8> {
+        use std::os::unix::process::ExitStatusExt;
+        let (role, index, _) = self.first_failure.as_ref()?;
+        let status = self
+            .ended
+            .iter()
+            .find(|e| e.role == *role && e.index == *index)
+            .and_then(|e| e.status)?;
+        let code = status
+            .code()
+            .or_else(|| status.signal().map(|sig| 128 + sig))
+            .unwrap_or(1);
+        Some(u8::try_from(code).unwrap_or(1).max(1))
+    }
 }
 
 /// The signals that stop a job: each is passed on to every process of the job.
@@ -468,6 +485,7 @@ mod tests {
             started.elapsed() < Duration::from_secs(10),
             "others were not stopped"
         );
+        assert_eq!(out.failure_code(), Some(3), "the failing worker's own code");
         let (role, _, status) = out.first_failure.expect("failure reported");
         assert_eq!(role, Role::Worker);
         assert!(status.contains('3'), "{status}");
@@ -485,6 +503,7 @@ mod tests {
         let (role, _, status) = out.first_failure.clone().expect("failure reported");
         assert_eq!(role, Role::Server, "{out:?}");
         assert!(status.contains("signal"), "{status}");
+        assert_eq!(out.failure_code(), Some(128 + 9), "killed by SIGKILL");
         // Only processes that noticed: the first of them is blamed.
         let out = launch_local(&JobSpec::new(
             1,

@@ -60,10 +60,33 @@ fn without_prefixes_the_output_is_untouched() {
 fn the_failing_process_is_named_by_the_same_numbering() {
     let script = r#"if [ "${DMLC_WORKER_ID:-}" = 1 ]; then echo "worker one fails" >&2; exit 7; fi; sleep 30"#;
     let (_, stderr, code) = launch(&["-n", "2", "-s", "1", "--grace", "1"], script);
-    assert_eq!(code, Some(1));
+    assert_eq!(
+        code,
+        Some(7),
+        "the launcher exits with the failing process's code"
+    );
     assert!(stderr.contains("[worker 1] worker one fails"), "{stderr}");
     assert!(
         stderr.contains("psnet-launch: worker 1 failed first (exit status: 7)"),
         "{stderr}"
     );
+}
+
+#[test]
+fn misuse_is_refused_before_anything_starts_with_what_to_do() {
+    let cases: [(&[&str], &str); 4] = [
+        (&["-n", "0"], "at least one server and one worker"),
+        (&["-n", "1", "-H", "hosts"], "need --launcher ssh or mpi"),
+        (&["-n", "1", "--launcher", "ssh"], "needs --hostfile"),
+        (
+            &["-n", "1", "--launcher", "mpi", "-H", "/no/such/hostfile"],
+            "/no/such/hostfile",
+        ),
+    ];
+    for (args, says) in cases {
+        let (stdout, stderr, code) = launch(args, "echo started");
+        assert_eq!(code, Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(!stdout.contains("started"), "{args:?} started processes");
+    }
 }

@@ -90,3 +90,50 @@ fn a_launcher_killed_outright_leaves_no_process_of_the_job() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn sigint_to_the_launcher_binary_stops_the_job_with_128_plus_2() {
+    let dir = std::env::temp_dir().join(format!("psnet-launch-int-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = format!("echo $$ > {}/$DMLC_ROLE-$$; exec sleep 120", dir.display());
+    let mut launcher = std::process::Command::new(env!("CARGO_BIN_EXE_psnet-launch"))
+        .args([
+            "-n",
+            "2",
+            "-s",
+            "1",
+            "--no-prefix",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .spawn()
+        .expect("start psnet-launch");
+    let pids = || -> Vec<i32> {
+        std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok())
+            .filter_map(|s| s.trim().parse().ok())
+            .collect()
+    };
+    let started = Instant::now();
+    while pids().len() < 4 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the job did not start"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pid = rustix::process::Pid::from_child(&launcher);
+    rustix::process::kill_process(pid, rustix::process::Signal::INT).unwrap();
+    let status = launcher.wait().unwrap();
+    assert_eq!(status.code(), Some(128 + 2), "{status}");
+    std::thread::sleep(Duration::from_millis(200));
+    for p in pids() {
+        let alive =
+            std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| !s.contains(") Z "));
+        assert!(!alive, "process {p} outlived the launcher");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -22,8 +22,13 @@ use clap::{Parser, ValueEnum};
 /// Synchronization mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ModeArg {
-    /// dist_sync (also accepted under MXNet's name).
-    #[value(alias = "dist_sync")]
+    /// dist_sync (also accepted under MXNet's names dist_sync, dist_sync_device and
+    /// dist_device_sync: gradients are reduced on the servers either way).
+    #[value(
+        alias = "dist_sync",
+        alias = "dist_sync_device",
+        alias = "dist_device_sync"
+    )]
     Sync,
     /// dist_async (also accepted under MXNet's name).
     #[value(alias = "dist_async")]

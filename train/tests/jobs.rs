@@ -462,15 +462,17 @@ fn settings_are_checked_before_any_process_starts_and_mxnet_mode_names_work() {
         err.contains("3bit") && !err.contains("transport selected"),
         "{err}"
     );
-    let out = train()
-        .args(["--mode", "dist_sync", "--reference", "--epochs", "1"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    for name in ["dist_sync", "dist_sync_device", "dist_device_sync"] {
+        let out = train()
+            .args(["--mode", name, "--reference", "--epochs", "1"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     // dist_async is accepted by name (and then refused by --reference for its own reason).
     let out = train()
         .args(["--mode", "dist_async", "--reference", "--epochs", "1"])

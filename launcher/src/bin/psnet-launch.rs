@@ -223,13 +223,15 @@ fn report(outcome: Result<psnet_launch::Outcome, psnet_launch::LaunchError>) -> 
             ExitCode::from(u8::try_from(128 + sig).unwrap_or(255))
         }
         Ok(out) => {
+            let code = out.failure_code().unwrap_or(1);
             if let Some((role, index, status)) = out.first_failure {
                 eprintln!(
-                    "psnet-launch: {} {index} failed first ({status})",
+                    "psnet-launch: {} {index} failed first ({status}); every other process \
+                     was stopped",
                     role.as_env()
                 );
             }
-            ExitCode::FAILURE
+            ExitCode::from(code)
         }
         Err(e) => fail(e),
     }
