@@ -224,6 +224,10 @@ crate::declare_env_vars! {
     PMI_SIZE = "PMI_SIZE", "", "MPICH / Intel MPI's number of processes";
     SLURM_PROCID = "SLURM_PROCID", "", "Slurm's rank of this task (as OMPI_COMM_WORLD_RANK)";
     SLURM_NTASKS = "SLURM_NTASKS", "", "Slurm's number of tasks";
+    SGE_TASK_ID = "SGE_TASK_ID", "",
+        "Grid Engine's array task id (psnet-launch --launcher sge: task i is rank i, 1 the first server; the scheduler runs with the launcher)";
+    PBS_ARRAY_INDEX = "PBS_ARRAY_INDEX", "", "PBS Pro's array index (as SGE_TASK_ID)";
+    PBS_ARRAYID = "PBS_ARRAYID", "", "Torque's array id (as SGE_TASK_ID)";
     SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST", "",
         "the Slurm allocation's nodes (psnet-launch --launcher slurm puts the scheduler on the first)";
 }

@@ -12,11 +12,15 @@ use psnet_config::env;
 use crate::{process_env, JobSpec, LaunchError, Role};
 
 /// The rank variables of the cluster launchers psnet understands, in the order they are
-/// looked at, with their size variables.
-const RANK_VARS: [(env::EnvVar, env::EnvVar); 3] = [
-    (env::OMPI_COMM_WORLD_RANK, env::OMPI_COMM_WORLD_SIZE),
-    (env::PMI_RANK, env::PMI_SIZE),
-    (env::SLURM_PROCID, env::SLURM_NTASKS),
+/// looked at, with their size variables. An array task's id (Grid Engine, PBS) is its rank
+/// directly: tasks count from 1 and the scheduler, rank 0, runs with the launcher.
+const RANK_VARS: [(env::EnvVar, Option<env::EnvVar>); 6] = [
+    (env::OMPI_COMM_WORLD_RANK, Some(env::OMPI_COMM_WORLD_SIZE)),
+    (env::PMI_RANK, Some(env::PMI_SIZE)),
+    (env::SLURM_PROCID, Some(env::SLURM_NTASKS)),
+    (env::SGE_TASK_ID, None),
+    (env::PBS_ARRAY_INDEX, None),
+    (env::PBS_ARRAYID, None),
 ];
 
 /// This process's rank and the number of processes, from the first rank variable set, and
@@ -28,15 +32,19 @@ pub fn rank_from_env() -> Result<(u32, Option<u32>, &'static str), LaunchError> 
                 .parse()
                 .map_err(|e| LaunchError::Invalid(e.to_string()))?
                 .unwrap_or(0);
-            let n: Option<u32> = size
-                .parse()
-                .map_err(|e| LaunchError::Invalid(e.to_string()))?;
+            let n: Option<u32> = match size {
+                Some(size) => size
+                    .parse()
+                    .map_err(|e| LaunchError::Invalid(e.to_string()))?,
+                None => None,
+            };
             return Ok((r, n, rank.name));
         }
     }
     Err(LaunchError::Invalid(
-        "--role-from-env: none of OMPI_COMM_WORLD_RANK, PMI_RANK or SLURM_PROCID is set; \
-         run it under mpirun or srun, or use psnet-launch's own launchers"
+        "--role-from-env: none of OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID, SGE_TASK_ID, \
+         PBS_ARRAY_INDEX or PBS_ARRAYID is set; run it under mpirun, srun or an array job, \
+         or use psnet-launch's own launchers"
             .into(),
     ))
 }
@@ -113,7 +121,7 @@ pub fn forwarded_env() -> Vec<(String, String)> {
 }
 
 /// The inner `psnet-launch --role-from-env` command line every rank runs.
-fn inner_command(spec: &JobSpec, launcher: &str) -> Vec<String> {
+pub(crate) fn inner_command(spec: &JobSpec, launcher: &str) -> Vec<String> {
     let mut args = vec![
         launcher.to_string(),
         "--role-from-env".into(),

@@ -23,6 +23,7 @@ use psnet_config::env;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 
+pub mod batch;
 pub mod cluster;
 pub mod ssh;
 #[allow(unsafe_code)]

@@ -159,7 +159,7 @@ fn role_from_env_refuses_a_job_of_the_wrong_size_or_no_rank() {
     let (_, stderr, code) = launch(&dir, &["--role-from-env", "-n", "2"], &env[2..]);
     assert_eq!(code, 1);
     assert!(
-        stderr.contains("OMPI_COMM_WORLD_RANK, PMI_RANK or SLURM_PROCID"),
+        stderr.contains("OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID, SGE_TASK_ID"),
         "{stderr}"
     );
 }

@@ -20,6 +20,18 @@ enum Launcher {
     Slurm,
     /// The scheduler here; servers, then workers, on the hostfile's hosts in turn, by ssh.
     Ssh,
+    /// Grid Engine: the scheduler here; servers and workers one array job (`qsub -t`).
+    Sge,
+    /// PBS Pro (`qsub -J`) or Torque (`qsub -t`, with `--pbs-flavor torque`): as sge.
+    Pbs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum PbsFlavor {
+    /// PBS Pro / OpenPBS.
+    Pro,
+    /// Torque.
+    Torque,
 }
 
 #[derive(Parser)]
@@ -45,6 +57,18 @@ struct Cli {
     /// ssh: copy this directory to DIR on every host (rsync) and run the command there.
     #[arg(long, value_name = "DIR")]
     sync_dst_dir: Option<String>,
+    /// sge: extra qsub arguments (queue, parallel environment...), e.g. "-q gpu.q -pe smp 4".
+    #[arg(long, value_name = "ARGS", allow_hyphen_values = true)]
+    sge_args: Option<String>,
+    /// pbs: extra qsub arguments, e.g. "-q gpu -l select=1:ncpus=4".
+    #[arg(long, value_name = "ARGS", allow_hyphen_values = true)]
+    pbs_args: Option<String>,
+    /// pbs: PBS Pro / OpenPBS (`qsub -J`, PBS_ARRAY_INDEX) or Torque (`qsub -t`, PBS_ARRAYID).
+    #[arg(long, value_enum, default_value = "pro")]
+    pbs_flavor: PbsFlavor,
+    /// sge / pbs: the array job's name (default psnet-PID).
+    #[arg(long)]
+    job_name: Option<String>,
     /// Extra environment for every process, `NAME=VALUE` or `NAME:VALUE` (repeatable).
     #[arg(long = "env", value_parser = parse_env)]
     env: Vec<(String, String)>,
@@ -155,6 +179,54 @@ fn main() -> ExitCode {
                 sync: cli.sync_dst_dir.is_some(),
             };
             return report(psnet_launch::ssh::launch_ssh(&spec, &job));
+        }
+        Launcher::Sge | Launcher::Pbs => {
+            if cli.hostfile.is_some() || cli.sync_dst_dir.is_some() {
+                return fail("--hostfile and --sync-dst-dir are for --launcher ssh or mpi");
+            }
+            let system = match (cli.launcher, cli.pbs_flavor) {
+                (Launcher::Sge, _) => psnet_launch::batch::BatchSystem::Sge,
+                (_, PbsFlavor::Pro) => psnet_launch::batch::BatchSystem::PbsPro,
+                (_, PbsFlavor::Torque) => psnet_launch::batch::BatchSystem::Torque,
+            };
+            let extra = if cli.launcher == Launcher::Sge {
+                cli.sge_args
+            } else {
+                cli.pbs_args
+            };
+            let dir = match std::env::current_dir() {
+                Ok(d) => d.to_string_lossy().into_owned(),
+                Err(e) => return fail(format!("the current directory: {e}")),
+            };
+            spec.root_port = cli.port.unwrap_or(0);
+            if let Some(root) = cli.root {
+                spec.root_host = root;
+            }
+            let job = psnet_launch::batch::BatchJob {
+                system,
+                name: cli
+                    .job_name
+                    .unwrap_or_else(|| format!("psnet-{}", std::process::id())),
+                extra: extra
+                    .map(|a| a.split_whitespace().map(str::to_string).collect())
+                    .unwrap_or_default(),
+                dir,
+                launcher: launcher_path.clone(),
+                poll: Duration::from_secs(2),
+            };
+            return match psnet_launch::batch::launch_batch(&spec, &job) {
+                Ok(out) => match (out.failure, out.signal) {
+                    (None, _) => ExitCode::SUCCESS,
+                    (Some(why), signal) => {
+                        eprintln!("psnet-launch: {why}");
+                        let code = signal
+                            .map(|s| 128 + s)
+                            .or_else(|| out.scheduler.and_then(|s| s.code()));
+                        ExitCode::from(code.and_then(|c| u8::try_from(c).ok()).unwrap_or(1).max(1))
+                    }
+                },
+                Err(e) => fail(e),
+            };
         }
         Launcher::Mpi => {
             let first = match &cli.hostfile {
