@@ -29,6 +29,7 @@ pub mod ssh;
 #[allow(unsafe_code)]
 mod sys;
 mod tagged;
+pub mod yarn;
 use std::time::{Duration, Instant};
 use tagged::Tagger;
 

@@ -24,6 +24,9 @@ enum Launcher {
     Sge,
     /// PBS Pro (`qsub -J`) or Torque (`qsub -t`, with `--pbs-flavor torque`): as sge.
     Pbs,
+    /// Hadoop YARN through the ResourceManager's REST API: one application per server and
+    /// worker, the scheduler here.
+    Yarn,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -66,9 +69,21 @@ struct Cli {
     /// pbs: PBS Pro / OpenPBS (`qsub -J`, PBS_ARRAY_INDEX) or Torque (`qsub -t`, PBS_ARRAYID).
     #[arg(long, value_enum, default_value = "pro")]
     pbs_flavor: PbsFlavor,
-    /// sge / pbs: the array job's name (default psnet-PID).
+    /// sge / pbs / yarn: the job's name (default psnet-PID).
     #[arg(long)]
     job_name: Option<String>,
+    /// yarn: the ResourceManager's web address (yarn.resourcemanager.webapp.address).
+    #[arg(long, value_name = "URL")]
+    yarn_rm: Option<String>,
+    /// yarn: memory per container, MB.
+    #[arg(long, default_value_t = 4096)]
+    yarn_memory: u32,
+    /// yarn: virtual cores per container.
+    #[arg(long, default_value_t = 2)]
+    yarn_vcores: u32,
+    /// yarn: the queue (default: the cluster's default queue).
+    #[arg(long)]
+    yarn_queue: Option<String>,
     /// Extra environment for every process, `NAME=VALUE` or `NAME:VALUE` (repeatable).
     #[arg(long = "env", value_parser = parse_env)]
     env: Vec<(String, String)>,
@@ -179,6 +194,45 @@ fn main() -> ExitCode {
                 sync: cli.sync_dst_dir.is_some(),
             };
             return report(psnet_launch::ssh::launch_ssh(&spec, &job));
+        }
+        Launcher::Yarn => {
+            if cli.hostfile.is_some() || cli.sync_dst_dir.is_some() {
+                return fail("--hostfile and --sync-dst-dir are for --launcher ssh or mpi");
+            }
+            let Some(rm) = cli.yarn_rm else {
+                return fail(
+                    "--launcher yarn needs --yarn-rm URL: the ResourceManager's web address \
+                     (yarn.resourcemanager.webapp.address, e.g. http://rm:8088)",
+                );
+            };
+            spec.root_port = cli.port.unwrap_or(0);
+            if let Some(root) = cli.root {
+                spec.root_host = root;
+            }
+            let job = psnet_launch::yarn::YarnJob {
+                rm,
+                name: cli
+                    .job_name
+                    .unwrap_or_else(|| format!("psnet-{}", std::process::id())),
+                memory_mb: cli.yarn_memory,
+                vcores: cli.yarn_vcores,
+                queue: cli.yarn_queue,
+                poll: Duration::from_secs(1),
+            };
+            return match psnet_launch::yarn::launch_yarn(&spec, &job) {
+                Ok(out) => match out.failure {
+                    None => ExitCode::SUCCESS,
+                    Some(why) => {
+                        eprintln!("psnet-launch: {why}");
+                        let code = out
+                            .signal
+                            .map(|s| 128 + s)
+                            .or_else(|| out.scheduler.and_then(|s| s.code()));
+                        ExitCode::from(code.and_then(|c| u8::try_from(c).ok()).unwrap_or(1).max(1))
+                    }
+                },
+                Err(e) => fail(e),
+            };
         }
         Launcher::Sge | Launcher::Pbs => {
             if cli.hostfile.is_some() || cli.sync_dst_dir.is_some() {
