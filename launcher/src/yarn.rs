@@ -25,10 +25,14 @@ pub struct YarnJob {
     pub rm: String,
     /// The applications' name prefix.
     pub name: String,
-    /// Memory per container, MB.
+    /// Memory per worker container, MB.
     pub memory_mb: u32,
-    /// Virtual cores per container.
+    /// Virtual cores per worker container.
     pub vcores: u32,
+    /// Memory per server container, MB (servers hold the model; workers compute).
+    pub server_memory_mb: u32,
+    /// Virtual cores per server container.
+    pub server_vcores: u32,
     /// The queue, if not the default.
     pub queue: Option<String>,
     /// How often the applications' states are read.
@@ -165,7 +169,10 @@ pub fn submission(
         "max-app-attempts": 1,
         "unmanaged-AM": false,
         "keep-containers-across-application-attempts": false,
-        "resource": { "memory": job.memory_mb, "vCores": job.vcores },
+        "resource": match role {
+            Role::Server => json!({ "memory": job.server_memory_mb, "vCores": job.server_vcores }),
+            _ => json!({ "memory": job.memory_mb, "vCores": job.vcores }),
+        },
         "am-container-spec": {
             "commands": {
                 "command": format!("{} 1><LOG_DIR>/stdout 2><LOG_DIR>/stderr", cmd.join(" "))
@@ -311,6 +318,8 @@ mod tests {
             name: "psnet-9".into(),
             memory_mb: 2048,
             vcores: 2,
+            server_memory_mb: 1024,
+            server_vcores: 1,
             queue: Some("gpu".into()),
             poll: Duration::from_secs(1),
         };
@@ -318,6 +327,8 @@ mod tests {
         assert_eq!(s["application-id"], "application_1_0002");
         assert_eq!(s["application-name"], "psnet-9-worker-1");
         assert_eq!(s["resource"]["memory"], 2048);
+        let server = submission(&spec, &job, "application_1_0001", Role::Server, 0, 9100);
+        assert_eq!(server["resource"], json!({ "memory": 1024, "vCores": 1 }));
         assert_eq!(s["queue"], "gpu");
         let cmd = s["am-container-spec"]["commands"]["command"]
             .as_str()

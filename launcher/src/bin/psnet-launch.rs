@@ -75,12 +75,18 @@ struct Cli {
     /// yarn: the ResourceManager's web address (yarn.resourcemanager.webapp.address).
     #[arg(long, value_name = "URL")]
     yarn_rm: Option<String>,
-    /// yarn: memory per container, MB.
+    /// yarn: memory per worker container, MB.
     #[arg(long, default_value_t = 4096)]
     yarn_memory: u32,
-    /// yarn: virtual cores per container.
+    /// yarn: virtual cores per worker container.
     #[arg(long, default_value_t = 2)]
     yarn_vcores: u32,
+    /// yarn: memory per server container, MB (default: --yarn-memory).
+    #[arg(long)]
+    yarn_server_memory: Option<u32>,
+    /// yarn: virtual cores per server container (default: --yarn-vcores).
+    #[arg(long)]
+    yarn_server_vcores: Option<u32>,
     /// yarn: the queue (default: the cluster's default queue).
     #[arg(long)]
     yarn_queue: Option<String>,
@@ -216,6 +222,8 @@ fn main() -> ExitCode {
                     .unwrap_or_else(|| format!("psnet-{}", std::process::id())),
                 memory_mb: cli.yarn_memory,
                 vcores: cli.yarn_vcores,
+                server_memory_mb: cli.yarn_server_memory.unwrap_or(cli.yarn_memory),
+                server_vcores: cli.yarn_server_vcores.unwrap_or(cli.yarn_vcores),
                 queue: cli.yarn_queue,
                 poll: Duration::from_secs(1),
             };
