@@ -9,12 +9,11 @@
 //! before joining).
 
 use std::io::Write;
-use std::os::unix::process::CommandExt;
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::ssh::shell_quote;
-use crate::{process_env, JobSpec, LaunchError, Role};
+use crate::{JobSpec, LaunchError};
 
 /// The batch system.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -192,22 +191,8 @@ pub fn launch_batch(spec: &JobSpec, job: &BatchJob) -> Result<BatchOutcome, Laun
     let mut spec = spec.clone();
     spec.root_port = port;
     let signals = crate::StopSignals::install()?;
-    let mut sched = Command::new(&spec.command[0]);
-    sched
-        .args(&spec.command[1..])
-        .envs(process_env(&spec, Role::Scheduler, 0, port))
-        .process_group(0);
-    crate::sys::die_with_launcher(&mut sched);
-    let mut scheduler = sched.spawn().map_err(|source| LaunchError::Spawn {
-        role: Role::Scheduler,
-        index: 0,
-        program: spec.command[0].clone(),
-        source,
-    })?;
-    let stop_scheduler = |scheduler: &mut std::process::Child| {
-        crate::signal_group(scheduler, rustix::process::Signal::KILL);
-        let _ = scheduler.wait();
-    };
+    let mut scheduler = crate::spawn_local_scheduler(&spec, port)?;
+    let stop_scheduler = crate::stop_local_scheduler;
 
     let tasks = spec.servers + spec.workers;
     let submitted = Command::new("qsub")

@@ -357,6 +357,28 @@ fn tag(role: Role, index: u32) -> String {
     }
 }
 
+/// The job's scheduler on this host (the batch and YARN launchers keep it here), in a group
+/// of its own and killed with the launcher.
+pub(crate) fn spawn_local_scheduler(spec: &JobSpec, port: u16) -> Result<Child, LaunchError> {
+    let mut cmd = Command::new(&spec.command[0]);
+    cmd.args(&spec.command[1..])
+        .envs(process_env(spec, Role::Scheduler, 0, port))
+        .process_group(0);
+    sys::die_with_launcher(&mut cmd);
+    cmd.spawn().map_err(|source| LaunchError::Spawn {
+        role: Role::Scheduler,
+        index: 0,
+        program: spec.command[0].clone(),
+        source,
+    })
+}
+
+/// Kills the local scheduler's group and reaps it.
+pub(crate) fn stop_local_scheduler(scheduler: &mut Child) {
+    signal_group(scheduler, rustix::process::Signal::KILL);
+    let _ = scheduler.wait();
+}
+
 /// How long processes may take to exit after the launcher passed a signal on to them.
 const SIGNAL_GRACE: Duration = Duration::from_secs(5);
 

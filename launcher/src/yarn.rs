@@ -8,8 +8,7 @@
 //! Plain HTTP to the ResourceManager's web address (`yarn.resourcemanager.webapp.address`,
 //! e.g. `http://rm:8088`); clusters that demand Kerberos (SPNEGO) on it are not supported.
 
-use std::os::unix::process::CommandExt;
-use std::process::{Child, Command, ExitStatus};
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -210,22 +209,8 @@ pub fn launch_yarn(spec: &JobSpec, job: &YarnJob) -> Result<YarnOutcome, LaunchE
         }
     }
     let signals = crate::StopSignals::install()?;
-    let mut sched = Command::new(&spec.command[0]);
-    sched
-        .args(&spec.command[1..])
-        .envs(process_env(spec, Role::Scheduler, 0, port))
-        .process_group(0);
-    crate::sys::die_with_launcher(&mut sched);
-    let mut scheduler = sched.spawn().map_err(|source| LaunchError::Spawn {
-        role: Role::Scheduler,
-        index: 0,
-        program: spec.command[0].clone(),
-        source,
-    })?;
-    let stop = |scheduler: &mut Child| {
-        crate::signal_group(scheduler, rustix::process::Signal::KILL);
-        let _ = scheduler.wait();
-    };
+    let mut scheduler = crate::spawn_local_scheduler(spec, port)?;
+    let stop = crate::stop_local_scheduler;
     let kill_all = |apps: &[(Role, u32, String)]| {
         for (_, _, id) in apps {
             rm.kill(id);

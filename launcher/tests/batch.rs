@@ -3,48 +3,17 @@
 //! `PBS_ARRAYID`), a `qstat` that knows the job while a task runs, and a `qdel` that records
 //! the cancellation and stops the tasks.
 
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn stubs(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("psnet-batch-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let d = dir.display();
-    let write = |name: &str, text: String| {
-        let path = dir.join(name);
-        std::fs::write(&path, text).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-    };
-    write(
-        "qsub",
-        format!(
-            "#!/bin/sh\necho \"$*\" > {d}/qsub.args\nn=1; var=PBS_ARRAYID; id='4242[].stub'\n\
-             while [ $# -gt 0 ]; do case \"$1\" in\n\
-               -terse) var=SGE_TASK_ID; id=4242.1-N:1; shift;;\n\
-               -t) n=${{2#1-}}; shift 2;;\n\
-               -J) n=${{2#1-}}; var=PBS_ARRAY_INDEX; shift 2;;\n\
-               -N|-o|-e|-q) shift 2;;\n\
-               *) shift;; esac; done\n\
-             cat > {d}/task.sh\ni=1\nwhile [ $i -le $n ]; do\n\
-               env $var=$i sh {d}/task.sh > {d}/task.$i.log 2>&1 &\n\
-               echo $! >> {d}/tasks.pids; i=$((i+1)); done\necho \"$id\"\n"
-        ),
-    );
-    write(
-        "qstat",
-        format!(
-            "#!/bin/sh\nfor p in $(cat {d}/tasks.pids 2>/dev/null); do kill -0 $p 2>/dev/null && exit 0; done\nexit 1\n"
-        ),
-    );
-    write(
-        "qdel",
-        format!(
-            "#!/bin/sh\necho \"$*\" >> {d}/qdel.log\nfor p in $(cat {d}/tasks.pids); do kill -TERM $p 2>/dev/null; done\nexit 0\n"
-        ),
-    );
+mod common;
+
+use common::{batch_stand_ins, path_with, reference_weights, scratch, trainer, SMALL_MODEL};
+
+fn stubs(tag: &str) -> std::path::PathBuf {
+    let dir = scratch(&format!("batch-{tag}"));
+    batch_stand_ins(&dir);
     dir
 }
 
@@ -61,17 +30,12 @@ fn job(dir: &Path, then: &str) -> String {
 }
 
 fn launcher(dir: &Path, args: &[&str], script: &str) -> Command {
-    let path = format!(
-        "{}:{}",
-        dir.display(),
-        psnet_config::env::harness_var("PATH").unwrap_or_default()
-    );
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_psnet-launch"));
     cmd.args(args)
         .args([
             "-n", "2", "-s", "2", "--grace", "1", "--", "sh", "-c", script,
         ])
-        .env("PATH", path)
+        .env("PATH", path_with(dir))
         .current_dir(dir);
     cmd
 }
@@ -185,8 +149,7 @@ fn a_signal_to_the_launcher_cancels_the_array_job() {
 
 #[test]
 fn without_qsub_the_error_says_what_to_install() {
-    let dir = std::env::temp_dir().join(format!("psnet-batch-none-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch("batch-none");
     let out = Command::new(env!("CARGO_BIN_EXE_psnet-launch"))
         .args(["--launcher", "sge", "-n", "1", "--", "/bin/true"])
         .env("PATH", &dir)
@@ -198,4 +161,45 @@ fn without_qsub_the_error_says_what_to_install() {
         stderr.contains("cannot run qsub") && stderr.contains("Grid Engine submit host"),
         "{stderr}"
     );
+}
+
+#[test]
+fn training_through_grid_engine_and_pbs_matches_the_reference() {
+    let train = trainer();
+    for tag in ["sge", "pbs"] {
+        let dir = stubs(&format!("train-{tag}"));
+        let want = reference_weights(&dir);
+        let weights = dir.join("w.bin");
+        let out = Command::new(env!("CARGO_BIN_EXE_psnet-launch"))
+            .args(["--launcher", tag, "-n", "2", "-s", "2", "--"])
+            .arg(&train)
+            .args(SMALL_MODEL)
+            .arg("--dump")
+            .arg(&weights)
+            .env("PATH", path_with(&dir))
+            .env("PS_HEARTBEAT_INTERVAL", "0.2")
+            .env_remove("DMLC_INTERFACE")
+            .env_remove("DMLC_NODE_HOST")
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        let logs: String = (1..=4)
+            .map(|i| std::fs::read_to_string(dir.join(format!("task.{i}.log"))).unwrap_or_default())
+            .collect();
+        assert!(
+            out.status.success(),
+            "{tag}: {}\n{logs}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            logs.contains("epoch 1 loss"),
+            "{tag}: rank 0 trained: {logs}"
+        );
+        assert!(
+            std::fs::read(&weights).unwrap() == want,
+            "{tag}: weights differ from the reference"
+        );
+        assert!(!dir.join("qdel.log").exists(), "{tag}: nothing to cancel");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -5,6 +5,8 @@ use std::time::{Duration, Instant};
 
 use psnet_launch::{launch_local, JobSpec};
 
+mod common;
+
 #[test]
 fn a_signal_to_the_launcher_stops_every_process_and_what_they_started() {
     // Each process starts a grandchild of its own and records its pid; all must be gone once
@@ -50,90 +52,42 @@ fn a_signal_to_the_launcher_stops_every_process_and_what_they_started() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Starts psnet-launch (`extra` arguments) on a job of 1 server and 2 workers whose
+/// processes record their pids in `dir` and sleep; returns once all four run.
+fn sleeping_job(dir: &std::path::Path, extra: &[&str]) -> std::process::Child {
+    let script = format!("echo $$ > {}/$DMLC_ROLE-$$; exec sleep 120", dir.display());
+    let launcher = std::process::Command::new(env!("CARGO_BIN_EXE_psnet-launch"))
+        .args(["-n", "2", "-s", "1"])
+        .args(extra)
+        .args(["--", "sh", "-c", &script])
+        .spawn()
+        .expect("start psnet-launch");
+    common::wait_for(Duration::from_secs(20), "the job did not start", || {
+        common::pids_in(dir).len() == 4
+    });
+    launcher
+}
+
 #[test]
 fn a_launcher_killed_outright_leaves_no_process_of_the_job() {
     // SIGKILL cannot be caught: the processes go because the kernel's parent-death signal
     // kills them, not because the launcher passed anything on.
-    let dir = std::env::temp_dir().join(format!("psnet-launch-kill-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let script = format!("echo $$ > {}/$DMLC_ROLE-$$; exec sleep 120", dir.display());
-    let mut launcher = std::process::Command::new(env!("CARGO_BIN_EXE_psnet-launch"))
-        .args(["-n", "2", "-s", "1", "--", "sh", "-c", &script])
-        .spawn()
-        .expect("start psnet-launch");
-    let pids = || -> Vec<i32> {
-        std::fs::read_dir(&dir)
-            .unwrap()
-            .filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok())
-            .filter_map(|s| s.trim().parse().ok())
-            .collect()
-    };
-    let started = Instant::now();
-    while pids().len() < 4 {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "the job did not start"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let dir = common::scratch("kill");
+    let mut launcher = sleeping_job(&dir, &[]);
     launcher.kill().unwrap();
     launcher.wait().unwrap();
-    let alive = |pid: i32| {
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
-    };
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while pids().into_iter().any(alive) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    for pid in pids() {
-        assert!(!alive(pid), "process {pid} outlived its launcher");
-    }
+    common::assert_all_gone(&dir, Duration::from_secs(5), "SIGKILL");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn sigint_to_the_launcher_binary_stops_the_job_with_128_plus_2() {
-    let dir = std::env::temp_dir().join(format!("psnet-launch-int-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let script = format!("echo $$ > {}/$DMLC_ROLE-$$; exec sleep 120", dir.display());
-    let mut launcher = std::process::Command::new(env!("CARGO_BIN_EXE_psnet-launch"))
-        .args([
-            "-n",
-            "2",
-            "-s",
-            "1",
-            "--no-prefix",
-            "--",
-            "sh",
-            "-c",
-            &script,
-        ])
-        .spawn()
-        .expect("start psnet-launch");
-    let pids = || -> Vec<i32> {
-        std::fs::read_dir(&dir)
-            .unwrap()
-            .filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok())
-            .filter_map(|s| s.trim().parse().ok())
-            .collect()
-    };
-    let started = Instant::now();
-    while pids().len() < 4 {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "the job did not start"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let dir = common::scratch("int");
+    let mut launcher = sleeping_job(&dir, &["--no-prefix"]);
     let pid = rustix::process::Pid::from_child(&launcher);
     rustix::process::kill_process(pid, rustix::process::Signal::INT).unwrap();
     let status = launcher.wait().unwrap();
     assert_eq!(status.code(), Some(128 + 2), "{status}");
-    std::thread::sleep(Duration::from_millis(200));
-    for p in pids() {
-        let alive =
-            std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| !s.contains(") Z "));
-        assert!(!alive, "process {p} outlived the launcher");
-    }
+    common::assert_all_gone(&dir, Duration::from_secs(5), "SIGINT");
     let _ = std::fs::remove_dir_all(&dir);
 }

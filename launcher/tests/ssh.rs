@@ -2,25 +2,22 @@
 //! from the launcher's process group (`setsid`) as a real remote command is, and a stub
 //! `rsync` that records its arguments.
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+
 fn stubs(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("psnet-ssh-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let write = |name: &str, text: &str| {
-        let path = dir.join(name);
-        std::fs::write(&path, text).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-    };
-    write(
+    let dir = common::scratch(&format!("ssh-{tag}"));
+    common::write_exe(
+        &dir,
         "ssh",
         "#!/bin/sh\nwhile [ \"$1\" = -o ]; do shift 2; done\nhost=$1; shift\n\
          PSNET_TEST_HOST=$host exec setsid --wait sh -c \"$1\"\n",
     );
-    write(
+    common::write_exe(
+        &dir,
         "rsync",
         &format!("#!/bin/sh\necho \"$@\" >> {}/rsync.log\n", dir.display()),
     );
@@ -29,11 +26,7 @@ fn stubs(tag: &str) -> PathBuf {
 }
 
 fn launcher(stubs: &Path, args: &[&str], script: &str) -> Command {
-    let path = format!(
-        "{}:{}",
-        stubs.display(),
-        psnet_config::env::harness_var("PATH").unwrap_or_default()
-    );
+    let path = common::path_with(stubs);
     let hosts = stubs.join("hosts");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_psnet-launch"));
     cmd.args(["--launcher", "ssh", "-H", hosts.to_str().unwrap()])
@@ -100,16 +93,8 @@ fn stopping_the_launcher_stops_the_remote_commands() {
     let pids = dir.join("pids");
     std::fs::create_dir_all(&pids).unwrap();
     let script = format!("echo $$ > {}/$DMLC_ROLE-$$; exec sleep 120", pids.display());
-    let read_pids = || -> Vec<i32> {
-        std::fs::read_dir(&pids)
-            .unwrap()
-            .filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok())
-            .filter_map(|s| s.trim().parse().ok())
-            .collect()
-    };
-    let alive = |pid: i32| {
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
-    };
+    let read_pids = || common::pids_in(&pids);
+    let alive = common::alive;
     // SIGTERM (passed on) and SIGKILL (the launcher dies outright): the remote side is only
     // reachable through its ssh session either way.
     for sig in [rustix::process::Signal::TERM, rustix::process::Signal::KILL] {

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+mod common;
+
 #[derive(Default)]
 struct Rm {
     next: u32,
@@ -122,10 +124,7 @@ fn serve(conn: TcpStream, rm: &Mutex<Rm>, logs: &Path) {
 }
 
 fn temp(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("psnet-yarn-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    common::scratch(&format!("yarn-{tag}"))
 }
 
 fn launch(url: &str, job: &[&str]) -> Command {
@@ -149,50 +148,15 @@ fn launch(url: &str, job: &[&str]) -> Command {
     cmd
 }
 
-/// psnet-train, built beside psnet-launch (`cargo test --workspace` builds it).
-fn trainer() -> PathBuf {
-    let path = Path::new(env!("CARGO_BIN_EXE_psnet-launch")).with_file_name("psnet-train");
-    if !path.exists() {
-        let cargo = psnet_config::env::harness_var("CARGO").unwrap_or_else(|| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "-p", "psnet-train"])
-            .status()
-            .expect("run cargo build -p psnet-train");
-        assert!(status.success());
-    }
-    path
-}
-
 #[test]
 fn a_training_job_through_yarn_matches_the_reference() {
     let dir = temp("train");
     let (url, rm) = stand_in(dir.clone());
-    let train = trainer();
-    let model = [
-        "--hidden",
-        "16",
-        "--features",
-        "20",
-        "--classes",
-        "5",
-        "--samples",
-        "1024",
-        "--batch",
-        "16",
-        "--epochs",
-        "2",
-    ];
-    let reference = dir.join("ref.bin");
-    let out = Command::new(&train)
-        .args(model)
-        .args(["--workers", "2", "--reference", "--dump"])
-        .arg(&reference)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    let train = common::trainer();
+    let want = common::reference_weights(&dir);
     let weights = dir.join("w.bin");
     let mut job = vec![train.to_str().unwrap()];
-    job.extend(model);
+    job.extend(common::SMALL_MODEL);
     job.extend(["--dump", weights.to_str().unwrap()]);
     let out = launch(&url, &job)
         .env("PS_HEARTBEAT_INTERVAL", "0.2")
@@ -204,7 +168,7 @@ fn a_training_job_through_yarn_matches_the_reference() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        std::fs::read(&weights).unwrap() == std::fs::read(&reference).unwrap(),
+        std::fs::read(&weights).unwrap() == want,
         "weights differ from the reference"
     );
     let rm = rm.lock().unwrap();

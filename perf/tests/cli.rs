@@ -1,7 +1,11 @@
 //! `psnet-perf` as a user runs it: loopback, two processes, errors.
 
 use std::net::TcpListener;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
+
+mod common;
+
+use common::Server;
 
 fn perf() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_psnet-perf"));
@@ -15,33 +19,6 @@ fn perf() -> Command {
         cmd.env_remove(var);
     }
     cmd
-}
-
-/// A server process, killed if the test fails before it exits on its own.
-struct Server(Option<Child>);
-
-impl Server {
-    fn start(cmd: &mut Command) -> Self {
-        Server(Some(cmd.spawn().expect("start server")))
-    }
-
-    /// Waits for the server to exit by itself (after its client's goodbye).
-    fn finish(mut self) -> Output {
-        self.0
-            .take()
-            .expect("not finished yet")
-            .wait_with_output()
-            .expect("server exits")
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(child) = self.0.as_mut() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
 }
 
 fn run_ok(cmd: &mut Command) -> String {

@@ -1,7 +1,11 @@
 //! Interface and transport selection for real, in network namespaces of the test's own with
 //! veth pairs named `ib0` and `eth0`. Needs root and iproute2; skips with a message otherwise.
 
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
+
+mod common;
+
+use common::Server;
 
 /// Two namespaces joined by two veth pairs, `ib0`<->`ib0` and `eth0`<->`eth0`, removed on drop.
 struct Hosts {
@@ -247,33 +251,6 @@ fn traffic_crosses_the_chosen_interface() {
         eth < 65536,
         "eth0 carried {eth} bytes of a test bound to ib0"
     );
-}
-
-/// A server process, killed if the test fails before it exits on its own.
-struct Server(Option<Child>);
-
-impl Server {
-    fn start(cmd: &mut Command) -> Self {
-        Server(Some(cmd.spawn().expect("start server")))
-    }
-
-    /// Waits for the server to exit by itself (after its client's goodbye).
-    fn finish(mut self) -> Output {
-        self.0
-            .take()
-            .expect("not finished yet")
-            .wait_with_output()
-            .expect("server exits")
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(child) = self.0.as_mut() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
 }
 
 /// A `lat` client in `b` against a server in `a` at `addr`; whether it got its row.

@@ -1,0 +1,31 @@
+//! What psnet-perf's process tests share.
+
+use std::process::{Child, Command, Output};
+
+/// A server process, killed if the test fails before it exits on its own.
+pub struct Server(Option<Child>);
+
+impl Server {
+    /// Starts `cmd`.
+    pub fn start(cmd: &mut Command) -> Self {
+        Server(Some(cmd.spawn().expect("start server")))
+    }
+
+    /// Waits for the server to exit by itself (after its client's goodbye).
+    pub fn finish(mut self) -> Output {
+        self.0
+            .take()
+            .expect("not finished yet")
+            .wait_with_output()
+            .expect("server exits")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
