@@ -125,7 +125,9 @@ fn a_task_failing_before_it_joins_stops_the_job() {
 #[test]
 fn a_signal_to_the_launcher_cancels_the_array_job() {
     let dir = stubs("signal");
-    let mut child = launcher(&dir, &["--launcher", "pbs"], &job(&dir, "exec sleep 60"))
+    // The scheduler waits on after the tasks started (a job in progress), as do the tasks.
+    let script = job(&dir, "exec sleep 60").replace("exit 0; fi", "exec sleep 60; fi");
+    let mut child = launcher(&dir, &["--launcher", "pbs"], &script)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -161,6 +163,12 @@ fn without_qsub_the_error_says_what_to_install() {
         stderr.contains("cannot run qsub") && stderr.contains("Grid Engine submit host"),
         "{stderr}"
     );
+    // Without --root the scheduler is on loopback here: said, since tasks elsewhere cannot
+    // reach it.
+    assert!(
+        stderr.contains("warning: the scheduler listens on 127.0.0.1"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -171,7 +179,17 @@ fn training_through_grid_engine_and_pbs_matches_the_reference() {
         let want = reference_weights(&dir);
         let weights = dir.join("w.bin");
         let out = Command::new(env!("CARGO_BIN_EXE_psnet-launch"))
-            .args(["--launcher", tag, "-n", "2", "-s", "2", "--"])
+            .args([
+                "--launcher",
+                tag,
+                "--root",
+                "127.0.0.1",
+                "-n",
+                "2",
+                "-s",
+                "2",
+                "--",
+            ])
             .arg(&train)
             .args(SMALL_MODEL)
             .arg("--dump")

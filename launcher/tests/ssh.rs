@@ -29,10 +29,17 @@ fn launcher(stubs: &Path, args: &[&str], script: &str) -> Command {
     let path = common::path_with(stubs);
     let hosts = stubs.join("hosts");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_psnet-launch"));
-    cmd.args(["--launcher", "ssh", "-H", hosts.to_str().unwrap()])
-        .args(args)
-        .args(["--", "sh", "-c", script])
-        .env("PATH", path);
+    cmd.args([
+        "--launcher",
+        "ssh",
+        "-H",
+        hosts.to_str().unwrap(),
+        "--root",
+        "127.0.0.1",
+    ])
+    .args(args)
+    .args(["--", "sh", "-c", script])
+    .env("PATH", path);
     cmd
 }
 
@@ -133,5 +140,31 @@ fn stopping_the_launcher_stops_the_remote_commands() {
             assert!(!alive(p), "{sig:?}: process {p} outlived the launcher");
         }
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_loopback_scheduler_for_remote_hosts_is_refused_saying_what_to_set() {
+    let dir = stubs("loopback");
+    let out = Command::new(env!("CARGO_BIN_EXE_psnet-launch"))
+        .args([
+            "--launcher",
+            "ssh",
+            "-H",
+            dir.join("hosts").to_str().unwrap(),
+        ])
+        .args(["-n", "1", "-s", "1", "--", "true"])
+        .env("PATH", common::path_with(&dir))
+        .env_remove("DMLC_INTERFACE")
+        .env_remove("DMLC_NODE_HOST")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("would listen on 127.0.0.1, which h1, h2 cannot reach")
+            && stderr.contains("DMLC_INTERFACE"),
+        "{stderr}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

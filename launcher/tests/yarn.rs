@@ -134,6 +134,8 @@ fn launch(url: &str, job: &[&str]) -> Command {
         "yarn",
         "--yarn-rm",
         url,
+        "--root",
+        "127.0.0.1",
         "-n",
         "2",
         "-s",

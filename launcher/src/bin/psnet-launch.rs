@@ -191,8 +191,12 @@ fn main() -> ExitCode {
                 },
             };
             spec.root_port = cli.port.unwrap_or(0);
+            let chosen = cli.root.is_some();
             if let Some(root) = cli.root {
                 spec.root_host = root;
+            }
+            if let Err(e) = reachable_root(&spec, chosen, Some(&hosts)) {
+                return fail(e);
             }
             let job = psnet_launch::ssh::SshJob {
                 hosts,
@@ -212,9 +216,11 @@ fn main() -> ExitCode {
                 );
             };
             spec.root_port = cli.port.unwrap_or(0);
+            let chosen = cli.root.is_some();
             if let Some(root) = cli.root {
                 spec.root_host = root;
             }
+            let _ = reachable_root(&spec, chosen, None);
             let job = psnet_launch::yarn::YarnJob {
                 rm,
                 name: cli
@@ -261,9 +267,11 @@ fn main() -> ExitCode {
                 Err(e) => return fail(format!("the current directory: {e}")),
             };
             spec.root_port = cli.port.unwrap_or(0);
+            let chosen = cli.root.is_some();
             if let Some(root) = cli.root {
                 spec.root_host = root;
             }
+            let _ = reachable_root(&spec, chosen, None);
             let job = psnet_launch::batch::BatchJob {
                 system,
                 name: cli
@@ -343,6 +351,57 @@ fn main() -> ExitCode {
         };
     }
     report(launch_local(&spec))
+}
+
+/// A scheduler on a loopback address cannot be reached from other hosts. With the hosts
+/// known (ssh) a remote one is an error; without (batch systems, YARN) a warning. An address
+/// chosen with --root is taken as it is.
+fn reachable_root(spec: &JobSpec, chosen: bool, hosts: Option<&[String]>) -> Result<(), String> {
+    let loopback = spec
+        .root_host
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_loopback())
+        || spec.root_host == "localhost";
+    if chosen || !loopback {
+        return Ok(());
+    }
+    let advice = "set DMLC_INTERFACE to the interface the hosts reach this one through (or \
+                  DMLC_NODE_HOST, or --root)";
+    match hosts {
+        Some(hosts) => {
+            let me = rustix::system::uname()
+                .nodename()
+                .to_string_lossy()
+                .into_owned();
+            let remote: Vec<&str> = hosts
+                .iter()
+                .map(String::as_str)
+                .filter(|h| {
+                    *h != "localhost"
+                        && *h != me
+                        && !h
+                            .parse::<std::net::IpAddr>()
+                            .is_ok_and(|ip| ip.is_loopback())
+                })
+                .collect();
+            if remote.is_empty() {
+                return Ok(());
+            }
+            Err(format!(
+                "the scheduler would listen on {}, which {} cannot reach: {advice}",
+                spec.root_host,
+                remote.join(", ")
+            ))
+        }
+        None => {
+            eprintln!(
+                "psnet-launch: warning: the scheduler listens on {}, which only tasks on this \
+                 host can reach: {advice}",
+                spec.root_host
+            );
+            Ok(())
+        }
+    }
 }
 
 /// The exit status and the one line for a job's outcome.
