@@ -10,6 +10,8 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/.." && pwd)
 ROOT=${FRESH_ROOT:-/var/tmp/psnet-fresh-root}
+# The host's own Debian mirror first (as scripts/rxe-vm/run.sh does), else Debian's.
+MIRROR=${MIRROR:-$(grep -h -m1 '^URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null | head -1 | awk '{print $2}')}
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
 RUSTUP=${RUSTUP_HOME:-$HOME/.rustup}
 CARGO=${CARGO_HOME:-$HOME/.cargo}
