@@ -10,7 +10,7 @@
 //! (which the TCP control connection has authenticated) and its nonce; the same nonce rule
 //! settles simultaneous connects.
 
-use crate::proto::qp::QpInfo;
+use crate::qp::QpInfo;
 
 const TAG: u8 = b'V';
 const INFO_LEN: usize = 4 + 4 + 2 + 16 + 4 + 4 + 4;

@@ -17,8 +17,22 @@
 //! Failures are [`VerbsError`]s (the call that failed and its error number, or what the peer
 //! did wrong); they reach the transport contract as [`psnet_transport::TransportError`]s.
 //!
-//! All FFI (libibverbs, librdmacm, the CUDA driver, libc) and every `unsafe` block are in one
-//! private module, `sys`, behind safe types; the rest of the crate denies `unsafe` code.
+//! All FFI (libibverbs, librdmacm, the CUDA driver, libc) and the `unsafe` blocks it needs are
+//! in one private module, `sys`, behind safe types; the rest of the crate denies `unsafe`
+//! code, save the two public `unsafe fn`s of feature `cuda` (`gpu::register_gpu`,
+//! `VerbsTransport::register_gpu`), which only hand their caller's promise on to `sys`.
+//!
+//! The modules form layers, each using only those below it (`tests/layers.rs` checks that the
+//! graph has no cycle and that `sys` uses only the bottom layer):
+//! 1. plain data and error types, which use nothing above themselves: `error` (with the wire
+//!    and GPU errors), `qp` ([`link::QpInfo`]), [`control`] (the handshake codec), [`events`],
+//!    and `gpu_path` (the GPUDirect path decision, re-exported by `gpu`);
+//! 2. `sys`, the FFI;
+//! 3. the safe faces of the FFI and the host: [`rdmacm`], [`cm`], [`discovery`], [`device`],
+//!    [`devices`], [`memory`], [`regcache`], the registrar, the settings, `gpu`;
+//! 4. [`proto`], the protocol's state machines (which read rdma_cm's event codes);
+//! 5. [`link`], one queue pair and its protocol state;
+//! 6. [`transport`], the connections, completion polling and device events, re-exported here.
 //!
 //! libibverbs is loaded at run time (through `sideway`), so one binary starts everywhere and
 //! reports [`psnet_transport::TransportError::Unavailable`] where no device exists.
@@ -37,9 +51,12 @@ mod error;
 pub mod events;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+#[cfg(feature = "cuda")]
+mod gpu_path;
 pub mod link;
 pub mod memory;
 pub mod proto;
+mod qp;
 pub mod rdmacm;
 pub mod regcache;
 mod registrar;

@@ -26,57 +26,18 @@
 //! return [`GpuError::NoDriver`] instead of panicking; everything else in the crate works as
 //! without the feature.
 //!
-//! The CUDA calls ([`Driver`]), the registrations with the NIC and the `unsafe` entry point
-//! [`register_gpu`] are in the crate's `sys` module; this one decides the path.
+//! The CUDA calls ([`Driver`]) and the registrations with the NIC are in the crate's `sys`
+//! module; this one decides the path and holds the `unsafe` entry point [`register_gpu`]. The
+//! decision's plain types and functions ([`Plan`], [`PointerAttrs`], ...) and [`GpuError`]
+//! are defined in the crate's bottom layer, where `sys` uses them too, and re-exported here.
 
-mod path;
 mod register;
 
-pub use crate::sys::cuda::{Context, Current, Driver, PinnedHost};
-pub use crate::sys::gpu::register_gpu;
-pub use crate::sys::os::page_size;
-pub use path::{
+pub use crate::error::gpu::GpuError;
+pub use crate::gpu_path::{
     check_pointer, check_range, dmabuf_layout, first_success, plan, DmaBufLayout, GpuPath, Mode,
     Plan, PointerAttrs, Probe, ENV,
 };
-pub(crate) use register::register;
-pub use register::{peermem_loaded, peermem_loaded_under, GpuRegion};
-
-/// Why a GPU buffer could not be registered.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum GpuError {
-    /// No CUDA driver library on this host.
-    #[error(
-        "CUDA driver libcuda.so.1 not found: no GPU on this host; build/run without GPU buffers \
-         or install the NVIDIA driver"
-    )]
-    NoDriver,
-    /// The driver is installed but reports no usable GPU.
-    #[error("no CUDA device: {0} (check nvidia-smi and CUDA_VISIBLE_DEVICES)")]
-    NoDevice(String),
-    /// A driver call failed.
-    #[error("CUDA driver error: {0}")]
-    Cuda(String),
-    /// The NIC registration failed on every path allowed.
-    #[error("GPU memory registration failed: {0}")]
-    Registration(String),
-    /// The pointer is not device memory, or the range leaves its allocation.
-    #[error("not registrable GPU memory: {0}")]
-    BadPointer(String),
-    /// `PSNET_GPUDIRECT=off`.
-    #[error("GPU memory registration is disabled (PSNET_GPUDIRECT=off)")]
-    Disabled,
-    /// `PSNET_GPUDIRECT` has a value that is not understood.
-    #[error("PSNET_GPUDIRECT={0:?} is not valid: use auto, dmabuf, peermem, staged or off")]
-    BadSetting(String),
-    /// A copy range outside the region.
-    #[error("range [{at}, {at} + {len}) is outside the {region}-byte GPU region")]
-    OutOfRange {
-        /// Start of the range.
-        at: usize,
-        /// Its length.
-        len: usize,
-        /// The region's length.
-        region: usize,
-    },
-}
+pub use crate::sys::cuda::{Context, Current, Driver, PinnedHost};
+pub use crate::sys::os::page_size;
+pub use register::{peermem_loaded, peermem_loaded_under, register_gpu, GpuRegion};

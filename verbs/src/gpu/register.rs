@@ -1,12 +1,12 @@
 //! Registering one GPU buffer: probe the host, plan the paths, try them in order, and keep
-//! what the winning registration needs. The registrations themselves, and the entry points
-//! whose callers vouch for the device memory, are `sys::gpu`'s.
+//! what the winning registration needs; and the public entry point, [`register_gpu`], whose
+//! caller vouches for the device memory. The registrations themselves are `sys::gpu`'s.
 
 use std::path::Path;
 
-use super::path::{check_pointer, first_success, plan, GpuPath, Mode, Probe};
-use super::GpuError;
 use crate::device::Device;
+use crate::error::gpu::GpuError;
+use crate::gpu_path::{check_pointer, first_success, plan, GpuPath, Mode, Probe};
 use crate::sys::cuda::{Context, Driver};
 use crate::sys::gpu::{DeviceRange, Registration};
 
@@ -119,8 +119,29 @@ impl GpuRegion {
     }
 }
 
-/// [`register_gpu`](super::register_gpu) once its caller has vouched for `device`.
-pub(crate) fn register(dev: &Device, device: DeviceRange) -> Result<GpuRegion, GpuError> {
+/// Registers the GPU buffer `[ptr, ptr + len)` with `dev`'s protection domain, by the first
+/// path that works (see the [module docs](crate::gpu)); the path taken is logged.
+///
+/// Errors: [`GpuError::NoDriver`] / [`GpuError::NoDevice`] without a GPU,
+/// [`GpuError::BadPointer`] for memory that is not plain device memory or a range leaving its
+/// allocation, [`GpuError::Disabled`] / [`GpuError::BadSetting`] from `PSNET_GPUDIRECT`,
+/// [`GpuError::Registration`] when every allowed path failed (each reason listed).
+///
+/// # Safety
+/// The device memory must stay allocated, and its CUDA context alive, for as long as the
+/// returned region lives: the NIC may access it until the region is dropped.
+// The public contract is an `unsafe fn` and lives beside the types it names (`Device`,
+// `GpuRegion`), above `sys`, which may not depend on them; the promise it takes is handed
+// to `sys` at once as a `DeviceRange`, and nothing else here is unsafe.
+#[allow(unsafe_code)]
+pub unsafe fn register_gpu(dev: &Device, ptr: u64, len: usize) -> Result<GpuRegion, GpuError> {
+    // SAFETY: the caller keeps `[ptr, ptr + len)` allocated while the region lives (this
+    // function's contract, which is `DeviceRange::promised`'s).
+    register(dev, unsafe { DeviceRange::promised(ptr, len) })
+}
+
+/// [`register_gpu`] once its caller has vouched for `device`.
+fn register(dev: &Device, device: DeviceRange) -> Result<GpuRegion, GpuError> {
     let (ptr, len) = (device.ptr(), device.len());
     let mode = Mode::from_env()?;
     if mode == Mode::Off {
@@ -142,9 +163,9 @@ pub(crate) fn register(dev: &Device, device: DeviceRange) -> Result<GpuRegion, G
         tracing::info!(path = %path, reason, "GPU registration path not tried");
     }
     let (path, registration) = first_success(&plan.tries, |path| match path {
-        GpuPath::DmaBuf => Registration::dmabuf(driver, dev, ctx, &attrs, device),
-        GpuPath::PeerMem => Registration::peermem(dev, device),
-        GpuPath::Staged => Registration::staged(driver, dev, ctx, len),
+        GpuPath::DmaBuf => Registration::dmabuf(driver, &dev.pd, ctx, &attrs, device),
+        GpuPath::PeerMem => Registration::peermem(&dev.pd, device),
+        GpuPath::Staged => Registration::staged(driver, &dev.pd, ctx, len),
     })?;
     let region = GpuRegion {
         registration,

@@ -40,7 +40,7 @@ mod rendezvous;
 mod send;
 mod setup;
 
-pub use crate::proto::qp::QpInfo;
+pub use crate::qp::QpInfo;
 
 /// Rendezvous sequence numbers and work-request indices share 28 bits.
 const SEQ_MASK: u32 = INDEX_MASK;

@@ -7,5 +7,4 @@ pub mod credits;
 pub mod handshake;
 pub mod offers;
 pub mod order;
-pub(crate) mod qp;
 pub mod wire;

@@ -16,8 +16,8 @@
 
 use psnet_transport::Limits;
 
-/// Wire version of the verbs protocol.
-pub const VERSION: u8 = 2;
+pub use crate::error::wire::{WireError, VERSION};
+
 /// Bytes of the common header.
 pub const BASE_LEN: usize = 8;
 /// Bytes of the eager / request-to-send header before the segment lengths.
@@ -90,28 +90,6 @@ pub struct Cts {
     pub rkey: u32,
     /// Its usable length.
     pub len: u64,
-}
-
-/// A header that breaks the format or this side's limits.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum WireError {
-    /// Fewer bytes than the header needs.
-    #[error("truncated verbs message: {got} bytes, need {need}")]
-    Truncated {
-        /// Bytes received.
-        got: usize,
-        /// Bytes needed.
-        need: usize,
-    },
-    /// Unknown kind byte.
-    #[error("unknown verbs message kind {0}")]
-    UnknownKind(u8),
-    /// Another protocol version.
-    #[error("verbs protocol version {0}, this build speaks {VERSION}")]
-    Version(u8),
-    /// A size above the limits.
-    #[error("verbs message exceeds a limit: {0}")]
-    Limit(String),
 }
 
 /// Writes the common header into `out[..BASE_LEN]`.

@@ -17,7 +17,8 @@ use cudarc::driver::sys::{
 };
 
 use super::os::page_size;
-use crate::gpu::{GpuError, PointerAttrs};
+use crate::error::gpu::GpuError;
+use crate::gpu_path::PointerAttrs;
 
 /// Entry points every registration path may call.
 const REQUIRED: &[&str] = &[
@@ -37,7 +38,7 @@ const REQUIRED: &[&str] = &[
     "cuMemcpyHtoD_v2",
 ];
 
-/// The dma-buf export (CUDA 11.7+ drivers); its absence only rules out [`crate::gpu::GpuPath::DmaBuf`].
+/// The dma-buf export (CUDA 11.7+ drivers); its absence only rules out the dma-buf path.
 const DMABUF_EXPORT: &str = "cuMemGetHandleForAddressRange";
 
 /// A loaded, initialised CUDA driver with at least one device.

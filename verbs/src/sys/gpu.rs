@@ -1,23 +1,25 @@
 //! GPU memory and the NIC (feature `cuda`): the three registrations ([`Registration`]: a
 //! dma-buf, nvidia-peermem, a pinned staging buffer), what keeps each valid, the copies
-//! through the staging buffer, and the entry points whose callers promise that the device
-//! memory stays allocated ([`register_gpu`], [`VerbsTransport::register_gpu`]). Choosing the
-//! path is `gpu::register`'s.
+//! through the staging buffer, and [`DeviceRange`], the device memory whose owner promised
+//! to keep it allocated (the public entry points, `gpu::register_gpu` and
+//! `VerbsTransport::register_gpu`, make that promise `unsafe`). Choosing the path is
+//! `gpu::register`'s.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 
 use sideway::ibverbs::memory_region::{MemoryRegion, RegisterMemoryRegionError};
+use sideway::ibverbs::protection_domain::ProtectionDomain;
 
 use super::cuda::{Context, Driver, PinnedHost};
 use super::memory::{access, register};
 use super::os::page_size;
-use crate::device::Device;
-use crate::gpu::{check_range, dmabuf_layout, GpuError, GpuRegion, PointerAttrs};
-use crate::transport::VerbsTransport;
+use crate::error::gpu::GpuError;
+use crate::gpu_path::{check_range, dmabuf_layout, PointerAttrs};
 
-/// GPU memory that the caller of [`register_gpu`] keeps allocated, with its CUDA context,
-/// for as long as the region registered from it lives. Only [`register_gpu`] makes one.
+/// GPU memory that the caller of `gpu::register_gpu` keeps allocated, with its CUDA context,
+/// for as long as the region registered from it lives. Only [`DeviceRange::promised`]
+/// makes one.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct DeviceRange {
     ptr: u64,
@@ -25,6 +27,15 @@ pub(crate) struct DeviceRange {
 }
 
 impl DeviceRange {
+    /// The device memory `[ptr, ptr + len)`.
+    ///
+    /// # Safety
+    /// The memory must stay allocated, and its CUDA context alive, for as long as any
+    /// registration made from the range lives.
+    pub(crate) unsafe fn promised(ptr: u64, len: usize) -> DeviceRange {
+        DeviceRange { ptr, len }
+    }
+
     /// The device address of the first byte.
     pub(crate) fn ptr(&self) -> u64 {
         self.ptr
@@ -63,7 +74,7 @@ impl Registration {
     /// the pages of `range` in it (`ibv_reg_dmabuf_mr`).
     pub(crate) fn dmabuf(
         driver: &'static Driver,
-        dev: &Device,
+        pd: &Arc<ProtectionDomain>,
         ctx: Context,
         attrs: &PointerAttrs,
         range: DeviceRange,
@@ -81,7 +92,7 @@ impl Registration {
         // allocated while the registration lives (`DeviceRange`'s contract) and the descriptor
         // is closed only after deregistration (`Registration`'s field order).
         let mr = unsafe {
-            dev.pd.reg_dmabuf_mr(
+            pd.reg_dmabuf_mr(
                 layout.offset,
                 reg_len,
                 layout.iova,
@@ -103,14 +114,17 @@ impl Registration {
     }
 
     /// `ibv_reg_mr` on the device pointer itself, which the `nvidia-peermem` module resolves.
-    pub(crate) fn peermem(dev: &Device, range: DeviceRange) -> Result<Registration, GpuError> {
+    pub(crate) fn peermem(
+        pd: &Arc<ProtectionDomain>,
+        range: DeviceRange,
+    ) -> Result<Registration, GpuError> {
         let DeviceRange { ptr, len } = range;
         let addr = usize::try_from(ptr)
             .map_err(|_| GpuError::BadPointer(format!("{ptr:#x} does not fit an address")))?;
         // SAFETY: `[ptr, ptr + len)` is device memory inside one allocation (checked) that
         // stays allocated while the registration lives (`DeviceRange`'s contract);
         // nvidia-peermem pins the GPU pages behind it, and the CPU never dereferences it.
-        let mr = unsafe { dev.pd.reg_mr(addr, len, access()) }
+        let mr = unsafe { pd.reg_mr(addr, len, access()) }
             .map_err(|e| verbs_error("ibv_reg_mr on GPU memory (nvidia-peermem)", &e))?;
         Ok(Registration {
             mr,
@@ -122,14 +136,14 @@ impl Registration {
     /// A pinned host buffer of `len` bytes (at least), registered with the NIC.
     pub(crate) fn staged(
         driver: &'static Driver,
-        dev: &Device,
+        pd: &Arc<ProtectionDomain>,
         ctx: Context,
         len: usize,
     ) -> Result<Registration, GpuError> {
         let host = PinnedHost::new(driver, ctx, len)?;
         // SAFETY: the staging buffer (at least `len` bytes) is owned by the registration and
         // freed only after the NIC registration is dropped (field order).
-        let mr = unsafe { register(&dev.pd, host.as_ptr(), len) }
+        let mr = unsafe { register(pd, host.as_ptr(), len) }
             .map_err(|e| GpuError::Registration(e.to_string()))?;
         let addr = host.as_ptr() as u64;
         Ok(Registration {
@@ -206,32 +220,5 @@ impl Registration {
         };
         // SAFETY: as in `copy_from_device`, reading the staging buffer instead.
         unsafe { driver.copy_htod(ctx, dst, host, len) }
-    }
-}
-
-/// Registers the GPU buffer `[ptr, ptr + len)` with `dev`'s protection domain, by the first
-/// path that works (see the [module docs](crate::gpu)); the path taken is logged.
-///
-/// Errors: [`GpuError::NoDriver`] / [`GpuError::NoDevice`] without a GPU,
-/// [`GpuError::BadPointer`] for memory that is not plain device memory or a range leaving its
-/// allocation, [`GpuError::Disabled`] / [`GpuError::BadSetting`] from `PSNET_GPUDIRECT`,
-/// [`GpuError::Registration`] when every allowed path failed (each reason listed).
-///
-/// # Safety
-/// The device memory must stay allocated, and its CUDA context alive, for as long as the
-/// returned region lives: the NIC may access it until the region is dropped.
-pub unsafe fn register_gpu(dev: &Device, ptr: u64, len: usize) -> Result<GpuRegion, GpuError> {
-    crate::gpu::register(dev, DeviceRange { ptr, len })
-}
-
-impl VerbsTransport {
-    /// Registers the GPU buffer `[ptr, ptr + len)` with this transport's device: see
-    /// [`register_gpu`].
-    ///
-    /// # Safety
-    /// As [`register_gpu`]: the device memory stays allocated while the region lives.
-    pub unsafe fn register_gpu(&self, ptr: u64, len: usize) -> Result<GpuRegion, GpuError> {
-        // SAFETY: forwarded from the caller.
-        unsafe { register_gpu(self.device(), ptr, len) }
     }
 }

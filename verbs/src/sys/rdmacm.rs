@@ -5,7 +5,7 @@
 //! `sideway` wraps rdma_cm too, but carries no private data (psnet's handshake rides in it)
 //! and panics on an event code it does not know; this wrapper reads every event into a plain
 //! [`CmEvent`] and acknowledges it at once, so destroying an id never waits on an event.
-//! The public face of these types is [`crate::rdmacm`].
+//! The public face of these types is the crate's `rdmacm` module.
 
 use std::io;
 use std::net::SocketAddr;
@@ -16,7 +16,63 @@ use std::sync::Arc;
 use rdma_mummy_sys as ffi;
 use sideway::ibverbs::queue_pair::{QueuePairAttribute, QueuePairState};
 
-use crate::rdmacm::kind;
+/// The event codes psnet acts on (`enum rdma_cm_event_type`).
+pub mod kind {
+    /// The destination address was resolved; next: resolve the route.
+    pub const ADDR_RESOLVED: u32 = 0;
+    /// The destination address could not be resolved.
+    pub const ADDR_ERROR: u32 = 1;
+    /// The route was resolved; next: connect.
+    pub const ROUTE_RESOLVED: u32 = 2;
+    /// No route to the destination.
+    pub const ROUTE_ERROR: u32 = 3;
+    /// A peer asks to connect (on a listening id; the event brings a new id).
+    pub const CONNECT_REQUEST: u32 = 4;
+    /// The passive side accepted (external queue pair: connect it, then establish).
+    pub const CONNECT_RESPONSE: u32 = 5;
+    /// The connection failed while being established.
+    pub const CONNECT_ERROR: u32 = 6;
+    /// The remote side did not answer.
+    pub const UNREACHABLE: u32 = 7;
+    /// The remote side refused.
+    pub const REJECTED: u32 = 8;
+    /// The connection is up (passive side: the active side's RTU arrived).
+    pub const ESTABLISHED: u32 = 9;
+    /// The remote side disconnected (or its process ended).
+    pub const DISCONNECTED: u32 = 10;
+    /// The RDMA device went away.
+    pub const DEVICE_REMOVAL: u32 = 11;
+    /// The address the id is bound to moved to another device.
+    pub const ADDR_CHANGE: u32 = 14;
+    /// The connection's time-wait ended.
+    pub const TIMEWAIT_EXIT: u32 = 15;
+}
+
+/// The name of an rdma_cm event code, as rdma-core spells it.
+pub fn event_name(code: u32) -> &'static str {
+    const NAMES: [&str; 16] = [
+        "RDMA_CM_EVENT_ADDR_RESOLVED",
+        "RDMA_CM_EVENT_ADDR_ERROR",
+        "RDMA_CM_EVENT_ROUTE_RESOLVED",
+        "RDMA_CM_EVENT_ROUTE_ERROR",
+        "RDMA_CM_EVENT_CONNECT_REQUEST",
+        "RDMA_CM_EVENT_CONNECT_RESPONSE",
+        "RDMA_CM_EVENT_CONNECT_ERROR",
+        "RDMA_CM_EVENT_UNREACHABLE",
+        "RDMA_CM_EVENT_REJECTED",
+        "RDMA_CM_EVENT_ESTABLISHED",
+        "RDMA_CM_EVENT_DISCONNECTED",
+        "RDMA_CM_EVENT_DEVICE_REMOVAL",
+        "RDMA_CM_EVENT_MULTICAST_JOIN",
+        "RDMA_CM_EVENT_MULTICAST_ERROR",
+        "RDMA_CM_EVENT_ADDR_CHANGE",
+        "RDMA_CM_EVENT_TIMEWAIT_EXIT",
+    ];
+    NAMES
+        .get(code as usize)
+        .copied()
+        .unwrap_or("unknown rdma_cm event")
+}
 
 /// An rdma_cm event channel: one descriptor delivering the events of every id made on it.
 pub struct CmChannel {
@@ -384,5 +440,16 @@ mod tests {
         assert_eq!(sin6.sin6_family as i32, libc::AF_INET6);
         assert_eq!(u16::from_be(sin6.sin6_port), 9);
         assert_eq!(sin6.sin6_addr.s6_addr[0], 0xfe);
+    }
+
+    #[test]
+    fn event_names_follow_rdma_core() {
+        assert_eq!(event_name(kind::REJECTED), "RDMA_CM_EVENT_REJECTED");
+        assert_eq!(event_name(kind::DISCONNECTED), "RDMA_CM_EVENT_DISCONNECTED");
+        assert_eq!(
+            event_name(kind::TIMEWAIT_EXIT),
+            "RDMA_CM_EVENT_TIMEWAIT_EXIT"
+        );
+        assert_eq!(event_name(99), "unknown rdma_cm event");
     }
 }

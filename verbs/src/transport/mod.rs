@@ -42,6 +42,8 @@ use crate::sys;
 
 mod connect;
 mod device_events;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod progress;
 
 pub use crate::config::{Handshake, VerbsConfig};

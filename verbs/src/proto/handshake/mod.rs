@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use psnet_transport::NodeId;
 
 use crate::control::{self, Control, OwnLink};
-use crate::proto::qp::QpInfo;
+use crate::qp::QpInfo;
 
 pub mod connect;
 pub mod rdma_cm;

@@ -18,7 +18,7 @@ use crate::control::Control;
 use crate::link::Link;
 use crate::proto::handshake::connect::{Connect, Poll, Step};
 use crate::proto::handshake::{LinkHandle, REPLACED, SUPERSEDED};
-use crate::proto::qp::QpInfo;
+use crate::qp::QpInfo;
 use crate::rdmacm::CmChannel;
 
 mod rdma_cm;

@@ -17,7 +17,7 @@ use super::connect::{Connect, Poll, Step, CM_FALLBACK, REQUEST_RESEND};
 use super::socket::{Answered, OnReply, OnRequest};
 use super::{LinkHandle, Links, Phase};
 use crate::control::Control;
-use crate::proto::qp::QpInfo;
+use crate::qp::QpInfo;
 
 /// A link as the handshakes see one: a queue-pair number, a nonce, and what the driver did
 /// to it.

@@ -1,11 +1,15 @@
 //! Which way a GPU buffer reaches the NIC, decided from plain facts (no I/O here): the
 //! `PSNET_GPUDIRECT` setting, what the driver and kernel offer ([`Probe`]), the pointer's
 //! attributes ([`PointerAttrs`]), and the page arithmetic of a dma-buf registration.
+//!
+//! Public as `gpu`'s (which re-exports it all); it sits at the bottom of the crate's layers,
+//! beside the error types, because the FFI layer (`sys::cuda`, `sys::gpu`) fills and checks
+//! these types, and that layer must not depend on `gpu`.
 
 use std::fmt;
 use std::str::FromStr;
 
-use super::GpuError;
+use crate::error::gpu::GpuError;
 
 /// The environment variable choosing the path: `auto` (default), `dmabuf`, `peermem`,
 /// `staged` or `off`.

@@ -14,7 +14,12 @@ use std::io;
 use psnet_transport::{NodeId, TransportError};
 
 use crate::control::Refusal;
-use crate::proto::wire::WireError;
+
+#[cfg(feature = "cuda")]
+pub(crate) mod gpu;
+pub(crate) mod wire;
+
+pub use wire::WireError;
 
 /// Why an RDMA operation failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

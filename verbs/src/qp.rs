@@ -1,6 +1,6 @@
-//! [`QpInfo`]: where a queue pair is, as both handshakes exchange it. A plain type shared by
-//! the handshake codec ([`crate::control`]) and the links that fill and use it
-//! ([`crate::link`]), so neither depends on the other.
+//! [`QpInfo`]: where a queue pair is, as both handshakes exchange it. Plain data at the
+//! bottom of the crate's layers: the handshake codec (`control`), the protocol (`proto`) and
+//! the links that fill and use it (`link`, which re-exports it) all sit above it.
 
 /// Where a queue pair is, exchanged over the TCP control connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
