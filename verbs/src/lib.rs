@@ -19,8 +19,9 @@
 //!
 //! All FFI (libibverbs, librdmacm, the CUDA driver, libc) and the `unsafe` blocks it needs are
 //! in one private module, `sys`, behind safe types; the rest of the crate denies `unsafe`
-//! code, save the two public `unsafe fn`s of feature `cuda` (`gpu::register_gpu`,
-//! `VerbsTransport::register_gpu`), which only hand their caller's promise on to `sys`.
+//! code. The one promise a user makes (feature `cuda`: GPU memory stays allocated while the
+//! NIC may access it) is `unsafe` [`gpu::DeviceRange::promised`], defined in `sys` and
+//! re-exported; registering the range is then safe.
 //!
 //! The modules form layers, each using only those below it (`tests/layers.rs` checks that the
 //! graph has no cycle and that `sys` uses only the bottom layer):

@@ -27,7 +27,8 @@
 //! without the feature.
 //!
 //! The CUDA calls ([`Driver`]) and the registrations with the NIC are in the crate's `sys`
-//! module; this one decides the path and holds the `unsafe` entry point [`register_gpu`]. The
+//! module; this one decides the path and holds the entry point [`register_gpu`], which takes a
+//! [`DeviceRange`] (made by the `unsafe` [`DeviceRange::promised`]). The
 //! decision's plain types and functions ([`Plan`], [`PointerAttrs`], ...) and [`GpuError`]
 //! are defined in the crate's bottom layer, where `sys` uses them too, and re-exported here.
 
@@ -39,5 +40,6 @@ pub use crate::gpu_path::{
     Plan, PointerAttrs, Probe, ENV,
 };
 pub use crate::sys::cuda::{Context, Current, Driver, PinnedHost};
+pub use crate::sys::gpu::DeviceRange;
 pub use crate::sys::os::page_size;
 pub use register::{peermem_loaded, peermem_loaded_under, register_gpu, GpuRegion};

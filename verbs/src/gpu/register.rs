@@ -119,7 +119,7 @@ impl GpuRegion {
     }
 }
 
-/// Registers the GPU buffer `[ptr, ptr + len)` with `dev`'s protection domain, by the first
+/// Registers the GPU buffer `range` with `dev`'s protection domain, by the first
 /// path that works (see the [module docs](crate::gpu)); the path taken is logged.
 ///
 /// Errors: [`GpuError::NoDriver`] / [`GpuError::NoDevice`] without a GPU,
@@ -127,17 +127,10 @@ impl GpuRegion {
 /// allocation, [`GpuError::Disabled`] / [`GpuError::BadSetting`] from `PSNET_GPUDIRECT`,
 /// [`GpuError::Registration`] when every allowed path failed (each reason listed).
 ///
-/// # Safety
-/// The device memory must stay allocated, and its CUDA context alive, for as long as the
-/// returned region lives: the NIC may access it until the region is dropped.
-// The public contract is an `unsafe fn` and lives beside the types it names (`Device`,
-// `GpuRegion`), above `sys`, which may not depend on them; the promise it takes is handed
-// to `sys` at once as a `DeviceRange`, and nothing else here is unsafe.
-#[allow(unsafe_code)]
-pub unsafe fn register_gpu(dev: &Device, ptr: u64, len: usize) -> Result<GpuRegion, GpuError> {
-    // SAFETY: the caller keeps `[ptr, ptr + len)` allocated while the region lives (this
-    // function's contract, which is `DeviceRange::promised`'s).
-    register(dev, unsafe { DeviceRange::promised(ptr, len) })
+/// The memory stays allocated, and its CUDA context alive, while the region lives: the
+/// caller promised so when it made `range` ([`DeviceRange::promised`], the one `unsafe` step).
+pub fn register_gpu(dev: &Device, range: DeviceRange) -> Result<GpuRegion, GpuError> {
+    register(dev, range)
 }
 
 /// [`register_gpu`] once its caller has vouched for `device`.

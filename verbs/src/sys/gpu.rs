@@ -17,11 +17,11 @@ use super::os::page_size;
 use crate::error::gpu::GpuError;
 use crate::gpu_path::{check_range, dmabuf_layout, PointerAttrs};
 
-/// GPU memory that the caller of `gpu::register_gpu` keeps allocated, with its CUDA context,
-/// for as long as the region registered from it lives. Only [`DeviceRange::promised`]
-/// makes one.
+/// GPU memory whose owner keeps it allocated, with its CUDA context, for as long as a region
+/// registered from it lives (`register_gpu` takes one). Only the `unsafe`
+/// [`DeviceRange::promised`] makes one: the promise is made once, where the memory is known.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct DeviceRange {
+pub struct DeviceRange {
     ptr: u64,
     len: usize,
 }
@@ -32,18 +32,23 @@ impl DeviceRange {
     /// # Safety
     /// The memory must stay allocated, and its CUDA context alive, for as long as any
     /// registration made from the range lives.
-    pub(crate) unsafe fn promised(ptr: u64, len: usize) -> DeviceRange {
+    pub unsafe fn promised(ptr: u64, len: usize) -> DeviceRange {
         DeviceRange { ptr, len }
     }
 
     /// The device address of the first byte.
-    pub(crate) fn ptr(&self) -> u64 {
+    pub fn ptr(&self) -> u64 {
         self.ptr
     }
 
     /// Length in bytes.
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Whether the range is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
