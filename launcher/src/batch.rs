@@ -61,6 +61,9 @@ pub fn qsub_args(job: &BatchJob, tasks: u32) -> Vec<String> {
         // -terse: only the job id on stdout; $TASK_ID is Grid Engine's own placeholder.
         BatchSystem::Sge => vec![
             "-terse".into(),
+            // The script's own shell, whatever the queue's shell_start_mode.
+            "-S".into(),
+            "/bin/sh".into(),
             "-t".into(),
             range,
             "-cwd".into(),
@@ -99,8 +102,10 @@ pub fn task_script(spec: &JobSpec, job: &BatchJob) -> String {
         .iter()
         .map(|a| shell_quote(a))
         .collect();
+    // qsub -V hands the tasks the launcher's environment: its DMLC_NODE_HOST is the submit
+    // host's address, not theirs (a --env value still arrives through the arguments).
     format!(
-        "#!/bin/sh\n# psnet job {}: task i is rank i (1 the first server)\ncd {} || exit 1\nexec {}\n",
+        "#!/bin/sh\n# psnet job {}: task i is rank i (1 the first server)\nunset DMLC_NODE_HOST\ncd {} || exit 1\nexec {}\n",
         job.name,
         shell_quote(&job.dir),
         cmd.join(" ")
@@ -188,7 +193,7 @@ pub fn launch_batch(spec: &JobSpec, job: &BatchJob) -> Result<BatchOutcome, Laun
     } else {
         spec.root_port
     };
-    let mut spec = spec.clone();
+    let mut spec = crate::queued(spec);
     spec.root_port = port;
     let signals = crate::StopSignals::install()?;
     let mut scheduler = crate::spawn_local_scheduler(&spec, port)?;
@@ -269,7 +274,9 @@ pub fn launch_batch(spec: &JobSpec, job: &BatchJob) -> Result<BatchOutcome, Laun
             if job_known(job.system, &id) {
                 gone_since = None;
             } else if gone_since.get_or_insert_with(Instant::now).elapsed() >= spec.grace {
-                // Every task ended, yet the scheduler still waits: some never joined.
+                // Every task ended, yet the scheduler still waits: some never joined. (Or
+                // qstat cannot reach the batch system: cancel, so nothing is left queued.)
+                qdel(&id);
                 stop_scheduler(&mut scheduler);
                 return Ok(BatchOutcome {
                     job_id: id.clone(),
@@ -307,7 +314,7 @@ mod tests {
         let sge = qsub_args(&job(BatchSystem::Sge), 4).join(" ");
         assert_eq!(
             sge,
-            "-terse -t 1-4 -cwd -V -N psnet-7 -o /home/me/run/psnet-7.o$TASK_ID -e /home/me/run/psnet-7.e$TASK_ID -q gpu.q"
+            "-terse -S /bin/sh -t 1-4 -cwd -V -N psnet-7 -o /home/me/run/psnet-7.o$TASK_ID -e /home/me/run/psnet-7.e$TASK_ID -q gpu.q"
         );
         let pro = qsub_args(&job(BatchSystem::PbsPro), 4).join(" ");
         assert!(pro.starts_with("-J 1-4 -V -N psnet-7"), "{pro}");
@@ -336,6 +343,10 @@ mod tests {
         let script = task_script(&spec, &job(BatchSystem::Sge));
         assert!(script.starts_with("#!/bin/sh\n"), "{script}");
         assert!(script.contains("cd /home/me/run || exit 1\n"), "{script}");
+        assert!(
+            script.contains("unset DMLC_NODE_HOST\n"),
+            "the submit host's address is not the task's: {script}"
+        );
         assert!(
             script.contains(
                 "exec /opt/psnet-launch --role-from-env -n 2 -s 2 --root 10.0.0.1 --port 9123"

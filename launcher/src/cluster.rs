@@ -221,18 +221,23 @@ pub fn run_cluster_launcher(cmd: &[String]) -> Result<(ExitStatus, Option<i32>),
         source,
     })?;
     let mut signal = None;
+    let mut kill_at: Option<std::time::Instant> = None;
     loop {
         if let Some(status) = child.try_wait().map_err(LaunchError::Wait)? {
             return Ok((status, signal));
         }
-        if signal.is_none() {
-            if let Some(sig) = signals.caught() {
-                // mpirun and srun pass a signal on to every rank on every host.
+        if let Some(sig) = signals.caught() {
+            if signal.is_none() {
+                // SIGTERM whatever the signal: srun answers one SIGINT with a status report
+                // only; both it and mpirun pass SIGTERM on to every rank on every host.
                 signal = Some(sig);
-                if let Some(s) = rustix::process::Signal::from_named_raw(sig) {
-                    crate::signal_group(&child, s);
-                }
+                crate::signal_group(&child, rustix::process::Signal::TERM);
+                kill_at = Some(std::time::Instant::now() + crate::SIGNAL_GRACE);
             }
+        }
+        if kill_at.is_some_and(|t| std::time::Instant::now() >= t) {
+            crate::signal_group(&child, rustix::process::Signal::KILL);
+            kill_at = None;
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     }

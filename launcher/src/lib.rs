@@ -373,6 +373,25 @@ pub(crate) fn spawn_local_scheduler(spec: &JobSpec, port: u16) -> Result<Child, 
     })
 }
 
+/// `spec` for a job whose processes may wait in a queue before they start (batch systems,
+/// YARN): unless the user chose a `PSNET_BOOTSTRAP_TIMEOUT`, registration waits without limit
+/// (0), since the launcher itself notices tasks that end before the job does.
+pub(crate) fn queued(spec: &JobSpec) -> JobSpec {
+    let mut spec = spec.clone();
+    let chosen = env::PSNET_BOOTSTRAP_TIMEOUT.is_set()
+        || spec
+            .env
+            .iter()
+            .any(|(k, _)| k == env::PSNET_BOOTSTRAP_TIMEOUT.name);
+    if !chosen {
+        spec.env.push((
+            env::PSNET_BOOTSTRAP_TIMEOUT.name.to_string(),
+            "0".to_string(),
+        ));
+    }
+    spec
+}
+
 /// Kills the local scheduler's group and reaps it.
 pub(crate) fn stop_local_scheduler(scheduler: &mut Child) {
     signal_group(scheduler, rustix::process::Signal::KILL);
@@ -380,7 +399,7 @@ pub(crate) fn stop_local_scheduler(scheduler: &mut Child) {
 }
 
 /// How long processes may take to exit after the launcher passed a signal on to them.
-const SIGNAL_GRACE: Duration = Duration::from_secs(5);
+pub(crate) const SIGNAL_GRACE: Duration = Duration::from_secs(5);
 
 fn wait_all(
     mut running: Vec<(Role, u32, Child)>,
@@ -536,6 +555,26 @@ mod tests {
         ))
         .unwrap();
         assert!(out.first_failure.is_some());
+    }
+
+    #[test]
+    fn queued_jobs_wait_for_registration_without_limit_unless_told() {
+        let spec = JobSpec::new(1, 1, vec!["prog".into()]);
+        let limit = |s: &JobSpec| {
+            s.env
+                .iter()
+                .find(|(k, _)| k == "PSNET_BOOTSTRAP_TIMEOUT")
+                .map(|(_, v)| v.clone())
+        };
+        if !env::PSNET_BOOTSTRAP_TIMEOUT.is_set() {
+            assert_eq!(limit(&queued(&spec)).as_deref(), Some("0"));
+        }
+        let mut told = spec.clone();
+        told.env
+            .push(("PSNET_BOOTSTRAP_TIMEOUT".into(), "600".into()));
+        let q = queued(&told);
+        assert_eq!(limit(&q).as_deref(), Some("600"));
+        assert_eq!(q.env.len(), told.env.len(), "nothing added");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! `--launcher ssh`, as MXNet's `launch.py --launcher ssh`: the scheduler runs here; the
 //! servers, then the workers, take the hostfile's hosts in turn, each started by
-//! `ssh HOST 'cd DIR && NAME=VALUE... exec COMMAND'`.
+//! `ssh HOST sh -c '...'`, a POSIX shell line (whatever the remote login shell) that enters
+//! DIR, exports the process's variables and runs COMMAND behind the watchdog below.
 //!
 //! No remote process outlives the job: each runs behind a watchdog on its ssh session's
 //! standard input, which the launcher holds open and never writes. When the launcher stops a
@@ -100,7 +101,8 @@ pub fn sync_dirs(hosts: &[String], dir: &str) -> Result<(), LaunchError> {
     let mut seen = std::collections::BTreeSet::new();
     for host in hosts.iter().filter(|h| seen.insert(h.as_str())) {
         let status = Command::new("rsync")
-            .args(["-az", "--delete", "./", &format!("{host}:{dir}")])
+            // No --delete: DIR may hold the user's own files (a home directory, say).
+            .args(["-az", "./", &format!("{host}:{dir}")])
             .status()
             .map_err(|e| LaunchError::Invalid(format!("rsync to {host}:{dir}: {e}")))?;
         if !status.success() {
@@ -136,7 +138,12 @@ pub fn launch_ssh(spec: &JobSpec, job: &SshJob) -> Result<Outcome, LaunchError> 
                 let mut all = forwarded.clone();
                 all.retain(|(k, _)| !env.iter().any(|(e, _)| e == k));
                 env.extend(all);
-                ssh_command(host, &remote_line(&env, &job.dir, &spec.command))
+                // Through `sh -c`: the remote login shell may be csh or fish.
+                let line = format!(
+                    "sh -c {}",
+                    shell_quote(&remote_line(&env, &job.dir, &spec.command))
+                );
+                ssh_command(host, &line)
             }
         }
     })

@@ -195,6 +195,7 @@ pub fn launch_yarn(spec: &JobSpec, job: &YarnJob) -> Result<YarnOutcome, LaunchE
     if spec.command.is_empty() {
         return Err(LaunchError::Invalid("no command to launch".into()));
     }
+    let spec = &crate::queued(spec);
     let rm = Rm::new(&job.rm);
     let port = if spec.root_port == 0 {
         crate::free_port(&spec.root_host)?
@@ -261,7 +262,10 @@ pub fn launch_yarn(spec: &JobSpec, job: &YarnJob) -> Result<YarnOutcome, LaunchE
         if Instant::now() >= next_poll {
             next_poll = Instant::now() + job.poll;
             for (role, index, id) in &roles {
-                let (state, status) = rm.state(id)?;
+                // A failed poll (a ResourceManager failover, a timeout) is not the job's end.
+                let Ok((state, status)) = rm.state(id) else {
+                    continue;
+                };
                 let ended = matches!(state.as_str(), "FINISHED" | "FAILED" | "KILLED");
                 if ended && status != "SUCCEEDED" && bad.is_none() {
                     bad = Some((

@@ -62,7 +62,7 @@ fn array_tasks_become_servers_then_workers_on_each_batch_system() {
         (
             "sge",
             vec!["--launcher", "sge", "--sge-args", "-q all.q"],
-            "-terse -t 1-4",
+            "-terse -S /bin/sh -t 1-4",
         ),
         ("pbs", vec!["--launcher", "pbs"], "-J 1-4"),
         (

@@ -86,10 +86,7 @@ fn servers_then_workers_take_the_hosts_in_turn_and_the_scheduler_stays_here() {
     let w = work.display();
     assert_eq!(
         rsync.lines().collect::<Vec<_>>(),
-        [
-            format!("-az --delete ./ h1:{w}"),
-            format!("-az --delete ./ h2:{w}")
-        ]
+        [format!("-az ./ h1:{w}"), format!("-az ./ h2:{w}")]
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

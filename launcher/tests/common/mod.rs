@@ -85,7 +85,7 @@ pub fn batch_stand_ins(dir: &Path) {
                -terse) var=SGE_TASK_ID; id=4242.1-N:1; shift;;\n\
                -t) n=${{2#1-}}; shift 2;;\n\
                -J) n=${{2#1-}}; var=PBS_ARRAY_INDEX; shift 2;;\n\
-               -N|-o|-e|-q) shift 2;;\n\
+               -N|-o|-e|-q|-S) shift 2;;\n\
                *) shift;; esac; done\n\
              cat > {d}/task.sh\ni=1\nwhile [ $i -le $n ]; do\n\
                env $var=$i sh {d}/task.sh > {d}/task.$i.log 2>&1 &\n\
