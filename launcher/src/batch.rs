@@ -157,17 +157,37 @@ fn job_known(system: BatchSystem, id: &str) -> bool {
         BatchSystem::PbsPro => cmd.args(["-t", id]),
         BatchSystem::Torque => cmd.arg(id),
     };
-    cmd.stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
+    cmd.stdout(Stdio::null()).stderr(Stdio::null());
+    // A batch system that does not answer in time counts as not knowing the job.
+    status_within(&mut cmd, Duration::from_secs(10)).is_ok_and(|s| s.success())
 }
 
 fn qdel(id: &str) {
-    match Command::new("qdel").arg(id).status() {
+    match status_within(Command::new("qdel").arg(id), Duration::from_secs(30)) {
         Ok(s) if s.success() => {}
         Ok(s) => eprintln!("psnet-launch: qdel {id} failed ({s}); cancel the job by hand"),
-        Err(e) => eprintln!("psnet-launch: cannot run qdel {id} ({e}); cancel the job by hand"),
+        Err(e) => eprintln!("psnet-launch: qdel {id}: {e}; cancel the job by hand"),
+    }
+}
+
+/// Runs `cmd` and waits at most `limit` for it (a hung batch client must not hold the
+/// launcher, which still has signals to answer); killed after that.
+fn status_within(cmd: &mut Command, limit: Duration) -> std::io::Result<ExitStatus> {
+    let mut child = cmd.spawn()?;
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no answer within {limit:?}"),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

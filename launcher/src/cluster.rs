@@ -174,11 +174,7 @@ pub fn srun_command(spec: &JobSpec, launcher: &str) -> Vec<String> {
 /// The first host of an Open MPI hostfile (`host slots=N`, `host:N` or `host` per line;
 /// comments and blank lines skipped).
 pub fn first_host_of_hostfile(text: &str) -> Option<String> {
-    text.lines()
-        .map(|l| l.split('#').next().unwrap_or("").trim())
-        .find(|l| !l.is_empty())
-        .and_then(|l| l.split_whitespace().next())
-        .map(|h| h.split(':').next().unwrap_or(h).to_string())
+    crate::ssh::hosts_of_hostfile(text).into_iter().next()
 }
 
 /// The first node of the Slurm allocation (`scontrol show hostnames $SLURM_JOB_NODELIST`).

@@ -32,8 +32,20 @@ pub fn hosts_of_hostfile(text: &str) -> Vec<String> {
         .map(|l| l.split('#').next().unwrap_or("").trim())
         .filter(|l| !l.is_empty())
         .filter_map(|l| l.split_whitespace().next())
-        .map(|h| h.split(':').next().unwrap_or(h).to_string())
+        .map(host_of_word)
         .collect()
+}
+
+/// The host in a hostfile's first word: `host`, `host:slots`, an IPv6 address, or
+/// `[v6]:slots`.
+fn host_of_word(word: &str) -> String {
+    if word.parse::<std::net::IpAddr>().is_ok() {
+        return word.to_string();
+    }
+    if let Some(rest) = word.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest).to_string();
+    }
+    word.split(':').next().unwrap_or(word).to_string()
 }
 
 /// The host of process `index` of `role` (servers first, then workers, cycling the hosts).
@@ -166,8 +178,8 @@ mod tests {
     #[test]
     fn hostfiles_and_quoting() {
         assert_eq!(
-            hosts_of_hostfile("# hosts\nnode1\n\nnode2 slots=4\nnode3:2\n"),
-            ["node1", "node2", "node3"]
+            hosts_of_hostfile("# hosts\nnode1\n\nnode2 slots=4\nnode3:2\nfd00::7\n[fd00::8]:4\n"),
+            ["node1", "node2", "node3", "fd00::7", "fd00::8"]
         );
         assert_eq!(shell_quote("plain-1.0"), "plain-1.0");
         assert_eq!(shell_quote("it's $HOME"), r"'it'\''s $HOME'");
