@@ -169,10 +169,7 @@ fn main() -> ExitCode {
             if cli.hostfile.is_some() || cli.sync_dst_dir.is_some() {
                 return fail("--hostfile and --sync-dst-dir need --launcher ssh or mpi");
             }
-            spec.root_port = cli.port.unwrap_or(0);
-            if let Some(root) = cli.root {
-                spec.root_host = root;
-            }
+            place_root(&mut spec, cli.port, cli.root);
             None
         }
         Launcher::Ssh => {
@@ -190,11 +187,7 @@ fn main() -> ExitCode {
                     Err(e) => return fail(format!("the current directory: {e}")),
                 },
             };
-            spec.root_port = cli.port.unwrap_or(0);
-            let chosen = cli.root.is_some();
-            if let Some(root) = cli.root {
-                spec.root_host = root;
-            }
+            let chosen = place_root(&mut spec, cli.port, cli.root);
             if let Err(e) = reachable_root(&spec, chosen, Some(&hosts)) {
                 return fail(e);
             }
@@ -215,11 +208,7 @@ fn main() -> ExitCode {
                      (yarn.resourcemanager.webapp.address, e.g. http://rm:8088)",
                 );
             };
-            spec.root_port = cli.port.unwrap_or(0);
-            let chosen = cli.root.is_some();
-            if let Some(root) = cli.root {
-                spec.root_host = root;
-            }
+            let chosen = place_root(&mut spec, cli.port, cli.root);
             let _ = reachable_root(&spec, chosen, None);
             let job = psnet_launch::yarn::YarnJob {
                 rm,
@@ -266,11 +255,7 @@ fn main() -> ExitCode {
                 Ok(d) => d.to_string_lossy().into_owned(),
                 Err(e) => return fail(format!("the current directory: {e}")),
             };
-            spec.root_port = cli.port.unwrap_or(0);
-            let chosen = cli.root.is_some();
-            if let Some(root) = cli.root {
-                spec.root_host = root;
-            }
+            let chosen = place_root(&mut spec, cli.port, cli.root);
             let _ = reachable_root(&spec, chosen, None);
             let job = psnet_launch::batch::BatchJob {
                 system,
@@ -351,6 +336,16 @@ fn main() -> ExitCode {
         };
     }
     report(launch_local(&spec))
+}
+
+/// The scheduler's port (0: a free one) and, if `--root` gave one, host; whether it did.
+fn place_root(spec: &mut JobSpec, port: Option<u16>, root: Option<String>) -> bool {
+    spec.root_port = port.unwrap_or(0);
+    let chosen = root.is_some();
+    if let Some(root) = root {
+        spec.root_host = root;
+    }
+    chosen
 }
 
 /// A scheduler on a loopback address cannot be reached from other hosts. With the hosts
