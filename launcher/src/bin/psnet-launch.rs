@@ -1,4 +1,4 @@
-//! `psnet-launch -n WORKERS [-s SERVERS] [--launcher local|mpi|slurm] [-H HOSTFILE]
+//! `psnet-launch -n WORKERS [-s SERVERS] [--launcher local|ssh|mpi|slurm|sge|pbs|yarn] [-H HOSTFILE]
 //! [--env NAME=VALUE]... -- COMMAND [ARGS...]`: runs a psnet job, as MXNet's
 //! `tools/launch.py` does; `--role-from-env` is the per-rank side under mpirun or srun.
 #![forbid(unsafe_code)]
@@ -41,7 +41,7 @@ enum PbsFlavor {
 #[command(
     name = "psnet-launch",
     version,
-    about = "Run a psnet job: a scheduler, servers and workers, on this host or through mpirun / srun"
+    about = "Run a psnet job (a scheduler, servers and workers) on this host, over ssh, or through mpirun, srun, Grid Engine, PBS or YARN"
 )]
 struct Cli {
     /// Number of workers.
