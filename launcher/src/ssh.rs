@@ -6,8 +6,8 @@
 //! No remote process outlives the job: each runs behind a watchdog on its ssh session's
 //! standard input, which the launcher holds open and never writes. When the launcher stops a
 //! process it kills that process's ssh client, and a launcher that dies closes every pipe:
-//! either way sshd closes the remote input, and the watchdog stops the command (SIGTERM, then
-//! SIGKILL after 2 s).
+//! either way sshd closes the remote input, and the watchdog stops the command and what it
+//! started (its process group, where the host has `setsid`): SIGTERM, then SIGKILL after 2 s.
 
 use std::process::{Command, Stdio};
 
@@ -81,11 +81,15 @@ pub fn remote_line(env: &[(String, String)], dir: &str, command: &[String]) -> S
         .collect();
     let cmd: Vec<String> = command.iter().map(|a| shell_quote(a)).collect();
     // fd 3 keeps the session's input for the watchdog: an asynchronous list's own input is
-    // /dev/null in a shell without job control.
+    // /dev/null in a shell without job control. With setsid (util-linux) the command leads a
+    // process group of its own (a background child is no group leader, so setsid does not
+    // fork), and the watchdog stops the whole group: what the command started goes too.
     format!(
-        "cd {dir} || exit 127; exec 3<&0; export {exports}; {cmd} </dev/null & pid=$!; \
-         {{ while read -r _ <&3; do :; done; kill -TERM $pid 2>/dev/null; sleep 2; \
-         kill -KILL $pid 2>/dev/null; }} & dog=$!; wait $pid; rc=$?; kill $dog 2>/dev/null; \
+        "cd {dir} || exit 127; exec 3<&0; export {exports}; \
+         if command -v setsid >/dev/null 2>&1; then setsid {cmd} </dev/null & pid=$!; grp=-$pid; \
+         else {cmd} </dev/null & pid=$!; grp=$pid; fi; \
+         {{ while read -r _ <&3; do :; done; kill -TERM $grp 2>/dev/null; sleep 2; \
+         kill -KILL $grp 2>/dev/null; }} & dog=$!; wait $pid; rc=$?; kill $dog 2>/dev/null; \
          exit $rc",
         dir = shell_quote(dir),
         exports = exports.join(" "),

@@ -96,7 +96,13 @@ fn stopping_the_launcher_stops_the_remote_commands() {
     let dir = stubs("stop");
     let pids = dir.join("pids");
     std::fs::create_dir_all(&pids).unwrap();
-    let script = format!("echo $$ > {}/$DMLC_ROLE-$$; exec sleep 120", pids.display());
+    // The remote processes start a child each: the watchdog must stop those too. (The local
+    // scheduler's own children are its to stop when the launcher is killed outright.)
+    let script = format!(
+        "echo $$ > {p}/$DMLC_ROLE-$$; [ \"$DMLC_ROLE\" = scheduler ] && exec sleep 120; \
+         sleep 120 & echo $! > {p}/child-$DMLC_ROLE-$$; wait",
+        p = pids.display()
+    );
     let read_pids = || common::pids_in(&pids);
     let alive = common::alive;
     // SIGTERM (passed on) and SIGKILL (the launcher dies outright): the remote side is only
@@ -111,7 +117,7 @@ fn stopping_the_launcher_stops_the_remote_commands() {
             .spawn()
             .unwrap();
         let started = Instant::now();
-        while read_pids().len() < 3 {
+        while read_pids().len() < 5 {
             assert!(
                 started.elapsed() < Duration::from_secs(20),
                 "the job did not start"
