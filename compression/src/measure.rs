@@ -261,19 +261,21 @@ pub fn format_table(rows: &[MeasureRow]) -> String {
 /// Formats rows as JSON Lines: one flat object per row, on its own line (no trailing newline),
 /// `"test": "compress"` then the [`MeasureRow`] fields (units in the names).
 pub fn format_json(rows: &[MeasureRow]) -> String {
+    json_lines("compress", rows)
+}
+
+/// One JSON object per row, `"test": test` first, then the row's own fields.
+pub(crate) fn json_lines<R: Serialize>(test: &'static str, rows: &[R]) -> String {
     #[derive(Serialize)]
-    struct Line<'a> {
+    struct Line<'a, R> {
         test: &'static str,
         #[serde(flatten)]
-        row: &'a MeasureRow,
+        row: &'a R,
     }
     rows.iter()
         .map(|row| {
-            serde_json::to_string(&Line {
-                test: "compress",
-                row,
-            })
-            .unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+            serde_json::to_string(&Line { test, row })
+                .unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
         })
         .collect::<Vec<_>>()
         .join("\n")

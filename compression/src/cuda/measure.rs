@@ -152,7 +152,7 @@ fn pseudo_random(n: usize) -> Vec<f32> {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 23) as f32) * 2.0 - 1.0
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
 }
@@ -183,22 +183,7 @@ pub fn format_gpu_table(rows: &[GpuMeasureRow]) -> String {
 /// The rows as JSON Lines: one flat object per row, on its own line (no trailing newline),
 /// `"test": "compress-gpu"` then the [`GpuMeasureRow`] fields (units in the names).
 pub fn format_gpu_json(rows: &[GpuMeasureRow]) -> String {
-    #[derive(Serialize)]
-    struct Line<'a> {
-        test: &'static str,
-        #[serde(flatten)]
-        row: &'a GpuMeasureRow,
-    }
-    rows.iter()
-        .map(|row| {
-            serde_json::to_string(&Line {
-                test: "compress-gpu",
-                row,
-            })
-            .unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
+    crate::measure::json_lines("compress-gpu", rows)
 }
 
 #[cfg(test)]
