@@ -57,4 +57,6 @@ chroot "$ROOT" /usr/bin/env -i HOME=/root TERM=dumb \
   /bin/bash -c 'cd /psnet && bash scripts/setup.sh && cargo run --release -p psnet-train' \
   || rc=$?
 say "the README's first command exited $rc after $(( $(date +%s) - t1 )) s in the fresh root"
+# Its build output is the root's largest part (GBs); nothing below needs it.
+rm -rf "$ROOT/root/target"
 exit $rc

@@ -5,7 +5,11 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
-SHARE=${SHARE:-$(mktemp -d /tmp/psnet-rxe-share.XXXXXX)}
+if [ -z "${SHARE:-}" ]; then
+  SHARE=$(mktemp -d /tmp/psnet-rxe-share.XXXXXX)
+  # The staged binaries are ~180 MB a run; the guest's log (run.log) stays.
+  trap 'rm -rf "$SHARE/bin" "$SHARE/tests" "$SHARE/late"' EXIT
+fi
 cd "$ROOT"
 echo "rxe-ci: building release binaries"
 cargo build --release --locked -p psnet-perf -p psnet-launch -p psnet-train
