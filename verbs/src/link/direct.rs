@@ -37,7 +37,7 @@ impl Link {
             len: offer.len,
         };
         let seq = track_send(st, pending, done, total, Some(to));
-        if !self.post_writes(st, seq)? {
+        if !self.post_writes(st, seq) {
             return Err(VerbsError::Internal(
                 "no queue room for a direct write after checking for it",
             ));
@@ -52,7 +52,7 @@ impl Link {
             let at = wire::put_data_header(buf, base, msg.meta.len() as u32, 0, lens);
             buf[at..at + msg.meta.len()].copy_from_slice(msg.meta);
             at + msg.meta.len()
-        })?;
+        });
         if !posted {
             return Err(VerbsError::Internal(
                 "no credit for a direct message after checking for one",

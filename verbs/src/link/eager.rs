@@ -30,7 +30,7 @@ impl Link {
                     at += part.len();
                 }
                 at
-            })?;
+            });
             Ok(posted.then_some(()))
         })
         .await

@@ -11,8 +11,13 @@
 //! clear-to-send, RDMA WRITE WITH IMMEDIATE), `direct.rs` (written into a buffer the peer
 //! offered); `recv.rs` handles completions and received messages; `pump.rs` does the work
 //! completions left behind (reposts, deferred requests, offers, credits).
+//!
+//! None of them touches the queue pair: the protocol state ([`State`]) only records the work
+//! requests it decides on ([`WorkRequest`]), and `post.rs`, the thin poster, hands them to the
+//! queue pair in order before the lock that decided them is released.
 
 use std::collections::{HashMap, VecDeque};
+use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
@@ -31,9 +36,11 @@ use crate::proto::wire::{Cts, DataHeader};
 use crate::sys::memory::{Slab, Slot};
 pub(crate) use crate::sys::verbs::{split_wr_id, wr_id, WorkCompletion, WrKind};
 use crate::sys::verbs::{Gather, QueuePair, INDEX_MASK};
+use post::WorkRequest;
 
 mod direct;
 mod eager;
+mod post;
 mod pump;
 mod recv;
 mod rendezvous;
@@ -112,8 +119,11 @@ struct DeferredRts {
     meta: Option<Bytes>,
 }
 
+/// The protocol state of a link: what is owed, offered, granted and in flight. It decides
+/// which work requests to post and records them in `wrs`; it never posts them itself.
 struct State {
-    qp: QueuePair,
+    /// Work requests decided on and not yet posted, in order.
+    wrs: Vec<WorkRequest>,
     credits: Credits,
     free_slots: Vec<Slot>,
     sq_free: u32,
@@ -136,6 +146,81 @@ struct State {
     offers: Offers,
     stats: LinkStats,
     failed: Option<String>,
+}
+
+/// What the link's mutex guards: the protocol state, and the queue pair its decisions are
+/// posted to. Bring-up and teardown modify the queue pair directly; data-path work requests go
+/// through [`State::wrs`] and the poster.
+struct Locked {
+    state: State,
+    qp: QueuePair,
+}
+
+/// The link's lock, held while deciding. Work requests decided under it and not posted
+/// explicitly ([`Guard::post`]) are posted when it is released; if that fails, the link fails.
+struct Guard<'a> {
+    link: &'a Link,
+    locked: MutexGuard<'a, Locked>,
+}
+
+impl Deref for Guard<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.locked.state
+    }
+}
+
+impl DerefMut for Guard<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.locked.state
+    }
+}
+
+impl Guard<'_> {
+    /// Posts the work requests decided so far, in order.
+    fn post(&mut self) -> Result<(), VerbsError> {
+        self.link.post_decided(&mut self.locked)
+    }
+
+    /// The queue pair, for bring-up and teardown (state changes, not work requests).
+    fn qp(&mut self) -> &mut QueuePair {
+        &mut self.locked.qp
+    }
+
+    /// Marks the link failed under this lock; false if it had already failed.
+    fn fail(&mut self, reason: &str) -> bool {
+        let st = &mut self.locked.state;
+        if st.failed.is_some() {
+            return false;
+        }
+        st.failed = Some(reason.to_string());
+        st.wrs.clear();
+        for (_, mut out) in st.out.drain() {
+            if let Some(done) = out.done.take() {
+                let _ = done.send(Err(VerbsError::LinkFailed(reason.to_string())));
+            }
+        }
+        let mut err = QueuePairAttribute::new();
+        err.setup_state(QueuePairState::Error);
+        if let Err(e) = self.locked.qp.modify(&err) {
+            tracing::debug!(peer = %self.link.peer, error = %e, "queue pair to ERROR");
+        }
+        true
+    }
+}
+
+impl Drop for Guard<'_> {
+    fn drop(&mut self) {
+        if self.locked.state.wrs.is_empty() {
+            return;
+        }
+        if let Err(e) = self.post() {
+            if self.fail(&e.to_string()) {
+                // Waiters re-check under the lock once it is released.
+                self.link.changed.notify_waiters();
+            }
+        }
+    }
 }
 
 /// One work completion of a link, as the poller read it.
@@ -171,7 +256,7 @@ pub struct Link {
     qpn: u32,
     local_psn: u32,
     // The queue pair (in `st`) keeps the slabs' memory registered until it is destroyed.
-    st: Mutex<State>,
+    st: Mutex<Locked>,
     recv: Slab,
     send: Slab,
     pool: Arc<RecvPool>,
@@ -186,8 +271,11 @@ fn lost(peer: NodeId, reason: impl Into<String>) -> TransportError {
 }
 
 impl Link {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.st.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> Guard<'_> {
+        Guard {
+            link: self,
+            locked: self.st.lock().unwrap_or_else(|p| p.into_inner()),
+        }
     }
 
     /// The queue pair's number.
@@ -197,9 +285,8 @@ impl Link {
 
     /// This side's queue pair, for the handshake.
     pub fn local_info(&self) -> QpInfo {
-        let st = self.lock();
         QpInfo {
-            qpn: st.qp.qp_number(),
+            qpn: self.qpn,
             psn: self.local_psn,
             lid: self.dev.lid,
             gid: Into::<std::net::Ipv6Addr>::into(self.dev.gid).octets(),
@@ -239,24 +326,11 @@ impl Link {
     /// Marks the link failed: waiting and future sends fail with `reason`, the queue pair
     /// stops. Returns false if it had already failed.
     pub fn fail(&self, reason: &str) -> bool {
-        let mut st = self.lock();
-        if st.failed.is_some() {
-            return false;
+        let failed = self.lock().fail(reason);
+        if failed {
+            self.changed.notify_waiters();
         }
-        st.failed = Some(reason.to_string());
-        for (_, mut out) in st.out.drain() {
-            if let Some(done) = out.done.take() {
-                let _ = done.send(Err(VerbsError::LinkFailed(reason.to_string())));
-            }
-        }
-        let mut err = QueuePairAttribute::new();
-        err.setup_state(QueuePairState::Error);
-        if let Err(e) = st.qp.modify(&err) {
-            tracing::debug!(peer = %self.peer, error = %e, "queue pair to ERROR");
-        }
-        drop(st);
-        self.changed.notify_waiters();
-        true
+        failed
     }
 
     /// The transport tag in registration keys handed out by this transport.

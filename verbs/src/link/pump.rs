@@ -17,7 +17,7 @@ impl Link {
         }
         let result = (|| -> Result<(), VerbsError> {
             for slot in std::mem::take(&mut st.repost) {
-                self.post_recv(&mut st, slot)?;
+                self.post_recv(&mut st, slot);
             }
             if !inbox_full {
                 st.credits.release_withheld();
@@ -38,7 +38,7 @@ impl Link {
                 }
             }
             while let Some(&seq) = st.write_backlog.front() {
-                if !self.post_writes(&mut st, seq)? {
+                if !self.post_writes(&mut st, seq) {
                     break;
                 }
                 st.write_backlog.pop_front();
@@ -51,7 +51,7 @@ impl Link {
                         seq,
                     };
                     wire::put_cts(buf, base, cts)
-                })?;
+                });
                 if !posted {
                     break;
                 }
@@ -65,7 +65,7 @@ impl Link {
                         seq: id,
                     };
                     wire::put_cts(buf, base, offer)
-                })?;
+                });
                 if !posted {
                     break;
                 }
@@ -80,10 +80,11 @@ impl Link {
                     };
                     wire::put_base(buf, base);
                     wire::BASE_LEN
-                })?;
+                });
             }
             Ok(())
-        })();
+        })()
+        .and_then(|()| st.post());
         while let Some(msg) = st.order.pop_ready() {
             progress.delivered.push(msg);
         }

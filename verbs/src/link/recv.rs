@@ -7,23 +7,17 @@ use psnet_transport::{Incoming, NodeId};
 use sideway::ibverbs::completion::{WorkCompletionOperationType, WorkCompletionStatus};
 use smallvec::SmallVec;
 
-use super::{Completion, DeferredRts, InRndv, Link, Slot, State, WrKind, INLINE_INDEX};
+use super::{
+    Completion, DeferredRts, InRndv, Link, Slot, State, WorkRequest, WrKind, INLINE_INDEX,
+};
 use crate::error::VerbsError;
 use crate::proto::offers::{RemoteBuf, PER_CLASS};
 use crate::proto::wire::{self, Cts, Kind};
 
 impl Link {
     /// Posts receive buffer `slot`; it is read again only once its completion returns it.
-    pub(super) fn post_recv(&self, st: &mut State, slot: Slot) -> Result<(), VerbsError> {
-        match st.qp.post_recv(&self.recv, slot) {
-            Ok(()) => Ok(()),
-            // Soft-RoCE reports a momentarily full receive queue as ENOMEM: retry later.
-            Err((slot, sideway::ibverbs::queue_pair::PostRecvError::NotEnoughResources(_))) => {
-                st.repost.push(slot);
-                Ok(())
-            }
-            Err((_, e)) => Err(VerbsError::os("ibv_post_recv", "post receive", &e)),
-        }
+    pub(super) fn post_recv(&self, st: &mut State, slot: Slot) {
+        st.wrs.push(WorkRequest::Recv(slot));
     }
 
     /// Handles one completion of this link.
@@ -72,11 +66,11 @@ impl Link {
                     let bytes = self.recv.read(&slot, byte_len as usize);
                     self.on_message(&mut st, bytes, inbox_full)?
                 };
-                self.post_recv(&mut st, slot)?;
+                self.post_recv(&mut st, slot);
                 st.credits.slot_reposted(data && inbox_full);
             }
         }
-        Ok(())
+        st.post()
     }
 
     /// Handles a received message; returns whether it was data (its credit may be withheld).

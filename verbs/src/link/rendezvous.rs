@@ -7,7 +7,7 @@ use psnet_transport::{OutMessage, TransportError};
 use smallvec::SmallVec;
 use tokio::sync::oneshot;
 
-use super::{lost, wr_id, Link, OutRndv, PendingSend, State, WrKind, SEQ_MASK};
+use super::{lost, Link, OutRndv, PendingSend, State, WorkRequest, SEQ_MASK};
 use crate::error::VerbsError;
 use crate::proto::credits::Class;
 use crate::proto::wire::{self, Base, Cts, Kind};
@@ -95,7 +95,7 @@ impl Link {
                     } else {
                         at
                     }
-                })?;
+                });
                 if !posted {
                     return Ok(None);
                 }
@@ -129,37 +129,28 @@ impl Link {
         }
     }
 
-    /// Posts the RDMA writes of large send `seq`; false if the send queue lacks room.
-    pub(super) fn post_writes(&self, st: &mut State, seq: u32) -> Result<bool, VerbsError> {
-        let Some(out) = st.out.get(&seq) else {
-            return Ok(true);
+    /// Decides the RDMA writes of large send `seq`; false if the send queue lacks room.
+    pub(super) fn post_writes(&self, st: &mut State, seq: u32) -> bool {
+        let max_sge = self.max_sge as usize;
+        let Some(out) = st.out.get_mut(&seq) else {
+            return true;
         };
-        let cts = out.cts.expect("writes follow a clear-to-send or an offer");
+        let to = out.cts.expect("writes follow a clear-to-send or an offer");
         let imm = out.imm;
-        let groups = write_groups(&out.gather, self.max_sge as usize);
+        let groups = write_groups(&out.gather, max_sge);
         let wrs = groups.len() as u32;
         if st.sq_free < wrs {
-            return Ok(false);
+            return false;
         }
+        out.wrs = wrs;
         st.sq_free -= wrs;
-        let gather = out.gather.clone();
-        // The entries point into the sender's borrowed segments (kept alive by the pending
-        // send future: dropping it fails the link first) or into registrations held by
-        // `OutRndv` until the write completes.
-        st.qp
-            .post_writes(
-                wr_id(self.id, WrKind::Write, seq),
-                &gather,
-                &groups,
-                cts.rkey,
-                cts.addr,
-                imm,
-            )
-            .map_err(|e| VerbsError::os("ibv_post_send", "post RDMA write", &e))?;
-        if let Some(out) = st.out.get_mut(&seq) {
-            out.wrs = wrs;
-        }
-        Ok(true)
+        st.wrs.push(WorkRequest::Writes {
+            seq,
+            groups,
+            to,
+            imm,
+        });
+        true
     }
 }
 

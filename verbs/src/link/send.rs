@@ -5,7 +5,9 @@
 use psnet_transport::codec::FrameHeader;
 use psnet_transport::{FrameKind, OutMessage, TransportError};
 
-use super::{lost, wr_id, Link, State, WrKind, INLINE_INDEX};
+use smallvec::SmallVec;
+
+use super::{lost, Link, State, WorkRequest};
 use crate::error::VerbsError;
 use crate::proto::credits::Class;
 use crate::proto::wire::DataHeader;
@@ -43,12 +45,17 @@ impl Link {
                     return Err(lost(self.peer, reason.clone()));
                 }
                 if st.remote_ready {
-                    match attempt(&mut st) {
+                    // What was decided is posted before the lock goes, so that a refusal
+                    // reaches this sender rather than a later one.
+                    match attempt(&mut st).and_then(|decided| st.post().map(|()| decided)) {
                         Ok(Some(v)) => return Ok(v),
                         Ok(None) => {}
                         Err(e) => {
+                            let failed = st.fail(&e.to_string());
                             drop(st);
-                            self.fail(&e.to_string());
+                            if failed {
+                                self.changed.notify_waiters();
+                            }
                             return Err(e.into_lost(self.peer));
                         }
                     }
@@ -58,16 +65,16 @@ impl Link {
         }
     }
 
-    /// Posts a small message built by `fill` into a send buffer; false if a credit, a buffer
-    /// or queue room is missing.
+    /// Decides to send a small message built by `fill` from a send buffer; false if a
+    /// credit, a buffer or queue room is missing.
     pub(super) fn try_post_small(
         &self,
         st: &mut State,
         class: Class,
         fill: impl FnOnce(&mut [u8], u16) -> usize,
-    ) -> Result<bool, VerbsError> {
+    ) -> bool {
         if st.sq_free == 0 || st.free_slots.is_empty() || !st.credits.try_take(class, 1) {
-            return Ok(false);
+            return false;
         }
         let mut slot = st.free_slots.pop().expect("checked");
         st.sq_free -= 1;
@@ -75,18 +82,15 @@ impl Link {
         // The slot was free (its previous send completed) and is ours until posted.
         let buf = self.send.fill(&mut slot);
         let len = fill(buf, report);
-        let inline = len <= self.params.inline_bytes as usize;
-        let post_error = |e| VerbsError::os("ibv_post_send", "post send", &e);
-        if inline {
-            // The bytes are copied into the work request now: the buffer is free again.
-            st.qp
-                .post_send_inline(wr_id(self.id, WrKind::Send, INLINE_INDEX), &buf[..len])
-                .map_err(post_error)?;
+        if len <= self.params.inline_bytes as usize {
+            // The bytes travel in the work request itself: the buffer is free again.
+            st.wrs
+                .push(WorkRequest::SendInline(SmallVec::from_slice(&buf[..len])));
             st.free_slots.push(slot);
         } else {
             // The slot is not reused before the send's completion returns it.
-            st.qp.post_send(&self.send, slot, len).map_err(post_error)?;
+            st.wrs.push(WorkRequest::Send { slot, len });
         }
-        Ok(true)
+        true
     }
 }

@@ -12,7 +12,7 @@ use sideway::ibverbs::device_context::Mtu;
 use sideway::ibverbs::queue_pair::{GenericQueuePair, QueuePairAttribute, QueuePairState};
 use tokio::sync::Notify;
 
-use super::{Link, LinkParams, LinkStats, QpInfo, State};
+use super::{Link, LinkParams, LinkStats, Locked, QpInfo, State};
 use crate::device::Device;
 use crate::error::VerbsError;
 use crate::memory::{self, RecvPool};
@@ -93,26 +93,29 @@ impl Link {
             max_sge: dev.max_sge,
             tag,
             local_psn: (nonce as u32) & 0xFF_FFFF,
-            st: Mutex::new(State {
+            st: Mutex::new(Locked {
                 qp,
-                credits: Credits::new(4),
-                free_slots: send_slots,
-                sq_free: sq_depth,
-                next_seq: 1,
-                remote_ready: false,
-                out: HashMap::new(),
-                inbound: HashMap::new(),
-                order: Reorder::default(),
-                cts_backlog: VecDeque::new(),
-                write_backlog: VecDeque::new(),
-                deferred_rts: VecDeque::new(),
-                repost: Vec::new(),
-                offered: Offered::new(params.offer_bytes),
-                to_offer: VecDeque::new(),
-                offer_backlog: VecDeque::new(),
-                offers: Offers::default(),
-                stats: LinkStats::default(),
-                failed: None,
+                state: State {
+                    wrs: Vec::new(),
+                    credits: Credits::new(4),
+                    free_slots: send_slots,
+                    sq_free: sq_depth,
+                    next_seq: 1,
+                    remote_ready: false,
+                    out: HashMap::new(),
+                    inbound: HashMap::new(),
+                    order: Reorder::default(),
+                    cts_backlog: VecDeque::new(),
+                    write_backlog: VecDeque::new(),
+                    deferred_rts: VecDeque::new(),
+                    repost: Vec::new(),
+                    offered: Offered::new(params.offer_bytes),
+                    to_offer: VecDeque::new(),
+                    offer_backlog: VecDeque::new(),
+                    offers: Offers::default(),
+                    stats: LinkStats::default(),
+                    failed: None,
+                },
             }),
             params,
             recv,
@@ -123,8 +126,9 @@ impl Link {
         {
             let mut st = link.lock();
             for slot in recv_slots {
-                link.post_recv(&mut st, slot)?;
+                link.post_recv(&mut st, slot);
             }
+            st.post()?;
         }
         Ok(link)
     }
@@ -152,7 +156,7 @@ impl Link {
             .setup_max_dest_read_atomic(1)
             .setup_min_rnr_timer(12)
             .setup_address_vector(&ah);
-        st.qp
+        st.qp()
             .modify(&rtr)
             .map_err(|e| VerbsError::os("ibv_modify_qp", "queue pair to RTR", &e))?;
         let mut rts = QueuePairAttribute::new();
@@ -164,7 +168,7 @@ impl Link {
             // dead peer, reported as an error rather than retried for ever.
             .setup_rnr_retry(6)
             .setup_max_read_atomic(1);
-        st.qp
+        st.qp()
             .modify(&rts)
             .map_err(|e| VerbsError::os("ibv_modify_qp", "queue pair to RTS", &e))?;
         Ok(())
@@ -196,7 +200,7 @@ impl Link {
         let mut st = self.lock();
         st.credits = Credits::new(recv_depth);
         rtr.setup_min_rnr_timer(12);
-        st.qp.modify(&rtr).map_err(|e| {
+        st.qp().modify(&rtr).map_err(|e| {
             VerbsError::os(
                 "ibv_modify_qp",
                 "queue pair to RTR (rdma_cm attributes)",
@@ -206,7 +210,7 @@ impl Link {
         // The same timeouts as the socket handshake's queue pairs: a dead peer is an error
         // completion after about 2 s rather than never.
         rts.setup_timeout(14).setup_retry_cnt(7).setup_rnr_retry(6);
-        st.qp.modify(&rts).map_err(|e| {
+        st.qp().modify(&rts).map_err(|e| {
             VerbsError::os(
                 "ibv_modify_qp",
                 "queue pair to RTS (rdma_cm attributes)",
