@@ -1,0 +1,66 @@
+//! A communicator's settings. psnet's facade fills them from the environment (`PSNET_ALGO`,
+//! `PSNET_COLL_PIECE`, ...); this crate reads no environment itself.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+/// Which allreduce algorithm to run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Algo {
+    /// Recursive doubling up to [`Config::small_bytes`], a pipelined ring above.
+    #[default]
+    Auto,
+    /// Always the ring (reduce-scatter, then allgather): bandwidth-optimal for large buffers.
+    Ring,
+    /// Always recursive doubling: log2(n) exchanges of the whole buffer, latency-optimal for
+    /// small ones.
+    Doubling,
+}
+
+impl FromStr for Algo {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(Algo::Auto),
+            "ring" => Ok(Algo::Ring),
+            "doubling" | "rd" | "recursive_doubling" | "tree" => Ok(Algo::Doubling),
+            _ => Err(format!("unknown algorithm {s:?} (auto, ring, doubling)")),
+        }
+    }
+}
+
+impl fmt::Display for Algo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Algo::Auto => "auto",
+            Algo::Ring => "ring",
+            Algo::Doubling => "doubling",
+        })
+    }
+}
+
+/// A communicator's settings.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The allreduce algorithm.
+    pub algo: Algo,
+    /// Allreduces of at most this many bytes use recursive doubling (with [`Algo::Auto`]).
+    pub small_bytes: usize,
+    /// Large buffers move in pieces of at most this many bytes, each a message of its own, so
+    /// that transfers and reductions overlap.
+    pub piece_bytes: usize,
+    /// How long forming the communicator may take before the ranks still missing are named.
+    pub join_timeout: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            algo: Algo::Auto,
+            small_bytes: 64 << 10,
+            piece_bytes: 1 << 20,
+            join_timeout: Duration::from_secs(120),
+        }
+    }
+}

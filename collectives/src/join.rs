@@ -1,0 +1,190 @@
+//! Forming a communicator: every rank but 0 says hello to rank 0 at the root address with
+//! the world size it expects and the address it listens at; rank 0 checks that the ranks
+//! agree, then sends everyone the table of addresses; then every rank connects to every
+//! other. A rank missing when the time is up is named on rank 0, and rank 0 missing is named
+//! on the others.
+
+use std::net::SocketAddr;
+
+use psnet_transport::{NodeId, OutMessage, Segment, Transport};
+use tokio::time::Instant;
+
+use crate::comm::{node_of, Communicator};
+use crate::error::CollectiveError;
+use crate::mailbox::Arrival;
+use crate::wire::{self, Kind};
+
+pub(crate) async fn join<T: Transport>(
+    comm: &Communicator<T>,
+    root: SocketAddr,
+) -> Result<(), CollectiveError> {
+    let size = comm.members.len();
+    if size == 1 {
+        return Ok(());
+    }
+    let deadline = Instant::now() + comm.config.join_timeout;
+    let table = if comm.rank == 0 {
+        let addrs = gather_hellos(comm, size, deadline).await?;
+        let text: String = addrs.iter().map(|a| format!("{a}\n")).collect();
+        let header = wire::control(Kind::Table, comm.comm).encode();
+        for rank in 1..size {
+            let segment = [Segment::from(text.as_bytes())];
+            send(comm, node_of(rank), OutMessage::new(&header, &segment))
+                .await
+                .map_err(|e| {
+                    CollectiveError::Join(format!("sending rank {rank} the table: {e}"))
+                })?;
+        }
+        addrs
+    } else {
+        let root_node = node_of(0);
+        tokio::time::timeout_at(deadline, comm.transport.connect(root_node, root))
+            .await
+            .map_err(|_| timed_out_on_root(comm, root))?
+            .map_err(|e| CollectiveError::Join(format!("connecting to rank 0 at {root}: {e}")))?;
+        let mut header = wire::control(Kind::Hello, comm.comm);
+        header.tag = comm.rank as u64;
+        header.seq = size as u64;
+        let header = header.encode();
+        let addr = comm.transport.listen_addr().to_string();
+        let segment = [Segment::from(addr.as_bytes())];
+        send(comm, root_node, OutMessage::new(&header, &segment))
+            .await
+            .map_err(|e| CollectiveError::Join(format!("saying hello to rank 0 at {root}: {e}")))?;
+        wait_for(comm, deadline, |a| {
+            (a.header.kind == Kind::Table && a.from == root_node).then(|| parse_table(a, size))
+        })
+        .await
+        .map_err(|_| timed_out_on_root(comm, root))??
+    };
+    for (rank, addr) in table.iter().enumerate() {
+        if rank == comm.rank {
+            continue;
+        }
+        tokio::time::timeout_at(deadline, comm.transport.connect(node_of(rank), *addr))
+            .await
+            .map_err(|_| {
+                CollectiveError::Join(format!(
+                    "rank {rank} at {addr} did not answer within {:?}",
+                    comm.config.join_timeout
+                ))
+            })?
+            .map_err(|e| {
+                CollectiveError::Join(format!("connecting to rank {rank} at {addr}: {e}"))
+            })?;
+    }
+    Ok(())
+}
+
+fn timed_out_on_root<T: Transport>(comm: &Communicator<T>, root: SocketAddr) -> CollectiveError {
+    CollectiveError::Join(format!(
+        "rank 0 at {root} did not answer within {:?} (is it running, with the same root address?)",
+        comm.config.join_timeout
+    ))
+}
+
+async fn send<T: Transport>(
+    comm: &Communicator<T>,
+    to: NodeId,
+    msg: OutMessage<'_>,
+) -> Result<(), psnet_transport::TransportError> {
+    comm.transport.send(to, msg).await
+}
+
+/// Rank 0: every other rank's hello, checked; the table of addresses in rank order.
+async fn gather_hellos<T: Transport>(
+    comm: &Communicator<T>,
+    size: usize,
+    deadline: Instant,
+) -> Result<Vec<SocketAddr>, CollectiveError> {
+    let mut addrs: Vec<Option<SocketAddr>> = vec![None; size];
+    addrs[0] = Some(comm.transport.listen_addr());
+    while addrs.iter().any(Option::is_none) {
+        let hello = wait_for(comm, deadline, |a| {
+            (a.header.kind == Kind::Hello).then(|| {
+                (
+                    a.from,
+                    a.header.tag,
+                    a.header.seq,
+                    String::from_utf8_lossy(&a.data).into_owned(),
+                )
+            })
+        })
+        .await;
+        let (from, rank, their_size, addr) = match hello {
+            Ok(h) => h,
+            Err(()) => {
+                let missing: Vec<usize> = (0..size).filter(|&r| addrs[r].is_none()).collect();
+                return Err(CollectiveError::Join(format!(
+                    "ranks {missing:?} of {size} did not join within {:?}",
+                    comm.config.join_timeout
+                )));
+            }
+        };
+        if their_size != size as u64 {
+            return Err(CollectiveError::Join(format!(
+                "node {from} expects {their_size} ranks, rank 0 expects {size}: check the world size every rank was given"
+            )));
+        }
+        let rank = rank as usize;
+        if rank == 0 || rank >= size || from != node_of(rank) {
+            return Err(CollectiveError::Join(format!(
+                "node {from} says it is rank {rank} of {size}: ranks are 1..{size} besides rank 0, each one process"
+            )));
+        }
+        if addrs[rank].is_some() {
+            return Err(CollectiveError::Join(format!(
+                "rank {rank} joined twice: two processes were given the same rank"
+            )));
+        }
+        let addr: SocketAddr = addr.parse().map_err(|_| {
+            CollectiveError::Join(format!("rank {rank} listens at {addr:?}, not an address"))
+        })?;
+        addrs[rank] = Some(addr);
+    }
+    Ok(addrs.into_iter().map(|a| a.expect("all present")).collect())
+}
+
+fn parse_table(a: &Arrival, size: usize) -> Result<Vec<SocketAddr>, CollectiveError> {
+    let text = String::from_utf8_lossy(&a.data);
+    let addrs: Result<Vec<SocketAddr>, _> = text.lines().map(str::parse).collect();
+    match addrs {
+        Ok(addrs) if addrs.len() == size => Ok(addrs),
+        _ => Err(CollectiveError::Join(format!(
+            "rank 0 sent a table of addresses this rank cannot read ({} bytes)",
+            a.data.len()
+        ))),
+    }
+}
+
+/// The first joining message `pick` accepts (taken out of the mail), or `Err` at the
+/// deadline.
+async fn wait_for<R>(
+    comm: &Communicator<impl Transport>,
+    deadline: Instant,
+    mut pick: impl FnMut(&Arrival) -> Option<R>,
+) -> Result<R, ()> {
+    loop {
+        let changed = comm.mailbox.changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        {
+            let mut mail = comm.mailbox.lock();
+            let found = mail
+                .joining
+                .iter()
+                .enumerate()
+                .find_map(|(i, a)| pick(a).map(|r| (i, r)));
+            if let Some((i, r)) = found {
+                mail.joining.remove(i);
+                return Ok(r);
+            }
+        }
+        if tokio::time::timeout_at(deadline, &mut changed)
+            .await
+            .is_err()
+        {
+            return Err(());
+        }
+    }
+}

@@ -1,0 +1,432 @@
+//! Whole communicators on the in-memory network, in simulated time: every collective against
+//! a reference computed here, over rank counts 1..=9 and lengths from 0 (and not divisible by
+//! the rank count), with message delays drawn from a seed; and the failures: a rank lost
+//! mid-call, ranks that disagree about the call, a rank that never joins.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::{join_all, try_join_all};
+use psnet_collectives::{node_of, Algo, CollectiveError, Communicator, Config, ReduceOp};
+use psnet_memnet::{Faults, MemNet, MemTransport};
+use psnet_transport::Transport;
+
+type Comm = Communicator<MemTransport>;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .expect("a runtime")
+}
+
+async fn world(net: &MemNet, n: usize, config: Config) -> Vec<Comm> {
+    let transports: Vec<Arc<MemTransport>> =
+        (0..n).map(|r| Arc::new(net.bind(node_of(r)))).collect();
+    let root = transports[0].listen_addr();
+    try_join_all(
+        transports
+            .iter()
+            .enumerate()
+            .map(|(r, t)| Communicator::join(t.clone(), r, n, root, config.clone())),
+    )
+    .await
+    .expect("every rank joins")
+}
+
+fn delayed(seed: u64) -> MemNet {
+    let mut faults = Faults::none();
+    faults.seed = seed;
+    faults.delay = (Duration::ZERO, Duration::from_micros(300));
+    MemNet::with_faults(faults)
+}
+
+fn inputs(n: usize, len: usize, seed: u64) -> Vec<Vec<i64>> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    (0..n)
+        .map(|_| (0..len).map(|_| rng.i64(-1000..1000)).collect())
+        .collect()
+}
+
+fn sum(bufs: &[Vec<i64>], range: std::ops::Range<usize>) -> Vec<i64> {
+    range
+        .map(|i| bufs.iter().map(|b| b[i]).fold(0i64, i64::wrapping_add))
+        .collect()
+}
+
+/// Every collective once, on `n` ranks, buffers of `count` elements.
+async fn every_collective(n: usize, count: usize, seed: u64, config: Config) {
+    let net = delayed(seed);
+    let comms = world(&net, n, config).await;
+
+    let mut bufs = inputs(n, count, seed);
+    let want = sum(&bufs, 0..count);
+    try_join_all(
+        comms
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(c, b)| c.allreduce(b, ReduceOp::Sum)),
+    )
+    .await
+    .expect("allreduce");
+    for b in &bufs {
+        assert_eq!(
+            b, &want,
+            "allreduce, {n} ranks, {count} elements, seed {seed}"
+        );
+    }
+
+    let block = count / n + 1;
+    let send = inputs(n, n * block, seed + 1);
+    let mut recv = vec![vec![0i64; block]; n];
+    try_join_all(
+        comms
+            .iter()
+            .zip(send.iter().zip(recv.iter_mut()))
+            .map(|(c, (s, r))| c.reduce_scatter(s, r, ReduceOp::Sum)),
+    )
+    .await
+    .expect("reduce_scatter");
+    for (r, got) in recv.iter().enumerate() {
+        assert_eq!(
+            got,
+            &sum(&send, r * block..(r + 1) * block),
+            "reduce_scatter rank {r}"
+        );
+    }
+
+    let own = inputs(n, count, seed + 2);
+    let mut gathered = vec![vec![0i64; n * count]; n];
+    try_join_all(
+        comms
+            .iter()
+            .zip(own.iter().zip(gathered.iter_mut()))
+            .map(|(c, (s, r))| c.allgather(s, r)),
+    )
+    .await
+    .expect("allgather");
+    let all: Vec<i64> = own.iter().flatten().copied().collect();
+    for g in &gathered {
+        assert_eq!(g, &all, "allgather");
+    }
+
+    let root = (seed as usize) % n;
+    let mut bufs = inputs(n, count, seed + 3);
+    let want = bufs[root].clone();
+    try_join_all(
+        comms
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(c, b)| c.broadcast(b, root)),
+    )
+    .await
+    .expect("broadcast");
+    for b in &bufs {
+        assert_eq!(b, &want, "broadcast from {root}");
+    }
+
+    let mut bufs = inputs(n, count, seed + 4);
+    let want = sum(&bufs, 0..count);
+    try_join_all(
+        comms
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(c, b)| c.reduce(b, ReduceOp::Sum, root)),
+    )
+    .await
+    .expect("reduce");
+    assert_eq!(bufs[root], want, "reduce to {root}");
+
+    try_join_all(comms.iter().map(|c| c.barrier()))
+        .await
+        .expect("barrier");
+}
+
+#[test]
+fn every_collective_on_one_to_nine_ranks() {
+    let rt = runtime();
+    for n in 1..=9 {
+        for (i, count) in [0usize, 1, 7, 100, 1000, 4099].into_iter().enumerate() {
+            let seed = (n * 100 + i) as u64;
+            rt.block_on(every_collective(n, count, seed, Config::default()));
+        }
+    }
+}
+
+#[test]
+fn ring_and_doubling_in_small_pieces_agree() {
+    let rt = runtime();
+    for algo in [Algo::Ring, Algo::Doubling] {
+        for n in [2, 3, 5, 8] {
+            let config = Config {
+                algo,
+                piece_bytes: 24,
+                ..Config::default()
+            };
+            rt.block_on(every_collective(n, 203, n as u64, config));
+        }
+    }
+}
+
+#[test]
+fn every_type_and_reduction() {
+    use psnet_collectives::{bf16, f16};
+    let rt = runtime();
+    rt.block_on(async {
+        let n = 3;
+        let net = MemNet::reliable();
+        let comms = world(&net, n, Config::default()).await;
+        // Small integers: exact in every type, sums and products included.
+        let value = |r: usize, i: usize| ((r * 7 + i * 3) % 5) as f64 + 1.0;
+        let expect = |op: ReduceOp, i: usize| {
+            let v: Vec<f64> = (0..n).map(|r| value(r, i)).collect();
+            match op {
+                ReduceOp::Sum => v.iter().sum(),
+                ReduceOp::Prod => v.iter().product(),
+                ReduceOp::Min => v.iter().cloned().fold(f64::MAX, f64::min),
+                ReduceOp::Max => v.iter().cloned().fold(f64::MIN, f64::max),
+                ReduceOp::Avg => v.iter().sum::<f64>() / n as f64,
+            }
+        };
+        macro_rules! check {
+            ($t:ty, $from:expr, $to:expr, $ops:expr) => {
+                for op in $ops {
+                    let mut bufs: Vec<Vec<$t>> = (0..n)
+                        .map(|r| (0..10).map(|i| $from(value(r, i))).collect())
+                        .collect();
+                    try_join_all(
+                        comms
+                            .iter()
+                            .zip(bufs.iter_mut())
+                            .map(|(c, b)| c.allreduce(b, op)),
+                    )
+                    .await
+                    .expect("allreduce");
+                    for b in &bufs {
+                        let got: Vec<f64> = b.iter().map(|&x| $to(x)).collect();
+                        let want: Vec<f64> = (0..10).map(|i| $to($from(expect(op, i)))).collect();
+                        assert_eq!(got, want, "{} {op}", stringify!($t));
+                    }
+                }
+            };
+        }
+        let all = [
+            ReduceOp::Sum,
+            ReduceOp::Prod,
+            ReduceOp::Min,
+            ReduceOp::Max,
+            ReduceOp::Avg,
+        ];
+        let ints = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max];
+        check!(f32, |x: f64| x as f32, |x: f32| x as f64, all);
+        check!(f64, |x: f64| x, |x: f64| x, all);
+        check!(f16, f16::from_f64, |x: f16| x.to_f64(), ints);
+        check!(bf16, bf16::from_f64, |x: bf16| x.to_f64(), ints);
+        check!(i32, |x: f64| x as i32, |x: i32| x as f64, ints);
+        check!(i64, |x: f64| x as i64, |x: i64| x as f64, ints);
+        check!(u8, |x: f64| x as u8, |x: u8| x as f64, ints);
+        // An average of integers is refused before anything is sent.
+        let mut b = vec![1i32; 4];
+        let err = comms[0].allreduce(&mut b, ReduceOp::Avg).await.unwrap_err();
+        assert!(matches!(err, CollectiveError::Invalid(_)), "{err}");
+    });
+}
+
+#[test]
+fn float_results_are_the_same_bits_on_every_rank() {
+    let rt = runtime();
+    rt.block_on(async {
+        for (n, count, algo) in [
+            (5, 3000, Algo::Ring),
+            (6, 300, Algo::Doubling),
+            (7, 10_001, Algo::Auto),
+        ] {
+            let net = delayed(n as u64);
+            let config = Config {
+                algo,
+                piece_bytes: 4096,
+                ..Config::default()
+            };
+            let comms = world(&net, n, config).await;
+            let mut rng = fastrand::Rng::with_seed(n as u64);
+            let mut bufs: Vec<Vec<f32>> = (0..n)
+                .map(|_| (0..count).map(|_| rng.f32() * 2e3 - 1e3).collect())
+                .collect();
+            try_join_all(
+                comms
+                    .iter()
+                    .zip(bufs.iter_mut())
+                    .map(|(c, b)| c.allreduce(b, ReduceOp::Sum)),
+            )
+            .await
+            .expect("allreduce");
+            for b in &bufs[1..] {
+                assert!(b
+                    .iter()
+                    .zip(&bufs[0])
+                    .all(|(x, y)| x.to_bits() == y.to_bits()));
+            }
+        }
+    });
+}
+
+#[test]
+fn calls_in_flight_complete_in_issue_order() {
+    let rt = runtime();
+    rt.block_on(async {
+        let n = 4;
+        let net = delayed(9);
+        let comms = world(&net, n, Config::default()).await;
+        let mut first = inputs(n, 500, 1);
+        let mut second = inputs(n, 70_000, 2);
+        let (want1, want2) = (sum(&first, 0..500), sum(&second, 0..70_000));
+        // Each rank issues both calls at once; they must pair up across ranks in issue order.
+        join_all(
+            comms
+                .iter()
+                .zip(first.iter_mut().zip(second.iter_mut()))
+                .map(|(c, (a, b))| async move {
+                    let (x, y) =
+                        tokio::join!(c.allreduce(a, ReduceOp::Sum), c.allreduce(b, ReduceOp::Sum));
+                    x.and(y).expect("both calls");
+                }),
+        )
+        .await;
+        assert!(first.iter().all(|b| b == &want1));
+        assert!(second.iter().all(|b| b == &want2));
+    });
+}
+
+#[test]
+fn a_rank_lost_mid_call_fails_the_others_naming_it() {
+    let rt = runtime();
+    rt.block_on(async {
+        let n = 4;
+        let net = MemNet::reliable();
+        let comms = world(&net, n, Config::default()).await;
+        let mut bufs = inputs(n, 100_000, 3);
+        let dead = 2;
+        let calls = comms
+            .iter()
+            .zip(bufs.iter_mut())
+            .enumerate()
+            .filter(|(r, _)| *r != dead)
+            .map(|(_, (c, b))| {
+                tokio::time::timeout(Duration::from_secs(30), c.allreduce(b, ReduceOp::Sum))
+            });
+        let kill = async {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            assert!(net.kill(node_of(dead)));
+        };
+        let (results, ()) = tokio::join!(join_all(calls), kill);
+        for result in results {
+            let err = result.expect("fails in bounded time").unwrap_err();
+            match &err {
+                CollectiveError::RankLost { rank, .. } => assert_eq!(*rank, dead, "{err}"),
+                CollectiveError::Aborted { reason, .. } => {
+                    assert!(reason.contains(&format!("rank {dead}")), "{err}")
+                }
+                other => panic!("unexpected error: {other}"),
+            }
+        }
+        // The communicator stays failed.
+        let mut b = vec![0i64; 3];
+        assert!(comms[0].allreduce(&mut b, ReduceOp::Sum).await.is_err());
+    });
+}
+
+#[test]
+fn ranks_that_disagree_about_the_call_are_told_which_rank() {
+    let rt = runtime();
+    rt.block_on(async {
+        let net = MemNet::reliable();
+        let comms = world(&net, 3, Config::default()).await;
+        let mut a = vec![1.0f32; 10];
+        let mut b = vec![1.0f32; 10];
+        let mut c = vec![1.0f32; 11];
+        let (ra, rb, rc) = tokio::join!(
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                comms[0].allreduce(&mut a, ReduceOp::Sum)
+            ),
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                comms[1].allreduce(&mut b, ReduceOp::Sum)
+            ),
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                comms[2].allreduce(&mut c, ReduceOp::Sum)
+            ),
+        );
+        let errors: Vec<CollectiveError> = [ra, rb, rc]
+            .into_iter()
+            .map(|r| r.expect("bounded time").unwrap_err())
+            .collect();
+        // Someone saw the mismatch itself; everyone failed.
+        assert!(
+            errors
+                .iter()
+                .any(|e| matches!(e, CollectiveError::Mismatch { .. })),
+            "{errors:?}"
+        );
+        let text = format!("{errors:?}");
+        assert!(text.contains("allreduce(11 x float"), "{text}");
+    });
+}
+
+#[test]
+fn a_rank_that_never_joins_is_named() {
+    let rt = runtime();
+    rt.block_on(async {
+        let net = MemNet::reliable();
+        let n = 4;
+        let transports: Vec<Arc<MemTransport>> =
+            (0..n).map(|r| Arc::new(net.bind(node_of(r)))).collect();
+        let root = transports[0].listen_addr();
+        let config = Config {
+            join_timeout: Duration::from_secs(5),
+            ..Config::default()
+        };
+        // Rank 3 never starts.
+        let results = join_all(
+            (0..3).map(|r| Communicator::join(transports[r].clone(), r, n, root, config.clone())),
+        )
+        .await;
+        let err = results
+            .into_iter()
+            .next()
+            .expect("rank 0")
+            .err()
+            .expect("rank 0 fails");
+        assert!(
+            err.to_string().contains("ranks [3] of 4 did not join"),
+            "{err}"
+        );
+    });
+}
+
+#[test]
+fn ranks_given_different_world_sizes_are_refused() {
+    let rt = runtime();
+    rt.block_on(async {
+        let net = MemNet::reliable();
+        let t0 = Arc::new(net.bind(node_of(0)));
+        let t1 = Arc::new(net.bind(node_of(1)));
+        let root = t0.listen_addr();
+        let config = Config {
+            join_timeout: Duration::from_secs(5),
+            ..Config::default()
+        };
+        let (r0, _r1) = tokio::join!(
+            Communicator::join(t0, 0, 2, root, config.clone()),
+            Communicator::join(t1, 1, 3, root, config.clone()),
+        );
+        let err = r0.err().expect("rank 0 refuses");
+        assert!(
+            err.to_string()
+                .contains("expects 3 ranks, rank 0 expects 2"),
+            "{err}"
+        );
+    });
+}
