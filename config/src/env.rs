@@ -216,6 +216,26 @@ crate::declare_env_vars! {
         "tracing's filter (e.g. psnet_kv=debug); wins over PS_VERBOSE.";
     PS_VERBOSE = "PS_VERBOSE", "0",
         "Logging: 0 warnings and start-up choices, 1 lifecycle, 2 every message. RUST_LOG, if set, wins.";
+    // Collectives: who this rank is and where the ranks meet (psnet's names first, then
+    // torchrun's; mpirun's and Slurm's below are read too).
+    PSNET_RANK = "PSNET_RANK", "",
+        "collectives: this process's rank, 0 .. PSNET_WORLD_SIZE - 1 (beats RANK, OMPI_COMM_WORLD_RANK, PMI_RANK and SLURM_PROCID)";
+    PSNET_WORLD_SIZE = "PSNET_WORLD_SIZE", "",
+        "collectives: the number of ranks (with PSNET_RANK)";
+    PSNET_ROOT_ADDR = "PSNET_ROOT_ADDR", "",
+        "collectives: host:port where rank 0 listens and every rank meets it (beats MASTER_ADDR and MASTER_PORT)";
+    RANK = "RANK", "", "torchrun's rank of this process (collectives: as PSNET_RANK)";
+    WORLD_SIZE = "WORLD_SIZE", "", "torchrun's number of processes (as PSNET_WORLD_SIZE)";
+    MASTER_ADDR = "MASTER_ADDR", "", "torchrun's rendezvous host (collectives: rank 0's address)";
+    MASTER_PORT = "MASTER_PORT", "", "torchrun's rendezvous port (collectives: rank 0's port)";
+    PSNET_ALGO = "PSNET_ALGO", "auto",
+        "collectives: allreduce algorithm: auto (recursive doubling up to PSNET_COLL_SMALL bytes, a pipelined ring above), ring or doubling";
+    PSNET_COLL_SMALL = "PSNET_COLL_SMALL", "65536",
+        "collectives: allreduces of at most this many bytes use recursive doubling (with PSNET_ALGO=auto)";
+    PSNET_COLL_PIECE = "PSNET_COLL_PIECE", "1048576",
+        "collectives: large buffers move in pieces of at most this many bytes, so that transfers and reductions overlap";
+    PSNET_COLL_JOIN_TIMEOUT = "PSNET_COLL_JOIN_TIMEOUT", "120",
+        "collectives: seconds the ranks wait for each other to join before naming the missing ones";
     // Read by `psnet-launch --role-from-env` under mpirun or srun (set by them, not by users).
     OMPI_COMM_WORLD_RANK = "OMPI_COMM_WORLD_RANK", "",
         "Open MPI's rank of this process (psnet-launch --role-from-env: 0 scheduler, then servers, then workers)";

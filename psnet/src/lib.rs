@@ -7,9 +7,12 @@
 //!   TCP from `PSNET_TRANSPORT` and the devices found, built as an [`AnyTransport`];
 //! - [`kv`]: the parameter server (MXNet's kvstore semantics) on that transport:
 //!   [`kv::launch_from_env`], [`kv::join`], [`kv::KvStore`];
+//! - [`collectives`]: allreduce, reduce-scatter, allgather, broadcast, reduce and barrier
+//!   among ranks named by psnet's, torchrun's, mpirun's or Slurm's variables:
+//!   [`collectives::join_from_env`];
 //! - [`logging::init`]: `PS_VERBOSE` mapped onto `tracing`.
 //!
-//! The protocol crates underneath (`psnet-kv`, and the collectives to come) are generic over
+//! The protocol crates underneath (`psnet-kv`, `psnet-collectives`) are generic over
 //! the [`Transport`] contract and never choose one themselves; tests hand them the in-memory
 //! transport.
 //!
@@ -26,6 +29,7 @@
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod collectives;
 pub mod kv;
 
 pub use psnet_compression as compression;

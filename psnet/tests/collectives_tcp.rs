@@ -1,0 +1,101 @@
+//! Collectives over real TCP sockets on 127.0.0.1, bound the way `join_from_env` binds them:
+//! results against a reference, and a rank whose transport dies mid-call named by the others.
+
+use std::time::Duration;
+
+use futures_util::future::{join_all, try_join_all};
+use psnet::collectives::{join, CollectiveError, Config, ReduceOp, World};
+use psnet::Transport;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+async fn world(n: usize) -> Vec<psnet::collectives::Communicator<psnet::AnyTransport>> {
+    let root = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    try_join_all((0..n).map(|rank| {
+        let w = World {
+            rank,
+            size: n,
+            root,
+            source: "test".into(),
+        };
+        async move { join(&w, Config::default()).await }
+    }))
+    .await
+    .expect("every rank joins")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allreduce_and_friends_over_tcp() {
+    let n = 4;
+    let comms = world(n).await;
+    for count in [1usize, 1000, 1 << 20] {
+        let mut bufs: Vec<Vec<f32>> = (0..n)
+            .map(|r| {
+                (0..count)
+                    .map(|i| ((i * 31 + r * 7) % 1000) as f32)
+                    .collect()
+            })
+            .collect();
+        let want: Vec<f32> = (0..count)
+            .map(|i| (0..n).map(|r| ((i * 31 + r * 7) % 1000) as f32).sum())
+            .collect();
+        try_join_all(
+            comms
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|(c, b)| c.allreduce(b, ReduceOp::Sum)),
+        )
+        .await
+        .expect("allreduce");
+        for b in &bufs {
+            assert_eq!(b, &want, "{count} elements");
+        }
+    }
+    let mut gathered = vec![vec![0u8; 3 * n]; n];
+    try_join_all(
+        comms
+            .iter()
+            .zip(gathered.iter_mut())
+            .enumerate()
+            .map(|(r, (c, g))| async move { c.allgather(&[r as u8; 3], g).await }),
+    )
+    .await
+    .expect("allgather");
+    assert!(gathered
+        .iter()
+        .all(|g| g == &[0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]));
+    try_join_all(comms.iter().map(|c| c.barrier()))
+        .await
+        .expect("barrier");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_whose_transport_dies_is_named_by_the_others() {
+    let n = 3;
+    let mut comms = world(n).await;
+    let dead = comms.pop().expect("rank 2");
+    let mut bufs = vec![vec![1.0f32; 1 << 18]; n - 1];
+    let calls = comms
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(c, b)| tokio::time::timeout(Duration::from_secs(60), c.allreduce(b, ReduceOp::Sum)));
+    let kill = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        dead.transport().shutdown();
+    };
+    let (results, ()) = tokio::join!(join_all(calls), kill);
+    for result in results {
+        let err = result.expect("fails in bounded time").unwrap_err();
+        let named = match &err {
+            CollectiveError::RankLost { rank, .. } => *rank == 2,
+            CollectiveError::Aborted { reason, .. } => reason.contains("rank 2"),
+            _ => false,
+        };
+        assert!(named, "{err}");
+    }
+}
