@@ -200,8 +200,12 @@ pub(crate) async fn fail<T: Transport>(comm: &Communicator<T>, error: &Collectiv
     if matches!(error, CollectiveError::Aborted { .. }) {
         return;
     }
+    tell_all(comm, &format!("rank {}: {error}", comm.rank)).await;
+}
+
+/// Sends every other rank an abort carrying `reason`, each send bounded in time.
+pub(crate) async fn tell_all<T: Transport>(comm: &Communicator<T>, reason: &str) {
     let header = wire::control(Kind::Abort, comm.comm).encode();
-    let reason = format!("rank {}: {error}", comm.rank);
     let segment = [Segment::from(reason.as_bytes())];
     let mut tell = FuturesUnordered::new();
     for (rank, &node) in comm.members.iter().enumerate() {

@@ -5,6 +5,7 @@
 //! on the others.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use psnet_transport::{NodeId, OutMessage, Segment, Transport};
 use tokio::time::Instant;
@@ -13,6 +14,9 @@ use crate::comm::{node_of, Communicator};
 use crate::error::CollectiveError;
 use crate::mailbox::Arrival;
 use crate::wire::{self, Kind};
+
+/// How much longer than rank 0 the other ranks wait for the table.
+const ROOT_VERDICT: Duration = Duration::from_secs(5);
 
 pub(crate) async fn join<T: Transport>(
     comm: &Communicator<T>,
@@ -24,7 +28,14 @@ pub(crate) async fn join<T: Transport>(
     }
     let deadline = Instant::now() + comm.config.join_timeout;
     let table = if comm.rank == 0 {
-        let addrs = gather_hellos(comm, size, deadline).await?;
+        let addrs = match gather_hellos(comm, size, deadline).await {
+            Ok(addrs) => addrs,
+            Err(e) => {
+                // The ranks that did join are waiting for the table: tell them why none comes.
+                crate::drive::tell_all(comm, &format!("rank 0: {e}")).await;
+                return Err(e);
+            }
+        };
         let text: String = addrs.iter().map(|a| format!("{a}\n")).collect();
         let header = wire::control(Kind::Table, comm.comm).encode();
         for rank in 1..size {
@@ -51,11 +62,16 @@ pub(crate) async fn join<T: Transport>(
         send(comm, root_node, OutMessage::new(&header, &segment))
             .await
             .map_err(|e| CollectiveError::Join(format!("saying hello to rank 0 at {root}: {e}")))?;
-        wait_for(comm, deadline, |a| {
+        // Longer than rank 0 waits for the others, so that its verdict (who never joined)
+        // arrives before this rank gives up.
+        wait_for(comm, deadline + ROOT_VERDICT, |a| {
             (a.header.kind == Kind::Table && a.from == root_node).then(|| parse_table(a, size))
         })
         .await
-        .map_err(|_| timed_out_on_root(comm, root))??
+        .map_err(|end| match end {
+            WaitEnd::Deadline => timed_out_on_root(comm, root),
+            WaitEnd::Aborted(why) => CollectiveError::Join(why),
+        })??
     };
     for (rank, addr) in table.iter().enumerate() {
         if rank == comm.rank {
@@ -113,7 +129,7 @@ async fn gather_hellos<T: Transport>(
         .await;
         let (from, rank, their_size, addr) = match hello {
             Ok(h) => h,
-            Err(()) => {
+            Err(_) => {
                 let missing: Vec<usize> = (0..size).filter(|&r| addrs[r].is_none()).collect();
                 return Err(CollectiveError::Join(format!(
                     "ranks {missing:?} of {size} did not join within {:?}",
@@ -157,19 +173,28 @@ fn parse_table(a: &Arrival, size: usize) -> Result<Vec<SocketAddr>, CollectiveEr
     }
 }
 
-/// The first joining message `pick` accepts (taken out of the mail), or `Err` at the
-/// deadline.
+/// Why a wait for a joining message ended without one.
+enum WaitEnd {
+    Deadline,
+    /// Another rank gave up on joining, and said why.
+    Aborted(String),
+}
+
+/// The first joining message `pick` accepts (taken out of the mail).
 async fn wait_for<R>(
     comm: &Communicator<impl Transport>,
     deadline: Instant,
     mut pick: impl FnMut(&Arrival) -> Option<R>,
-) -> Result<R, ()> {
+) -> Result<R, WaitEnd> {
     loop {
         let changed = comm.mailbox.changed.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
         {
             let mut mail = comm.mailbox.lock();
+            if let Some((_, why)) = mail.aborted.get(&comm.comm) {
+                return Err(WaitEnd::Aborted(why.clone()));
+            }
             let found = mail
                 .joining
                 .iter()
@@ -184,7 +209,7 @@ async fn wait_for<R>(
             .await
             .is_err()
         {
-            return Err(());
+            return Err(WaitEnd::Deadline);
         }
     }
 }
