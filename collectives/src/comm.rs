@@ -2,6 +2,7 @@
 //! checks its arguments, builds its plan and hands it to the driver (`drive.rs`).
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use psnet_transport::{NodeId, Transport};
@@ -27,8 +28,12 @@ pub fn node_of(rank: usize) -> NodeId {
 pub struct Communicator<T: Transport> {
     pub(crate) transport: Arc<T>,
     pub(crate) mailbox: Arc<Mailbox>,
-    reader: JoinHandle<()>,
+    /// The task reading the transport, shared with the communicators split from this one.
+    reader: Arc<Reader>,
+    /// This communicator's id in every message header (0: the one formed by `join`).
     pub(crate) comm: u32,
+    /// Splits made so far, which name the communicators they make.
+    splits: AtomicU64,
     pub(crate) rank: usize,
     pub(crate) members: Vec<NodeId>,
     pub(crate) config: Config,
@@ -37,9 +42,12 @@ pub struct Communicator<T: Transport> {
     pub(crate) failed: Mutex<Option<CollectiveError>>,
 }
 
-impl<T: Transport> Drop for Communicator<T> {
+/// Stops the task reading the transport when the last communicator using it goes.
+struct Reader(JoinHandle<()>);
+
+impl Drop for Reader {
     fn drop(&mut self) {
-        self.reader.abort();
+        self.0.abort();
     }
 }
 
@@ -62,12 +70,16 @@ impl<T: Transport> Communicator<T> {
         }
         transport.set_local_id(node_of(rank));
         let mailbox = Arc::new(Mailbox::default());
-        let reader = tokio::spawn(mailbox::read_all(transport.clone(), mailbox.clone()));
+        let reader = Arc::new(Reader(tokio::spawn(mailbox::read_all(
+            transport.clone(),
+            mailbox.clone(),
+        ))));
         let comm = Communicator {
             transport,
             mailbox,
             reader,
             comm: 0,
+            splits: AtomicU64::new(0),
             rank,
             members: (0..size).map(node_of).collect(),
             config,
@@ -319,6 +331,45 @@ impl<T: Transport> Communicator<T> {
         Ok(())
     }
 
+    /// Splits the ranks by `colour`, as `MPI_Comm_split`: the ranks that pass the same colour
+    /// form a new communicator, ranked by `key` (ties by rank here), sharing this one's
+    /// transport. A rank that passes `None` joins none and gets `None`. Every rank calls it.
+    pub async fn split(
+        &self,
+        colour: Option<u32>,
+        key: i64,
+    ) -> Result<Option<Communicator<T>>, CollectiveError> {
+        let n = self.size();
+        let mine = [colour.map_or(-1, i64::from), key];
+        let mut all = vec![0i64; 2 * n];
+        self.allgather(&mine, &mut all).await?;
+        let split = self.splits.fetch_add(1, Ordering::Relaxed);
+        let Some(colour) = colour else {
+            return Ok(None);
+        };
+        let mut members: Vec<(i64, usize)> = (0..n)
+            .filter(|&r| all[2 * r] == i64::from(colour))
+            .map(|r| (all[2 * r + 1], r))
+            .collect();
+        members.sort_unstable();
+        let rank = members
+            .iter()
+            .position(|&(_, r)| r == self.rank)
+            .expect("this rank is among its colour");
+        Ok(Some(Communicator {
+            transport: self.transport.clone(),
+            mailbox: self.mailbox.clone(),
+            reader: self.reader.clone(),
+            comm: child_id(self.comm, split, colour),
+            splits: AtomicU64::new(0),
+            rank,
+            members: members.iter().map(|&(_, r)| self.members[r]).collect(),
+            config: self.config.clone(),
+            turn: tokio::sync::Mutex::new(0),
+            failed: Mutex::new(None),
+        }))
+    }
+
     /// Waits until every rank has called it.
     pub async fn barrier(&self) -> Result<(), CollectiveError> {
         let plan = plan::barrier(self.rank, self.size());
@@ -347,6 +398,23 @@ impl<T: Transport> Communicator<T> {
             }
         }
     }
+}
+
+/// The id of the communicator of `colour` made by split number `split` of communicator
+/// `parent`: the same on every member, and different from its siblings' and the world's
+/// (FNV-1a; 0 is the world's).
+fn child_id(parent: u32, split: u64, colour: u32) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    let bytes = parent
+        .to_le_bytes()
+        .into_iter()
+        .chain(split.to_le_bytes())
+        .chain(colour.to_le_bytes());
+    for b in bytes {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h.max(1)
 }
 
 fn same_len(a: usize, b: usize, what: &str) -> Result<(), CollectiveError> {

@@ -428,3 +428,52 @@ fn ranks_given_different_world_sizes_are_refused() {
         );
     });
 }
+
+#[test]
+fn split_communicators_reduce_among_their_colour_only() {
+    let rt = runtime();
+    rt.block_on(async {
+        let n = 7;
+        let net = delayed(11);
+        let comms = world(&net, n, Config::default()).await;
+        // Even ranks one colour, odd ranks another, rank 6 none; keys reverse the order.
+        let subs = try_join_all(comms.iter().enumerate().map(|(r, c)| {
+            let colour = (r != 6).then_some((r % 2) as u32);
+            c.split(colour, -(r as i64))
+        }))
+        .await
+        .expect("split");
+        assert!(subs[6].is_none());
+        for (r, sub) in subs.iter().enumerate().take(6) {
+            let sub = sub.as_ref().expect("a member");
+            assert_eq!(sub.size(), 3);
+            // Ranks of one colour, highest first.
+            let same: Vec<usize> = (0..6).rev().filter(|x| x % 2 == r % 2).collect();
+            assert_eq!(sub.rank(), same.iter().position(|&x| x == r).unwrap());
+        }
+        // Both sub-communicators at once, and the world after them.
+        let mut bufs: Vec<Vec<i64>> = (0..6).map(|r| vec![r as i64 + 1; 1000]).collect();
+        try_join_all(
+            subs.iter()
+                .take(6)
+                .zip(bufs.iter_mut())
+                .map(|(s, b)| s.as_ref().unwrap().allreduce(b, ReduceOp::Sum)),
+        )
+        .await
+        .expect("allreduce in the split communicators");
+        for (r, b) in bufs.iter().enumerate() {
+            let want = if r % 2 == 0 { 1 + 3 + 5 } else { 2 + 4 + 6 };
+            assert!(b.iter().all(|&x| x == want), "rank {r}");
+        }
+        let mut world_bufs = vec![vec![1i64; 10]; n];
+        try_join_all(
+            comms
+                .iter()
+                .zip(world_bufs.iter_mut())
+                .map(|(c, b)| c.allreduce(b, ReduceOp::Sum)),
+        )
+        .await
+        .expect("the world still works");
+        assert!(world_bufs.iter().all(|b| b.iter().all(|&x| x == n as i64)));
+    });
+}
