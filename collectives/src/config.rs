@@ -24,7 +24,7 @@ impl FromStr for Algo {
         match s.to_ascii_lowercase().as_str() {
             "" | "auto" => Ok(Algo::Auto),
             "ring" => Ok(Algo::Ring),
-            "doubling" | "rd" | "recursive_doubling" | "tree" => Ok(Algo::Doubling),
+            "doubling" | "rd" | "recursive_doubling" => Ok(Algo::Doubling),
             _ => Err(format!("unknown algorithm {s:?} (auto, ring, doubling)")),
         }
     }
@@ -52,6 +52,12 @@ pub struct Config {
     pub piece_bytes: usize,
     /// How long forming the communicator may take before the ranks still missing are named.
     pub join_timeout: Duration,
+    /// How long one call may wait for other ranks before failing, naming them; `None`: for
+    /// ever. It includes the time the other ranks take to reach the call.
+    pub call_timeout: Option<Duration>,
+    /// Bytes that may arrive for calls this rank has not made yet (other ranks running
+    /// ahead); more fails the communicator instead of exhausting memory.
+    pub ahead_bytes: usize,
 }
 
 impl Default for Config {
@@ -61,6 +67,8 @@ impl Default for Config {
             small_bytes: 64 << 10,
             piece_bytes: 1 << 20,
             join_timeout: Duration::from_secs(120),
+            call_timeout: Some(Duration::from_secs(600)),
+            ahead_bytes: 1 << 30,
         }
     }
 }

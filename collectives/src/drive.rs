@@ -1,16 +1,21 @@
 //! The driver: runs one rank's plan of one call. It moves bytes and nothing else — sends the
 //! pieces the plan releases, hands it the pieces that arrived for this call, and applies those
-//! it releases — until the plan is done or a rank it waits for is lost.
+//! it releases — until the plan is done, a rank it waits for is lost or disagrees, or the
+//! call's time is up.
 //!
 //! Each piece of the buffer sits behind its own lock, so a send can borrow one piece (the
 //! transport reads the caller's memory until the send completes) while another is being
 //! reduced into; the plan's order makes the two never meet on one piece.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use psnet_transport::{OutMessage, Segment, Transport, TransportError};
+use futures_util::FutureExt;
+use psnet_transport::{NodeId, OutMessage, Segment, Transport, TransportError};
 use tokio::sync::RwLock;
+use tokio::time::Instant;
 
 use crate::comm::Communicator;
 use crate::element::{copy_bytes, reduce_bytes, Element};
@@ -20,6 +25,11 @@ use crate::wire::{self, Call, Header, Kind};
 
 /// How long telling the other ranks about a failure may take.
 const ABORT_SEND: Duration = Duration::from_secs(2);
+/// How long a failed call waits for its sends in flight, so that a half-written message does
+/// not close a connection before the other ranks hear why.
+const SETTLE: Duration = Duration::from_secs(1);
+
+type Sent = (usize, usize, Result<(), TransportError>);
 
 pub(crate) async fn drive<T: Transport, E: Element>(
     comm: &Communicator<T>,
@@ -29,12 +39,32 @@ pub(crate) async fn drive<T: Transport, E: Element>(
     buf: &mut [E],
 ) -> Result<(), CollectiveError> {
     let pieces = split_pieces(buf, &plan);
-    let mut sends = FuturesUnordered::new();
+    let mut sends: FuturesUnordered<BoxFuture<'_, Sent>> = FuturesUnordered::new();
+    let result = run_plan(comm, seq, call, &mut plan, &pieces, &mut sends).await;
+    if result.is_err() && !sends.is_empty() {
+        let _ = tokio::time::timeout(SETTLE, async { while sends.next().await.is_some() {} }).await;
+    }
+    drop(sends);
+    finish_call(comm, seq);
+    result
+}
+
+async fn run_plan<'p, T: Transport, E: Element + 'p>(
+    comm: &'p Communicator<T>,
+    seq: u64,
+    call: Call,
+    plan: &mut Plan,
+    pieces: &'p [RwLock<&mut [E]>],
+    sends: &mut FuturesUnordered<BoxFuture<'p, Sent>>,
+) -> Result<(), CollectiveError> {
+    let deadline = comm.config.call_timeout.map(|t| Instant::now() + t);
     loop {
         let mut progress = false;
         while let Some(req) = plan.poll_send() {
             progress = true;
-            let to = comm.members[req.to];
+            let piece = pieces[req.piece].try_read().map_err(|_| {
+                CollectiveError::Invalid("internal: a piece sent while being written".into())
+            })?;
             let header = Header {
                 kind: Kind::Data,
                 comm: comm.comm,
@@ -43,40 +73,34 @@ pub(crate) async fn drive<T: Transport, E: Element>(
                 call,
             }
             .encode();
-            let piece = pieces[req.piece].try_read().map_err(|_| {
-                CollectiveError::Invalid("internal: a piece sent while being written".into())
-            })?;
+            let to = comm.members[req.to];
             let transport = &comm.transport;
-            sends.push(async move {
-                let bytes: &[u8] = bytemuck::cast_slice(&piece[..]);
-                let segment = [Segment::from(bytes)];
-                let result = transport.send(to, OutMessage::new(&header, &segment)).await;
-                (req.op, req.to, result)
-            });
+            sends.push(
+                async move {
+                    let bytes: &[u8] = bytemuck::cast_slice(&piece[..]);
+                    let segment = [Segment::from(bytes)];
+                    let result = transport.send(to, OutMessage::new(&header, &segment)).await;
+                    (req.op, req.to, result)
+                }
+                .boxed(),
+            );
+        }
+        // Sends that completed meanwhile (polled here too, so they progress while we reduce).
+        while let Some(Some((op, to, result))) = sends.next().now_or_never() {
+            progress = true;
+            result.map_err(|e| send_error(comm, to, e))?;
+            plan.handle_sent(op);
         }
         // Armed before looking, so that mail arriving after the look wakes the wait below.
         let changed = comm.mailbox.changed.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
-        let arrived = {
-            let mut mail = comm.mailbox.lock();
-            if let Some((from, why)) = mail.aborted.get(&comm.comm) {
-                return Err(CollectiveError::Aborted {
-                    rank: rank_of(comm, *from).unwrap_or(usize::MAX),
-                    reason: why.clone(),
-                });
-            }
-            mail.calls.remove(&(comm.comm, seq)).unwrap_or_default()
-        };
-        for a in arrived {
+        for a in take_mail(comm, seq)? {
             progress = true;
-            let rank = rank_of(comm, a.from).ok_or_else(|| CollectiveError::Protocol {
-                rank: usize::MAX,
-                detail: format!(
-                    "a message from node {}, no member of this communicator",
-                    a.from
-                ),
-            })?;
+            let Some(rank) = rank_of(comm, a.from) else {
+                tracing::warn!(node = %a.from, "a collectives message from a node of no communicator here: dropped");
+                continue;
+            };
             if a.header.call != call {
                 return Err(CollectiveError::Mismatch {
                     rank,
@@ -108,33 +132,86 @@ pub(crate) async fn drive<T: Transport, E: Element>(
         if progress {
             continue;
         }
-        check_awaited(comm, &plan)?;
+        check_awaited(comm, plan)?;
+        let timeout = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             Some((op, to, result)) = sends.next(), if !sends.is_empty() => {
                 result.map_err(|e| send_error(comm, to, e))?;
                 plan.handle_sent(op);
             }
             _ = &mut changed => {}
+            () = timeout => {
+                return Err(CollectiveError::Timeout {
+                    call: call.to_string(),
+                    waited: comm.config.call_timeout.unwrap_or_default(),
+                    ranks: plan.awaited_ranks(),
+                });
+            }
         }
     }
+}
+
+/// This call's messages that arrived, and the communicator-wide news: an abort from another
+/// rank, a rank that sent for a call this rank had finished, too much mail.
+fn take_mail<T: Transport>(
+    comm: &Communicator<T>,
+    seq: u64,
+) -> Result<Vec<crate::mailbox::Arrival>, CollectiveError> {
+    let mut mail = comm.mailbox.lock();
+    if let Some((from, why)) = mail.aborted.get(&comm.comm) {
+        if let Some(rank) = rank_of(comm, *from) {
+            return Err(CollectiveError::Aborted {
+                rank,
+                reason: why.clone(),
+            });
+        }
+    }
+    if let Some((from, header)) = mail.late.get(&comm.comm) {
+        if let Some(rank) = rank_of(comm, *from) {
+            let history = comm.history.lock().unwrap_or_else(|p| p.into_inner());
+            let ours = history.iter().find(|(s, _)| *s == header.seq).map_or_else(
+                || "a call it had finished".to_string(),
+                |(_, c)| c.to_string(),
+            );
+            return Err(CollectiveError::Mismatch {
+                rank,
+                ours: format!("{ours} (call {})", header.seq),
+                theirs: format!("{} (call {})", header.call, header.seq),
+            });
+        }
+    }
+    if let Some(why) = &mail.overflow {
+        return Err(CollectiveError::Protocol {
+            rank: usize::MAX,
+            detail: why.clone(),
+        });
+    }
+    Ok(mail.take_call(comm.comm, seq))
+}
+
+/// Call `seq` is over: whatever arrives for it from now on shows a rank that made another call.
+fn finish_call<T: Transport>(comm: &Communicator<T>, seq: u64) {
+    comm.mailbox.lock().finish_call(comm.comm, seq);
 }
 
 /// The buffer split into the plan's pieces, each behind its own lock.
 fn split_pieces<'a, E: Element>(buf: &'a mut [E], plan: &Plan) -> Vec<RwLock<&'a mut [E]>> {
     let mut rest = buf;
     let mut pieces = Vec::with_capacity(plan.pieces().len());
-    let mut at = 0;
     for range in plan.pieces() {
-        debug_assert_eq!(range.start, at);
         let (piece, tail) = rest.split_at_mut(range.len());
         pieces.push(RwLock::new(piece));
         rest = tail;
-        at = range.end;
     }
     pieces
 }
 
-fn rank_of<T: Transport>(comm: &Communicator<T>, node: psnet_transport::NodeId) -> Option<usize> {
+fn rank_of<T: Transport>(comm: &Communicator<T>, node: NodeId) -> Option<usize> {
     comm.members.iter().position(|&m| m == node)
 }
 
@@ -189,33 +266,50 @@ fn send_error<T: Transport>(
 /// Marks the communicator failed with `error` and tells every other rank why, unless the
 /// error came from one of them.
 pub(crate) async fn fail<T: Transport>(comm: &Communicator<T>, error: &CollectiveError) {
-    {
-        let mut failed = comm.failed.lock().unwrap_or_else(|p| p.into_inner());
-        if failed.is_some() {
-            return;
-        }
-        *failed = Some(error.clone());
+    if !comm.set_failed(error) {
+        return;
     }
     tracing::error!(rank = comm.rank, error = %error, "collective failed");
     if matches!(error, CollectiveError::Aborted { .. }) {
         return;
     }
-    tell_all(comm, &format!("rank {}: {error}", comm.rank)).await;
+    Teller::of(comm)
+        .tell(&format!("rank {}: {error}", comm.rank))
+        .await;
 }
 
-/// Sends every other rank an abort carrying `reason`, each send bounded in time.
-pub(crate) async fn tell_all<T: Transport>(comm: &Communicator<T>, reason: &str) {
-    let header = wire::control(Kind::Abort, comm.comm).encode();
-    let segment = [Segment::from(reason.as_bytes())];
-    let mut tell = FuturesUnordered::new();
-    for (rank, &node) in comm.members.iter().enumerate() {
-        if rank != comm.rank {
-            let msg = OutMessage::new(&header, &segment);
-            tell.push(tokio::time::timeout(
-                ABORT_SEND,
-                comm.transport.send(node, msg),
-            ));
+/// What telling the other ranks of a failure needs, owned (so a destructor can spawn it).
+pub(crate) struct Teller<T: Transport> {
+    transport: Arc<T>,
+    comm: u32,
+    pub(crate) rank: usize,
+    members: Vec<NodeId>,
+}
+
+impl<T: Transport> Teller<T> {
+    pub(crate) fn of(comm: &Communicator<T>) -> Self {
+        Teller {
+            transport: comm.transport.clone(),
+            comm: comm.comm,
+            rank: comm.rank,
+            members: comm.members.clone(),
         }
     }
-    while tell.next().await.is_some() {}
+
+    /// Sends every other rank an abort carrying `reason`, each send bounded in time.
+    pub(crate) async fn tell(&self, reason: &str) {
+        let header = wire::control(Kind::Abort, self.comm).encode();
+        let segment = [Segment::from(reason.as_bytes())];
+        let mut tell = FuturesUnordered::new();
+        for (rank, &node) in self.members.iter().enumerate() {
+            if rank != self.rank {
+                let msg = OutMessage::new(&header, &segment);
+                tell.push(tokio::time::timeout(
+                    ABORT_SEND,
+                    self.transport.send(node, msg),
+                ));
+            }
+        }
+        while tell.next().await.is_some() {}
+    }
 }

@@ -52,4 +52,17 @@ pub enum CollectiveError {
     /// The transport failed outside any one peer (shut down, cannot connect).
     #[error("transport: {0}")]
     Transport(String),
+    /// A call's future was dropped before it finished (the other ranks were waiting for it).
+    #[error("cancelled: {0}")]
+    Cancelled(String),
+    /// A call did not finish in time: the ranks it still waited for are named.
+    #[error("{call} did not finish within {waited:?}: still waiting for ranks {ranks:?} (PSNET_COLL_TIMEOUT)")]
+    Timeout {
+        /// The call.
+        call: String,
+        /// How long it waited.
+        waited: std::time::Duration,
+        /// The ranks it still waited for.
+        ranks: Vec<usize>,
+    },
 }

@@ -1,9 +1,13 @@
 //! Forming a communicator: every rank but 0 says hello to rank 0 at the root address with
-//! the world size it expects and the address it listens at; rank 0 checks that the ranks
-//! agree, then sends everyone the table of addresses; then every rank connects to every
-//! other. A rank missing when the time is up is named on rank 0, and rank 0 missing is named
-//! on the others.
+//! the world size it expects, its settings and the address it listens at; rank 0 checks that
+//! the ranks agree, then sends everyone the table: the job's communicator id (random, so
+//! that nothing left over from an earlier job on the same transport is taken for this one's)
+//! and every rank's address. Then every rank connects to every other.
+//!
+//! A rank missing when the time is up is named on rank 0, which tells the ranks that did
+//! join; rank 0 missing or lost is named on the others.
 
+use std::hash::{BuildHasher, RandomState};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -11,6 +15,7 @@ use psnet_transport::{NodeId, OutMessage, Segment, Transport};
 use tokio::time::Instant;
 
 use crate::comm::{node_of, Communicator};
+use crate::drive::Teller;
 use crate::error::CollectiveError;
 use crate::mailbox::Arrival;
 use crate::wire::{self, Kind};
@@ -18,25 +23,41 @@ use crate::wire::{self, Kind};
 /// How much longer than rank 0 the other ranks wait for the table.
 const ROOT_VERDICT: Duration = Duration::from_secs(5);
 
+/// The settings every rank must share: the algorithms and piece sizes they imply.
+fn settings<T: Transport>(comm: &Communicator<T>) -> String {
+    let c = &comm.config;
+    format!(
+        "PSNET_ALGO={} PSNET_COLL_SMALL={} PSNET_COLL_PIECE={} max_message={}",
+        c.algo,
+        c.small_bytes,
+        c.piece_bytes,
+        comm.transport.capabilities().max_message
+    )
+}
+
+/// Forms the communicator; returns its id.
 pub(crate) async fn join<T: Transport>(
     comm: &Communicator<T>,
     root: SocketAddr,
-) -> Result<(), CollectiveError> {
+) -> Result<u32, CollectiveError> {
     let size = comm.members.len();
     if size == 1 {
-        return Ok(());
+        return Ok(new_id());
     }
     let deadline = Instant::now() + comm.config.join_timeout;
-    let table = if comm.rank == 0 {
+    let (id, table) = if comm.rank == 0 {
         let addrs = match gather_hellos(comm, size, deadline).await {
             Ok(addrs) => addrs,
             Err(e) => {
                 // The ranks that did join are waiting for the table: tell them why none comes.
-                crate::drive::tell_all(comm, &format!("rank 0: {e}")).await;
+                Teller::of(comm).tell(&format!("rank 0: {e}")).await;
                 return Err(e);
             }
         };
-        let text: String = addrs.iter().map(|a| format!("{a}\n")).collect();
+        let id = new_id();
+        let text: String = std::iter::once(format!("{id}\n"))
+            .chain(addrs.iter().map(|a| format!("{a}\n")))
+            .collect();
         let header = wire::control(Kind::Table, comm.comm).encode();
         for rank in 1..size {
             let segment = [Segment::from(text.as_bytes())];
@@ -46,32 +67,9 @@ pub(crate) async fn join<T: Transport>(
                     CollectiveError::Join(format!("sending rank {rank} the table: {e}"))
                 })?;
         }
-        addrs
+        (id, addrs)
     } else {
-        let root_node = node_of(0);
-        tokio::time::timeout_at(deadline, comm.transport.connect(root_node, root))
-            .await
-            .map_err(|_| timed_out_on_root(comm, root))?
-            .map_err(|e| CollectiveError::Join(format!("connecting to rank 0 at {root}: {e}")))?;
-        let mut header = wire::control(Kind::Hello, comm.comm);
-        header.tag = comm.rank as u64;
-        header.seq = size as u64;
-        let header = header.encode();
-        let addr = comm.transport.listen_addr().to_string();
-        let segment = [Segment::from(addr.as_bytes())];
-        send(comm, root_node, OutMessage::new(&header, &segment))
-            .await
-            .map_err(|e| CollectiveError::Join(format!("saying hello to rank 0 at {root}: {e}")))?;
-        // Longer than rank 0 waits for the others, so that its verdict (who never joined)
-        // arrives before this rank gives up.
-        wait_for(comm, deadline + ROOT_VERDICT, |a| {
-            (a.header.kind == Kind::Table && a.from == root_node).then(|| parse_table(a, size))
-        })
-        .await
-        .map_err(|end| match end {
-            WaitEnd::Deadline => timed_out_on_root(comm, root),
-            WaitEnd::Aborted(why) => CollectiveError::Join(why),
-        })??
+        say_hello(comm, root, size, deadline).await?
     };
     for (rank, addr) in table.iter().enumerate() {
         if rank == comm.rank {
@@ -89,7 +87,47 @@ pub(crate) async fn join<T: Transport>(
                 CollectiveError::Join(format!("connecting to rank {rank} at {addr}: {e}"))
             })?;
     }
-    Ok(())
+    comm.mailbox.lock().joining.clear();
+    Ok(id)
+}
+
+/// A communicator id for a new job: random, never 0 (the id joining itself uses).
+fn new_id() -> u32 {
+    (RandomState::new().hash_one(std::process::id()) as u32).max(1)
+}
+
+/// A rank other than 0: hello to rank 0, then its table.
+async fn say_hello<T: Transport>(
+    comm: &Communicator<T>,
+    root: SocketAddr,
+    size: usize,
+    deadline: Instant,
+) -> Result<(u32, Vec<SocketAddr>), CollectiveError> {
+    let root_node = node_of(0);
+    tokio::time::timeout_at(deadline, comm.transport.connect(root_node, root))
+        .await
+        .map_err(|_| timed_out_on_root(comm, root))?
+        .map_err(|e| CollectiveError::Join(format!("connecting to rank 0 at {root}: {e}")))?;
+    let mut header = wire::control(Kind::Hello, comm.comm);
+    header.tag = comm.rank as u64;
+    header.seq = size as u64;
+    let header = header.encode();
+    let hello = format!("{}\n{}", comm.transport.listen_addr(), settings(comm));
+    let segment = [Segment::from(hello.as_bytes())];
+    send(comm, root_node, OutMessage::new(&header, &segment))
+        .await
+        .map_err(|e| CollectiveError::Join(format!("saying hello to rank 0 at {root}: {e}")))?;
+    // Longer than rank 0 waits for the others, so that its verdict (who never joined)
+    // arrives before this rank gives up.
+    wait_for(comm, deadline + ROOT_VERDICT, Some(root_node), |a| {
+        (a.header.kind == Kind::Table && a.from == root_node).then(|| parse_table(a, size))
+    })
+    .await
+    .map_err(|end| match end {
+        WaitEnd::Deadline => timed_out_on_root(comm, root),
+        WaitEnd::Aborted(why) => CollectiveError::Join(why),
+        WaitEnd::Lost(why) => CollectiveError::Join(format!("rank 0 at {root} was lost: {why}")),
+    })?
 }
 
 fn timed_out_on_root<T: Transport>(comm: &Communicator<T>, root: SocketAddr) -> CollectiveError {
@@ -115,8 +153,9 @@ async fn gather_hellos<T: Transport>(
 ) -> Result<Vec<SocketAddr>, CollectiveError> {
     let mut addrs: Vec<Option<SocketAddr>> = vec![None; size];
     addrs[0] = Some(comm.transport.listen_addr());
+    let ours = settings(comm);
     while addrs.iter().any(Option::is_none) {
-        let hello = wait_for(comm, deadline, |a| {
+        let hello = wait_for(comm, deadline, None, |a| {
             (a.header.kind == Kind::Hello).then(|| {
                 (
                     a.from,
@@ -127,7 +166,7 @@ async fn gather_hellos<T: Transport>(
             })
         })
         .await;
-        let (from, rank, their_size, addr) = match hello {
+        let (from, rank, their_size, text) = match hello {
             Ok(h) => h,
             Err(_) => {
                 let missing: Vec<usize> = (0..size).filter(|&r| addrs[r].is_none()).collect();
@@ -153,6 +192,12 @@ async fn gather_hellos<T: Transport>(
                 "rank {rank} joined twice: two processes were given the same rank"
             )));
         }
+        let (addr, theirs) = text.split_once('\n').unwrap_or((&text, ""));
+        if theirs != ours {
+            return Err(CollectiveError::Join(format!(
+                "rank {rank} has settings {theirs:?} where rank 0 has {ours:?}: every rank needs the same"
+            )));
+        }
         let addr: SocketAddr = addr.parse().map_err(|_| {
             CollectiveError::Join(format!("rank {rank} listens at {addr:?}, not an address"))
         })?;
@@ -161,13 +206,15 @@ async fn gather_hellos<T: Transport>(
     Ok(addrs.into_iter().map(|a| a.expect("all present")).collect())
 }
 
-fn parse_table(a: &Arrival, size: usize) -> Result<Vec<SocketAddr>, CollectiveError> {
+fn parse_table(a: &Arrival, size: usize) -> Result<(u32, Vec<SocketAddr>), CollectiveError> {
     let text = String::from_utf8_lossy(&a.data);
-    let addrs: Result<Vec<SocketAddr>, _> = text.lines().map(str::parse).collect();
-    match addrs {
-        Ok(addrs) if addrs.len() == size => Ok(addrs),
+    let mut lines = text.lines();
+    let id = lines.next().and_then(|l| l.parse::<u32>().ok());
+    let addrs: Result<Vec<SocketAddr>, _> = lines.map(str::parse).collect();
+    match (id, addrs) {
+        (Some(id), Ok(addrs)) if id != 0 && addrs.len() == size => Ok((id, addrs)),
         _ => Err(CollectiveError::Join(format!(
-            "rank 0 sent a table of addresses this rank cannot read ({} bytes)",
+            "rank 0 sent a table this rank cannot read ({} bytes)",
             a.data.len()
         ))),
     }
@@ -178,12 +225,16 @@ enum WaitEnd {
     Deadline,
     /// Another rank gave up on joining, and said why.
     Aborted(String),
+    /// The node waited on was lost.
+    Lost(String),
 }
 
-/// The first joining message `pick` accepts (taken out of the mail).
+/// The first joining message `pick` accepts (taken out of the mail); stops early if `from`
+/// (the node it should come from, if one) is lost.
 async fn wait_for<R>(
     comm: &Communicator<impl Transport>,
     deadline: Instant,
+    from: Option<NodeId>,
     mut pick: impl FnMut(&Arrival) -> Option<R>,
 ) -> Result<R, WaitEnd> {
     loop {
@@ -203,6 +254,14 @@ async fn wait_for<R>(
             if let Some((i, r)) = found {
                 mail.joining.remove(i);
                 return Ok(r);
+            }
+            if let Some(why) = from.and_then(|node| mail.lost.get(&node)) {
+                return Err(WaitEnd::Lost(why.clone()));
+            }
+            if let Some(why) = &mail.closed {
+                return Err(WaitEnd::Lost(format!(
+                    "this rank's transport closed: {why}"
+                )));
             }
         }
         if tokio::time::timeout_at(deadline, &mut changed)

@@ -16,6 +16,7 @@
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
+mod calls;
 mod comm;
 mod config;
 mod drive;
@@ -23,6 +24,7 @@ mod element;
 mod error;
 mod join;
 mod mailbox;
+mod order;
 mod plan;
 mod wire;
 

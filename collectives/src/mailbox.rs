@@ -1,7 +1,8 @@
 //! Everything the transport delivers, sorted for the calls that will take it: the one task
 //! that reads the transport files each message under its communicator and call number, and
-//! notes lost peers, aborts and malformed messages. A rank may run ahead of another by a call
-//! or so; its messages wait here until this rank makes that call.
+//! notes lost peers, aborts and malformed messages. A rank may run ahead of another (a
+//! broadcast's root never waits); its messages wait here, within a limit, until this rank
+//! makes that call.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -24,7 +25,18 @@ pub(crate) struct Arrival {
 #[derive(Debug, Default)]
 pub(crate) struct Mail {
     /// Data messages per communicator and call number.
-    pub calls: HashMap<(u32, u64), Vec<Arrival>>,
+    calls: HashMap<(u32, u64), Vec<Arrival>>,
+    /// Bytes in `calls`, and the most it may hold (messages for calls this rank has not
+    /// reached yet: a rank may run ahead, within reason).
+    buffered: usize,
+    limit: usize,
+    /// Per communicator, the calls below this number are finished.
+    finished: HashMap<u32, u64>,
+    /// Per communicator, the first message that arrived for a call already finished here:
+    /// its sender made a different call.
+    pub late: HashMap<u32, (NodeId, Header)>,
+    /// Set when more than `limit` bytes arrived ahead.
+    pub overflow: Option<String>,
     /// Joining messages (hello, table), in arrival order.
     pub joining: Vec<Arrival>,
     /// Peers whose connection was lost, and why.
@@ -37,8 +49,46 @@ pub(crate) struct Mail {
     pub closed: Option<String>,
 }
 
+impl Mail {
+    fn file(&mut self, arrival: Arrival) {
+        let key = (arrival.header.comm, arrival.header.seq);
+        if self.finished.get(&key.0).is_some_and(|&done| key.1 < done) {
+            self.late
+                .entry(key.0)
+                .or_insert((arrival.from, arrival.header));
+            return;
+        }
+        if self.buffered + arrival.data.len() > self.limit {
+            self.overflow.get_or_insert_with(|| {
+                format!(
+                    "node {} sent more than {} bytes for calls this rank has not made yet (limit: PSNET_COLL_AHEAD_BYTES)",
+                    arrival.from, self.limit
+                )
+            });
+            return;
+        }
+        self.buffered += arrival.data.len();
+        self.calls.entry(key).or_default().push(arrival);
+    }
+
+    /// The messages that arrived for call `seq` of communicator `comm`.
+    pub(crate) fn take_call(&mut self, comm: u32, seq: u64) -> Vec<Arrival> {
+        let taken = self.calls.remove(&(comm, seq)).unwrap_or_default();
+        self.buffered -= taken.iter().map(|a| a.data.len()).sum::<usize>();
+        taken
+    }
+
+    /// Call `seq` of communicator `comm` is over: messages for it, now or later, are late.
+    pub(crate) fn finish_call(&mut self, comm: u32, seq: u64) {
+        self.finished.insert(comm, seq + 1);
+        if let Some(first) = self.take_call(comm, seq).into_iter().next() {
+            self.late.entry(comm).or_insert((first.from, first.header));
+        }
+    }
+}
+
 /// The mail, and a signal for every change to it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Mailbox {
     mail: Mutex<Mail>,
     /// Signalled whenever the mail changes.
@@ -46,6 +96,17 @@ pub(crate) struct Mailbox {
 }
 
 impl Mailbox {
+    /// A mailbox holding at most `limit` bytes for calls not yet made.
+    pub(crate) fn new(limit: usize) -> Self {
+        Mailbox {
+            mail: Mutex::new(Mail {
+                limit,
+                ..Mail::default()
+            }),
+            changed: Notify::new(),
+        }
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, Mail> {
         self.mail.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -66,11 +127,7 @@ pub(crate) async fn read_all<T: Transport>(transport: Arc<T>, mailbox: Arc<Mailb
                         data,
                     };
                     match header.kind {
-                        Kind::Data => mail
-                            .calls
-                            .entry((header.comm, header.seq))
-                            .or_default()
-                            .push(arrival),
+                        Kind::Data => mail.file(arrival),
                         Kind::Abort => {
                             let why = String::from_utf8_lossy(&arrival.data).into_owned();
                             mail.aborted.entry(header.comm).or_insert((m.peer, why));

@@ -477,3 +477,183 @@ fn split_communicators_reduce_among_their_colour_only() {
         assert!(world_bufs.iter().all(|b| b.iter().all(|&x| x == n as i64)));
     });
 }
+
+#[test]
+fn calls_pair_up_in_the_order_they_were_made_not_polled() {
+    let rt = runtime();
+    rt.block_on(async {
+        let n = 3;
+        let net = delayed(21);
+        let comms = world(&net, n, Config::default()).await;
+        let mut small = inputs(n, 10, 1);
+        let mut large = inputs(n, 100_000, 2);
+        let (want_small, want_large) = (sum(&small, 0..10), sum(&large, 0..100_000));
+        join_all(
+            comms
+                .iter()
+                .zip(small.iter_mut().zip(large.iter_mut()))
+                .enumerate()
+                .map(|(r, (c, (s, l)))| async move {
+                    let first = c.allreduce(s, ReduceOp::Sum);
+                    let second = c.allreduce(l, ReduceOp::Sum);
+                    // Rank 1 polls its second call first: the order they were made still rules.
+                    let (x, y) = if r == 1 {
+                        let (y, x) = tokio::join!(second, first);
+                        (x, y)
+                    } else {
+                        tokio::join!(first, second)
+                    };
+                    x.and(y).expect("both calls");
+                }),
+        )
+        .await;
+        assert!(small.iter().all(|b| b == &want_small));
+        assert!(large.iter().all(|b| b == &want_large));
+    });
+}
+
+#[test]
+fn a_call_dropped_before_it_ran_fails_every_rank() {
+    let rt = runtime();
+    rt.block_on(async {
+        let n = 3;
+        let net = MemNet::reliable();
+        let comms = world(&net, n, Config::default()).await;
+        let mut bufs = inputs(n, 1000, 4);
+        let (first, rest) = bufs.split_at_mut(1);
+        // Rank 0 makes the call and drops it unpolled; the others wait for it.
+        drop(comms[0].allreduce(&mut first[0], ReduceOp::Sum));
+        let results = join_all(
+            comms[1..]
+                .iter()
+                .zip(rest.iter_mut())
+                .map(|(c, b)| tokio::time::timeout(Duration::from_secs(30), c.allreduce(b, ReduceOp::Sum))),
+        )
+        .await;
+        for result in results {
+            let err = result.expect("bounded time").unwrap_err();
+            assert!(
+                matches!(&err, CollectiveError::Aborted { rank: 0, reason } if reason.contains("dropped")),
+                "{err}"
+            );
+        }
+        let err = comms[0].barrier().await.unwrap_err();
+        assert!(matches!(err, CollectiveError::Cancelled(_)), "{err}");
+    });
+}
+
+#[test]
+fn different_calls_that_only_send_are_caught_at_the_next_call() {
+    let rt = runtime();
+    rt.block_on(async {
+        let net = MemNet::reliable();
+        let comms = world(&net, 2, Config::default()).await;
+        let (mut a, mut b) = (vec![1.0f32; 100], vec![2.0f32; 100]);
+        // Rank 0 broadcasts from 0 (it only sends); rank 1 reduces to 0 (it only sends).
+        let (x, y) = tokio::join!(
+            comms[0].broadcast(&mut a, 0),
+            comms[1].reduce(&mut b, ReduceOp::Sum, 0)
+        );
+        // Whichever finished first may not know yet; the next call knows for sure.
+        let _ = (x, y);
+        let (x, y) = tokio::join!(
+            tokio::time::timeout(Duration::from_secs(30), comms[0].barrier()),
+            tokio::time::timeout(Duration::from_secs(30), comms[1].barrier())
+        );
+        let errors = [
+            x.expect("bounded").unwrap_err(),
+            y.expect("bounded").unwrap_err(),
+        ];
+        let text = format!("{errors:?}");
+        assert!(
+            errors
+                .iter()
+                .any(|e| matches!(e, CollectiveError::Mismatch { .. })),
+            "{text}"
+        );
+        assert!(
+            text.contains("broadcast(100 x float, root 0)")
+                && text.contains("reduce(100 x float, sum, root 0)"),
+            "{text}"
+        );
+    });
+}
+
+#[test]
+fn different_calls_that_only_receive_time_out_naming_the_ranks() {
+    let rt = runtime();
+    rt.block_on(async {
+        let net = MemNet::reliable();
+        let config = Config {
+            call_timeout: Some(Duration::from_secs(20)),
+            ..Config::default()
+        };
+        let comms = world(&net, 2, config).await;
+        let (mut a, mut b) = (vec![1.0f32; 100], vec![2.0f32; 100]);
+        // Rank 0 reduces to 0 (it waits for rank 1); rank 1 broadcasts from 1 (... for rank 0).
+        let (x, y) = tokio::join!(
+            comms[0].reduce(&mut a, ReduceOp::Sum, 0),
+            comms[1].broadcast(&mut b, 0)
+        );
+        for (r, result) in [x, y].into_iter().enumerate() {
+            let err = result.unwrap_err();
+            let named = match &err {
+                CollectiveError::Timeout { ranks, .. } => ranks == &vec![1 - r],
+                CollectiveError::Aborted { .. } => true,
+                _ => false,
+            };
+            assert!(named, "rank {r}: {err}");
+        }
+    });
+}
+
+#[test]
+fn ranks_with_different_settings_are_refused_at_join() {
+    let rt = runtime();
+    rt.block_on(async {
+        let net = MemNet::reliable();
+        let t0 = Arc::new(net.bind(node_of(0)));
+        let t1 = Arc::new(net.bind(node_of(1)));
+        let root = t0.listen_addr();
+        let other = Config {
+            piece_bytes: 4096,
+            ..Config::default()
+        };
+        let (r0, r1) = tokio::join!(
+            Communicator::join(t0, 0, 2, root, Config::default()),
+            Communicator::join(t1, 1, 2, root, other),
+        );
+        for err in [
+            r0.err().expect("rank 0 refuses"),
+            r1.err().expect("rank 1 is told"),
+        ] {
+            assert!(err.to_string().contains("PSNET_COLL_PIECE=4096"), "{err}");
+        }
+    });
+}
+
+#[test]
+fn a_rank_running_too_far_ahead_is_an_error_not_a_memory_leak() {
+    let rt = runtime();
+    rt.block_on(async {
+        let net = MemNet::reliable();
+        let config = Config {
+            ahead_bytes: 10_000,
+            ..Config::default()
+        };
+        let comms = world(&net, 2, config).await;
+        // The root of a broadcast waits for nobody: rank 0 runs 10 calls ahead of rank 1.
+        for _ in 0..10 {
+            comms[0]
+                .broadcast(&mut vec![7u8; 2000], 0)
+                .await
+                .expect("the root never waits");
+        }
+        tokio::task::yield_now().await;
+        let err = comms[1]
+            .broadcast(&mut vec![0u8; 2000], 0)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("PSNET_COLL_AHEAD_BYTES"), "{err}");
+    });
+}

@@ -236,6 +236,10 @@ crate::declare_env_vars! {
         "collectives: large buffers move in pieces of at most this many bytes, so that transfers and reductions overlap";
     PSNET_COLL_JOIN_TIMEOUT = "PSNET_COLL_JOIN_TIMEOUT", "120",
         "collectives: seconds the ranks wait for each other to join before naming the missing ones";
+    PSNET_COLL_TIMEOUT = "PSNET_COLL_TIMEOUT", "600",
+        "collectives: seconds one call may wait for the other ranks (including for them to reach it) before failing, naming the ranks it waits for; 0: for ever";
+    PSNET_COLL_AHEAD_BYTES = "PSNET_COLL_AHEAD_BYTES", "1073741824",
+        "collectives: bytes that may arrive for calls this rank has not made yet (other ranks running ahead, as a broadcast's root may); more fails the communicator";
     // Read by `psnet-launch --role-from-env` under mpirun or srun (set by them, not by users).
     OMPI_COMM_WORLD_RANK = "OMPI_COMM_WORLD_RANK", "",
         "Open MPI's rank of this process (psnet-launch --role-from-env: 0 scheduler, then servers, then workers)";

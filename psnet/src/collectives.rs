@@ -165,11 +165,18 @@ fn resolve(what: &str, text: &str) -> Result<SocketAddr, CollectiveError> {
         .ok_or_else(|| invalid(format!("{what}: {text:?} resolves to no address")))
 }
 
-/// The settings from `PSNET_ALGO`, `PSNET_COLL_SMALL`, `PSNET_COLL_PIECE` and
-/// `PSNET_COLL_JOIN_TIMEOUT`.
+/// The settings from `PSNET_ALGO`, `PSNET_COLL_SMALL`, `PSNET_COLL_PIECE`,
+/// `PSNET_COLL_JOIN_TIMEOUT`, `PSNET_COLL_TIMEOUT` and `PSNET_COLL_AHEAD_BYTES`.
 pub fn config_from_env() -> Result<Config, CollectiveError> {
     let bad = |e: psnet_config::ConfigError| CollectiveError::Invalid(e.to_string());
+    let call_timeout = env::PSNET_COLL_TIMEOUT
+        .parse_or_default::<u64>()
+        .map_err(bad)?;
     Ok(Config {
+        call_timeout: (call_timeout > 0).then(|| Duration::from_secs(call_timeout)),
+        ahead_bytes: env::PSNET_COLL_AHEAD_BYTES
+            .parse_or_default::<usize>()
+            .map_err(bad)?,
         algo: env::PSNET_ALGO.parse_or_default::<Algo>().map_err(bad)?,
         small_bytes: env::PSNET_COLL_SMALL
             .parse_or_default::<usize>()

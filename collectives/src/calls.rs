@@ -1,0 +1,369 @@
+//! The collectives' public calls. Each takes its place in the order of calls when it is made
+//! (see [`Communicator`]), checks its arguments, builds its plan and runs it in its turn. A
+//! call with wrong arguments fails in its turn and fails the communicator, so that the other
+//! ranks, which wait for it, hear why instead of waiting for ever.
+
+use std::future::Future;
+
+use psnet_transport::Transport;
+
+use crate::comm::{Communicator, Ticket};
+use crate::config::Algo;
+use crate::element::{divide, Element, ReduceOp};
+use crate::error::CollectiveError;
+use crate::plan::{self, Plan};
+use crate::wire::{Call, Coll, HEADER_LEN};
+
+type Prepared = Result<(Call, Plan), CollectiveError>;
+
+fn same_len(a: usize, b: usize, what: &str) -> Result<(), CollectiveError> {
+    if a != b {
+        return Err(CollectiveError::Invalid(format!(
+            "{what} differ in length ({a} and {b} elements)"
+        )));
+    }
+    Ok(())
+}
+
+impl<T: Transport> Communicator<T> {
+    fn call_of<E: Element>(&self, coll: Coll, op: ReduceOp, count: usize, root: usize) -> Call {
+        Call {
+            coll,
+            dtype: E::DTYPE,
+            op,
+            count: count as u64,
+            root: root as u32,
+        }
+    }
+
+    fn check_op<E: Element>(&self, op: ReduceOp) -> Result<(), CollectiveError> {
+        if op == ReduceOp::Avg && !E::DTYPE.is_float() {
+            return Err(CollectiveError::Invalid(format!(
+                "avg of {} elements: averages are for floating-point types",
+                E::DTYPE
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_root(&self, root: usize) -> Result<(), CollectiveError> {
+        if root >= self.size() {
+            return Err(CollectiveError::Invalid(format!(
+                "root {root} in a communicator of {} ranks",
+                self.size()
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_blocks(&self, len: usize, what: &str) -> Result<usize, CollectiveError> {
+        let n = self.size();
+        if len % n != 0 {
+            return Err(CollectiveError::Invalid(format!(
+                "{what}: {len} elements do not split into {n} equal blocks"
+            )));
+        }
+        Ok(len / n)
+    }
+
+    fn prepare_allreduce<E: Element>(&self, count: usize, op: ReduceOp) -> Prepared {
+        self.check_op::<E>(op)?;
+        let bytes = count * E::DTYPE.size();
+        let max = self.transport.capabilities().max_message as usize;
+        let doubling = match self.config.algo {
+            Algo::Doubling => true,
+            Algo::Ring => false,
+            Algo::Auto => bytes <= self.config.small_bytes,
+        } && bytes + HEADER_LEN <= max;
+        let (rank, n, size) = (self.rank, self.size(), E::DTYPE.size());
+        let plan = if doubling {
+            plan::doubling_allreduce(rank, n, count, size)
+        } else {
+            plan::ring_allreduce(rank, n, count, size, self.piece_elems(E::DTYPE))
+        };
+        Ok((self.call_of::<E>(Coll::Allreduce, op, count, 0), plan))
+    }
+
+    async fn allreduce_in_turn<E: Element>(
+        &self,
+        ticket: Ticket<'_, T>,
+        buf: &mut [E],
+        prepared: Prepared,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        self.run(ticket, prepared, buf).await?;
+        if op == ReduceOp::Avg {
+            divide(buf, self.size());
+        }
+        Ok(())
+    }
+
+    /// Reduces `buf` across all ranks with `op`; every rank ends with the result, bit for bit
+    /// the same.
+    pub fn allreduce<'a, E: Element>(
+        &'a self,
+        buf: &'a mut [E],
+        op: ReduceOp,
+    ) -> impl Future<Output = Result<(), CollectiveError>> + Send + 'a {
+        let ticket = self.ticket();
+        async move {
+            let prepared = self.prepare_allreduce::<E>(buf.len(), op);
+            self.allreduce_in_turn(ticket, buf, prepared, op).await
+        }
+    }
+
+    /// Reduces `send` across all ranks into `recv` (of the same length); `send` is unchanged.
+    pub fn allreduce_into<'a, E: Element>(
+        &'a self,
+        send: &'a [E],
+        recv: &'a mut [E],
+        op: ReduceOp,
+    ) -> impl Future<Output = Result<(), CollectiveError>> + Send + 'a {
+        let ticket = self.ticket();
+        async move {
+            let prepared = same_len(send.len(), recv.len(), "allreduce_into: send and recv")
+                .and_then(|()| self.prepare_allreduce::<E>(recv.len(), op));
+            if prepared.is_ok() {
+                recv.copy_from_slice(send);
+            }
+            self.allreduce_in_turn(ticket, recv, prepared, op).await
+        }
+    }
+
+    fn prepare_reduce_scatter<E: Element>(&self, len: usize, op: ReduceOp) -> Prepared {
+        self.check_op::<E>(op)?;
+        let block = self.check_blocks(len, "reduce_scatter")?;
+        let plan = plan::ring_reduce_scatter(
+            self.rank,
+            self.size(),
+            block,
+            E::DTYPE.size(),
+            self.piece_elems(E::DTYPE),
+        );
+        Ok((self.call_of::<E>(Coll::ReduceScatter, op, len, 0), plan))
+    }
+
+    async fn reduce_scatter_in_turn<E: Element>(
+        &self,
+        ticket: Ticket<'_, T>,
+        buf: &mut [E],
+        prepared: Prepared,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        self.run(ticket, prepared, buf).await?;
+        if op == ReduceOp::Avg {
+            let block = buf.len() / self.size();
+            divide(
+                &mut buf[self.rank * block..(self.rank + 1) * block],
+                self.size(),
+            );
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatter in place: `buf` holds one block per rank (its length a multiple of the
+    /// rank count); afterwards block `rank` holds the reduction of every rank's block `rank`
+    /// (the other blocks hold partial results).
+    pub fn reduce_scatter_in_place<'a, E: Element>(
+        &'a self,
+        buf: &'a mut [E],
+        op: ReduceOp,
+    ) -> impl Future<Output = Result<(), CollectiveError>> + Send + 'a {
+        let ticket = self.ticket();
+        async move {
+            let prepared = self.prepare_reduce_scatter::<E>(buf.len(), op);
+            self.reduce_scatter_in_turn(ticket, buf, prepared, op).await
+        }
+    }
+
+    /// Reduce-scatter: `send` holds one block per rank, `recv` one block; afterwards `recv`
+    /// holds the reduction of every rank's block `rank`. `send` is unchanged.
+    pub fn reduce_scatter<'a, E: Element>(
+        &'a self,
+        send: &'a [E],
+        recv: &'a mut [E],
+        op: ReduceOp,
+    ) -> impl Future<Output = Result<(), CollectiveError>> + Send + 'a {
+        let ticket = self.ticket();
+        async move {
+            let n = self.size();
+            let prepared = same_len(
+                send.len(),
+                recv.len() * n,
+                "reduce_scatter: send and size x recv",
+            )
+            .and_then(|()| self.prepare_reduce_scatter::<E>(send.len(), op));
+            let mut work = send.to_vec();
+            self.reduce_scatter_in_turn(ticket, &mut work, prepared, op)
+                .await?;
+            let block = recv.len();
+            recv.copy_from_slice(&work[self.rank * block..(self.rank + 1) * block]);
+            Ok(())
+        }
+    }
+
+    fn prepare_allgather<E: Element>(&self, len: usize) -> Prepared {
+        let block = self.check_blocks(len, "allgather")?;
+        let plan = plan::ring_allgather(
+            self.rank,
+            self.size(),
+            block,
+            E::DTYPE.size(),
+            self.piece_elems(E::DTYPE),
+        );
+        Ok((
+            self.call_of::<E>(Coll::Allgather, ReduceOp::Sum, len, 0),
+            plan,
+        ))
+    }
+
+    /// Allgather in place: `buf` holds one block per rank, this rank's block `rank` filled in;
+    /// afterwards every block holds its rank's.
+    pub fn allgather_in_place<'a, E: Element>(
+        &'a self,
+        buf: &'a mut [E],
+    ) -> impl Future<Output = Result<(), CollectiveError>> + Send + 'a {
+        let ticket = self.ticket();
+        async move {
+            let prepared = self.prepare_allgather::<E>(buf.len());
+            self.run(ticket, prepared, buf).await
+        }
+    }
+
+    /// Allgather: `recv` (rank count x `send`'s length) ends with every rank's `send`, in
+    /// rank order.
+    pub fn allgather<'a, E: Element>(
+        &'a self,
+        send: &'a [E],
+        recv: &'a mut [E],
+    ) -> impl Future<Output = Result<(), CollectiveError>> + Send + 'a {
+        let ticket = self.ticket();
+        self.allgather_in_turn(ticket, send, recv)
+    }
+
+    pub(crate) async fn allgather_in_turn<E: Element>(
+        &self,
+        ticket: Ticket<'_, T>,
+        send: &[E],
+        recv: &mut [E],
+    ) -> Result<(), CollectiveError> {
+        let block = send.len();
+        let prepared = same_len(
+            recv.len(),
+            block * self.size(),
+            "allgather: recv and size x send",
+        )
+        .and_then(|()| self.prepare_allgather::<E>(recv.len()));
+        if prepared.is_ok() {
+            recv[self.rank * block..(self.rank + 1) * block].copy_from_slice(send);
+        }
+        self.run(ticket, prepared, recv).await
+    }
+
+    /// Broadcast: every rank's `buf` ends with `root`'s.
+    pub fn broadcast<'a, E: Element>(
+        &'a self,
+        buf: &'a mut [E],
+        root: usize,
+    ) -> impl Future<Output = Result<(), CollectiveError>> + Send + 'a {
+        let ticket = self.ticket();
+        async move {
+            let prepared = self.check_root(root).map(|()| {
+                let plan = plan::tree_broadcast(
+                    self.rank,
+                    self.size(),
+                    root,
+                    buf.len(),
+                    E::DTYPE.size(),
+                    self.piece_elems(E::DTYPE),
+                );
+                (
+                    self.call_of::<E>(Coll::Broadcast, ReduceOp::Sum, buf.len(), root),
+                    plan,
+                )
+            });
+            self.run(ticket, prepared, buf).await
+        }
+    }
+
+    fn prepare_reduce<E: Element>(&self, count: usize, op: ReduceOp, root: usize) -> Prepared {
+        self.check_op::<E>(op)?;
+        self.check_root(root)?;
+        let plan = plan::tree_reduce(
+            self.rank,
+            self.size(),
+            root,
+            count,
+            E::DTYPE.size(),
+            self.piece_elems(E::DTYPE),
+        );
+        Ok((self.call_of::<E>(Coll::Reduce, op, count, root), plan))
+    }
+
+    async fn reduce_in_turn<E: Element>(
+        &self,
+        ticket: Ticket<'_, T>,
+        buf: &mut [E],
+        prepared: Prepared,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), CollectiveError> {
+        self.run(ticket, prepared, buf).await?;
+        if op == ReduceOp::Avg && self.rank == root {
+            divide(buf, self.size());
+        }
+        Ok(())
+    }
+
+    /// Reduce in place: `root`'s `buf` ends with the reduction of every rank's. The other
+    /// ranks' `buf` are used as scratch and hold partial results afterwards (use
+    /// [`Communicator::reduce_into`] to keep them).
+    pub fn reduce<'a, E: Element>(
+        &'a self,
+        buf: &'a mut [E],
+        op: ReduceOp,
+        root: usize,
+    ) -> impl Future<Output = Result<(), CollectiveError>> + Send + 'a {
+        let ticket = self.ticket();
+        async move {
+            let prepared = self.prepare_reduce::<E>(buf.len(), op, root);
+            self.reduce_in_turn(ticket, buf, prepared, op, root).await
+        }
+    }
+
+    /// Reduce: `root`'s `recv` ends with the reduction of every rank's `send` (of the same
+    /// length); `send` is unchanged everywhere, and `recv` is untouched on the other ranks.
+    pub fn reduce_into<'a, E: Element>(
+        &'a self,
+        send: &'a [E],
+        recv: &'a mut [E],
+        op: ReduceOp,
+        root: usize,
+    ) -> impl Future<Output = Result<(), CollectiveError>> + Send + 'a {
+        let ticket = self.ticket();
+        async move {
+            let prepared = same_len(send.len(), recv.len(), "reduce_into: send and recv")
+                .and_then(|()| self.prepare_reduce::<E>(send.len(), op, root));
+            if self.rank == root {
+                if prepared.is_ok() {
+                    recv.copy_from_slice(send);
+                }
+                self.reduce_in_turn(ticket, recv, prepared, op, root).await
+            } else {
+                let mut scratch = send.to_vec();
+                self.reduce_in_turn(ticket, &mut scratch, prepared, op, root)
+                    .await
+            }
+        }
+    }
+
+    /// Waits until every rank has called it.
+    pub fn barrier(&self) -> impl Future<Output = Result<(), CollectiveError>> + Send + '_ {
+        let ticket = self.ticket();
+        async move {
+            let plan = plan::barrier(self.rank, self.size());
+            let call = self.call_of::<u8>(Coll::Barrier, ReduceOp::Sum, 0, 0);
+            self.run::<u8>(ticket, Ok((call, plan)), &mut []).await
+        }
+    }
+}
