@@ -18,6 +18,7 @@
 
 mod calls;
 mod comm;
+mod compressed;
 mod config;
 mod drive;
 mod element;

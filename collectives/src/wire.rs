@@ -25,15 +25,17 @@ pub(crate) enum Coll {
     Broadcast,
     Reduce,
     Barrier,
+    CompressedAllreduce,
 }
 
-const COLLS: [Coll; 6] = [
+const COLLS: [Coll; 7] = [
     Coll::Allreduce,
     Coll::ReduceScatter,
     Coll::Allgather,
     Coll::Broadcast,
     Coll::Reduce,
     Coll::Barrier,
+    Coll::CompressedAllreduce,
 ];
 
 impl Coll {
@@ -45,6 +47,7 @@ impl Coll {
             Coll::Broadcast => "broadcast",
             Coll::Reduce => "reduce",
             Coll::Barrier => "barrier",
+            Coll::CompressedAllreduce => "allreduce_compressed",
         }
     }
 }
@@ -71,6 +74,9 @@ impl fmt::Display for Call {
         }
         if matches!(self.coll, Coll::Broadcast | Coll::Reduce) {
             write!(f, ", root {}", self.root)?;
+        }
+        if self.coll == Coll::CompressedAllreduce {
+            write!(f, ", codes {:#x}", self.root)?;
         }
         f.write_str(")")
     }
@@ -204,7 +210,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn headers_round_trip(kind in 0usize..4, comm: u32, seq: u64, tag: u64, coll in 0usize..6,
+        fn headers_round_trip(kind in 0usize..4, comm: u32, seq: u64, tag: u64, coll in 0usize..7,
                               dtype in 0usize..7, op in 0usize..5, count: u64, root: u32) {
             let h = Header {
                 kind: KINDS[kind],

@@ -657,3 +657,76 @@ fn a_rank_running_too_far_ahead_is_an_error_not_a_memory_leak() {
         assert!(err.to_string().contains("PSNET_COLL_AHEAD_BYTES"), "{err}");
     });
 }
+
+#[test]
+fn compressed_allreduce_sums_the_quantized_gradients_with_error_feedback() {
+    use psnet_compression::{Compressor, OneBitCompressor, TwoBitCompressor};
+    let rt = runtime();
+    rt.block_on(async {
+        let n = 3;
+        let len = 1001;
+        let net = delayed(5);
+        let comms = world(&net, n, Config::default()).await;
+        let compressors: [Box<dyn Compressor>; 2] = [
+            Box::new(TwoBitCompressor::new(0.5).unwrap()),
+            Box::new(OneBitCompressor::new(0.0).unwrap()),
+        ];
+        for compressor in &compressors {
+            let mut residuals = vec![vec![0.0f32; len]; n];
+            let mut model_residuals = residuals.clone();
+            for round in 0..3u64 {
+                let mut rng = fastrand::Rng::with_seed(round);
+                let grads: Vec<Vec<f32>> = (0..n)
+                    .map(|_| (0..len).map(|_| rng.f32() * 2.0 - 1.0).collect())
+                    .collect();
+                // The model: each rank's codes decoded and summed in rank order.
+                let mut want = vec![0.0f32; len];
+                for r in 0..n {
+                    let mut codes = vec![0u8; compressor.compressed_len(len)];
+                    compressor
+                        .quantize(&grads[r], &mut model_residuals[r], &mut codes)
+                        .unwrap();
+                    compressor.dequantize_add(&codes, &mut want).unwrap();
+                }
+                let mut bufs = grads.clone();
+                try_join_all(
+                    comms
+                        .iter()
+                        .zip(bufs.iter_mut().zip(residuals.iter_mut()))
+                        .map(|(c, (b, res))| c.allreduce_compressed(b, res, compressor.as_ref())),
+                )
+                .await
+                .expect("compressed allreduce");
+                for b in &bufs {
+                    assert!(
+                        b.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "round {round}"
+                    );
+                }
+                assert_eq!(residuals, model_residuals, "error feedback, round {round}");
+            }
+        }
+        // Ranks that compress differently disagree about the call.
+        let two = TwoBitCompressor::new(0.5).unwrap();
+        let other = TwoBitCompressor::new(0.25).unwrap();
+        let mut bufs = vec![vec![1.0f32; 10]; n];
+        let mut res = vec![vec![0.0f32; 10]; n];
+        let results = join_all(
+            comms
+                .iter()
+                .zip(bufs.iter_mut().zip(res.iter_mut()))
+                .enumerate()
+                .map(|(r, (c, (b, res)))| {
+                    let comp: &dyn Compressor = if r == 0 { &other } else { &two };
+                    tokio::time::timeout(
+                        Duration::from_secs(30),
+                        c.allreduce_compressed(b, res, comp),
+                    )
+                }),
+        )
+        .await;
+        assert!(results
+            .into_iter()
+            .all(|r| r.expect("bounded time").is_err()));
+    });
+}
