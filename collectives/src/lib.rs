@@ -23,6 +23,8 @@ mod config;
 mod drive;
 mod element;
 mod error;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod join;
 mod mailbox;
 mod order;
@@ -33,4 +35,6 @@ pub use comm::{node_of, Communicator};
 pub use config::{Algo, Config};
 pub use element::{DType, Element, ReduceOp};
 pub use error::CollectiveError;
+#[cfg(feature = "cuda")]
+pub use gpu::GpuStage;
 pub use half::{bf16, f16};
