@@ -4,12 +4,16 @@
 //!   `--loopback` runs both ends in one process. `--baseline` adds the raw-TCP reference
 //!   measured in the same run. Tables in perftest's columns (`ib_write_bw`, `ib_send_lat`:
 //!   one-way latency); `--json` prints JSON Lines, one flat object per result row.
+//! - `psnet-perf allreduce | reducescatter | allgather | broadcast | reduce`: the collectives,
+//!   with nccl-tests' flags and table (`-b -e -f -n -w -c -d -o -r`); `--np N` starts N ranks
+//!   on this host, otherwise the process is one rank of a job a launcher started.
 //! - `psnet-perf select`: which address and transport this node would use, and why.
 //! - `psnet-perf --print-env`: every environment variable psnet reads.
 #![forbid(unsafe_code)]
 
 mod baseline;
 mod bw;
+mod coll;
 mod compress;
 mod kv;
 #[cfg(feature = "cuda")]
@@ -28,6 +32,7 @@ use clap::{Args, Parser, Subcommand};
 use psnet::transport::Transport;
 use psnet::{AnyTransport, Selection, TransportKind, TransportPref};
 
+use crate::coll::Collective;
 use crate::report::{BwUnit, RunContext};
 use crate::session::{PerfResult, SERVER_ID};
 
@@ -98,6 +103,19 @@ enum Command {
         #[arg(long, value_name = "ORDINAL", num_args = 0..=1, default_missing_value = "0")]
         gpu: Option<usize>,
     },
+    /// Allreduce bandwidth among ranks, like nccl-tests' all_reduce_perf.
+    #[command(visible_alias = "all_reduce")]
+    Allreduce(coll::CollArgs),
+    /// Reduce-scatter bandwidth, like nccl-tests' reduce_scatter_perf.
+    #[command(visible_alias = "reduce_scatter")]
+    Reducescatter(coll::CollArgs),
+    /// Allgather bandwidth, like nccl-tests' all_gather_perf.
+    #[command(visible_alias = "all_gather")]
+    Allgather(coll::CollArgs),
+    /// Broadcast bandwidth, like nccl-tests' broadcast_perf.
+    Broadcast(coll::CollArgs),
+    /// Reduce bandwidth, like nccl-tests' reduce_perf.
+    Reduce(coll::CollArgs),
     /// Show the address and transport this node would use, and why.
     Select {
         /// Print JSON.
@@ -162,6 +180,13 @@ fn main() -> ExitCode {
             Some(Command::Bw(args)) => run_test(Test::Bw, args),
             Some(Command::Lat(args)) => run_test(Test::Lat, args),
             Some(Command::Select { json, transport }) => print_selection(json, transport),
+            Some(Command::Allreduce(args)) => return coll::main(Collective::AllReduce, args),
+            Some(Command::Reducescatter(args)) => {
+                return coll::main(Collective::ReduceScatter, args)
+            }
+            Some(Command::Allgather(args)) => return coll::main(Collective::AllGather, args),
+            Some(Command::Broadcast(args)) => return coll::main(Collective::Broadcast, args),
+            Some(Command::Reduce(args)) => return coll::main(Collective::Reduce, args),
             Some(Command::Kv {
                 servers,
                 workers,
