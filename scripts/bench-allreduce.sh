@@ -1,0 +1,204 @@
+#!/usr/bin/env bash
+# psnet's allreduce next to Open MPI's MPI_Allreduce on this host (127.0.0.1): float32, sum, in
+# place, for 2 and 4 ranks, at 8 bytes and from 128 KiB to 64 MiB.
+#
+# Two pairings, like with like:
+#   sockets  psnet with PSNET_SHM_RING=0 (TCP only)
+#            vs  mpirun --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo
+#   shm      psnet's default (a shared-memory ring between same-host peers, for messages of
+#            256 KiB and more; smaller ones still cross the socket)
+#            vs  mpirun --mca pml ob1 --mca btl self,vader (Open MPI's shared memory)
+# Both sides run the same warmup and timed iterations per size and report the same time: the
+# average iteration, the slowest rank's. psnet: `psnet-perf allreduce --np N --json` (its
+# in-place rows); Open MPI: scripts/bench-mpi-allreduce.py (mpi4py + numpy). Both check every
+# size's result.
+#
+# Prints every run's figures, then the ratio table: psnet busbw / Open MPI busbw per size
+# (above 1: psnet is faster) and the 8-byte time ratio psnet / Open MPI (above 1: psnet is
+# slower).
+#
+# Needs Debian's openmpi-bin, python3-mpi4py and python3-numpy: installed with apt-get when
+# run as root, otherwise named. Builds psnet-perf with `cargo build --release -p psnet-perf`
+# (in $CARGO_TARGET_DIR if set).
+#
+# Settings (environment): RANKS ("2 4"), ITERS / WARMUP (20 / 5, sizes from 128 KiB),
+# SMALL_ITERS / SMALL_WARMUP (1000 / 100, the 8-byte size), MINBYTES (128K), MAXBYTES (64M),
+# FACTOR (2), KEEP (a directory to keep the raw JSON Lines in).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+RANKS=${RANKS:-"2 4"}
+ITERS=${ITERS:-20}
+WARMUP=${WARMUP:-5}
+SMALL_ITERS=${SMALL_ITERS:-1000}
+SMALL_WARMUP=${SMALL_WARMUP:-100}
+MINBYTES=${MINBYTES:-128K}
+MAXBYTES=${MAXBYTES:-64M}
+FACTOR=${FACTOR:-2}
+
+say() { echo "bench-allreduce: $*" >&2; }
+
+# --- Open MPI and mpi4py -------------------------------------------------------------------
+# Debian's python3-mpi4py is for Debian's python3 (/usr/bin/python3), which may not be the
+# first python3 on the PATH (pyenv, a virtualenv): take the first that has mpi4py and numpy.
+find_python() {
+    local py
+    for py in ${PYTHON:-} python3 /usr/bin/python3; do
+        if command -v "$py" >/dev/null 2>&1 && "$py" -c 'import mpi4py, numpy' >/dev/null 2>&1; then
+            command -v "$py"
+            return 0
+        fi
+    done
+    return 1
+}
+packages="openmpi-bin python3-mpi4py python3-numpy"
+if ! command -v mpirun >/dev/null 2>&1 || ! find_python >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        say "installing $packages"
+        log=$(mktemp)
+        if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            --no-install-recommends $packages; } >"$log" 2>&1; then
+            tail -n 30 "$log" >&2
+            say "apt-get install $packages failed"
+            exit 1
+        fi
+        rm -f "$log"
+    else
+        say "needs Open MPI and mpi4py; install them with: sudo apt-get install $packages"
+        exit 1
+    fi
+fi
+command -v mpirun >/dev/null 2>&1 || { say "no mpirun (install openmpi-bin)"; exit 1; }
+PY=$(find_python) || { say "no python3 with mpi4py and numpy (install python3-mpi4py python3-numpy, or set PYTHON)"; exit 1; }
+if ! mpirun --version 2>/dev/null | grep -q "Open MPI"; then
+    say "mpirun is not Open MPI's ($(mpirun --version 2>&1 | head -1)); choose it with update-alternatives --config mpirun"
+    exit 1
+fi
+
+# --- psnet-perf ----------------------------------------------------------------------------
+say "building psnet-perf (cargo build --release -p psnet-perf)"
+(cd "$ROOT" && cargo build --release -q -p psnet-perf)
+TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
+case "$TARGET" in /*) ;; *) TARGET="$ROOT/$TARGET" ;; esac
+PERF="$TARGET/release/psnet-perf"
+[ -x "$PERF" ] || { say "no $PERF after the build"; exit 1; }
+
+OUT=${KEEP:-$(mktemp -d)}
+mkdir -p "$OUT"
+[ -n "${KEEP:-}" ] || trap 'rm -rf "$OUT"' EXIT
+
+# Open MPI's own defaults otherwise (binding: to cores for 2 ranks, to the socket beyond).
+MPIRUN=(mpirun --oversubscribe)
+if [ "$(id -u)" = 0 ]; then
+    MPIRUN+=(--allow-run-as-root)
+fi
+MPI_SOCKETS=(--mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo)
+MPI_SHM=(--mca pml ob1 --mca btl self,vader)
+MPI_PY="$ROOT/scripts/bench-mpi-allreduce.py"
+
+# run NAME COMMAND...: the command's stdout (JSON Lines) into $OUT/NAME.jsonl, stderr into
+# $OUT/NAME.log (shown if it fails).
+run() {
+    local name=$1
+    shift
+    if ! "$@" >>"$OUT/$name.jsonl" 2>>"$OUT/$name.log"; then
+        say "failed: $*"
+        tail -n 30 "$OUT/$name.log" >&2
+        exit 1
+    fi
+}
+
+start=$(date +%s)
+for np in $RANKS; do
+    for pairing in sockets shm; do
+        if [ "$pairing" = sockets ]; then
+            psnet_env=(env PSNET_SHM_RING=0)
+            mpi=("${MPIRUN[@]}" "${MPI_SOCKETS[@]}")
+        else
+            psnet_env=(env -u PSNET_SHM_RING)
+            mpi=("${MPIRUN[@]}" "${MPI_SHM[@]}")
+        fi
+        say "$np ranks, $pairing: psnet"
+        rm -f "$OUT/psnet-$np-$pairing".{jsonl,log} "$OUT/mpi-$np-$pairing".{jsonl,log}
+        run "psnet-$np-$pairing" "${psnet_env[@]}" "$PERF" allreduce --np "$np" -d float -o sum \
+            -b 8 -e 8 -n "$SMALL_ITERS" -w "$SMALL_WARMUP" --json
+        run "psnet-$np-$pairing" "${psnet_env[@]}" "$PERF" allreduce --np "$np" -d float -o sum \
+            -b "$MINBYTES" -e "$MAXBYTES" -f "$FACTOR" -n "$ITERS" -w "$WARMUP" --json
+        say "$np ranks, $pairing: Open MPI"
+        run "mpi-$np-$pairing" "${mpi[@]}" -np "$np" "$PY" "$MPI_PY" \
+            -b 8 -e 8 -n "$SMALL_ITERS" -w "$SMALL_WARMUP"
+        run "mpi-$np-$pairing" "${mpi[@]}" -np "$np" "$PY" "$MPI_PY" \
+            -b "$MINBYTES" -e "$MAXBYTES" -f "$FACTOR" -n "$ITERS" -w "$WARMUP"
+    done
+done
+elapsed=$(($(date +%s) - start))
+
+# --- the tables ----------------------------------------------------------------------------
+echo "# psnet vs Open MPI allreduce on $(hostname) ($(nproc) cores), 127.0.0.1, float32 sum in place"
+echo "# psnet $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?'), $(mpirun --version 2>/dev/null | head -1), mpi4py $("$PY" -c 'import mpi4py; print(mpi4py.__version__)')"
+echo "# iterations: 8 B: $SMALL_WARMUP warmup + $SMALL_ITERS timed; $MINBYTES..$MAXBYTES: $WARMUP + $ITERS; time: average iteration, the slowest rank's"
+echo "# sockets: psnet PSNET_SHM_RING=0 vs mpirun ${MPI_SOCKETS[*]}"
+echo "# shm:     psnet default vs mpirun ${MPI_SHM[*]}"
+echo "# measured in ${elapsed} s"
+python3 - "$OUT" "$RANKS" <<'EOF'
+import json, os, sys
+
+out, ranks = sys.argv[1], sys.argv[2].split()
+pairings = ["sockets", "shm"]
+
+
+def rows(name, psnet):
+    by_size = {}
+    with open(os.path.join(out, name + ".jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if psnet and not r["in_place"]:
+                continue
+            if r.get("wrong", 0):
+                sys.exit(f"{name}: {r['wrong']} wrong elements at {r['bytes']} bytes")
+            by_size[r["bytes"]] = r
+    return by_size
+
+
+def human(b):
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if b >= 1 << shift and b % (1 << shift) == 0:
+            return f"{b >> shift}{unit}"
+    return str(b)
+
+
+data = {}
+for np_ in ranks:
+    for p in pairings:
+        data[(np_, p)] = (rows(f"psnet-{np_}-{p}", True), rows(f"mpi-{np_}-{p}", False))
+
+print()
+print("# every run (busbw in GB/s, 10^9 bytes/s; time in us)")
+print(f"{'ranks':>5} {'pairing':>8} {'size':>6} {'psnet us':>10} {'ompi us':>10} "
+      f"{'psnet busbw':>12} {'ompi busbw':>11}")
+for (np_, p), (ps, mp) in data.items():
+    for size in sorted(ps):
+        a, b = ps[size], mp[size]
+        print(f"{np_:>5} {p:>8} {human(size):>6} {a['time_us']:>10.2f} {b['time_us']:>10.2f} "
+              f"{a['busbw_gb_s']:>12.3f} {b['busbw_gb_s']:>11.3f}")
+
+cols = [(np_, p) for np_ in ranks for p in pairings]
+heads = [f"{np_} ranks {p}" for np_, p in cols]
+width = max(len(h) for h in heads) + 2
+print()
+print("# ratio table: psnet busbw / Open MPI busbw (above 1: psnet faster)")
+print(f"{'size':>6}" + "".join(f"{h:>{width}}" for h in heads))
+sizes = sorted({s for ps, _ in data.values() for s in ps if s > 8})
+for size in sizes:
+    cells = []
+    for c in cols:
+        ps, mp = data[c]
+        cells.append(f"{ps[size]['busbw_gb_s'] / mp[size]['busbw_gb_s']:>{width}.2f}")
+    print(f"{human(size):>6}" + "".join(cells))
+print("# 8-byte time: psnet / Open MPI (above 1: psnet slower)")
+cells = []
+for c in cols:
+    ps, mp = data[c]
+    cells.append(f"{ps[8]['time_us'] / mp[8]['time_us']:>{width}.2f}")
+print(f"{'8':>6}" + "".join(cells))
+EOF
