@@ -21,15 +21,15 @@
 # run as root, otherwise named. Builds psnet-perf with `cargo build --release -p psnet-perf`
 # (in $CARGO_TARGET_DIR if set).
 #
-# Settings (environment): RANKS ("2 4"), ITERS / WARMUP (20 / 5, sizes from 128 KiB),
+# Settings (environment): RANKS ("2 4"), ITERS / WARMUP (50 / 10, sizes from 128 KiB),
 # SMALL_ITERS / SMALL_WARMUP (1000 / 100, the 8-byte size), MINBYTES (128K), MAXBYTES (64M),
 # FACTOR (2), KEEP (a directory to keep the raw JSON Lines in).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 RANKS=${RANKS:-"2 4"}
-ITERS=${ITERS:-20}
-WARMUP=${WARMUP:-5}
+ITERS=${ITERS:-50}
+WARMUP=${WARMUP:-10}
 SMALL_ITERS=${SMALL_ITERS:-1000}
 SMALL_WARMUP=${SMALL_WARMUP:-100}
 MINBYTES=${MINBYTES:-128K}
