@@ -12,7 +12,7 @@ use crate::config::Algo;
 use crate::element::{divide, Element, ReduceOp};
 use crate::error::CollectiveError;
 use crate::plan::{self, Plan};
-use crate::wire::{Call, Coll, HEADER_LEN};
+use crate::wire::{Call, Coll};
 
 type Prepared = Result<(Call, Plan), CollectiveError>;
 
@@ -68,18 +68,21 @@ impl<T: Transport> Communicator<T> {
 
     fn prepare_allreduce<E: Element>(&self, count: usize, op: ReduceOp) -> Prepared {
         self.check_op::<E>(op)?;
-        let bytes = count * E::DTYPE.size();
-        let max = self.transport.capabilities().max_message as usize;
+        let (rank, n, size) = (self.rank, self.size(), E::DTYPE.size());
+        let bytes = count * size;
+        // On two ranks doubling is one exchange where the ring takes two steps for the same
+        // bytes; on more, it moves log2(n) whole buffers where the ring moves two, in 2(n - 1)
+        // latency-bound steps: doubling wins up to a size (`small_bytes`), the ring above.
         let doubling = match self.config.algo {
             Algo::Doubling => true,
             Algo::Ring => false,
-            Algo::Auto => bytes <= self.config.small_bytes,
-        } && bytes + HEADER_LEN <= max;
-        let (rank, n, size) = (self.rank, self.size(), E::DTYPE.size());
+            Algo::Auto => n == 2 || bytes <= self.config.small_bytes,
+        };
+        let piece = self.piece_elems(E::DTYPE);
         let plan = if doubling {
-            plan::doubling_allreduce(rank, n, count, size)
+            plan::doubling_allreduce(rank, n, count, size, piece)
         } else {
-            plan::ring_allreduce(rank, n, count, size, self.piece_elems(E::DTYPE))
+            plan::ring_allreduce(rank, n, count, size, piece)
         };
         Ok((self.call_of::<E>(Coll::Allreduce, op, count, 0), plan))
     }

@@ -116,7 +116,14 @@ impl<T: Transport> Communicator<T> {
             failed: Mutex::new(None),
             history: Mutex::new(VecDeque::new()),
         };
-        comm.comm = crate::join::join(&comm, root).await?;
+        let (id, local_ranks) = crate::join::join(&comm, root).await?;
+        comm.comm = id;
+        // Spinning ranks that outnumber the host's cores take the CPU from the ones that
+        // have work: then wait by sleeping.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if local_ranks > cores {
+            comm.config.spin = std::time::Duration::ZERO;
+        }
         Ok(comm)
     }
 

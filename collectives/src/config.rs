@@ -58,6 +58,9 @@ pub struct Config {
     /// Bytes that may arrive for calls this rank has not made yet (other ranks running
     /// ahead); more fails the communicator instead of exhausting memory.
     pub ahead_bytes: usize,
+    /// How long a call that waits for the other ranks polls before it sleeps (as MPI's and
+    /// NCCL's progress loops do); zero: sleep at once.
+    pub spin: Duration,
 }
 
 impl Default for Config {
@@ -69,6 +72,7 @@ impl Default for Config {
             join_timeout: Duration::from_secs(120),
             call_timeout: Some(Duration::from_secs(600)),
             ahead_bytes: 1 << 30,
+            spin: Duration::from_micros(50),
         }
     }
 }

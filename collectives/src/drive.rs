@@ -58,6 +58,8 @@ async fn run_plan<'p, T: Transport, E: Element + 'p>(
     sends: &mut FuturesUnordered<BoxFuture<'p, Sent>>,
 ) -> Result<(), CollectiveError> {
     let deadline = comm.config.call_timeout.map(|t| Instant::now() + t);
+    // Real time, not tokio's: with a paused clock (the simulation) spinning must still end.
+    let mut idle_since: Option<std::time::Instant> = None;
     loop {
         let mut progress = false;
         while let Some(req) = plan.poll_send() {
@@ -130,9 +132,18 @@ async fn run_plan<'p, T: Transport, E: Element + 'p>(
             return Ok(());
         }
         if progress {
+            idle_since = None;
             continue;
         }
         check_awaited(comm, plan)?;
+        // Spin a while before sleeping: an answer usually comes within a round trip, and a
+        // sleeping process waits for the kernel to wake it (tens of microseconds on a busy
+        // host). Yielding lets this runtime's other tasks (the transport's readers) run.
+        let idle = *idle_since.get_or_insert_with(std::time::Instant::now);
+        if idle.elapsed() < comm.config.spin {
+            tokio::task::yield_now().await;
+            continue;
+        }
         let timeout = async {
             match deadline {
                 Some(d) => tokio::time::sleep_until(d).await,

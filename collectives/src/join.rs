@@ -35,14 +35,15 @@ fn settings<T: Transport>(comm: &Communicator<T>) -> String {
     )
 }
 
-/// Forms the communicator; returns its id.
+/// Forms the communicator; returns its id and how many ranks (this one included) listen on
+/// this rank's host.
 pub(crate) async fn join<T: Transport>(
     comm: &Communicator<T>,
     root: SocketAddr,
-) -> Result<u32, CollectiveError> {
+) -> Result<(u32, usize), CollectiveError> {
     let size = comm.members.len();
     if size == 1 {
-        return Ok(new_id());
+        return Ok((new_id(), 1));
     }
     let deadline = Instant::now() + comm.config.join_timeout;
     let (id, table) = if comm.rank == 0 {
@@ -88,7 +89,8 @@ pub(crate) async fn join<T: Transport>(
             })?;
     }
     comm.mailbox.lock().joining.clear();
-    Ok(id)
+    let here = comm.transport.listen_addr().ip();
+    Ok((id, table.iter().filter(|a| a.ip() == here).count()))
 }
 
 /// A communicator id for a new job: random, never 0 (the id joining itself uses).

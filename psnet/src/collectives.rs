@@ -166,13 +166,19 @@ fn resolve(what: &str, text: &str) -> Result<SocketAddr, CollectiveError> {
 }
 
 /// The settings from `PSNET_ALGO`, `PSNET_COLL_SMALL`, `PSNET_COLL_PIECE`,
-/// `PSNET_COLL_JOIN_TIMEOUT`, `PSNET_COLL_TIMEOUT` and `PSNET_COLL_AHEAD_BYTES`.
+/// `PSNET_COLL_JOIN_TIMEOUT`, `PSNET_COLL_TIMEOUT`, `PSNET_COLL_SPIN_US` and
+/// `PSNET_COLL_AHEAD_BYTES`.
 pub fn config_from_env() -> Result<Config, CollectiveError> {
     let bad = |e: psnet_config::ConfigError| CollectiveError::Invalid(e.to_string());
     let call_timeout = env::PSNET_COLL_TIMEOUT
         .parse_or_default::<u64>()
         .map_err(bad)?;
     Ok(Config {
+        spin: Duration::from_micros(
+            env::PSNET_COLL_SPIN_US
+                .parse_or_default::<u64>()
+                .map_err(bad)?,
+        ),
         call_timeout: (call_timeout > 0).then(|| Duration::from_secs(call_timeout)),
         ahead_bytes: env::PSNET_COLL_AHEAD_BYTES
             .parse_or_default::<usize>()

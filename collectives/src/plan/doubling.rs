@@ -1,25 +1,37 @@
-//! Recursive doubling for small allreduces: log2(n) rounds in which partners swap their whole
-//! buffers and both combine them, lower rank's operand first, so both compute the same bits.
-//! When n is not a power of two, the first 2 x (n - 2^k) ranks pair up first: the even one
-//! hands its buffer to the odd one, sits the rounds out, and gets the result back at the end.
+//! Recursive doubling: log2(n) rounds in which partners swap their whole buffers and both
+//! combine them, lower rank's operand first, so both compute the same bits. When n is not a
+//! power of two, the first 2 x (n - 2^k) ranks pair up first: the even one hands its buffer
+//! to the odd one, sits the rounds out, and gets the result back at the end.
+//!
+//! The buffer moves in pieces, each a message of its own, and each piece goes on to the next
+//! round as soon as it is combined: a large buffer pipelines. On two ranks this is one
+//! exchange, against the ring's two steps for the same bytes.
 
-use super::{Action, Plan};
+use super::{pieces_of_blocks, Action, Plan};
 use crate::element::Order;
 
-/// Tags: the round number.
+/// Tags: a step's number times this, plus the piece's index.
+const STEP: u64 = 1 << 32;
 const FOLD: u64 = 0;
 const UNFOLD: u64 = 1;
 const ROUND: u64 = 2;
 
-/// Allreduce of `count` elements in one piece, by recursive doubling.
-pub(crate) fn doubling_allreduce(rank: usize, n: usize, count: usize, elem_size: usize) -> Plan {
-    let pieces = if count == 0 {
-        Vec::new()
-    } else {
-        std::iter::once(0..count).collect()
-    };
+fn tag(step: u64, piece: usize) -> u64 {
+    step * STEP + piece as u64
+}
+
+/// Allreduce of `count` elements in pieces of at most `piece` elements, by recursive
+/// doubling.
+pub(crate) fn doubling_allreduce(
+    rank: usize,
+    n: usize,
+    count: usize,
+    elem_size: usize,
+    piece: usize,
+) -> Plan {
+    let (pieces, _) = pieces_of_blocks(std::iter::once(0..count), piece);
     let mut plan = Plan::new(pieces, elem_size);
-    if n == 1 || count == 0 {
+    if n == 1 {
         return plan;
     }
     let pof2 = 1usize << (usize::BITS - 1 - n.leading_zeros());
@@ -31,47 +43,51 @@ pub(crate) fn doubling_allreduce(rank: usize, n: usize, count: usize, elem_size:
             Order::LocalFirst
         }
     };
-    // The rank in the power-of-two group, if this rank takes part in the rounds.
-    let new_rank = if rank < 2 * rem {
-        if rank % 2 == 0 {
-            let handed = plan.send(rank + 1, FOLD, 0, &[]);
-            plan.recv(rank + 1, UNFOLD, 0, Action::Copy, &[handed]);
-            return plan;
+    let all = 0..plan.pieces.len();
+    if rank < 2 * rem && rank % 2 == 0 {
+        for p in all {
+            let handed = plan.send(rank + 1, tag(FOLD, p), p, &[]);
+            plan.recv(rank + 1, tag(UNFOLD, p), p, Action::Copy, &[handed]);
         }
-        None
-    } else {
-        Some(rank - rem)
-    };
-    let mut last = Vec::new();
-    let new_rank = match new_rank {
-        Some(r) => r,
-        None => {
-            last.push(plan.recv(rank - 1, FOLD, 0, Action::Reduce(order(rank - 1)), &[]));
-            rank / 2
-        }
-    };
-    let real = |v: usize| if v < rem { v * 2 + 1 } else { v + rem };
-    let mut mask = 1;
-    let mut round = 0;
-    while mask < pof2 {
-        let partner = real(new_rank ^ mask);
-        let sent = plan.send(partner, ROUND + round, 0, &last);
-        // Combined only once our own bytes are sent: the send borrows them.
-        let mut after = last.clone();
-        after.push(sent);
-        let id = plan.recv(
-            partner,
-            ROUND + round,
-            0,
-            Action::Reduce(order(partner)),
-            &after,
-        );
-        last = vec![id];
-        mask <<= 1;
-        round += 1;
+        return plan;
     }
-    if rank < 2 * rem {
-        plan.send(rank - 1, UNFOLD, 0, &last);
+    // The rank in the power-of-two group.
+    let new_rank = if rank < 2 * rem { rank / 2 } else { rank - rem };
+    let real = |v: usize| if v < rem { v * 2 + 1 } else { v + rem };
+    for p in all {
+        let mut last = Vec::new();
+        if rank < 2 * rem {
+            let folded = plan.recv(
+                rank - 1,
+                tag(FOLD, p),
+                p,
+                Action::Reduce(order(rank - 1)),
+                &[],
+            );
+            last.push(folded);
+        }
+        let mut mask = 1;
+        let mut round = 0;
+        while mask < pof2 {
+            let partner = real(new_rank ^ mask);
+            let sent = plan.send(partner, tag(ROUND + round, p), p, &last);
+            // Combined only once our own bytes are sent: the send borrows them.
+            let mut after = last.clone();
+            after.push(sent);
+            let id = plan.recv(
+                partner,
+                tag(ROUND + round, p),
+                p,
+                Action::Reduce(order(partner)),
+                &after,
+            );
+            last = vec![id];
+            mask <<= 1;
+            round += 1;
+        }
+        if rank < 2 * rem {
+            plan.send(rank - 1, tag(UNFOLD, p), p, &last);
+        }
     }
     plan
 }

@@ -51,12 +51,12 @@ proptest! {
     }
 
     #[test]
-    fn doubling_allreduce_reduces(n in 1usize..=9, count in 0usize..64, op in 0usize..4,
-                                  seed: u64) {
+    fn doubling_allreduce_reduces(n in 1usize..=9, count in 0usize..120, piece in 1usize..40,
+                                  op in 0usize..4, seed: u64) {
         let op = OPS[op];
         let mut bufs = inputs(n, count, seed);
         let want = reference(op, &bufs, 0..count);
-        let plans = (0..n).map(|r| doubling_allreduce(r, n, count, 8)).collect();
+        let plans = (0..n).map(|r| doubling_allreduce(r, n, count, 8, piece)).collect();
         sim::run(plans, &mut bufs, op, seed);
         for b in &bufs {
             prop_assert_eq!(b, &want);
@@ -144,7 +144,7 @@ proptest! {
                 .map(|r| if ring {
                     ring_allreduce(r, n, count, 4, piece)
                 } else {
-                    doubling_allreduce(r, n, count, 4)
+                    doubling_allreduce(r, n, count, 4, piece)
                 })
                 .collect()
         };
