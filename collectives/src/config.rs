@@ -8,7 +8,8 @@ use std::time::Duration;
 /// Which allreduce algorithm to run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Algo {
-    /// Recursive doubling up to [`Config::small_bytes`], a pipelined ring above.
+    /// Pipelined recursive doubling on 2 ranks, and on more up to [`Config::small_bytes`]; a
+    /// pipelined ring above.
     #[default]
     Auto,
     /// Always the ring (reduce-scatter, then allgather): bandwidth-optimal for large buffers.
@@ -45,7 +46,8 @@ impl fmt::Display for Algo {
 pub struct Config {
     /// The allreduce algorithm.
     pub algo: Algo,
-    /// Allreduces of at most this many bytes use recursive doubling (with [`Algo::Auto`]).
+    /// Allreduces of at most this many bytes on more than 2 ranks use recursive doubling (with
+    /// [`Algo::Auto`]).
     pub small_bytes: usize,
     /// Large buffers move in pieces of at most this many bytes, each a message of its own, so
     /// that transfers and reductions overlap.
@@ -67,7 +69,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             algo: Algo::Auto,
-            small_bytes: 64 << 10,
+            small_bytes: 512 << 10,
             piece_bytes: 1 << 20,
             join_timeout: Duration::from_secs(120),
             call_timeout: Some(Duration::from_secs(600)),

@@ -229,9 +229,9 @@ crate::declare_env_vars! {
     MASTER_ADDR = "MASTER_ADDR", "", "torchrun's rendezvous host (collectives: rank 0's address)";
     MASTER_PORT = "MASTER_PORT", "", "torchrun's rendezvous port (collectives: rank 0's port)";
     PSNET_ALGO = "PSNET_ALGO", "auto",
-        "collectives: allreduce algorithm: auto (recursive doubling up to PSNET_COLL_SMALL bytes, a pipelined ring above), ring or doubling";
-    PSNET_COLL_SMALL = "PSNET_COLL_SMALL", "65536",
-        "collectives: allreduces of at most this many bytes use recursive doubling (with PSNET_ALGO=auto)";
+        "collectives: allreduce algorithm: auto (pipelined recursive doubling on 2 ranks, and on more up to PSNET_COLL_SMALL bytes; a pipelined ring above), ring or doubling";
+    PSNET_COLL_SMALL = "PSNET_COLL_SMALL", "524288",
+        "collectives: allreduces of at most this many bytes on more than 2 ranks use recursive doubling (with PSNET_ALGO=auto)";
     PSNET_COLL_PIECE = "PSNET_COLL_PIECE", "1048576",
         "collectives: large buffers move in pieces of at most this many bytes, so that transfers and reductions overlap";
     PSNET_COLL_JOIN_TIMEOUT = "PSNET_COLL_JOIN_TIMEOUT", "120",
