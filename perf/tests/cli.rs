@@ -5,7 +5,7 @@ use std::process::{Command, Output, Stdio};
 
 mod common;
 
-use common::Server;
+use common::{run_ok, Server};
 
 fn perf() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_psnet-perf"));
@@ -19,17 +19,6 @@ fn perf() -> Command {
         cmd.env_remove(var);
     }
     cmd
-}
-
-fn run_ok(cmd: &mut Command) -> String {
-    let out = cmd.output().expect("run psnet-perf");
-    assert!(
-        out.status.success(),
-        "psnet-perf failed: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8 output")
 }
 
 fn json(text: &str) -> serde_json::Value {

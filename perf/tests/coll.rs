@@ -2,8 +2,12 @@
 //! `--np` ranks on 127.0.0.1, nccl-tests' flags and table, checked results, errors, and no rank
 //! left behind.
 
+mod common;
+
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+use common::run_ok;
 
 fn perf() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_psnet-perf"));
@@ -34,17 +38,6 @@ fn perf() -> Command {
         cmd.env_remove(var);
     }
     cmd
-}
-
-fn run_ok(cmd: &mut Command) -> String {
-    let out = cmd.output().expect("run psnet-perf");
-    assert!(
-        out.status.success(),
-        "psnet-perf failed: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8 output")
 }
 
 /// JSON Lines: every line one flat JSON object.

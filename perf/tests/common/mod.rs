@@ -1,4 +1,6 @@
 //! What psnet-perf's process tests share.
+// Each test crate uses a part of it.
+#![allow(dead_code)]
 
 use std::process::{Child, Command, Output};
 
@@ -28,4 +30,16 @@ impl Drop for Server {
             let _ = child.wait();
         }
     }
+}
+
+/// Runs `cmd` (psnet-perf), fails the test unless it exits 0, and returns its output.
+pub fn run_ok(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("run psnet-perf");
+    assert!(
+        out.status.success(),
+        "psnet-perf failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 output")
 }
