@@ -66,7 +66,7 @@ impl<T: Transport> Communicator<T> {
         Ok(len / n)
     }
 
-    fn prepare_allreduce<E: Element>(&self, count: usize, op: ReduceOp) -> Prepared {
+    pub(crate) fn prepare_allreduce<E: Element>(&self, count: usize, op: ReduceOp) -> Prepared {
         self.check_op::<E>(op)?;
         let (rank, n, size) = (self.rank, self.size(), E::DTYPE.size());
         let bytes = count * size;
@@ -87,7 +87,7 @@ impl<T: Transport> Communicator<T> {
         Ok((self.call_of::<E>(Coll::Allreduce, op, count, 0), plan))
     }
 
-    async fn allreduce_in_turn<E: Element>(
+    pub(crate) async fn allreduce_in_turn<E: Element>(
         &self,
         ticket: Ticket<'_, T>,
         buf: &mut [E],
@@ -263,6 +263,22 @@ impl<T: Transport> Communicator<T> {
         self.run(ticket, prepared, recv).await
     }
 
+    pub(crate) fn prepare_broadcast<E: Element>(&self, count: usize, root: usize) -> Prepared {
+        self.check_root(root)?;
+        let plan = plan::tree_broadcast(
+            self.rank,
+            self.size(),
+            root,
+            count,
+            E::DTYPE.size(),
+            self.piece_elems(E::DTYPE),
+        );
+        Ok((
+            self.call_of::<E>(Coll::Broadcast, ReduceOp::Sum, count, root),
+            plan,
+        ))
+    }
+
     /// Broadcast: every rank's `buf` ends with `root`'s.
     pub fn broadcast<'a, E: Element>(
         &'a self,
@@ -271,20 +287,7 @@ impl<T: Transport> Communicator<T> {
     ) -> impl Future<Output = Result<(), CollectiveError>> + Send + 'a {
         let ticket = self.ticket();
         async move {
-            let prepared = self.check_root(root).map(|()| {
-                let plan = plan::tree_broadcast(
-                    self.rank,
-                    self.size(),
-                    root,
-                    buf.len(),
-                    E::DTYPE.size(),
-                    self.piece_elems(E::DTYPE),
-                );
-                (
-                    self.call_of::<E>(Coll::Broadcast, ReduceOp::Sum, buf.len(), root),
-                    plan,
-                )
-            });
+            let prepared = self.prepare_broadcast::<E>(buf.len(), root);
             self.run(ticket, prepared, buf).await
         }
     }
@@ -363,10 +366,15 @@ impl<T: Transport> Communicator<T> {
     /// Waits until every rank has called it.
     pub fn barrier(&self) -> impl Future<Output = Result<(), CollectiveError>> + Send + '_ {
         let ticket = self.ticket();
-        async move {
-            let plan = plan::barrier(self.rank, self.size());
-            let call = self.call_of::<u8>(Coll::Barrier, ReduceOp::Sum, 0, 0);
-            self.run::<u8>(ticket, Ok((call, plan)), &mut []).await
-        }
+        self.barrier_in_turn(ticket)
+    }
+
+    pub(crate) async fn barrier_in_turn(
+        &self,
+        ticket: Ticket<'_, T>,
+    ) -> Result<(), CollectiveError> {
+        let plan = plan::barrier(self.rank, self.size());
+        let call = self.call_of::<u8>(Coll::Barrier, ReduceOp::Sum, 0, 0);
+        self.run::<u8>(ticket, Ok((call, plan)), &mut []).await
     }
 }

@@ -180,9 +180,15 @@ impl<T: Transport> Communicator<T> {
 
     /// A place in the order of calls, for a call being made now.
     pub(crate) fn ticket(&self) -> Ticket<'_, T> {
+        self.ticket_for(self.order.take())
+    }
+
+    /// The ticket of place `seq`, taken earlier with [`Order::take`] (by a call whose future
+    /// owns the communicator).
+    pub(crate) fn ticket_for(&self, seq: u64) -> Ticket<'_, T> {
         Ticket {
             comm: self,
-            seq: self.order.take(),
+            seq,
             finished: false,
         }
     }

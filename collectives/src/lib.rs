@@ -16,6 +16,7 @@
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
+mod blocking;
 mod calls;
 mod comm;
 mod compressed;
@@ -28,9 +29,11 @@ mod gpu;
 mod join;
 mod mailbox;
 mod order;
+mod owned;
 mod plan;
 mod wire;
 
+pub use blocking::{BlockingCommunicator, Handle};
 pub use comm::{node_of, Communicator};
 pub use config::{Algo, Config};
 pub use element::{DType, Element, ReduceOp};
