@@ -291,6 +291,11 @@ impl<T: Transport> Worker<T> {
         self.shared.link.transport().capabilities().name
     }
 
+    /// The address this worker listens at (the one the scheduler gave the other nodes).
+    pub fn listen_addr(&self) -> std::net::SocketAddr {
+        self.shared.link.transport().listen_addr()
+    }
+
     /// Test hook: the transport, e.g. to drop a connection (`disconnect`).
     #[doc(hidden)]
     pub fn debug_transport(&self) -> &T {

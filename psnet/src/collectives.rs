@@ -17,12 +17,14 @@
 //! ```
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use psnet_config::env::{self, EnvVar};
 use psnet_config::interface::{self, NodeAddress};
 use psnet_select::{AnyTransport, Selection};
+use psnet_transport::Transport;
 
 pub use psnet_collectives::{
     bf16, f16, node_of, Algo, CollectiveError, Communicator, Config, DType, Element, ReduceOp,
@@ -251,6 +253,57 @@ pub async fn join(
         config,
     )
     .await
+}
+
+/// Characters of a root address carried through the kv store (one per value).
+const ROOT_TEXT: usize = 64;
+
+/// Forms a communicator of a kv job's workers, each worker's kv rank its rank (the job
+/// `psnet-launch` or a `DMLC_*` launcher started). Worker 0 binds the collectives' transport
+/// beside its kv one and gives the others its address through the kv store itself (a key
+/// initialised with it, then pulled). Every worker calls it, in the same order as its other
+/// kv calls.
+pub async fn join_kv_workers<T: Transport>(
+    kv: &psnet_kv::Worker<T>,
+    config: Config,
+) -> Result<Communicator<AnyTransport>, CollectiveError> {
+    static JOINS: AtomicU32 = AtomicU32::new(0);
+    let joins = JOINS.fetch_add(1, Ordering::Relaxed);
+    let kv_err = |e: psnet_kv::KvError| CollectiveError::Join(format!("through the kv store: {e}"));
+    let (rank, size) = (kv.rank() as usize, kv.num_workers() as usize);
+    let ip = kv.listen_addr().ip();
+    let address = interface::list_interfaces()
+        .and_then(|ifaces| interface::select(Some(&ip.to_string()), None, &ifaces))
+        .map_err(|e| CollectiveError::Invalid(e.to_string()))?;
+    let selection = Selection::for_address(address, None)
+        .map_err(|e| CollectiveError::Invalid(e.to_string()))?;
+    let transport = psnet_select::bind(node_of(rank), &selection, 0)
+        .await
+        .map_err(|e| {
+            CollectiveError::Transport(format!("rank {rank} cannot listen at {ip}: {e}"))
+        })?;
+    let key = kv.key(&format!("psnet.collectives.root.{joins}"));
+    let mut text = [0f32; ROOT_TEXT];
+    if rank == 0 {
+        let addr = transport.listen_addr().to_string();
+        for (slot, byte) in text.iter_mut().zip(addr.bytes()) {
+            *slot = f32::from(byte);
+        }
+    }
+    kv.init(&[key], &[&text]).await.map_err(kv_err)?;
+    let mut got = [0f32; ROOT_TEXT];
+    kv.pull(key, &mut got).await.map_err(kv_err)?;
+    let addr: String = got
+        .iter()
+        .take_while(|&&c| c > 0.0)
+        .map(|&c| char::from(c as u8))
+        .collect();
+    let root: SocketAddr = addr.parse().map_err(|_| {
+        CollectiveError::Join(format!(
+            "worker 0's address came through the kv store as {addr:?}"
+        ))
+    })?;
+    Communicator::join(Arc::new(transport), rank, size, root, config).await
 }
 
 /// [`World::from_env`], [`config_from_env`] and [`join`] in one.
