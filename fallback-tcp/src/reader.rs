@@ -18,8 +18,10 @@ use crate::shm::{self, RecvRing};
 const MIN_READ: usize = 64 << 10;
 /// Bodies at least this large are read into buffers of their own, reused once the application
 /// drops the message: fresh large allocations cost a page fault per 4 KiB, which on loopback
-/// costs more than the copy itself.
-const LARGE_BODY: usize = 256 << 10;
+/// costs more than the copy itself. Medium bodies too: read into the connection's rolling
+/// buffer while earlier messages still share it, each made it allocate afresh (a 4-rank ring
+/// allreduce of 256 KiB, 64 KiB messages, took twice as long).
+const LARGE_BODY: usize = 32 << 10;
 /// Large buffers kept per connection.
 const LARGE_POOL: usize = 4;
 
