@@ -5,15 +5,20 @@
 //! and every rank's address. Then every rank connects to every other.
 //!
 //! A rank missing when the time is up is named on rank 0, which tells the ranks that did
-//! join; rank 0 missing or lost is named on the others.
+//! join; rank 0 missing or lost is named on the others. The table also carries a secret drawn
+//! by rank 0: from then on only the members, proving themselves with it, may connect
+//! (`admission.rs`).
 
 use std::hash::{BuildHasher, RandomState};
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use psnet_transport::{NodeId, OutMessage, Segment, Transport};
+use std::sync::Arc;
+
+use psnet_transport::{NodeId, OutMessage, Proof, Segment, Transport};
 use tokio::time::Instant;
 
+use crate::admission::{self, Members};
 use crate::comm::{node_of, Communicator};
 use crate::drive::Teller;
 use crate::error::CollectiveError;
@@ -46,7 +51,7 @@ pub(crate) async fn join<T: Transport>(
         return Ok((new_id(), 1));
     }
     let deadline = Instant::now() + comm.config.join_timeout;
-    let (id, table) = if comm.rank == 0 {
+    let (id, secret, table) = if comm.rank == 0 {
         let addrs = match gather_hellos(comm, size, deadline).await {
             Ok(addrs) => addrs,
             Err(e) => {
@@ -56,7 +61,8 @@ pub(crate) async fn join<T: Transport>(
             }
         };
         let id = new_id();
-        let text: String = std::iter::once(format!("{id}\n"))
+        let secret = admission::new_secret().map_err(CollectiveError::Join)?;
+        let text: String = std::iter::once(format!("{id} {}\n", admission::to_hex(&secret)))
             .chain(addrs.iter().map(|a| format!("{a}\n")))
             .collect();
         let header = wire::control(Kind::Table, comm.comm).encode();
@@ -68,10 +74,15 @@ pub(crate) async fn join<T: Transport>(
                     CollectiveError::Join(format!("sending rank {rank} the table: {e}"))
                 })?;
         }
-        (id, addrs)
+        (id, secret, addrs)
     } else {
         say_hello(comm, root, size, deadline).await?
     };
+    // The members connect to each other presenting the secret; once every connection of this
+    // rank is made (each pair is connected by whichever side dials first, so a later dial
+    // finds the connection made), only members presenting it may connect.
+    comm.transport
+        .set_admission(Arc::new(Members::presenting(comm.members.clone(), secret)));
     for (rank, addr) in table.iter().enumerate() {
         if rank == comm.rank {
             continue;
@@ -88,6 +99,8 @@ pub(crate) async fn join<T: Transport>(
                 CollectiveError::Join(format!("connecting to rank {rank} at {addr}: {e}"))
             })?;
     }
+    comm.transport
+        .set_admission(Arc::new(Members::checking(comm.members.clone(), secret)));
     comm.mailbox.lock().joining.clear();
     let here = comm.transport.listen_addr().ip();
     Ok((id, table.iter().filter(|a| a.ip() == here).count()))
@@ -104,7 +117,7 @@ async fn say_hello<T: Transport>(
     root: SocketAddr,
     size: usize,
     deadline: Instant,
-) -> Result<(u32, Vec<SocketAddr>), CollectiveError> {
+) -> Result<(u32, Proof, Vec<SocketAddr>), CollectiveError> {
     let root_node = node_of(0);
     tokio::time::timeout_at(deadline, comm.transport.connect(root_node, root))
         .await
@@ -208,13 +221,17 @@ async fn gather_hellos<T: Transport>(
     Ok(addrs.into_iter().map(|a| a.expect("all present")).collect())
 }
 
-fn parse_table(a: &Arrival, size: usize) -> Result<(u32, Vec<SocketAddr>), CollectiveError> {
+fn parse_table(a: &Arrival, size: usize) -> Result<(u32, Proof, Vec<SocketAddr>), CollectiveError> {
     let text = String::from_utf8_lossy(&a.data);
     let mut lines = text.lines();
-    let id = lines.next().and_then(|l| l.parse::<u32>().ok());
+    let first = lines.next().and_then(|l| l.split_once(' '));
+    let id = first.and_then(|(id, _)| id.parse::<u32>().ok());
+    let secret = first.and_then(|(_, hex)| admission::from_hex(hex));
     let addrs: Result<Vec<SocketAddr>, _> = lines.map(str::parse).collect();
-    match (id, addrs) {
-        (Some(id), Ok(addrs)) if id != 0 && addrs.len() == size => Ok((id, addrs)),
+    match (id, secret, addrs) {
+        (Some(id), Some(secret), Ok(addrs)) if id != 0 && addrs.len() == size => {
+            Ok((id, secret, addrs))
+        }
         _ => Err(CollectiveError::Join(format!(
             "rank 0 sent a table this rank cannot read ({} bytes)",
             a.data.len()

@@ -16,6 +16,7 @@
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
+mod admission;
 mod blocking;
 mod calls;
 mod comm;

@@ -730,3 +730,32 @@ fn compressed_allreduce_sums_the_quantized_gradients_with_error_feedback() {
             .all(|r| r.expect("bounded time").is_err()));
     });
 }
+
+#[test]
+fn once_formed_only_members_with_the_secret_may_connect() {
+    let rt = runtime();
+    rt.block_on(async {
+        let n = 3;
+        let net = MemNet::reliable();
+        let comms = world(&net, n, Config::default()).await;
+        let root = comms[0].transport().listen_addr();
+        // A process claiming rank 1's id, and one claiming a new id: neither knows the secret.
+        for claimed in [node_of(1), node_of(7)] {
+            let intruder = net.bind(claimed);
+            let refused = intruder.connect(node_of(0), root).await;
+            assert!(refused.is_err(), "{claimed} was let in");
+        }
+        // The members still work together.
+        let mut bufs = inputs(n, 100, 8);
+        let want = sum(&bufs, 0..100);
+        try_join_all(
+            comms
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|(c, b)| c.allreduce(b, ReduceOp::Sum)),
+        )
+        .await
+        .expect("allreduce after the intruders");
+        assert!(bufs.iter().all(|b| b == &want));
+    });
+}
