@@ -5,7 +5,7 @@ use std::process::{Command, Output, Stdio};
 
 mod common;
 
-use common::{run_ok, Server};
+use common::{json_lines, run_ok, Server};
 
 fn perf() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_psnet-perf"));
@@ -23,25 +23,6 @@ fn perf() -> Command {
 
 fn json(text: &str) -> serde_json::Value {
     serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
-}
-
-/// JSON Lines: every line of `text` is one flat JSON object (no nested arrays or objects).
-fn json_lines(text: &str) -> Vec<serde_json::Value> {
-    assert!(!text.trim().is_empty(), "no output");
-    text.lines()
-        .map(|line| {
-            let v: serde_json::Value = serde_json::from_str(line)
-                .unwrap_or_else(|e| panic!("line is not JSON ({e}): {line}\n{text}"));
-            let obj = v
-                .as_object()
-                .unwrap_or_else(|| panic!("not an object: {line}"));
-            assert!(
-                obj.values().all(|f| !f.is_object() && !f.is_array()),
-                "not flat: {line}"
-            );
-            v
-        })
-        .collect()
 }
 
 /// The one JSON line of a single-size run.

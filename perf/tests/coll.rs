@@ -7,7 +7,7 @@ mod common;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::run_ok;
+use common::{json_lines, run_ok};
 
 fn perf() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_psnet-perf"));
@@ -38,25 +38,6 @@ fn perf() -> Command {
         cmd.env_remove(var);
     }
     cmd
-}
-
-/// JSON Lines: every line one flat JSON object.
-fn json_lines(text: &str) -> Vec<serde_json::Value> {
-    assert!(!text.trim().is_empty(), "no output");
-    text.lines()
-        .map(|line| {
-            let v: serde_json::Value = serde_json::from_str(line)
-                .unwrap_or_else(|e| panic!("line is not JSON ({e}): {line}\n{text}"));
-            let obj = v
-                .as_object()
-                .unwrap_or_else(|| panic!("not an object: {line}"));
-            assert!(
-                obj.values().all(|f| !f.is_object() && !f.is_array()),
-                "not flat: {line}"
-            );
-            v
-        })
-        .collect()
 }
 
 fn f64_of(row: &serde_json::Value, field: &str) -> f64 {

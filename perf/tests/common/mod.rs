@@ -43,3 +43,22 @@ pub fn run_ok(cmd: &mut Command) -> String {
     );
     String::from_utf8(out.stdout).expect("utf-8 output")
 }
+
+/// JSON Lines: every line of `text` is one flat JSON object (no nested arrays or objects).
+pub fn json_lines(text: &str) -> Vec<serde_json::Value> {
+    assert!(!text.trim().is_empty(), "no output");
+    text.lines()
+        .map(|line| {
+            let v: serde_json::Value = serde_json::from_str(line)
+                .unwrap_or_else(|e| panic!("line is not JSON ({e}): {line}\n{text}"));
+            let obj = v
+                .as_object()
+                .unwrap_or_else(|| panic!("not an object: {line}"));
+            assert!(
+                obj.values().all(|f| !f.is_object() && !f.is_array()),
+                "not flat: {line}"
+            );
+            v
+        })
+        .collect()
+}
