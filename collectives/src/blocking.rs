@@ -41,7 +41,9 @@ impl<R> Handle<R> {
     }
 }
 
-/// A communicator with its own background runtime, for callers that are not async.
+/// A communicator with its own background runtime, for callers that are not async. Its
+/// blocking calls and [`Handle::wait`] must not be made from inside an async runtime (tokio
+/// refuses to block a runtime's thread).
 pub struct BlockingCommunicator<T: Transport> {
     // Declared first: dropped (its reading task stopped) before the runtime shuts down.
     comm: Arc<Communicator<T>>,

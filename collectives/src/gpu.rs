@@ -78,7 +78,9 @@ impl<T: Transport> Communicator<T> {
     /// Reduces the GPU buffer `buf` across all ranks with `op`, staged by `stage` in chunks
     /// (see the module's documentation); every rank ends with the same bits, those of host
     /// allreduces of the same chunks. Every rank must use the same chunk size. Work queued on
-    /// other streams must be finished (or ordered before the stage's stream) first.
+    /// other streams must be finished (or ordered before the stage's stream) first. Unlike the
+    /// host calls, its chunks take their places in the order of calls when it first runs (is
+    /// first polled), not when it is made.
     pub async fn allreduce_device<E: Element + DeviceRepr + ValidAsZeroBits>(
         &self,
         stage: &GpuStage<E>,
