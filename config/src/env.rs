@@ -159,6 +159,10 @@ crate::declare_env_vars! {
         "Largest message in bytes; longer frames are refused before any allocation.";
     PSNET_CONNECT_TIMEOUT = "PSNET_CONNECT_TIMEOUT", "30",
         "Seconds a connect keeps retrying a peer that is not up yet.";
+    PSNET_SECRET = "PSNET_SECRET", "",
+        "The job's shared secret: every connection (registration with the scheduler, every peer link, TCP and RDMA control) first proves it by HMAC-SHA256 over both sides' nonces; a process without it is refused and logged with its address. Every process of the job must have the same one. Unset (and no PSNET_SECRET_FILE): the job is open to any process that reaches it. Prefer PSNET_SECRET_FILE where the environment may be seen by others.";
+    PSNET_SECRET_FILE = "PSNET_SECRET_FILE", "",
+        "A file holding the job's shared secret (see PSNET_SECRET; one trailing newline is ignored; at most 4096 bytes; a warning if others may read it). Setting both is an error.";
     PSNET_TCP_BUFFER = "PSNET_TCP_BUFFER", "0",
         "TCP socket send/receive buffer in bytes; 0 keeps the kernel's autotuning.";
     PSNET_SHM_RING = "PSNET_SHM_RING", "67108864",

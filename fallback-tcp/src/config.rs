@@ -1,6 +1,7 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
+use psnet_transport::auth::Secret;
 use psnet_transport::codec::DataPath;
 use psnet_transport::Limits;
 
@@ -32,6 +33,10 @@ pub struct TcpConfig {
     /// What this node's data travels over, announced in every hello: peers that differ are
     /// refused at the handshake (TCP, unless this transport is RDMA's control channel).
     pub data_path: DataPath,
+    /// The job's shared secret (`PSNET_SECRET` / `PSNET_SECRET_FILE`): every connection, made
+    /// or accepted, first proves it ([`psnet_transport::auth`]); a peer that cannot is refused
+    /// and logged with its address. `None`: the job is open to any process that reaches it.
+    pub secret: Option<Secret>,
 }
 
 impl TcpConfig {
@@ -48,6 +53,7 @@ impl TcpConfig {
             socket_buffer: None,
             shm_ring: crate::shm::DEFAULT_RING,
             data_path: DataPath::Tcp,
+            secret: None,
         }
     }
 }

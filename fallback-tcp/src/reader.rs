@@ -155,7 +155,12 @@ pub(crate) async fn read_loop(
                 }
                 continue;
             }
-            FrameKind::Hello | FrameKind::HelloAck | FrameKind::HelloReject => {
+            FrameKind::Hello
+            | FrameKind::HelloAck
+            | FrameKind::HelloReject
+            | FrameKind::AuthHello
+            | FrameKind::AuthChallenge
+            | FrameKind::AuthProof => {
                 return ReadEnd::Failed(format!(
                     "unexpected {:?} frame after the handshake",
                     frame.kind

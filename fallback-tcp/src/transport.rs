@@ -16,7 +16,7 @@ use tokio::time::{sleep, timeout, Instant};
 
 use crate::config::TcpConfig;
 use crate::conn::Conn;
-use crate::handshake::{self, Answer};
+use crate::handshake::{self, Answer, Opening};
 use crate::inbox::Inbox;
 use crate::peers::{decide_hello, HelloDecision, Peers, PendingGuard, Slot, SIMULTANEOUS};
 use crate::reader::{read_loop, Inflight, ReadEnd};
@@ -330,6 +330,7 @@ impl Inner {
                     self.local(),
                     self.config.data_path,
                     proof.as_ref(),
+                    self.config.secret.as_ref(),
                 )
                 .await?;
                 Ok::<_, io::Error>((stream, answer, rest))
@@ -386,12 +387,27 @@ impl Inner {
     /// Handles one accepted socket: reads the hello, applies the tie-break, answers.
     async fn accept(self: Arc<Self>, mut stream: TcpStream) -> io::Result<()> {
         tune(&stream, &self.config)?;
-        let (hello, leftover) = timeout(
+        let opening = timeout(
             self.config.handshake_timeout,
-            handshake::read_hello(&mut stream),
+            handshake::accept_opening(&mut stream, self.config.secret.as_ref()),
         )
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no hello in time"))??;
+        let (hello, leftover) = match opening {
+            Opening::Hello(hello, leftover) => (hello, leftover),
+            Opening::Refuse(reason) => {
+                let from = stream
+                    .peer_addr()
+                    .map_or_else(|_| "an unknown address".into(), |a| a.to_string());
+                tracing::warn!(%from, %reason, "refusing a connection");
+                return handshake::write_frame(
+                    &mut stream,
+                    FrameKind::HelloReject,
+                    reason.as_bytes(),
+                )
+                .await;
+            }
+        };
         let (peer, path) = (hello.id, hello.path);
         let local = self.local();
         if let Some(admission) = self.admission() {

@@ -16,14 +16,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use psnet_compression::CompressionParams;
-use psnet_kv::proto::ids::{self, describe, Group, Role, SCHEDULER};
-use psnet_kv::proto::msg::Msg;
+use psnet_kv::proto::ids::{self, describe, Role, SCHEDULER};
 use psnet_kv::updater::OptimizerSpec;
 use psnet_kv::{run_server, KvConfig, KvError, Mode, Scheduler, Worker};
 use psnet_memnet::{Faults, MemNet, MemTransport};
-use psnet_transport::{NodeId, OutMessage, Transport};
+use psnet_transport::auth::Secret;
+use psnet_transport::NodeId;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+
+#[path = "sim/intruders.rs"]
+mod intruders;
 
 type SimWorker = Worker<MemTransport>;
 
@@ -192,20 +195,25 @@ struct Job {
 }
 
 async fn start(plan: &Plan) -> Result<Job, String> {
-    let net = MemNet::with_faults(plan.faults());
+    start_with(plan, MemNet::with_faults(plan.faults()), None).await
+}
+
+/// Starts `plan`'s job on `net`, every node holding `secret`.
+async fn start_with(plan: &Plan, net: MemNet, secret: Option<Secret>) -> Result<Job, String> {
     let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let scheduler = Scheduler::new(&plan.config(Role::Scheduler, any), net.bind(SCHEDULER));
+    let bind = |id| net.bind_with_secret(id, secret.clone());
+    let scheduler = Scheduler::new(&plan.config(Role::Scheduler, any), bind(SCHEDULER));
     let root = scheduler.addr();
     let scheduler = tokio::spawn(scheduler.run());
     let servers = (0..plan.servers)
         .map(|_| {
-            let (c, t) = (plan.config(Role::Server, root), net.bind(NodeId(0)));
+            let (c, t) = (plan.config(Role::Server, root), bind(NodeId(0)));
             tokio::spawn(async move { run_server(&c, t).await })
         })
         .collect();
     let joins: Vec<_> = (0..plan.workers)
         .map(|_| {
-            let (c, t) = (plan.config(Role::Worker, root), net.bind(NodeId(0)));
+            let (c, t) = (plan.config(Role::Worker, root), bind(NodeId(0)));
             tokio::spawn(async move { SimWorker::join(&c, t).await })
         })
         .collect();
@@ -558,124 +566,6 @@ fn whole_jobs_over_many_seeds() {
         failed.len(),
         seeds.len()
     );
-}
-
-/// Nodes that joined no job try every address of the network under ids they were never
-/// issued a token for: an id nobody was assigned, the live ids of the scheduler, a server and
-/// a worker, and a provisional id. Every attempt must be refused by the transport's admission
-/// (no connection is swapped for a live one), and, all through the job, a rogue keeps trying
-/// to deliver what only the scheduler or an asked server may send.
-async fn intruded_job(plan: Arc<Plan>) -> Result<(), String> {
-    let job = start(&plan).await?;
-    let ports = 10_000..10_000 + 1 + plan.servers as u16 + plan.workers as u16;
-    let claims = [
-        NodeId(99),
-        SCHEDULER,
-        ids::node_id(Role::Server, 0),
-        ids::node_id(Role::Worker, 0),
-        ids::provisional_id("127.0.0.1:1".parse().unwrap()),
-    ];
-    let mut refused = std::collections::BTreeSet::new();
-    for claim in claims {
-        let rogue = job.net.bind(claim);
-        for port in ports.clone() {
-            let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-            for target in 0..plan.servers.max(plan.workers) {
-                for id in [
-                    SCHEDULER,
-                    ids::node_id(Role::Server, target),
-                    ids::node_id(Role::Worker, target),
-                ] {
-                    match rogue.connect(id, addr).await {
-                        Ok(()) => {
-                            return Err(format!("{claim} was let in by {id} at {addr}"));
-                        }
-                        Err(e) => {
-                            let e = e.to_string();
-                            let admission =
-                                ["never assigned", "without its job token", "registrations"];
-                            if admission.iter().any(|r| e.contains(r)) {
-                                refused.insert((claim, port));
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-    // Every (claim, listener) pair is refused by admission: registrations closed once the
-    // job was assigned.
-    let listeners = (1 + plan.servers + plan.workers) as usize;
-    if refused.len() != claims.len() * listeners {
-        return Err(format!(
-            "{} (claim, listener) pairs refused by admission, expected {}",
-            refused.len(),
-            claims.len() * listeners
-        ));
-    }
-    let rogue = job.net.bind(NodeId(99));
-    let targets: Vec<(NodeId, std::net::SocketAddr)> = job
-        .workers
-        .iter()
-        .map(|w| {
-            let id = ids::node_id(Role::Worker, w.rank());
-            (id, w.debug_transport().listen_addr())
-        })
-        .collect();
-    let victim = ids::node_id(Role::Server, 0);
-    let attack = tokio::spawn(async move {
-        let forged = |ts: u64| {
-            vec![
-                Msg::Shutdown,
-                Msg::NodeFailed {
-                    id: victim,
-                    reason: "forged".into(),
-                },
-                Msg::BarrierDone {
-                    group: Group::WORKERS,
-                },
-                Msg::Done { ts },
-            ]
-        };
-        for ts in 1..300u64 {
-            for (id, addr) in &targets {
-                if rogue.connect(*id, *addr).await.is_ok() {
-                    for msg in forged(ts) {
-                        let meta = msg.encode();
-                        let _ = rogue.send(*id, OutMessage::new(&meta, &[])).await;
-                    }
-                }
-            }
-            tokio::time::sleep(Duration::from_micros(200)).await;
-        }
-    });
-    let result = finish_healthy(plan, job).await;
-    attack.abort();
-    result
-}
-
-#[test]
-fn an_intruder_is_refused_under_any_claimed_id_and_the_job_ends_healthy() {
-    psnet_config::logging::init();
-    let mut failed = Vec::new();
-    for seed in 0..40u64 {
-        let plan = Arc::new(Plan {
-            scenario: Scenario::Sync,
-            ..Plan::draw(seed * SCENARIOS.len() as u64)
-        });
-        let rt = simulated_runtime();
-        let p = plan.clone();
-        let outcome = rt.block_on(async move {
-            tokio::time::timeout(JOB_LIMIT, intruded_job(p))
-                .await
-                .unwrap_or_else(|_| Err("hung".into()))
-        });
-        if let Err(e) = outcome {
-            eprintln!("seed {seed} ({plan:?}): {e}");
-            failed.push(seed);
-        }
-    }
-    assert!(failed.is_empty(), "intruded jobs failed: {failed:?}");
 }
 
 #[test]

@@ -103,12 +103,19 @@ pub fn exec_role_from_env(spec: &JobSpec) -> LaunchError {
     }
 }
 
+/// Variables never written into a command line or a job description, where other users
+/// could read them: their values are secrets. They travel only in the environment itself
+/// (local processes, `srun`, `mpirun -x`, `qsub -V`); ssh and YARN launches refuse them
+/// ([`refuse_inline_secret`]), `PSNET_SECRET_FILE` works everywhere.
+pub const NOT_FORWARDED: &[&str] = &["PSNET_SECRET"];
+
 /// The variables every process of a multi-host job is given from the launcher's environment:
-/// the interface choice and every `PS_*`, `PSNET_*` and `MXNET_KVSTORE_*` setting (a
-/// process's own `DMLC_NODE_HOST` stays its own).
+/// the interface choice and every `PS_*`, `PSNET_*` and `MXNET_KVSTORE_*` setting but the
+/// secret ([`NOT_FORWARDED`]); a process's own `DMLC_NODE_HOST` stays its own.
 pub fn forwarded_env() -> Vec<(String, String)> {
     env::ALL
         .iter()
+        .filter(|v| !NOT_FORWARDED.contains(&v.name))
         .filter(|v| {
             v.name == "DMLC_INTERFACE"
                 || v.name == "RUST_LOG"
@@ -143,8 +150,22 @@ pub(crate) fn inner_command(spec: &JobSpec, launcher: &str) -> Vec<String> {
     args
 }
 
+/// Refuses a launch that would have to write `PSNET_SECRET` where others can read it (`how`:
+/// an ssh command line, a YARN submission).
+pub fn refuse_inline_secret(how: &str) -> Result<(), LaunchError> {
+    if env::PSNET_SECRET.is_set() {
+        return Err(LaunchError::Invalid(format!(
+            "PSNET_SECRET is set, but {how} would carry it where other users can read it: put \
+             the secret in a file every host can read (chmod 600) and set PSNET_SECRET_FILE \
+             instead"
+        )));
+    }
+    Ok(())
+}
+
 /// `mpirun -np N [--hostfile H] psnet-launch --role-from-env ...`. The scheduler is rank 0,
 /// which mpirun places on the hostfile's first host: `spec.root_host` must be that host.
+/// `PSNET_SECRET` goes with `-x` (in mpirun's environment, not on a command line).
 pub fn mpirun_command(spec: &JobSpec, hostfile: Option<&str>, launcher: &str) -> Vec<String> {
     let mut cmd = vec![
         "mpirun".to_string(),
@@ -155,12 +176,19 @@ pub fn mpirun_command(spec: &JobSpec, hostfile: Option<&str>, launcher: &str) ->
         cmd.push("--hostfile".into());
         cmd.push(h.into());
     }
+    for name in NOT_FORWARDED {
+        if env::ALL.iter().any(|v| v.name == *name && v.is_set()) {
+            cmd.push("-x".into());
+            cmd.push((*name).into());
+        }
+    }
     cmd.extend(inner_command(spec, launcher));
     cmd
 }
 
 /// `srun --ntasks N psnet-launch --role-from-env ...`; the scheduler is task 0, on the
-/// allocation's first node: `spec.root_host` must be that node.
+/// allocation's first node: `spec.root_host` must be that node. srun passes the caller's
+/// environment (`--export=ALL`, its default), `PSNET_SECRET` with it.
 pub fn srun_command(spec: &JobSpec, launcher: &str) -> Vec<String> {
     let mut cmd = vec![
         "srun".to_string(),

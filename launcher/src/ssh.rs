@@ -141,6 +141,7 @@ pub fn launch_ssh(spec: &JobSpec, job: &SshJob) -> Result<Outcome, LaunchError> 
     if job.sync {
         sync_dirs(&job.hosts, &job.dir)?;
     }
+    crate::cluster::refuse_inline_secret("an ssh command line")?;
     let forwarded = forwarded_env();
     crate::launch_with(spec, |role, index, port| {
         let mut env = process_env(spec, role, index, port);

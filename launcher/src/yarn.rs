@@ -195,6 +195,7 @@ pub fn launch_yarn(spec: &JobSpec, job: &YarnJob) -> Result<YarnOutcome, LaunchE
     if spec.command.is_empty() {
         return Err(LaunchError::Invalid("no command to launch".into()));
     }
+    crate::cluster::refuse_inline_secret("a YARN submission (readable by the cluster's users)")?;
     let spec = &crate::queued(spec);
     let rm = Rm::new(&job.rm);
     let port = if spec.root_port == 0 {

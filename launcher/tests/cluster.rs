@@ -12,7 +12,8 @@ fn stubs() -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     let ranks = |rank: &str, size: &str, count_flag: &str| {
         format!(
-            "#!/bin/sh\nn=1\nwhile [ $# -gt 0 ]; do case \"$1\" in {count_flag}) n=$2; shift 2;; --hostfile) shift 2;; *) break;; esac; done\n\
+            "#!/bin/sh\nn=1\necho \"$@\" >> \"$(dirname \"$0\")/argv.log\"\n\
+             while [ $# -gt 0 ]; do case \"$1\" in {count_flag}) n=$2; shift 2;; --hostfile|-x) shift 2;; *) break;; esac; done\n\
              i=0; pids=\"\"\nwhile [ $i -lt $n ]; do {rank}=$i {size}=$n \"$@\" & pids=\"$pids $!\"; i=$((i+1)); done\n\
              rc=0; for p in $pids; do wait $p || rc=$?; done; exit $rc\n"
         )
@@ -162,4 +163,27 @@ fn role_from_env_refuses_a_job_of_the_wrong_size_or_no_rank() {
         stderr.contains("OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID, SGE_TASK_ID"),
         "{stderr}"
     );
+}
+
+#[test]
+fn the_secret_reaches_mpi_ranks_in_their_environment_never_on_a_command_line() {
+    let dir = stubs();
+    let _ = std::fs::remove_file(dir.join("argv.log"));
+    let (lines, stderr, code) = launch(
+        &dir,
+        &["--launcher", "mpi", "-n", "1", "-s", "1", "--port", "9301"],
+        &[
+            ("PSNET_SECRET", "tops3cret-value"),
+            ("PSNET_TRANSPORT", "tcp"),
+        ],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    let argv = std::fs::read_to_string(dir.join("argv.log")).unwrap();
+    assert!(argv.contains("-x PSNET_SECRET"), "{argv}");
+    assert!(
+        !argv.contains("tops3cret-value"),
+        "the secret is on mpirun's command line: {argv}"
+    );
+    assert!(!stderr.contains("tops3cret-value"), "{stderr}");
 }

@@ -171,3 +171,19 @@ fn a_loopback_scheduler_for_remote_hosts_is_refused_saying_what_to_set() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn an_inline_secret_is_refused_over_ssh_naming_the_file_variable() {
+    let dir = stubs("secret");
+    let out = launcher(&dir, &["-n", "1", "-s", "1"], "true")
+        .env("PSNET_SECRET", "tops3cret-value")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("PSNET_SECRET_FILE") && !stderr.contains("tops3cret-value"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use psnet_transport::auth;
 use psnet_transport::{
     Admission, Capabilities, CodecError, Event, Incoming, NodeId, OutMessage, RegisteredBuf,
     Transport, TransportError,
@@ -97,9 +98,10 @@ impl MemTransport {
                 })),
                 Some(l) => {
                     let theirs = &net.eps[&l];
-                    let admitted = theirs
-                        .admit(me.id, me.proof().as_ref())
-                        .and_then(|()| me.admit(peer, theirs.proof().as_ref()));
+                    let admitted =
+                        auth::exchange_in_process(me.secret.as_ref(), theirs.secret.as_ref())
+                            .and_then(|()| theirs.admit(me.id, me.proof().as_ref()))
+                            .and_then(|()| me.admit(peer, theirs.proof().as_ref()));
                     if let Err(reason) = admitted {
                         tracing::warn!(claimed = %me.id, %peer, %reason, "connection refused");
                         return Step::Done(Err(TransportError::Handshake { peer, reason }));

@@ -6,6 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use psnet_transport::auth::Secret;
 use psnet_transport::{Admission, Event, Limits, NodeId, Proof};
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -79,6 +80,9 @@ pub(crate) struct Ep {
     pub(crate) frozen: bool,
     /// Who may connect to this endpoint (see [`Admission`]); None believes every id.
     pub(crate) admission: Option<Arc<dyn Admission>>,
+    /// The job's shared secret this endpoint proves and asks for (see
+    /// [`psnet_transport::auth`]); None: an open job.
+    pub(crate) secret: Option<Secret>,
 }
 
 impl Ep {
@@ -315,6 +319,13 @@ impl MemNet {
     /// A new endpoint with id `id`, listening at a fresh address (127.0.0.1 and a port of
     /// this network's own: nothing is bound on the host).
     pub fn bind(&self, id: NodeId) -> MemTransport {
+        self.bind_with_secret(id, None)
+    }
+
+    /// Like [`MemNet::bind`], for a node holding the job's shared secret: its connections,
+    /// made or accepted, go through the same exchange as on a wire
+    /// ([`psnet_transport::auth`]), and a peer that cannot prove the secret is refused.
+    pub fn bind_with_secret(&self, id: NodeId, secret: Option<Secret>) -> MemTransport {
         let (ep, addr) = {
             let mut net = self.lock();
             let ep = net.next_ep;
@@ -334,6 +345,7 @@ impl MemNet {
                     closed: false,
                     frozen: false,
                     admission: None,
+                    secret,
                 },
             );
             net.listeners.insert(addr, ep);

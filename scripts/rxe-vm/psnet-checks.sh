@@ -98,6 +98,18 @@ for pair in "$RXE_NETDEV:rdma" "eth1:tcp"; do
     $(( rc != 0 || same != 0 || n != 4 ))
 done
 
+# The same job over RDMA with a job secret: every control connection (registration, queue-pair
+# exchange) opens with the HMAC exchange; the weights must not change.
+rm -f $OUT/w.secret.bin
+PSNET_SECRET="guest job secret" DMLC_INTERFACE=$RXE_NETDEV PS_VERBOSE=1 timeout -k 5 240 $B/psnet-train $MODEL \
+  --servers 1 --workers 2 --epochs 2 --dump $OUT/w.secret.bin > $OUT/train.secret.log 2>&1
+rc=$?
+n=$(grep "psnet transport selected" $OUT/train.secret.log | grep -c rdma)
+[ $rc = 0 ] || tail -30 $OUT/train.secret.log
+cmp -s $OUT/ref.bin $OUT/w.secret.bin; same=$?
+check "kv 1+1+2 over $RXE_NETDEV with PSNET_SECRET (rdma: $n of 4 processes, weights identical to reference: $([ $same = 0 ] && echo yes || echo no))" \
+  $(( rc != 0 || same != 0 || n != 4 ))
+
 # 5. kv throughput over RDMA (for the record), without and with standing offers
 # (PSNET_RDMA_OFFER_BYTES=0: every large push and pull reply takes the rendezvous round trip).
 for offers in 0 16777216; do

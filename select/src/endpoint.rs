@@ -122,6 +122,8 @@ pub fn tcp_config_from_env(bind: SocketAddr) -> Result<TcpConfig, ConfigError> {
         0 => None,
         n => Some(n),
     };
+    config.secret = crate::secret::secret_from_env()?;
+    crate::secret::note_open_job(config.secret.as_ref());
     Ok(config)
 }
 

@@ -481,3 +481,54 @@ fn settings_are_checked_before_any_process_starts_and_mxnet_mode_names_work() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("reproduces dist_sync only"), "{err}");
 }
+
+/// Output and status of a finished child.
+fn finish(mut child: Child, limit: Duration) -> (std::process::ExitStatus, String) {
+    let status = wait_within(&mut child, limit).expect("no hang");
+    let mut err = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+    (status, err)
+}
+
+#[test]
+fn with_a_job_secret_a_process_without_it_is_refused_and_the_job_runs() {
+    use std::os::unix::fs::PermissionsExt;
+    let secret = tmp("secret");
+    std::fs::write(&secret, "correct horse battery staple\n").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let file = secret.to_str().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let with_secret = |r| role(train().env("PSNET_SECRET_FILE", file), r, port, 1);
+    let (scheduler, server) = (with_secret("scheduler"), with_secret("server"));
+    // Squatters race for the one worker slot: one without the secret, one with a wrong one.
+    let (open, wrong) = (
+        role(&mut train(), "worker", port, 1),
+        role(train().env("PSNET_SECRET", "a guess"), "worker", port, 1),
+    );
+    for (squatter, why) in [(open, "presented none"), (wrong, "does not know")] {
+        let (status, err) = finish(squatter, Duration::from_secs(60));
+        assert!(!status.success(), "a squatter joined: {err}");
+        assert!(err.contains(why), "{err}");
+    }
+    let (status, err) = finish(with_secret("worker"), Duration::from_secs(120));
+    assert!(status.success(), "the member's job failed: {err}");
+    let (_, err) = finish(server, Duration::from_secs(30));
+    let (status, sched_err) = finish(scheduler, Duration::from_secs(30));
+    assert!(status.success(), "{sched_err}\n{err}");
+    // The scheduler logged each refusal with the dialler's address.
+    assert!(
+        sched_err.contains("refusing a connection from=127.0.0.1:")
+            && sched_err.contains("presented none"),
+        "{sched_err}"
+    );
+    assert!(
+        sched_err.contains("from=127.0.0.1:")
+            && sched_err.contains("the dialler refused this node"),
+        "{sched_err}"
+    );
+    let _ = std::fs::remove_file(&secret);
+}

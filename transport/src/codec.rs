@@ -60,6 +60,12 @@ pub enum FrameKind {
     ShmData = 7,
     /// Ring regions the receiver is done with: (offset, length) pairs.
     ShmFree = 8,
+    /// Shared-secret exchange, dialler's opening: version and nonce ([`crate::auth`]).
+    AuthHello = 9,
+    /// Shared-secret exchange, the acceptor's nonce and MAC.
+    AuthChallenge = 10,
+    /// Shared-secret exchange, the dialler's MAC.
+    AuthProof = 11,
 }
 
 impl FrameKind {
@@ -74,6 +80,9 @@ impl FrameKind {
             6 => Ok(FrameKind::ShmReject),
             7 => Ok(FrameKind::ShmData),
             8 => Ok(FrameKind::ShmFree),
+            9 => Ok(FrameKind::AuthHello),
+            10 => Ok(FrameKind::AuthChallenge),
+            11 => Ok(FrameKind::AuthProof),
             other => Err(CodecError::UnknownKind(other)),
         }
     }

@@ -14,11 +14,14 @@
 //!   TCP, a memory registration on RDMA).
 //! - [`le`]: bounded little-endian reading and writing for every wire format.
 //! - [`Admission`]: who may connect, and the [`Proof`] of identity a node's hello carries.
+//! - [`auth`]: the shared-secret exchange (HMAC-SHA256 over both sides' nonces) that opens
+//!   every connection of a job with `PSNET_SECRET`.
 //! - `conformance` (feature `conformance`): the suite every transport runs in its tests.
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
 mod admission;
+pub mod auth;
 mod caps;
 pub mod codec;
 #[cfg(feature = "conformance")]
