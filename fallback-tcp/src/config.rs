@@ -5,6 +5,8 @@ use psnet_transport::auth::Secret;
 use psnet_transport::codec::DataPath;
 use psnet_transport::Limits;
 
+use crate::faults::FaultSpec;
+
 /// Settings of a [`crate::TcpTransport`].
 #[derive(Clone, Debug)]
 pub struct TcpConfig {
@@ -37,6 +39,8 @@ pub struct TcpConfig {
     /// or accepted, first proves it ([`psnet_transport::auth`]); a peer that cannot is refused
     /// and logged with its address. `None`: the job is open to any process that reaches it.
     pub secret: Option<Secret>,
+    /// Faults to inject into sends (`PSNET_FAULTS`), for reliability tests; `None`: none.
+    pub faults: Option<FaultSpec>,
 }
 
 impl TcpConfig {
@@ -54,6 +58,7 @@ impl TcpConfig {
             shm_ring: crate::shm::DEFAULT_RING,
             data_path: DataPath::Tcp,
             secret: None,
+            faults: None,
         }
     }
 }

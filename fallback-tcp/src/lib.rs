@@ -15,10 +15,14 @@
 //!   order with everything else; a full ring falls back to the socket. The ring is an anonymous
 //!   memory file sealed against resizing, handed over by descriptor (`SCM_RIGHTS`) to the peer
 //!   that presents the offer's token: no file in `/dev/shm`, nothing a name could redirect.
+//!
+//! For reliability tests, `PSNET_FAULTS` ([`FaultSpec`]) drops connections with a message in
+//! flight, resets them periodically and delays sends, on real sockets.
 #![deny(missing_docs)]
 
 mod config;
 mod conn;
+mod faults;
 mod handshake;
 mod inbox;
 mod peers;
@@ -28,4 +32,5 @@ mod socket;
 mod transport;
 
 pub use config::TcpConfig;
+pub use faults::{FaultCounts, FaultSpec};
 pub use transport::TcpTransport;

@@ -16,6 +16,7 @@ use tokio::time::{sleep, timeout, Instant};
 
 use crate::config::TcpConfig;
 use crate::conn::Conn;
+use crate::faults::{FaultCounts, Faults, Strike};
 use crate::handshake::{self, Answer, Opening};
 use crate::inbox::Inbox;
 use crate::peers::{decide_hello, HelloDecision, Peers, PendingGuard, Slot, SIMULTANEOUS};
@@ -41,6 +42,7 @@ struct Inner {
     closed: AtomicBool,
     acceptor: Mutex<Option<AbortHandle>>,
     admission: Mutex<Option<Arc<dyn Admission>>>,
+    faults: Option<Faults>,
 }
 
 impl TcpTransport {
@@ -59,6 +61,10 @@ impl TcpTransport {
                 addr: config.bind,
                 source,
             })?;
+        let faults = config.faults.clone().map(Faults::new);
+        if let Some(f) = &faults {
+            tracing::warn!(%id, faults = %f.spec(), "PSNET_FAULTS: injecting faults into this node's sends");
+        }
         let inner = Arc::new(Inner {
             local_id: AtomicU64::new(id.0),
             listen_addr,
@@ -69,11 +75,19 @@ impl TcpTransport {
             closed: AtomicBool::new(false),
             acceptor: Mutex::new(None),
             admission: Mutex::new(None),
+            faults,
         });
         let task = tokio::spawn(accept_loop(listener, inner.clone()));
         *inner.acceptor.lock().unwrap_or_else(|p| p.into_inner()) = Some(task.abort_handle());
         tracing::debug!(%id, addr = %listen_addr, "tcp transport listening");
         Ok(TcpTransport { inner })
+    }
+}
+
+impl TcpTransport {
+    /// What `PSNET_FAULTS` injected so far (`None` without it).
+    pub fn fault_counts(&self) -> Option<FaultCounts> {
+        self.inner.faults.as_ref().map(Faults::counts)
     }
 }
 
@@ -107,6 +121,15 @@ impl Inner {
     fn shutdown(&self) {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
+        }
+        if let Some(f) = &self.faults {
+            let c = f.counts();
+            tracing::warn!(
+                sends = c.sends,
+                drops = c.drops,
+                resets = c.resets,
+                "PSNET_FAULTS: faults injected into this node's sends"
+            );
         }
         if let Some(h) = self
             .acceptor
@@ -560,6 +583,21 @@ impl Transport for TcpTransport {
             peer,
             reason: e.to_string(),
         };
+        let strike = match &inner.faults {
+            None => Strike::None,
+            Some(f) => {
+                let (delay, strike) = f.draw();
+                if !delay.is_zero() {
+                    sleep(delay).await;
+                }
+                if strike == Strike::Drop {
+                    tracing::info!(%peer, "PSNET_FAULTS: dropping the connection with a message");
+                    conn.close();
+                    return Ok(());
+                }
+                strike
+            }
+        };
         let mut head = HeaderBuf::new();
         if header.body_len() - u64::from(header.meta_len) >= SHM_MIN as u64 {
             // The first large message to a peer on this host offers the bulk path; it goes
@@ -576,16 +614,24 @@ impl Transport for TcpTransport {
                     FrameHeader::for_message(FrameKind::ShmData, &out, &inner.config.limits)
                         .map_err(|source| TransportError::Invalid { peer, source })?;
                 header.encode_into(&mut head);
-                return conn
-                    .write_frame(&head, out.meta, out.segments)
+                conn.write_frame(&head, out.meta, out.segments)
                     .await
-                    .map_err(lost);
+                    .map_err(lost)?;
+                if strike == Strike::Reset {
+                    conn.close();
+                }
+                return Ok(());
             }
         }
         header.encode_into(&mut head);
         conn.write_frame(&head, msg.meta, msg.segments)
             .await
-            .map_err(lost)
+            .map_err(lost)?;
+        if strike == Strike::Reset {
+            tracing::info!(%peer, "PSNET_FAULTS: resetting the connection after a message");
+            conn.close();
+        }
+        Ok(())
     }
 
     fn recv(&self) -> impl std::future::Future<Output = Result<Event, TransportError>> + Send + '_ {

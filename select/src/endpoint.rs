@@ -122,6 +122,14 @@ pub fn tcp_config_from_env(bind: SocketAddr) -> Result<TcpConfig, ConfigError> {
         0 => None,
         n => Some(n),
     };
+    config.faults = match env::PSNET_FAULTS.get() {
+        None => None,
+        Some(text) => Some(text.parse().map_err(|reason| ConfigError::Invalid {
+            name: env::PSNET_FAULTS.name,
+            value: text.clone(),
+            reason,
+        })?),
+    };
     config.secret = crate::secret::secret_from_env()?;
     crate::secret::note_open_job(config.secret.as_ref());
     Ok(config)
