@@ -78,6 +78,7 @@ impl<T: Transport> Scheduler<T> {
                             Msg::Barrier { group } => state.handle_barrier(from, group, now),
                             Msg::Heartbeat => state.handle_heartbeat(from, now),
                             Msg::Finalize => state.handle_finalize(from, now),
+                            Msg::Leaving { reason } => state.handle_leaving(from, reason),
                             other => tracing::warn!(from = %describe(from), ?other, "unexpected message at the scheduler"),
                         },
                         Received::Connected(peer) => state.handle_alive(peer, now),

@@ -223,6 +223,12 @@ impl<T: Transport> Worker<T> {
             let shared = shared.clone();
             tokio::spawn(async move {
                 while let Ok(event) = shared.link.recv().await {
+                    // Said before the calls fail: the application may exit right after.
+                    let tell = shared.state().leaving_before(&event);
+                    if let Some((to, msg)) = tell {
+                        let send = shared.link.send(to, &msg, None);
+                        let _ = tokio::time::timeout(LOSS_GRACE, send).await;
+                    }
                     shared.handle(event);
                 }
                 shared.state().handle_closed();

@@ -1,61 +1,12 @@
 //! Whole jobs as separate processes on 127.0.0.1: psnet-train launches itself in every role.
 //! `dist_sync` runs must match the single-process reference bit for bit.
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
-/// The small model the job tests train (softmax regression, 20 features, 5 classes): quick
-/// on 2 cores. The default multi-layer perceptron is tested by `mlp_matches_reference`.
-const SMALL: [&str; 10] = [
-    "--hidden",
-    "none",
-    "--features",
-    "20",
-    "--classes",
-    "5",
-    "--samples",
-    "4096",
-    "--batch",
-    "32",
-];
+mod common;
 
-fn train() -> Command {
-    let mut cmd = train_any();
-    cmd.args(SMALL);
-    cmd
-}
-
-fn train_any() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_psnet-train"));
-    for var in [
-        "DMLC_ROLE",
-        "DMLC_INTERFACE",
-        "DMLC_NODE_HOST",
-        "PSNET_TRANSPORT",
-        "RUST_LOG",
-        "PS_VERBOSE",
-    ] {
-        cmd.env_remove(var);
-    }
-    cmd.env("PS_HEARTBEAT_INTERVAL", "0.2");
-    cmd
-}
-
-fn tmp(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("psnet-train-{}-{name}.bin", std::process::id()))
-}
-
-fn ok(out: Output) -> String {
-    assert!(
-        out.status.success(),
-        "job failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
+use common::{finish, ok, role, tmp, train, train_any, wait_within};
 
 /// The epoch lines' loss and accuracy (a distributed run adds its communication figures
 /// after ` | `, which the reference has not).
@@ -270,143 +221,6 @@ fn reference_refuses_async() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("dist_sync only"));
 }
 
-fn role(cmd: &mut Command, role: &str, port: u16, workers: u32) -> Child {
-    cmd.env("DMLC_ROLE", role)
-        .env("DMLC_PS_ROOT_URI", "127.0.0.1")
-        .env("DMLC_PS_ROOT_PORT", port.to_string())
-        .env("DMLC_NUM_SERVER", "1")
-        .env("DMLC_NUM_WORKER", workers.to_string())
-        .env("DMLC_NODE_HOST", "127.0.0.1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
-
-fn wait_within(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if let Some(status) = child.try_wait().unwrap() {
-            return Some(status);
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = child.kill();
-    None
-}
-
-/// A slow 1-server, 2-worker job started role by role, once training is under way.
-struct SlowJob {
-    scheduler: Child,
-    server: Child,
-    /// The worker that is not rank 0 (rank 1, node 11), and rank 0.
-    victim: Child,
-    survivor: Child,
-}
-
-impl SlowJob {
-    fn start(env: &[(&str, &str)]) -> SlowJob {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let slow = ["--epochs", "1000", "--step-delay-ms", "5"];
-        let start = |r| role(train().args(slow).envs(env.iter().copied()), r, port, 2);
-        let (scheduler, server) = (start("scheduler"), start("server"));
-        let (mut w0, mut w1) = (start("worker"), start("worker"));
-        // Rank 0 prints the epochs: the first line tells which one it is.
-        let (tx, rx) = std::sync::mpsc::channel();
-        for (i, s) in [
-            (0, w0.stdout.take().unwrap()),
-            (1, w1.stdout.take().unwrap()),
-        ] {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(s).lines().map_while(Result::ok) {
-                    if line.starts_with("epoch") {
-                        let _ = tx.send(i);
-                        return;
-                    }
-                }
-            });
-        }
-        let rank0 = rx
-            .recv_timeout(Duration::from_secs(30))
-            .expect("training started");
-        let (victim, survivor) = if rank0 == 0 { (w1, w0) } else { (w0, w1) };
-        SlowJob {
-            scheduler,
-            server,
-            victim,
-            survivor,
-        }
-    }
-
-    /// Waits for the survivor, which must fail; returns its stderr and how long it took.
-    fn survivor_fails(&mut self) -> (String, Duration) {
-        let started = Instant::now();
-        let status = wait_within(&mut self.survivor, Duration::from_secs(30))
-            .expect("the survivor must not hang");
-        let waited = started.elapsed();
-        assert!(
-            !status.success(),
-            "the survivor cannot finish a dist_sync job alone"
-        );
-        let mut err = String::new();
-        std::io::Read::read_to_string(self.survivor.stderr.as_mut().unwrap(), &mut err).unwrap();
-        (err, waited)
-    }
-
-    /// The server and the scheduler end too; returns the scheduler's status.
-    fn rest_exits(&mut self) -> std::process::ExitStatus {
-        assert!(
-            wait_within(&mut self.server, Duration::from_secs(30)).is_some(),
-            "server hangs"
-        );
-        wait_within(&mut self.scheduler, Duration::from_secs(30)).expect("scheduler hangs")
-    }
-}
-
-#[test]
-fn a_killed_worker_is_reported_to_the_others_in_bounded_time() {
-    let mut job = SlowJob::start(&[]);
-    job.victim.kill().unwrap();
-    job.victim.wait().unwrap();
-    let (err, _) = job.survivor_fails();
-    assert!(
-        err.contains("worker 1 (node 11)") && err.contains("gone"),
-        "{err}"
-    );
-    assert!(
-        !job.rest_exits().success(),
-        "the scheduler reports the lost node"
-    );
-}
-
-#[test]
-fn a_frozen_worker_is_declared_dead_after_the_heartbeat_timeout() {
-    let mut job = SlowJob::start(&[("PS_HEARTBEAT_TIMEOUT", "2")]);
-    // Freeze it: its connections stay open, only its heartbeats stop.
-    let stopped = Command::new("kill")
-        .args(["-STOP", &job.victim.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(stopped.success());
-    let (err, waited) = job.survivor_fails();
-    let _ = job.victim.kill();
-    let _ = job.victim.wait();
-    assert!(
-        err.contains("worker 1 (node 11)") && err.contains("no heartbeat"),
-        "{err}"
-    );
-    assert!(
-        waited >= Duration::from_secs(1),
-        "declared dead before the timeout: {waited:?}"
-    );
-    job.rest_exits();
-}
-
 #[test]
 fn a_job_described_without_its_role_is_refused_not_launched_alone() {
     // ps-lite refuses to start without DMLC_ROLE; starting a separate job would hide the
@@ -480,14 +294,6 @@ fn settings_are_checked_before_any_process_starts_and_mxnet_mode_names_work() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("reproduces dist_sync only"), "{err}");
-}
-
-/// Output and status of a finished child.
-fn finish(mut child: Child, limit: Duration) -> (std::process::ExitStatus, String) {
-    let status = wait_within(&mut child, limit).expect("no hang");
-    let mut err = String::new();
-    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
-    (status, err)
 }
 
 #[test]

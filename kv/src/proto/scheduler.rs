@@ -35,6 +35,9 @@ pub struct SchedulerState {
     members: BTreeMap<NodeId, Member>,
     barriers: BTreeMap<u8, BTreeSet<NodeId>>,
     dead: BTreeMap<NodeId, String>,
+    /// Why members said they are leaving (a worker failing on a lost server): their
+    /// connection's end is then not the cause, and the scheduler's report says what was.
+    leaving: BTreeMap<NodeId, String>,
     finalized: BTreeSet<NodeId>,
     shutting_down: bool,
     out: VecDeque<(NodeId, Msg)>,
@@ -69,6 +72,7 @@ impl SchedulerState {
             members: BTreeMap::new(),
             barriers: BTreeMap::new(),
             dead: BTreeMap::new(),
+            leaving: BTreeMap::new(),
             finalized: BTreeSet::new(),
             shutting_down: false,
             out: VecDeque::new(),
@@ -303,6 +307,15 @@ impl SchedulerState {
         }
     }
 
+    /// A member says why it is about to leave (a worker that lost a server): when its
+    /// connection ends, that is the reason reported, so the node that failed first is named
+    /// even if this one's connection is seen to close before it.
+    pub fn handle_leaving(&mut self, from: NodeId, reason: String) {
+        if self.members.contains_key(&from) && !self.dead.contains_key(&from) {
+            self.leaving.insert(from, reason);
+        }
+    }
+
     /// A node's connection ended or it stopped answering.
     pub fn handle_lost(&mut self, id: NodeId, reason: &str) {
         if self.shutting_down || ids::is_provisional(id) || self.dead.contains_key(&id) {
@@ -311,6 +324,8 @@ impl SchedulerState {
         if !self.members.contains_key(&id) || self.finalized.contains(&id) {
             return;
         }
+        let why = self.leaving.remove(&id).map(|w| format!("it left: {w}"));
+        let reason = why.as_deref().unwrap_or(reason);
         tracing::warn!(node = %describe(id), %reason, "node lost");
         self.dead.insert(id, reason.to_string());
         for to in self.alive() {

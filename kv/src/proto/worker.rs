@@ -382,6 +382,29 @@ impl WorkerState {
         }
     }
 
+    /// What to tell the scheduler before `event` is handled (and the worker's calls fail):
+    /// a worker that lost a server says so (`Leaving`). The scheduler may see this worker's
+    /// connection close before the server's; with this, it names the server, not the worker.
+    pub fn leaving_before(&self, event: &Received) -> Option<(NodeId, Msg)> {
+        match event {
+            Received::Lost { peer, reason }
+                if is_server(*peer)
+                    && !self.shutdown
+                    && !self.finalizing
+                    && !self.dead.contains_key(peer)
+                    && !self.dead.contains_key(&SCHEDULER) =>
+            {
+                Some((
+                    SCHEDULER,
+                    Msg::Leaving {
+                        reason: format!("{} is gone: {reason}", describe(*peer)),
+                    },
+                ))
+            }
+            _ => None,
+        }
+    }
+
     /// Time passes: a scheduler silent past the heartbeat timeout counts as lost. Returns
     /// true when that happened now.
     pub fn handle_timeout(&mut self, now: Instant) -> bool {

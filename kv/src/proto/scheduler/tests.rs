@@ -329,3 +329,33 @@ fn wished_ranks_are_granted_only_as_a_whole_permutation() {
     );
     assert_eq!(worker_ranks([None, None, None]), by_address);
 }
+
+#[test]
+fn a_worker_that_left_over_a_lost_server_is_reported_with_that_cause() {
+    let now = Instant::now();
+    let mut s = assigned(now);
+    let (w0, server) = (node_id(Role::Worker, 0), node_id(Role::Server, 0));
+    // The worker's word arrives before its connection's end; the server's end comes later.
+    s.handle_leaving(
+        w0,
+        format!("{} is gone: closed by the peer", describe(server)),
+    );
+    s.handle_lost(w0, "closed by the peer");
+    let told = drain(&mut s);
+    let reason = told
+        .iter()
+        .find_map(|(_, m)| match m {
+            Msg::NodeFailed { id, reason } if *id == w0 => Some(reason.clone()),
+            _ => None,
+        })
+        .expect("the others hear of the worker");
+    assert_eq!(
+        reason,
+        "it left: server 0 (node 8) is gone: closed by the peer"
+    );
+    assert_eq!(s.dead()[&w0], reason);
+    // A stranger's word is not taken.
+    s.handle_leaving(NodeId(99), "forged".into());
+    s.handle_lost(NodeId(99), "closed");
+    assert!(!s.dead().contains_key(&NodeId(99)));
+}

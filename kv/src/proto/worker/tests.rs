@@ -176,3 +176,32 @@ fn keys_are_laid_out_and_checked() {
     assert_eq!(s.key("b"), 1);
     assert_eq!(s.key("w"), 0);
 }
+
+#[test]
+fn a_worker_losing_a_server_tells_the_scheduler_first_and_only_then() {
+    let now = Instant::now();
+    let mut s = state(now);
+    let lost = |peer| Received::Lost {
+        peer,
+        reason: "closed by the peer".into(),
+    };
+    assert_eq!(
+        s.leaving_before(&lost(S1)),
+        Some((
+            SCHEDULER,
+            Msg::Leaving {
+                reason: "server 1 (node 10) is gone: closed by the peer".into()
+            }
+        ))
+    );
+    // Not for another worker, nor for the scheduler itself.
+    assert_eq!(s.leaving_before(&lost(node_id(Role::Worker, 1))), None);
+    assert_eq!(s.leaving_before(&lost(SCHEDULER)), None);
+    // Once: a server already known lost is not reported again.
+    s.handle_received(lost(S1), now);
+    assert_eq!(s.leaving_before(&lost(S1)), None);
+    // Nor while the job ends (servers close after their shutdown).
+    let mut done = state(now);
+    done.handle_finalize_sent();
+    assert_eq!(done.leaving_before(&lost(S0)), None);
+}
