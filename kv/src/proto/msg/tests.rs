@@ -1,0 +1,204 @@
+use super::*;
+use proptest::prelude::*;
+
+fn samples() -> Vec<Msg> {
+    let addr: SocketAddr = "127.0.0.1:9000".parse().unwrap();
+    vec![
+        Msg::Register {
+            role: Role::Worker,
+            addr,
+            rank_hint: None,
+        },
+        Msg::Register {
+            role: Role::Server,
+            addr,
+            rank_hint: Some(3),
+        },
+        Msg::Assign {
+            your_id: NodeId(9),
+            nodes: vec![NodeInfo {
+                id: NodeId(8),
+                role: Role::Server,
+                rank: 0,
+                addr: "[::1]:7".parse().unwrap(),
+                token: psnet_transport::Proof([3; psnet_transport::PROOF_LEN]),
+            }],
+        },
+        Msg::Barrier { group: Group::ALL },
+        Msg::BarrierDone {
+            group: Group::WORKERS,
+        },
+        Msg::BarrierFailed {
+            group: Group::WORKERS,
+            reason: "worker 1 died".into(),
+        },
+        Msg::Heartbeat,
+        Msg::NodeFailed {
+            id: NodeId(11),
+            reason: "gone".into(),
+        },
+        Msg::Finalize,
+        Msg::Shutdown,
+        Msg::Leaving {
+            reason: "the scheduler is gone".into(),
+        },
+        Msg::Command {
+            ts: 3,
+            kind: CommandKind::SetOptimizer,
+            body: "{\"type\":\"sgd\"}".into(),
+        },
+        Msg::Push {
+            ts: 1,
+            key: u64::MAX,
+            flags: PushFlags {
+                init: false,
+                compressed: true,
+                pull_back: true,
+            },
+            n_elems: 1 << 40,
+        },
+        Msg::Pull {
+            ts: 2,
+            key: 7,
+            n_elems: 9,
+        },
+        Msg::Done { ts: 5 },
+        Msg::Failed {
+            ts: 6,
+            reason: "nope".into(),
+        },
+    ]
+}
+
+#[test]
+fn every_message_round_trips() {
+    for m in samples() {
+        assert_eq!(Msg::decode(&m.encode()), Ok(m.clone()), "{m:?}");
+    }
+}
+
+#[test]
+fn rejects_bad_input() {
+    assert_eq!(Msg::decode(&[]), Err(DecodeError::Truncated));
+    let v = VERSION;
+    assert_eq!(Msg::decode(&[v + 1, 6]), Err(DecodeError::Version(v + 1)));
+    assert_eq!(Msg::decode(&[v, 99]), Err(DecodeError::UnknownTag(99)));
+    assert_eq!(Msg::decode(&[v, 6, 0]), Err(DecodeError::Trailing(1)));
+    let mut huge = vec![v, 2];
+    huge.extend_from_slice(&9u64.to_le_bytes());
+    huge.extend_from_slice(&u32::MAX.to_le_bytes());
+    assert!(matches!(Msg::decode(&huge), Err(DecodeError::Invalid(_))));
+    assert!(matches!(
+        Msg::decode(&[v, 3, 0]),
+        Err(DecodeError::Invalid("bad group"))
+    ));
+}
+
+#[test]
+fn envelopes_round_trip() {
+    for m in samples() {
+        let body = m.encode();
+        let env = Envelope {
+            seq: Some(7),
+            ack: Some(u64::MAX),
+        };
+        let bytes = env.encode(&body);
+        assert_eq!(bytes.len(), ENVELOPE_LEN + body.len());
+        assert_eq!(decode_frame(&bytes), Ok((Some(env), Some(m.clone()))));
+        let seq_only = Envelope {
+            seq: Some(1),
+            ack: None,
+        };
+        assert_eq!(
+            decode_frame(&seq_only.encode(&body)),
+            Ok((Some(seq_only), Some(m.clone())))
+        );
+        assert_eq!(decode_frame(&body), Ok((None, Some(m.clone()))));
+        // A node without PS_RESEND refuses enveloped messages, saying why.
+        assert_eq!(Msg::decode(&bytes), Err(DecodeError::Enveloped));
+    }
+    let ack = Envelope {
+        seq: None,
+        ack: Some(3),
+    };
+    assert_eq!(decode_frame(&ack.encode(&[])), Ok((Some(ack), None)));
+    assert!(DecodeError::Enveloped.to_string().contains("PS_RESEND"));
+}
+
+#[test]
+fn rejects_bad_envelopes() {
+    let body = Msg::Heartbeat.encode();
+    let bad = |bytes: Vec<u8>| assert!(decode_frame(&bytes).is_err(), "{bytes:?}");
+    bad(vec![ENVELOPE]);
+    bad(vec![ENVELOPE, 0]);
+    bad(vec![ENVELOPE, 4]);
+    // A sequence number without its message, a message without a sequence number.
+    bad(Envelope {
+        seq: Some(1),
+        ack: None,
+    }
+    .encode(&[]));
+    bad(Envelope {
+        seq: None,
+        ack: Some(1),
+    }
+    .encode(&body));
+    // Zero is never a sequence number or an ack.
+    bad(Envelope {
+        seq: Some(0),
+        ack: None,
+    }
+    .encode(&body));
+    bad(Envelope {
+        seq: None,
+        ack: Some(0),
+    }
+    .encode(&[]));
+    // Envelopes do not nest.
+    let inner = Envelope {
+        seq: Some(1),
+        ack: None,
+    }
+    .encode(&body);
+    bad(Envelope {
+        seq: Some(2),
+        ack: None,
+    }
+    .encode(&inner));
+}
+
+proptest! {
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+        let _ = Msg::decode(&bytes);
+        let _ = decode_frame(&bytes);
+    }
+
+    #[test]
+    fn arbitrary_envelope_bodies_never_panic(
+        flags in any::<u8>(),
+        rest in proptest::collection::vec(any::<u8>(), 0..200),
+    ) {
+        let mut bytes = vec![ENVELOPE, flags];
+        bytes.extend_from_slice(&rest);
+        let _ = decode_frame(&bytes);
+    }
+
+    #[test]
+    fn truncated_envelopes_are_errors(i in 0usize..14, cut in 0usize..80, seq in 1u64.., ack in 1u64..) {
+        let env = Envelope { seq: Some(seq), ack: Some(ack) };
+        let bytes = env.encode(&samples()[i].encode());
+        if cut < bytes.len() {
+            prop_assert!(decode_frame(&bytes[..cut]).is_err());
+        }
+    }
+
+    #[test]
+    fn truncations_of_valid_messages_are_errors(i in 0usize..14, cut in 0usize..64) {
+        let m = &samples()[i];
+        let bytes = m.encode();
+        if cut < bytes.len() {
+            prop_assert!(Msg::decode(&bytes[..cut]).is_err());
+        }
+    }
+}
