@@ -379,23 +379,20 @@ impl<T: Transport> Inner<T> {
         let r = self.resend();
         match event {
             Event::Message(m) => {
-                let (envelope, msg) = match msg::decode_frame(&m.meta) {
-                    Ok(decoded) => decoded,
+                let (envelope, body) = match msg::split_frame(&m.meta) {
+                    Ok(split) => split,
                     Err(e) => {
-                        tracing::warn!(from = %describe(m.peer), error = %e, "dropping malformed kv message");
+                        // Without a readable envelope there is no sequence number to take:
+                        // the sender resends until it gives this node up, and its requests
+                        // then fail naming it.
+                        tracing::warn!(from = %describe(m.peer), error = %e, "dropping a message with a malformed PS_RESEND envelope");
                         return None;
                     }
                 };
                 let from = m.peer;
                 let Some(envelope) = envelope else {
                     // Bare: registration, or a peer without PS_RESEND.
-                    let msg = msg?;
-                    tracing::trace!(from = %describe(from), ?msg, "recv");
-                    return Some(Received::Msg {
-                        from,
-                        msg,
-                        value: m.segments.into_iter().next(),
-                    });
+                    return Some(wire::decode(from, &m.meta, m.segments.into_iter()));
                 };
                 let len = m.meta.len() + m.segments.iter().map(Bytes::len).sum::<usize>();
                 let now = crate::clock::now();
@@ -412,14 +409,11 @@ impl<T: Transport> Inner<T> {
                 if freed > 0 {
                     r.window.notify_waiters();
                 }
-                match (delivery, msg) {
-                    (Some((_, Delivery::Deliver)), Some(msg)) => {
-                        tracing::trace!(from = %describe(from), ?msg, "recv");
-                        Some(Received::Msg {
-                            from,
-                            msg,
-                            value: m.segments.into_iter().next(),
-                        })
+                match (delivery, body) {
+                    // Delivered once, readable or not: a message that does not decode is
+                    // still answered, never resent.
+                    (Some((_, Delivery::Deliver)), Some(body)) => {
+                        Some(wire::decode(from, body, m.segments.into_iter()))
                     }
                     (Some((seq, d)), _) => {
                         tracing::debug!(from = %describe(from), seq, delivery = ?d, "PS_RESEND: dropping a message already delivered");

@@ -81,6 +81,7 @@ impl<T: Transport> Scheduler<T> {
                             Msg::Leaving { reason } => state.handle_leaving(from, reason),
                             other => tracing::warn!(from = %describe(from), ?other, "unexpected message at the scheduler"),
                         },
+                        Received::Malformed { from, reason, .. } => state.handle_malformed(from, &reason),
                         Received::Connected(peer) => state.handle_alive(peer, now),
                         Received::Lost { peer, reason } => state.handle_lost(peer, &reason),
                     }

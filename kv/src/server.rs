@@ -52,10 +52,13 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
                         payload: value.unwrap_or_default(),
                     }),
                     (Msg::Pull { ts, key, n_elems }, Some(rank)) => state.handle_pull(rank, ts, key, n_elems),
-                    (Msg::Command { ts, kind, body }, Some(_)) => {
+                    (Msg::Command { ts, kind, body }, Some(rank)) => {
                         let reply = match state.handle_command(kind, &body) {
                             Ok(()) => Msg::Done { ts },
-                            Err(reason) => Msg::Failed { ts, reason },
+                            Err(reason) => {
+                                tracing::warn!(worker = rank, ts, ?kind, %reason, "command refused");
+                                Msg::Failed { ts, reason }
+                            }
                         };
                         if let Err(e) = link.send(from, &reply, None).await {
                             tracing::debug!(to = %describe(from), error = %e, "reply lost");
@@ -71,6 +74,10 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
                     // The scheduler's answer to a heartbeat: heard above.
                     (Msg::Heartbeat, _) if from == SCHEDULER => {}
                     (other, _) => tracing::warn!(from = %describe(from), ?other, "unexpected message at a server"),
+                },
+                Received::Malformed { from, exchange, reason } => match worker_rank(from) {
+                    Some(rank) => state.handle_malformed(rank, exchange, &reason),
+                    None => tracing::warn!(from = %describe(from), %reason, "dropping a malformed kv message"),
                 },
                 Received::Lost { peer, reason } => {
                     if peer == SCHEDULER {

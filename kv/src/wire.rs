@@ -5,7 +5,7 @@ use psnet_transport::{Event, NodeId, OutMessage, Segment, Transport};
 
 use crate::error::KvError;
 use crate::proto::ids::describe;
-use crate::proto::msg::Msg;
+use crate::proto::msg::{peek_exchange, Exchange, Msg};
 
 /// Sends `msg` with an optional value segment.
 pub async fn send<T: Transport>(
@@ -39,6 +39,16 @@ pub enum Received {
         /// Segment 0, if present.
         value: Option<Bytes>,
     },
+    /// A kv message that could not be read: its metadata does not decode, or it carries more
+    /// data segments than such a message does.
+    Malformed {
+        /// Sender.
+        from: NodeId,
+        /// The request it asks or answers, when its first bytes tell.
+        exchange: Option<Exchange>,
+        /// What was wrong.
+        reason: String,
+    },
     /// A connection came up.
     Connected(NodeId),
     /// A connection ended.
@@ -50,27 +60,38 @@ pub enum Received {
     },
 }
 
-/// The next event, decoded. Malformed messages are logged and skipped: they come from a
-/// broken or foreign peer and must not stop this node.
+/// The next event, decoded. Malformed messages are handed on as [`Received::Malformed`]:
+/// they come from a broken or foreign peer, which must hear why rather than wait, and must
+/// not stop this node.
 pub async fn recv<T: Transport>(t: &T) -> Result<Received, KvError> {
-    loop {
-        match t.recv().await? {
-            Event::Message(m) => match Msg::decode(&m.meta) {
-                Ok(msg) => {
-                    let value = m.segments.into_iter().next();
-                    tracing::trace!(from = %describe(m.peer), ?msg, "recv");
-                    return Ok(Received::Msg {
-                        from: m.peer,
-                        msg,
-                        value,
-                    });
-                }
-                Err(e) => {
-                    tracing::warn!(from = %describe(m.peer), error = %e, "dropping malformed kv message");
-                }
-            },
-            Event::PeerConnected { peer, .. } => return Ok(Received::Connected(peer)),
-            Event::PeerLost { peer, reason } => return Ok(Received::Lost { peer, reason }),
+    Ok(match t.recv().await? {
+        Event::Message(m) => decode(m.peer, &m.meta, m.segments.into_iter()),
+        Event::PeerConnected { peer, .. } => Received::Connected(peer),
+        Event::PeerLost { peer, reason } => Received::Lost { peer, reason },
+    })
+}
+
+/// One message from `from`: its metadata `meta` (without a `PS_RESEND` envelope) and its
+/// data segments, decoded and checked.
+pub fn decode(
+    from: NodeId,
+    meta: &[u8],
+    segments: impl ExactSizeIterator<Item = Bytes>,
+) -> Received {
+    let count = segments.len();
+    match Msg::decode(meta).and_then(|msg| msg.check_segments(count).map(|()| msg)) {
+        Ok(msg) => {
+            tracing::trace!(from = %describe(from), ?msg, "recv");
+            Received::Msg {
+                from,
+                msg,
+                value: segments.into_iter().next(),
+            }
         }
+        Err(e) => Received::Malformed {
+            from,
+            exchange: peek_exchange(meta),
+            reason: e.to_string(),
+        },
     }
 }

@@ -348,7 +348,8 @@ impl<T: Transport> Worker<T> {
             .await
     }
 
-    /// `dist_sync` (default) or `dist_async`.
+    /// `dist_sync` (default) or `dist_async`. Set it before pushing: a server refuses to switch
+    /// to `dist_async` while a `dist_sync` round holds pushes.
     pub async fn set_mode(&self, mode: Mode) -> Result<(), KvError> {
         let body = match mode {
             Mode::Sync => "sync",
@@ -359,7 +360,9 @@ impl<T: Transport> Worker<T> {
 
     /// Turns on gradient compression for pushes. Set it before `init` to get MXNet's split of
     /// big arrays for compressed pushes; servers get the exact threshold (MXNet rounds it to six
-    /// decimals on the way).
+    /// decimals on the way). Every worker must set the same settings: a server keeps the first
+    /// it gets and refuses others (it could not tell which pushes were made with which), and
+    /// this worker then goes on as before.
     pub async fn set_gradient_compression(&self, params: CompressionParams) -> Result<(), KvError> {
         let compressor = params
             .compressor()

@@ -29,6 +29,10 @@ pub const ENVELOPE: u8 = 0xE1;
 /// Most bytes an envelope adds in front of a message (marker, flags, sequence number, ack).
 pub const ENVELOPE_LEN: usize = 18;
 
+/// The request id of a `Failed` answer to metadata whose own request id could not be read:
+/// workers number their requests from 1, so it never names one of theirs.
+pub const NO_REQUEST: u64 = 0;
+
 /// `Register`'s rank hint when the node wishes none.
 const NO_RANK_HINT: u32 = u32::MAX;
 const HAS_SEQ: u8 = 1;
@@ -224,6 +228,16 @@ pub enum DecodeError {
     /// Bytes left over after the message.
     #[error("{0} trailing bytes after the kv message")]
     Trailing(usize),
+    /// More data segments than the message carries.
+    #[error("a kv {what} carries {got} data segment(s), at most {most}")]
+    Segments {
+        /// The message's kind.
+        what: &'static str,
+        /// Segments received.
+        got: usize,
+        /// Segments it may carry.
+        most: usize,
+    },
     /// A `PS_RESEND` envelope reached a decoder of bare messages.
     #[error(
         "the message carries a PS_RESEND envelope but this node runs without PS_RESEND \
@@ -265,8 +279,17 @@ impl Envelope {
 /// `(None, Some(msg))`, an enveloped one `(Some(envelope), msg)` where `msg` is present
 /// exactly when the envelope has a sequence number. Any malformed input is an error.
 pub fn decode_frame(bytes: &[u8]) -> Result<(Option<Envelope>, Option<Msg>), DecodeError> {
+    let (envelope, body) = split_frame(bytes)?;
+    Ok((envelope, body.map(Msg::decode).transpose()?))
+}
+
+/// Splits a metadata block into its [`Envelope`], if any, and the bytes of the message it
+/// carries, still to decode (None: an acknowledgement alone). A malformed envelope is an
+/// error; the message bytes are not looked at, so that a receiver can take the envelope's
+/// sequence number even when the message turns out to be unreadable.
+pub fn split_frame(bytes: &[u8]) -> Result<(Option<Envelope>, Option<&[u8]>), DecodeError> {
     if bytes.first() != Some(&ENVELOPE) {
-        return Ok((None, Some(Msg::decode(bytes)?)));
+        return Ok((None, Some(bytes)));
     }
     let mut r = Reader(LeReader::new(&bytes[1..]));
     let flags = r.u8()?;
@@ -287,18 +310,44 @@ pub fn decode_frame(bytes: &[u8]) -> Result<(Option<Envelope>, Option<Msg>), Dec
         return Err(DecodeError::Invalid("envelope numbers start at 1"));
     }
     let rest = r.0.rest();
-    let msg = match (seq, rest.is_empty()) {
+    let body = match (seq, rest.is_empty()) {
         (Some(_), true) => return Err(DecodeError::Invalid("envelope without its message")),
         (Some(_), false) => {
             if rest[0] == ENVELOPE {
                 return Err(DecodeError::Invalid("nested envelope"));
             }
-            Some(Msg::decode(rest)?)
+            Some(rest)
         }
         (None, true) => None,
         (None, false) => return Err(DecodeError::Trailing(rest.len())),
     };
-    Ok((Some(Envelope { seq, ack }), msg))
+    Ok((Some(Envelope { seq, ack }), body))
+}
+
+/// Which exchange unreadable metadata belongs to, as far as its first bytes tell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exchange {
+    /// A request (`Command`, `Push`, `Pull`) with this request id: answer it `Failed`.
+    Request(u64),
+    /// An answer (`Done`, `Failed`) to this request id: fail that request.
+    Answer(u64),
+}
+
+/// The request id of metadata that [`Msg::decode`] refused, when it starts like a message of
+/// this version that carries one (version, tag, then the id): a receiver can still answer the
+/// request, or fail the request it answers, instead of leaving its sender waiting.
+pub fn peek_exchange(bytes: &[u8]) -> Option<Exchange> {
+    let mut r = LeReader::new(bytes);
+    if r.u8().ok()? != VERSION {
+        return None;
+    }
+    let tag = r.u8().ok()?;
+    let ts = r.u64().ok()?;
+    match tag {
+        10..=12 => Some(Exchange::Request(ts)),
+        13 | 14 => Some(Exchange::Answer(ts)),
+        _ => None,
+    }
 }
 
 /// The kv codec's fields over the shared bounded little-endian writer.
@@ -398,6 +447,22 @@ impl Msg {
             Msg::Failed { .. } => 14,
             Msg::Leaving { .. } => 15,
         }
+    }
+
+    /// Refuses more data segments than this message carries: a push and a `Done` carry at
+    /// most one (the values), every other message none.
+    pub fn check_segments(&self, got: usize) -> Result<(), DecodeError> {
+        let (what, most) = match self {
+            Msg::Push { .. } => ("push", 1),
+            Msg::Done { .. } => ("answer", 1),
+            Msg::Pull { .. } => ("pull", 0),
+            Msg::Command { .. } => ("command", 0),
+            _ => ("control message", 0),
+        };
+        if got > most {
+            return Err(DecodeError::Segments { what, got, most });
+        }
+        Ok(())
     }
 
     /// The metadata bytes.

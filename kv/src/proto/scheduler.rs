@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use psnet_transport::{NodeId, Proof};
 
 use super::ids::{self, describe, Group, Role, SCHEDULER};
-use super::msg::{Msg, NodeInfo};
+use super::msg::{Msg, NodeInfo, NO_REQUEST};
 
 /// What the scheduler knows about one assigned node.
 #[derive(Debug)]
@@ -125,6 +125,17 @@ impl SchedulerState {
         rank_hint: Option<u32>,
         now: Instant,
     ) {
+        if self.members.contains_key(&from) {
+            // A member has its id (and its token): nothing to register, nothing changes.
+            let reason = format!(
+                "{} is already registered: a node registers once",
+                describe(from)
+            );
+            tracing::warn!(node = %describe(from), %role, %addr, "refusing a second registration");
+            self.out
+                .push_back((from, Msg::NodeFailed { id: from, reason }));
+            return;
+        }
         let limit = match role {
             Role::Server => self.num_servers,
             Role::Worker => self.num_workers,
@@ -149,6 +160,28 @@ impl SchedulerState {
         self.pending.push((from, role, addr, rank_hint));
         if self.pending.len() as u32 == self.num_servers + self.num_workers {
             self.assign(now);
+        }
+    }
+
+    /// A message from `from` that could not be read (`reason`): the sender is told, so that
+    /// it does not wait on it. A node still registering is refused (its registration is all
+    /// it may send); a member gets a `Failed` for [`NO_REQUEST`], the scheduler's messages
+    /// having no request ids. Strangers cannot connect at all.
+    pub fn handle_malformed(&mut self, from: NodeId, reason: &str) {
+        tracing::warn!(from = %describe(from), %reason, "could not read a kv message");
+        if ids::is_provisional(from) && !self.is_assigned() {
+            let reason = format!("the scheduler could not read the registration: {reason}");
+            self.out
+                .push_back((from, Msg::NodeFailed { id: from, reason }));
+        } else if self.members.contains_key(&from) {
+            let reason = format!("the scheduler could not read a message of this node: {reason}");
+            self.out.push_back((
+                from,
+                Msg::Failed {
+                    ts: NO_REQUEST,
+                    reason,
+                },
+            ));
         }
     }
 

@@ -10,6 +10,15 @@
 //! second push by one worker within a round waits for the next round.
 //!
 //! `dist_async`: each push is applied at once; an updater is required.
+//!
+//! Bad requests are answered [`Output::Failed`] with a reason naming the key and the sizes,
+//! and change nothing: a push or pull of a key never initialized, counts or byte lengths that
+//! disagree with the key, compressed bytes the server's compression does not expect, metadata
+//! that does not decode ([`ServerState::handle_malformed`]). Commands that would corrupt what
+//! is under way are refused too: compression settings other than those in force (pushes made
+//! with other settings would be decoded wrongly), a switch to `dist_async` or a re-`init`
+//! while a `dist_sync` round holds pushes (they would never be answered). No count from a
+//! header is ever used to allocate.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -17,7 +26,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use psnet_compression::{CompressionParams, Compressor};
 
-use super::msg::{CommandKind, PushFlags};
+use super::msg::{CommandKind, Exchange, PushFlags, NO_REQUEST};
 use super::sum;
 use crate::updater::{OptimizerSpec, Updater};
 
@@ -103,6 +112,8 @@ pub struct ServerState {
     mode: Mode,
     updater: Option<Box<dyn Updater>>,
     compressor: Option<Box<dyn Compressor>>,
+    /// The compression settings in force; None until a worker sets them (no compression).
+    compression: Option<CompressionParams>,
     keys: HashMap<u64, KeyState>,
     /// Bytes of values held, and the most allowed.
     key_bytes: u64,
@@ -119,6 +130,7 @@ impl ServerState {
             mode: Mode::Sync,
             updater: None,
             compressor: None,
+            compression: None,
             keys: HashMap::new(),
             key_bytes: 0,
             key_limit: u64::MAX,
@@ -155,8 +167,34 @@ impl ServerState {
         self.out.pop_front()
     }
 
+    /// Refuses request `ts` of worker `rank`, logging why.
     fn fail(&mut self, rank: u32, ts: u64, reason: String) {
+        tracing::warn!(worker = rank, ts, %reason, "request failed");
         self.out.push_back(Output::Failed { rank, ts, reason });
+    }
+
+    /// A message from worker `rank` that could not be read (`reason`): the request it asks,
+    /// when its id could be read, fails with the reason; otherwise the worker is told under
+    /// [`NO_REQUEST`], so that nobody waits on a message the server dropped.
+    pub fn handle_malformed(&mut self, rank: u32, exchange: Option<Exchange>, reason: &str) {
+        match exchange {
+            Some(Exchange::Request(ts)) => {
+                self.fail(rank, ts, format!("could not read the request: {reason}"))
+            }
+            _ => self.fail(
+                rank,
+                NO_REQUEST,
+                format!("could not read a message of this worker: {reason}"),
+            ),
+        }
+    }
+
+    /// A `dist_sync` round holding pushes, if any: its key and how many workers pushed.
+    fn round_in_progress(&self) -> Option<(u64, u32)> {
+        self.keys
+            .iter()
+            .find(|(_, k)| k.round.count > 0 || !k.round.deferred.is_empty())
+            .map(|(key, k)| (*key, k.round.count))
     }
 
     /// A worker's command: optimizer, compression, mode. `Err` is the reason to report.
@@ -168,14 +206,39 @@ impl ServerState {
             }
             CommandKind::SetCompression => {
                 let params = CompressionParams::parse(body).map_err(|e| e.to_string())?;
-                self.compressor = params.compressor().map_err(|e| e.to_string())?;
+                match self.compression {
+                    Some(current) if current == params => {}
+                    // Pushes compressed with the settings in force may be on their way or
+                    // waiting in a round, and the other workers go on compressing with them.
+                    Some(current) => {
+                        return Err(format!(
+                            "gradient compression is already {current} on this server, refusing \
+                             {params}: every worker must set the same compression, once"
+                        ))
+                    }
+                    None => {
+                        self.compressor = params.compressor().map_err(|e| e.to_string())?;
+                        self.compression = Some(params);
+                    }
+                }
             }
             CommandKind::SetMode => {
-                self.mode = match body {
+                let mode = match body {
                     "sync" => Mode::Sync,
                     "async" => Mode::Async,
                     other => return Err(format!("unknown mode {other:?}: use sync or async")),
+                };
+                if mode == Mode::Async {
+                    if let Some((key, count)) = self.round_in_progress() {
+                        return Err(format!(
+                            "cannot switch to dist_async while the dist_sync round of key {key} \
+                             holds pushes ({count} of {} workers pushed): set the mode before \
+                             pushing",
+                            self.num_workers
+                        ));
+                    }
                 }
+                self.mode = mode;
             }
         }
         Ok(())
@@ -224,12 +287,13 @@ impl ServerState {
             failed.extend(round.deferred.into_iter().map(|p| (p.rank, p.ts, *key)));
             k.round.merged = round.merged;
         }
+        // The loss itself is logged by the node; these are its consequences.
         for (r, ts, key) in failed {
-            self.fail(
-                r,
+            self.out.push_back(Output::Failed {
+                rank: r,
                 ts,
-                format!("dist_sync round of key {key} cannot complete: {reason}"),
-            );
+                reason: format!("dist_sync round of key {key} cannot complete: {reason}"),
+            });
         }
     }
 
@@ -248,6 +312,24 @@ impl ServerState {
     }
 
     fn init(&mut self, p: Push) {
+        if p.flags.compressed {
+            return self.fail(
+                p.rank,
+                p.ts,
+                format!("key {}: init values are plain f32, never compressed", p.key),
+            );
+        }
+        if let Some(k) = self.keys.get(&p.key) {
+            let round = &k.round;
+            if round.count > 0 || !round.deferred.is_empty() {
+                let reason = format!(
+                    "key {}: init while its dist_sync round holds pushes ({} of {} workers \
+                     pushed): initialize keys before pushing them",
+                    p.key, round.count, self.num_workers
+                );
+                return self.fail(p.rank, p.ts, reason);
+            }
+        }
         let Some(n) = sum::f32_count(&p.payload) else {
             return self.fail(
                 p.rank,

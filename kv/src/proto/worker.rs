@@ -15,7 +15,7 @@ use psnet_transport::NodeId;
 use tokio::sync::oneshot;
 
 use super::ids::{self, describe, Group, Role, SCHEDULER};
-use super::msg::{Msg, PushFlags};
+use super::msg::{Exchange, Msg, PushFlags, NO_REQUEST};
 use crate::error::KvError;
 use crate::placement::Placement;
 use crate::wire::Received;
@@ -352,14 +352,18 @@ impl WorkerState {
                         let _ = tx.send(Ok(value));
                     }
                 }
-                Msg::Failed { ts, reason } => {
-                    if let Some((_, tx)) = self.pending.remove(&ts) {
+                Msg::Failed { ts, reason } => match self.pending.remove(&ts) {
+                    Some((_, tx)) => {
                         let _ = tx.send(Err(KvError::Remote {
                             node: describe(from),
                             reason,
                         }));
                     }
-                }
+                    None if ts == NO_REQUEST => tracing::warn!(from = %describe(from), %reason,
+                        "a message of this worker was refused"),
+                    None => tracing::debug!(from = %describe(from), ts, %reason,
+                        "failure of a request no longer waited for"),
+                },
                 Msg::BarrierDone { group } => {
                     if matches!(&self.barrier, Some((g, _)) if *g == group) {
                         if let Some((_, tx)) = self.barrier.take() {
@@ -377,6 +381,11 @@ impl WorkerState {
                     tracing::warn!(from = %describe(from), ?other, "unexpected message at a worker")
                 }
             },
+            Received::Malformed {
+                from,
+                exchange,
+                reason,
+            } => self.handle_malformed(from, exchange, reason),
             Received::Lost { peer, reason } => self.handle_lost(peer, reason),
             Received::Connected(_) => {}
         }
@@ -403,6 +412,23 @@ impl WorkerState {
             }
             _ => None,
         }
+    }
+
+    /// A message from `from` that could not be read: if it answers a request of this worker
+    /// to `from`, that request fails naming it; anything else is logged and dropped.
+    fn handle_malformed(&mut self, from: NodeId, exchange: Option<Exchange>, reason: String) {
+        if let Some(Exchange::Answer(ts)) = exchange {
+            if matches!(self.pending.get(&ts), Some((asked, _)) if *asked == from) {
+                if let Some((_, tx)) = self.pending.remove(&ts) {
+                    let _ = tx.send(Err(KvError::Protocol {
+                        node: describe(from),
+                        reason: format!("unreadable answer: {reason}"),
+                    }));
+                }
+                return;
+            }
+        }
+        tracing::warn!(from = %describe(from), %reason, "dropping a malformed kv message");
     }
 
     /// Time passes: a scheduler silent past the heartbeat timeout counts as lost. Returns

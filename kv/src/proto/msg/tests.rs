@@ -167,11 +167,90 @@ fn rejects_bad_envelopes() {
     .encode(&inner));
 }
 
+#[test]
+fn request_ids_are_read_from_metadata_that_does_not_decode() {
+    let push = Msg::Push {
+        ts: 42,
+        key: 7,
+        flags: PushFlags::default(),
+        n_elems: 3,
+    }
+    .encode();
+    // Truncated after the id, or with a bad field after it: the id is still there.
+    assert!(Msg::decode(&push[..12]).is_err());
+    assert_eq!(peek_exchange(&push[..12]), Some(Exchange::Request(42)));
+    let mut flags = push.clone();
+    flags[18] = 0x80;
+    assert_eq!(
+        Msg::decode(&flags),
+        Err(DecodeError::Invalid("unknown push flags"))
+    );
+    assert_eq!(peek_exchange(&flags), Some(Exchange::Request(42)));
+    let done = Msg::Done { ts: 9 }.encode();
+    let mut trailing = done.clone();
+    trailing.push(1);
+    assert_eq!(peek_exchange(&trailing), Some(Exchange::Answer(9)));
+    // No id to read: too short, another version, a message without one.
+    assert_eq!(peek_exchange(&push[..9]), None);
+    let mut other_version = push.clone();
+    other_version[0] = VERSION + 1;
+    assert_eq!(peek_exchange(&other_version), None);
+    assert_eq!(peek_exchange(&Msg::Heartbeat.encode()), None);
+    assert_eq!(peek_exchange(&[]), None);
+}
+
+#[test]
+fn messages_refuse_segments_they_do_not_carry() {
+    let push = Msg::Push {
+        ts: 1,
+        key: 1,
+        flags: PushFlags::default(),
+        n_elems: 1,
+    };
+    assert_eq!(push.check_segments(0), Ok(()));
+    assert_eq!(push.check_segments(1), Ok(()));
+    let err = push.check_segments(2).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "a kv push carries 2 data segment(s), at most 1"
+    );
+    assert_eq!(Msg::Done { ts: 1 }.check_segments(1), Ok(()));
+    assert!(Msg::Done { ts: 1 }.check_segments(2).is_err());
+    let pull = Msg::Pull {
+        ts: 1,
+        key: 1,
+        n_elems: 1,
+    };
+    assert!(pull.check_segments(1).is_err());
+    assert!(Msg::Heartbeat.check_segments(1).is_err());
+    assert_eq!(Msg::Heartbeat.check_segments(0), Ok(()));
+}
+
+#[test]
+fn an_envelope_splits_from_a_message_that_does_not_decode() {
+    let env = Envelope {
+        seq: Some(3),
+        ack: None,
+    };
+    let bytes = env.encode(&[VERSION, 99]);
+    assert_eq!(
+        split_frame(&bytes),
+        Ok((Some(env), Some(&[VERSION, 99][..])))
+    );
+    assert_eq!(decode_frame(&bytes), Err(DecodeError::UnknownTag(99)));
+    assert_eq!(
+        split_frame(&[VERSION, 6]),
+        Ok((None, Some(&[VERSION, 6][..])))
+    );
+    assert!(split_frame(&[ENVELOPE, 0]).is_err());
+}
+
 proptest! {
     #[test]
     fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
         let _ = Msg::decode(&bytes);
         let _ = decode_frame(&bytes);
+        let _ = peek_exchange(&bytes);
     }
 
     #[test]

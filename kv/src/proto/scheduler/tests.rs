@@ -359,3 +359,61 @@ fn a_worker_that_left_over_a_lost_server_is_reported_with_that_cause() {
     s.handle_lost(NodeId(99), "closed");
     assert!(!s.dead().contains_key(&NodeId(99)));
 }
+
+#[test]
+fn a_member_registering_again_is_refused_by_name_and_nothing_changes() {
+    let now = Instant::now();
+    let mut s = assigned(now);
+    let w1 = node_id(Role::Worker, 1);
+    for role in [Role::Worker, Role::Server, Role::Scheduler] {
+        s.handle_register(w1, role, addr(9999), Some(0), now);
+        match drain(&mut s).as_slice() {
+            [(to, Msg::NodeFailed { id, reason })] => {
+                assert_eq!((*to, *id), (w1, w1));
+                assert!(
+                    reason.contains("worker 1 (node 11) is already registered"),
+                    "{reason}"
+                );
+            }
+            other => panic!("answered {other:?}"),
+        }
+    }
+    // Nobody was declared dead, and the job ends as usual.
+    assert!(s.dead().is_empty());
+    s.handle_finalize(node_id(Role::Worker, 0), now);
+    s.handle_finalize(w1, now);
+    assert!(s.is_finished());
+}
+
+#[test]
+fn unreadable_messages_are_answered_never_dropped_silently() {
+    let now = Instant::now();
+    let mut s = SchedulerState::new(1, 1, addr(9000), None, counter());
+    let prov = provisional_id(addr(9100));
+    s.handle_malformed(prov, "kv protocol version 3, this build speaks 2");
+    match drain(&mut s).as_slice() {
+        [(to, Msg::NodeFailed { id, reason })] => {
+            assert_eq!((*to, *id), (prov, prov));
+            assert!(reason.contains("could not read the registration: kv protocol version 3"));
+        }
+        other => panic!("answered {other:?}"),
+    }
+    let mut s = assigned(now);
+    let w0 = node_id(Role::Worker, 0);
+    s.handle_malformed(w0, "invalid kv message: bad group");
+    assert_eq!(
+        drain(&mut s),
+        vec![(
+            w0,
+            Msg::Failed {
+                ts: NO_REQUEST,
+                reason: "the scheduler could not read a message of this node: invalid kv \
+                         message: bad group"
+                    .into()
+            }
+        )]
+    );
+    // Nothing changed: nobody is dead, the job goes on.
+    assert!(s.dead().is_empty());
+    assert!(!s.is_finished());
+}

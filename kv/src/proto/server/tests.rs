@@ -319,3 +319,124 @@ fn key_values_beyond_the_server_limit_are_refused_naming_it() {
     init(&mut s, 1, &[3.0; 4]);
     init(&mut s, 3, &[4.0; 6]);
 }
+
+fn compressed(rank: u32, ts: u64, key: u64, threshold: f32, values: &[f32]) -> Push {
+    let c = TwoBitCompressor::new(threshold).unwrap();
+    let mut residual = vec![0f32; values.len()];
+    let mut out = vec![0u8; c.compressed_len(values.len())];
+    c.quantize(values, &mut residual, &mut out).unwrap();
+    Push {
+        rank,
+        ts,
+        key,
+        flags: PushFlags {
+            compressed: true,
+            ..PushFlags::default()
+        },
+        n_elems: values.len() as u64,
+        payload: Bytes::from(out),
+    }
+}
+
+#[test]
+fn compression_settings_cannot_change_once_set() {
+    let mut s = ServerState::new(2);
+    let half = r#"{"type":"2bit","threshold":0.5}"#;
+    s.handle_command(CommandKind::SetCompression, half).unwrap();
+    init(&mut s, 4, &[0.0; 5]);
+    // Worker 1's compressed push waits in the round for worker 0's.
+    s.handle_push(compressed(1, 1, 4, 0.5, &[0.6; 5]));
+    for other in [
+        r#"{"type":"2bit","threshold":1.0}"#,
+        r#"{"type":"1bit","threshold":0.5}"#,
+        r#"{"type":"none"}"#,
+    ] {
+        let err = s
+            .handle_command(CommandKind::SetCompression, other)
+            .unwrap_err();
+        let current = CompressionParams::parse(half).unwrap();
+        let wanted = CompressionParams::parse(other).unwrap();
+        assert!(err.contains(&format!("already {current}")), "{err}");
+        assert!(err.contains(&format!("refusing {wanted}")), "{err}");
+        assert!(err.contains("every worker must set the same"), "{err}");
+    }
+    // The same settings again change nothing.
+    s.handle_command(CommandKind::SetCompression, half).unwrap();
+    s.handle_push(compressed(0, 2, 4, 0.5, &[0.6; 5]));
+    assert_eq!(drain(&mut s).len(), 2);
+    // Both 0.6 quantize to +0.5 with the threshold they were made with.
+    assert_eq!(s.value(4).unwrap(), &[1.0; 5]);
+}
+
+#[test]
+fn a_round_holding_pushes_refuses_async_and_reinit() {
+    let mut s = ServerState::new(2);
+    init(&mut s, 7, &[0.0; 2]);
+    s.handle_push(push(1, 1, 7, &[1.0, 2.0]));
+    let err = s.handle_command(CommandKind::SetMode, "async").unwrap_err();
+    assert!(err.contains("dist_async"), "{err}");
+    assert!(err.contains("round of key 7"), "{err}");
+    assert!(err.contains("1 of 2 workers pushed"), "{err}");
+    assert_eq!(s.mode(), Mode::Sync);
+    // Sync again is no change.
+    s.handle_command(CommandKind::SetMode, "sync").unwrap();
+    let mut again = push(0, 2, 7, &[9.0, 9.0]);
+    again.flags.init = true;
+    s.handle_push(again);
+    let reason = failed_reason(&drain(&mut s));
+    assert!(
+        reason.contains("key 7: init while its dist_sync round holds pushes"),
+        "{reason}"
+    );
+    // The round goes on as if nothing happened.
+    s.handle_push(push(0, 3, 7, &[10.0, 20.0]));
+    assert_eq!(drain(&mut s).len(), 2);
+    assert_eq!(s.value(7).unwrap(), &[11.0, 22.0]);
+    // Between rounds both are fine.
+    s.handle_command(CommandKind::SetMode, "async").unwrap();
+    init(&mut s, 7, &[5.0; 3]);
+    assert_eq!(s.value(7).unwrap(), &[5.0; 3]);
+}
+
+#[test]
+fn init_values_are_never_compressed() {
+    let mut s = ServerState::new(1);
+    let mut p = push(0, 1, 3, &[1.0; 4]);
+    p.flags.init = true;
+    p.flags.compressed = true;
+    s.handle_push(p);
+    let reason = failed_reason(&drain(&mut s));
+    assert!(
+        reason.contains("key 3: init values are plain f32"),
+        "{reason}"
+    );
+    assert_eq!(s.value(3), None);
+}
+
+#[test]
+fn unreadable_requests_are_answered_for_their_id_or_no_request() {
+    let mut s = ServerState::new(2);
+    s.handle_malformed(1, Some(Exchange::Request(9)), "kv message truncated");
+    assert_eq!(
+        drain(&mut s),
+        vec![Output::Failed {
+            rank: 1,
+            ts: 9,
+            reason: "could not read the request: kv message truncated".into()
+        }]
+    );
+    for exchange in [None, Some(Exchange::Answer(9))] {
+        s.handle_malformed(0, exchange, "unknown kv message tag 99");
+        match drain(&mut s).as_slice() {
+            [Output::Failed {
+                rank: 0,
+                ts,
+                reason,
+            }] => {
+                assert_eq!(*ts, NO_REQUEST);
+                assert!(reason.contains("unknown kv message tag 99"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -205,3 +205,50 @@ fn a_worker_losing_a_server_tells_the_scheduler_first_and_only_then() {
     done.handle_finalize_sent();
     assert_eq!(done.leaving_before(&lost(S0)), None);
 }
+
+#[test]
+fn an_unreadable_answer_fails_its_request_naming_the_server() {
+    let now = Instant::now();
+    let mut s = state(now);
+    let (ts, mut rx) = s.begin_request(S0).unwrap();
+    let (other, mut other_rx) = s.begin_request(S1).unwrap();
+    let unreadable = |from, ts| Received::Malformed {
+        from,
+        exchange: Some(Exchange::Answer(ts)),
+        reason: "kv message truncated".into(),
+    };
+    // Only the server asked can fail a request this way.
+    s.handle_received(unreadable(S1, ts), now);
+    assert!(rx.try_recv().is_err(), "failed by a server not asked");
+    s.handle_received(unreadable(S0, ts), now);
+    let err = rx.try_recv().unwrap().unwrap_err();
+    assert!(matches!(err, KvError::Protocol { .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("server 0 (node 8)"), "{text}");
+    assert!(
+        text.contains("unreadable answer: kv message truncated"),
+        "{text}"
+    );
+    // Refusals of messages the server could not tie to a request change no request.
+    s.handle_received(
+        msg(
+            S1,
+            Msg::Failed {
+                ts: NO_REQUEST,
+                reason: "could not read a message of this worker".into(),
+            },
+        ),
+        now,
+    );
+    s.handle_received(
+        Received::Malformed {
+            from: S1,
+            exchange: None,
+            reason: "unknown kv message tag 99".into(),
+        },
+        now,
+    );
+    assert!(other_rx.try_recv().is_err());
+    s.handle_received(msg(S1, Msg::Done { ts: other }), now);
+    assert!(other_rx.try_recv().unwrap().is_ok());
+}
