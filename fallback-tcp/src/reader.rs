@@ -127,7 +127,7 @@ pub(crate) async fn read_loop(
                 let Some(descriptor) = frame.segments.first() else {
                     return ReadEnd::Failed("shared-memory message without a descriptor".into());
                 };
-                match ring.segments(descriptor, &conn.control) {
+                match ring.segments(descriptor, &conn.control, &limits) {
                     Ok(segments) => segments,
                     Err(e) => return ReadEnd::Failed(e),
                 }

@@ -30,7 +30,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use memmap2::{Mmap, MmapMut, MmapOptions};
 use psnet_transport::le::{LeReader, LeWriter};
-use psnet_transport::{FrameKind, Segment};
+use psnet_transport::{FrameKind, Limits, Segment};
 use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
@@ -402,6 +402,7 @@ impl RecvRing {
         self: &Arc<Self>,
         descriptor: &[u8],
         control: &Arc<Control>,
+        limits: &Limits,
     ) -> Result<smallvec::SmallVec<[Bytes; 4]>, String> {
         let mut r = LeReader::new(descriptor);
         let short = |_| "short shared-memory descriptor".to_string();
@@ -410,8 +411,21 @@ impl RecvRing {
         if r.remaining() != count.saturating_mul(8) {
             return Err("shared-memory descriptor length mismatch".into());
         }
+        // The same bounds as a message on the socket: the ring is no way around them.
+        if count > usize::from(limits.max_segments) {
+            return Err(format!(
+                "shared-memory message of {count} segments exceeds the limit of {}",
+                limits.max_segments
+            ));
+        }
         let lens: Vec<u64> = (0..count).map_while(|_| r.u64().ok()).collect();
         let total = lens.iter().try_fold(0u64, |a, &l| a.checked_add(l));
+        if let Some(t) = total.filter(|t| *t > limits.max_message) {
+            return Err(format!(
+                "shared-memory message of {t} bytes exceeds the limit of {} (PSNET_MAX_MESSAGE)",
+                limits.max_message
+            ));
+        }
         let end = total.and_then(|t| off.checked_add(t));
         match end {
             Some(end) if end <= self.size as u64 && off >= COOKIE as u64 => {}
@@ -539,7 +553,9 @@ mod tests {
         let segs = [Segment::new(&a), Segment::new(&b)];
         let (off, total) = send.put(&segs).unwrap();
         let control = Arc::new(Control::default());
-        let got = recv.segments(&descriptor(off, &segs), &control).unwrap();
+        let got = recv
+            .segments(&descriptor(off, &segs), &control, &Limits::default())
+            .unwrap();
         assert_eq!(got.len(), 2);
         assert!(got[0] == a[..] && got[1] == b[..]);
         drop(got);
@@ -570,8 +586,23 @@ mod tests {
         let mut d = (1u64 << 20).to_le_bytes().to_vec();
         d.extend_from_slice(&1u32.to_le_bytes());
         d.extend_from_slice(&1u64.to_le_bytes());
-        assert!(recv.segments(&d, &control).is_err(), "past the end");
-        assert!(recv.segments(&[0; 5], &control).is_err());
+        assert!(
+            recv.segments(&d, &control, &Limits::default()).is_err(),
+            "past the end"
+        );
+        let small = Limits {
+            max_message: 100,
+            ..Limits::default()
+        };
+        let mut big = (COOKIE as u64).to_le_bytes().to_vec();
+        big.extend_from_slice(&1u32.to_le_bytes());
+        big.extend_from_slice(&200u64.to_le_bytes());
+        assert!(recv.segments(&big, &control, &Limits::default()).is_ok());
+        let e = recv.segments(&big, &control, &small).unwrap_err();
+        assert!(e.contains("PSNET_MAX_MESSAGE"), "{e}");
+        assert!(recv
+            .segments(&[0; 5], &control, &Limits::default())
+            .is_err());
         assert!(parse_free(&[0; 15]).is_none());
     }
 
