@@ -190,25 +190,43 @@ pub fn heartbeat_period(config: &KvConfig) -> Duration {
 
 /// When a node last heard from the scheduler, which answers every heartbeat: a scheduler that
 /// stopped (SIGSTOP, a partition) keeps its connections open, so only its silence tells.
-pub struct Heard(std::sync::Mutex<std::time::Instant>);
+///
+/// Silence counts only up to the last time this node had read everything that reached it
+/// (it waited for its next message): a node busy with a backlog of workers' messages has the
+/// scheduler's answers queued behind them, and that is not the scheduler's silence.
+pub struct Heard(std::sync::Mutex<(std::time::Instant, std::time::Instant)>);
+
+pub use crate::proto::CAUGHT_UP_WAIT;
 
 impl Heard {
     /// Heard at `now`.
     pub fn new(now: std::time::Instant) -> Self {
-        Heard(std::sync::Mutex::new(now))
+        Heard(std::sync::Mutex::new((now, now)))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (std::time::Instant, std::time::Instant)> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The scheduler was heard from at `now`.
     pub fn mark(&self, now: std::time::Instant) {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = now;
+        let mut h = self.lock();
+        h.0 = now;
+        h.1 = h.1.max(now);
     }
 
-    /// Why the scheduler counts as lost at `now`, if it has been silent for longer than
-    /// `limit` (`PS_HEARTBEAT_TIMEOUT`; None: never).
-    pub fn silent(&self, now: std::time::Instant, limit: Option<Duration>) -> Option<String> {
+    /// This node had read everything that reached it at `now`.
+    pub fn caught_up(&self, now: std::time::Instant) {
+        let mut h = self.lock();
+        h.1 = h.1.max(now);
+    }
+
+    /// Why the scheduler counts as lost, if it had been silent for longer than `limit`
+    /// (`PS_HEARTBEAT_TIMEOUT`; None: never) when this node last caught up.
+    pub fn silent(&self, limit: Option<Duration>) -> Option<String> {
         let limit = limit?;
-        let quiet =
-            now.saturating_duration_since(*self.0.lock().unwrap_or_else(|p| p.into_inner()));
+        let (heard, caught_up) = *self.lock();
+        let quiet = caught_up.saturating_duration_since(heard);
         (quiet > limit).then(|| {
             format!(
                 "silent for {:.1} s (PS_HEARTBEAT_TIMEOUT={} s): stopped or cut off",

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use psnet_transport::{NodeId, Transport};
 
-use crate::bootstrap::{self, heartbeat_period, Heard};
+use crate::bootstrap::{self, heartbeat_period, Heard, CAUGHT_UP_WAIT};
 use crate::config::KvConfig;
 use crate::error::KvError;
 use crate::proto::ids::{self, describe, Role, SCHEDULER};
@@ -34,10 +34,20 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
     let mut failure: Option<(NodeId, String)> = None;
     let period = heartbeat_period(config);
     loop {
+        // A wait for the next message means everything that reached this server was read:
+        // only then does the scheduler's silence count (see `Heard`).
+        let asked = crate::clock::now();
         let next = async {
             match early.next() {
                 Some(event) => Ok(event),
-                None => link.recv().await,
+                None => {
+                    let event = link.recv().await;
+                    let at = crate::clock::now();
+                    if at.saturating_duration_since(asked) >= CAUGHT_UP_WAIT {
+                        heard.caught_up(at);
+                    }
+                    event
+                }
             }
         };
         tokio::select! {
@@ -92,8 +102,12 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
                 Received::Connected(_) => {}
             },
             _ = heartbeat.tick() => {
+                let now = crate::clock::now();
+                if now.saturating_duration_since(asked) >= CAUGHT_UP_WAIT {
+                    heard.caught_up(now);
+                }
                 if config.heartbeat_interval.is_some() {
-                    if let Some(reason) = heard.silent(crate::clock::now(), config.heartbeat_timeout) {
+                    if let Some(reason) = heard.silent(config.heartbeat_timeout) {
                         let node = describe(SCHEDULER);
                         leave(&link, num_workers, &format!("{node} is gone: {reason}"), period).await;
                         return Err(KvError::NodeLost { node, reason });

@@ -222,7 +222,12 @@ impl<T: Transport> Worker<T> {
         let receiver = {
             let shared = shared.clone();
             tokio::spawn(async move {
-                while let Ok(event) = shared.link.recv().await {
+                loop {
+                    shared.state().handle_waiting(crate::clock::now(), true);
+                    let Ok(event) = shared.link.recv().await else {
+                        break;
+                    };
+                    shared.state().handle_waiting(crate::clock::now(), false);
                     // Said before the calls fail: the application may exit right after.
                     let tell = shared.state().leaving_before(&event);
                     if let Some((to, msg)) = tell {

@@ -10,3 +10,8 @@ pub mod scheduler;
 pub mod server;
 pub mod sum;
 pub mod worker;
+
+/// A wait for the next message at least this long means nothing was queued for this node:
+/// a peer's silence counts only up to such a moment (a node working through a backlog has
+/// the scheduler's answers queued behind it; that is not the scheduler's silence).
+pub const CAUGHT_UP_WAIT: std::time::Duration = std::time::Duration::from_millis(2);

@@ -16,6 +16,7 @@ use tokio::sync::oneshot;
 
 use super::ids::{self, describe, Group, Role, SCHEDULER};
 use super::msg::{Exchange, Msg, PushFlags, NO_REQUEST};
+use super::CAUGHT_UP_WAIT;
 use crate::error::KvError;
 use crate::placement::Placement;
 use crate::wire::Received;
@@ -78,6 +79,11 @@ pub struct WorkerState {
     finalizing: bool,
     names: HashMap<String, u64>,
     scheduler_heard: Instant,
+    /// The last time this worker had read everything that reached it: the scheduler's
+    /// silence counts only up to then (answers queued behind a backlog are not silence).
+    caught_up: Instant,
+    /// Since when the worker has been waiting for its next message, if it is.
+    waiting_since: Option<Instant>,
 }
 
 /// Whether losing `node` leaves nothing this worker waits for able to finish: a server takes
@@ -119,6 +125,8 @@ impl WorkerState {
             finalizing: false,
             names: HashMap::new(),
             scheduler_heard: now,
+            caught_up: now,
+            waiting_since: None,
         }
     }
 
@@ -340,6 +348,7 @@ impl WorkerState {
         if matches!(&event, Received::Msg { from, .. } | Received::Connected(from) if *from == SCHEDULER)
         {
             self.scheduler_heard = now;
+            self.caught_up = self.caught_up.max(now);
         }
         match event {
             Received::Msg { from, msg, .. } if !self.entitled(from, &msg) => {
@@ -431,8 +440,22 @@ impl WorkerState {
         tracing::warn!(from = %describe(from), %reason, "dropping a malformed kv message");
     }
 
-    /// Time passes: a scheduler silent past the heartbeat timeout counts as lost. Returns
-    /// true when that happened now.
+    /// The worker waits for its next message from `now` (`Some`), or got one (`None`): a
+    /// wait of [`CAUGHT_UP_WAIT`] or more means it had read everything that reached it.
+    pub fn handle_waiting(&mut self, now: Instant, waiting: bool) {
+        if let Some(since) = self.waiting_since.take() {
+            if now.saturating_duration_since(since) >= CAUGHT_UP_WAIT {
+                self.caught_up = self.caught_up.max(now);
+            }
+        }
+        if waiting {
+            self.waiting_since = Some(now);
+        }
+    }
+
+    /// Time passes: a scheduler silent past the heartbeat timeout, as of the last time this
+    /// worker had caught up with what reached it, counts as lost. Returns true when that
+    /// happened now.
     pub fn handle_timeout(&mut self, now: Instant) -> bool {
         let Some(limit) = self.heartbeat_timeout else {
             return false;
@@ -440,7 +463,16 @@ impl WorkerState {
         if self.shutdown || self.dead.contains_key(&SCHEDULER) {
             return false;
         }
-        let quiet = now.saturating_duration_since(self.scheduler_heard);
+        if self
+            .waiting_since
+            .is_some_and(|since| now.saturating_duration_since(since) >= CAUGHT_UP_WAIT)
+        {
+            self.caught_up = self.caught_up.max(now);
+        }
+        let quiet = self
+            .caught_up
+            .min(now)
+            .saturating_duration_since(self.scheduler_heard);
         if quiet <= limit {
             return false;
         }

@@ -123,6 +123,8 @@ fn a_silent_scheduler_is_lost_after_the_heartbeat_timeout() {
     let mut s = state(t0);
     let (_, mut rx) = s.begin_request(S0).unwrap();
     s.handle_received(msg(SCHEDULER, Msg::Heartbeat), t0 + Duration::from_secs(5));
+    // Then it waits for its next message: nothing is queued for it.
+    s.handle_waiting(t0 + Duration::from_secs(5), true);
     assert!(!s.handle_timeout(t0 + Duration::from_secs(15)));
     assert!(s.handle_timeout(t0 + Duration::from_secs(16)));
     let reason = s.scheduler_lost().expect("lost").to_string();
@@ -251,4 +253,26 @@ fn an_unreadable_answer_fails_its_request_naming_the_server() {
     assert!(other_rx.try_recv().is_err());
     s.handle_received(msg(S1, Msg::Done { ts: other }), now);
     assert!(other_rx.try_recv().unwrap().is_ok());
+}
+
+#[test]
+fn a_worker_behind_a_backlog_does_not_blame_the_scheduler_until_it_catches_up() {
+    let t0 = Instant::now();
+    let mut s = state(t0);
+    s.handle_received(msg(SCHEDULER, Msg::Heartbeat), t0);
+    // 30 s of messages taken one after another without a wait: the scheduler's answers may
+    // be queued behind them.
+    let mut t = t0;
+    for _ in 0..300 {
+        t += Duration::from_millis(100);
+        s.handle_waiting(t, true);
+        s.handle_waiting(t, false);
+        s.handle_received(msg(S0, Msg::Heartbeat), t);
+    }
+    assert!(!s.handle_timeout(t));
+    assert!(s.scheduler_lost().is_none());
+    // Caught up (it waited for its next message) and still nothing: now it is silence.
+    s.handle_waiting(t, true);
+    assert!(s.handle_timeout(t + Duration::from_millis(5)));
+    assert!(s.scheduler_lost().unwrap().contains("silent for 30.0 s"));
 }
