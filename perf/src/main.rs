@@ -18,6 +18,7 @@ mod compress;
 mod kv;
 #[cfg(feature = "cuda")]
 mod kv_gpu;
+mod kvload;
 mod lat;
 mod protocol;
 mod report;
@@ -103,6 +104,9 @@ enum Command {
         #[arg(long, value_name = "ORDINAL", num_args = 0..=1, default_missing_value = "0")]
         gpu: Option<usize>,
     },
+    /// A dist_sync job of many processes and many small keys (16 workers, 4 servers and
+    /// 100,000 keys by default), every pulled value checked; reports each process's peak RSS.
+    Kvload(kvload::LoadArgs),
     /// Allreduce bandwidth among ranks, like nccl-tests' all_reduce_perf.
     #[command(visible_alias = "all_reduce")]
     Allreduce(coll::CollArgs),
@@ -196,6 +200,7 @@ fn main() -> ExitCode {
                 json,
                 gpu,
             }) => run_kv(servers, workers, &sizes, iters, keys, json, gpu),
+            Some(Command::Kvload(args)) => run_kvload(&args),
             Some(Command::Compress {
                 elems,
                 scheme,
@@ -262,6 +267,48 @@ fn run_kv(
         None => Ok(()),
         Some((role, index, status)) => Err(format!("{} {index} failed ({status})", role.as_env())),
     }
+}
+
+fn run_kvload(args: &kvload::LoadArgs) -> PerfResult<()> {
+    if args.workers == 0 || args.servers == 0 || args.elems == 0 || args.keys + args.sharded == 0 {
+        return Err("kvload needs servers, workers, keys and elements".into());
+    }
+    if psnet::kv::started_by_launcher().map_err(|e| e.to_string())? {
+        // Scheduler and server processes run inside launch_from_env and exit there.
+        let config = psnet::kv::launch_from_env().map_err(|e| e.to_string())?;
+        return kvload::run_worker(config, args);
+    }
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut command = vec![exe.to_string_lossy().into_owned()];
+    command.extend(std::env::args().skip(1));
+    let spec = psnet_launch::JobSpec::new(args.servers, args.workers, command);
+    let sampler = kvload::Sampler::start(std::time::Duration::from_millis(50));
+    let started = std::time::Instant::now();
+    let outcome = psnet_launch::launch_local(&spec).map_err(|e| e.to_string());
+    let peaks = sampler.finish();
+    let outcome = outcome?;
+    if let Some(sig) = outcome.signal {
+        return Err(format!("stopped by signal {sig}"));
+    }
+    if let Some((role, index, status)) = outcome.first_failure {
+        return Err(format!("{} {index} failed ({status})", role.as_env()));
+    }
+    let wall = started.elapsed().as_secs_f64();
+    if args.json {
+        for (role, kibs) in &peaks.by_role {
+            for kib in kibs {
+                println!(
+                    "{}",
+                    serde_json::json!({"test": "kvload", "role": role, "peak_rss_kib": kib,
+                        "servers": args.servers, "workers": args.workers, "keys": args.keys,
+                        "rounds": args.rounds, "wall_s": wall})
+                );
+            }
+        }
+    } else {
+        print!("{}", kvload::report(&peaks, args, wall));
+    }
+    Ok(())
 }
 
 /// Whether `--gpu` can run here, checked before any process of the job starts.
