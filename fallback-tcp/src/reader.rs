@@ -54,8 +54,10 @@ impl LargeBuffers {
 pub(crate) enum ReadEnd {
     /// The peer closed the connection between frames.
     Closed,
-    /// I/O error, truncated or malformed frame.
+    /// I/O error or truncated frame, or the peer said why it closed.
     Failed(String),
+    /// What the peer sent breaks the rules (malformed, over the limits): it is told why.
+    Refused(String),
     /// The inbox is closed: this transport is shutting down.
     Shutdown,
 }
@@ -77,7 +79,7 @@ pub(crate) async fn read_loop(
             match FrameHeader::decode(&buf, &limits) {
                 Ok(Some(h)) => break h,
                 Ok(None) => {}
-                Err(e) => return ReadEnd::Failed(format!("malformed frame: {e}")),
+                Err(e) => return ReadEnd::Refused(format!("malformed frame: {e}")),
             }
             if buf.capacity() - buf.len() < MIN_READ / 16 {
                 buf.reserve(MIN_READ);
@@ -97,7 +99,7 @@ pub(crate) async fn read_loop(
             // holds at most its share of the budget, never the process's memory.
             let _room = match inflight.reserve(body_len).await {
                 Ok(room) => room,
-                Err(why) => return ReadEnd::Failed(why),
+                Err(why) => return ReadEnd::Refused(why),
             };
             let mut big = large.take(body_len);
             let have = buf.len();
@@ -120,16 +122,16 @@ pub(crate) async fn read_loop(
             FrameKind::Data => frame.segments,
             FrameKind::ShmData => {
                 let Some(ring) = ring.as_ref() else {
-                    return ReadEnd::Failed(
+                    return ReadEnd::Refused(
                         "shared-memory message before a ring was offered".into(),
                     );
                 };
                 let Some(descriptor) = frame.segments.first() else {
-                    return ReadEnd::Failed("shared-memory message without a descriptor".into());
+                    return ReadEnd::Refused("shared-memory message without a descriptor".into());
                 };
                 match ring.segments(descriptor, &conn.control, &limits) {
                     Ok(segments) => segments,
-                    Err(e) => return ReadEnd::Failed(e),
+                    Err(e) => return ReadEnd::Refused(e),
                 }
             }
             FrameKind::ShmOffer => {
@@ -151,9 +153,15 @@ pub(crate) async fn read_loop(
             FrameKind::ShmFree => {
                 match shm::parse_free(&frame.meta) {
                     Some(regions) if conn.ring_free(&regions) => {}
-                    _ => return ReadEnd::Failed("bad shared-memory release".into()),
+                    _ => return ReadEnd::Refused("bad shared-memory release".into()),
                 }
                 continue;
+            }
+            FrameKind::Close => {
+                return ReadEnd::Failed(format!(
+                    "the peer closed the connection: {}",
+                    String::from_utf8_lossy(&frame.meta)
+                ))
             }
             FrameKind::Hello
             | FrameKind::HelloAck
@@ -161,7 +169,7 @@ pub(crate) async fn read_loop(
             | FrameKind::AuthHello
             | FrameKind::AuthChallenge
             | FrameKind::AuthProof => {
-                return ReadEnd::Failed(format!(
+                return ReadEnd::Refused(format!(
                     "unexpected {:?} frame after the handshake",
                     frame.kind
                 ))

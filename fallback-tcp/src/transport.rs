@@ -25,6 +25,9 @@ mod opening;
 
 use opening::{accept_loop, Side};
 
+/// How long a connection closed for what it sent may take to be told why.
+const CLOSE_NOTICE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The TCP implementation of [`Transport`].
 ///
 /// Listens from [`TcpTransport::bind`] on; dropping it (or calling
@@ -217,11 +220,31 @@ impl Inner {
     }
 
     fn connection_ended(&self, conn: &Arc<Conn>, end: ReadEnd) {
-        conn.close();
         let reason = match end {
-            ReadEnd::Shutdown => return,
-            ReadEnd::Closed => "closed by the peer".to_string(),
-            ReadEnd::Failed(why) => why,
+            ReadEnd::Shutdown => {
+                conn.close();
+                return;
+            }
+            ReadEnd::Closed => {
+                conn.close();
+                "closed by the peer".to_string()
+            }
+            ReadEnd::Failed(why) => {
+                conn.close();
+                why
+            }
+            ReadEnd::Refused(why) => {
+                // Tell the peer why before closing (a frame over the limits, a malformed
+                // one): its error then says so instead of "closed by the peer". Bounded: a
+                // peer that does not read is not waited for.
+                let (conn, notice) = (conn.clone(), why.clone());
+                tokio::spawn(async move {
+                    let say = conn.write_control(FrameKind::Close, notice.as_bytes());
+                    let _ = tokio::time::timeout(CLOSE_NOTICE_WAIT, say).await;
+                    conn.close();
+                });
+                why
+            }
         };
         // A connection replaced by a newer one to the same peer is not a loss of the peer.
         if self.peers.remove_conn(conn) && !self.is_closed() {

@@ -323,3 +323,34 @@ async fn unfinished_frames_hold_at_most_the_inflight_budget() {
     assert_eq!(got.peer, NodeId(12));
     assert_eq!(got.segments[0].len(), 3 << 20);
 }
+
+#[tokio::test]
+async fn a_sender_refused_for_size_is_told_why() {
+    let small = TcpConfig {
+        limits: Limits {
+            max_message: 1024,
+            ..Limits::default()
+        },
+        shm_ring: 0,
+        ..TcpConfig::default()
+    };
+    let receiver = node_with(1, small).await;
+    let sender = node(2).await;
+    sender
+        .connect(NodeId(1), receiver.listen_addr())
+        .await
+        .unwrap();
+    let big = vec![1u8; 10_000];
+    let _ = sender
+        .send(NodeId(1), OutMessage::new(b"", &[Segment::new(&big)]))
+        .await;
+    let (peer, reason) = next_loss(&receiver).await;
+    assert_eq!(peer, NodeId(2));
+    assert!(reason.contains("exceeds the limit"), "{reason}");
+    let (peer, reason) = next_loss(&sender).await;
+    assert_eq!(peer, NodeId(1));
+    assert!(
+        reason.contains("the peer closed the connection") && reason.contains("exceeds the limit"),
+        "{reason}"
+    );
+}

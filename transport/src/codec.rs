@@ -66,6 +66,9 @@ pub enum FrameKind {
     AuthChallenge = 10,
     /// Shared-secret exchange, the dialler's MAC.
     AuthProof = 11,
+    /// The sender is closing the connection because of what it received; carries why (a
+    /// frame over its limits, a malformed frame), so that the peer's error says it.
+    Close = 12,
 }
 
 impl FrameKind {
@@ -83,6 +86,7 @@ impl FrameKind {
             9 => Ok(FrameKind::AuthHello),
             10 => Ok(FrameKind::AuthChallenge),
             11 => Ok(FrameKind::AuthProof),
+            12 => Ok(FrameKind::Close),
             other => Err(CodecError::UnknownKind(other)),
         }
     }
