@@ -36,8 +36,8 @@ mod rogue;
 use rogue::job::{complete_round, honest_round, loopback, Job, Setup, KEY, LEN};
 use rogue::watch::{peak_bytes, HUGE};
 use rogue::{
-    assert_names, compressed_push, f32_bytes, init_msg, push_msg, refused, set_compression,
-    two_bit, PATIENCE,
+    assert_names, compressed_push, f32_bytes, init_msg, pull_msg, push_msg, refused,
+    set_compression, two_bit, PATIENCE,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -65,24 +65,9 @@ async fn wrong_value_counts_and_sizes_are_refused_naming_them() {
     );
     assert_names(&e, &["push", "2 data segment"]);
     // Pulls and commands carry no values.
-    let e = refused(
-        r.request(
-            s,
-            |ts| Msg::Pull {
-                ts,
-                key: KEY,
-                n_elems: 8,
-            },
-            &[],
-        )
-        .await,
-    );
+    let e = refused(r.request(s, pull_msg(KEY, 8), &[]).await);
     assert_names(&e, &["key 1", "pulled 8 elements", "holds 4"]);
-    let pull = |ts| Msg::Pull {
-        ts,
-        key: KEY,
-        n_elems: 4,
-    };
+    let pull = pull_msg(KEY, 4);
     let e = refused(r.request(s, pull, &[&hundreds]).await);
     assert_names(&e, &["pull", "1 data segment"]);
     let mode = |ts| Msg::Command {
@@ -97,18 +82,7 @@ async fn wrong_value_counts_and_sizes_are_refused_naming_them() {
     assert_names(&e, &["key 2", "announces 8 elements", "carries 4"]);
     let e = refused(r.request(s, init_msg(2, 4), &[&four[..15]]).await);
     assert_names(&e, &["key 2", "not f32 values"]);
-    let e = refused(
-        r.request(
-            s,
-            |ts| Msg::Pull {
-                ts,
-                key: 2,
-                n_elems: 4,
-            },
-            &[],
-        )
-        .await,
-    );
+    let e = refused(r.request(s, pull_msg(2, 4), &[]).await);
     assert_names(&e, &["key 2", "before it was initialized"]);
     go.send(()).unwrap();
     complete_round(&mut job, honest).await;
@@ -122,19 +96,7 @@ async fn unknown_keys_and_pushes_before_init_are_refused() {
     // Before worker 0 initialized the key: refused, and the key is not created by it.
     let e = refused(job.rogue.push(s, KEY, &[2.0; LEN]).await);
     assert_names(&e, &["key 1", "pushed before it was initialized"]);
-    let e = refused(
-        job.rogue
-            .request(
-                s,
-                |ts| Msg::Pull {
-                    ts,
-                    key: KEY,
-                    n_elems: 4,
-                },
-                &[],
-            )
-            .await,
-    );
+    let e = refused(job.rogue.request(s, pull_msg(KEY, 4), &[]).await);
     assert_names(&e, &["key 1", "pulled before it was initialized"]);
     let (go, gate) = oneshot::channel();
     let honest = honest_round(&job, gate);
@@ -142,19 +104,7 @@ async fn unknown_keys_and_pushes_before_init_are_refused() {
     // A key nobody ever initialized.
     let e = refused(job.rogue.push(s, 99, &[2.0; LEN]).await);
     assert_names(&e, &["key 99", "pushed before it was initialized"]);
-    let e = refused(
-        job.rogue
-            .request(
-                s,
-                |ts| Msg::Pull {
-                    ts,
-                    key: 99,
-                    n_elems: 4,
-                },
-                &[],
-            )
-            .await,
-    );
+    let e = refused(job.rogue.request(s, pull_msg(99, 4), &[]).await);
     assert_names(&e, &["key 99", "pulled before it was initialized"]);
     go.send(()).unwrap();
     complete_round(&mut job, honest).await;
@@ -183,11 +133,7 @@ async fn huge_claimed_counts_are_refused_without_allocating() {
             &e,
             &["key 3", &format!("announces {n} elements"), "carries 4"],
         );
-        let pull = move |ts| Msg::Pull {
-            ts,
-            key: KEY,
-            n_elems: n,
-        };
+        let pull = pull_msg(KEY, n);
         let e = refused(r.request(s, pull, &[]).await);
         assert_names(&e, &["key 1", &format!("pulled {n} elements")]);
     }

@@ -307,6 +307,11 @@ pub fn push_msg(key: u64, n_elems: u64) -> impl FnOnce(u64) -> Msg {
     }
 }
 
+/// A pull of `n_elems` elements of `key`, for a request id.
+pub fn pull_msg(key: u64, n_elems: u64) -> impl FnOnce(u64) -> Msg {
+    move |ts| Msg::Pull { ts, key, n_elems }
+}
+
 /// An init of `n_elems` elements of `key`, for a request id.
 pub fn init_msg(key: u64, n_elems: u64) -> impl FnOnce(u64) -> Msg {
     move |ts| Msg::Push {

@@ -102,19 +102,22 @@ async fn intruded_job(plan: Arc<Plan>) -> Result<(), String> {
     result
 }
 
-#[test]
-fn an_intruder_is_refused_under_any_claimed_id_and_the_job_ends_healthy() {
+/// Runs `job` on `seeds` drawn dist_sync plans in simulated time; every one must end healthy.
+fn sync_jobs_over_seeds<F, Fut>(seeds: u64, job: F, what: &str)
+where
+    F: Fn(Arc<Plan>) -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
     psnet_config::logging::init();
     let mut failed = Vec::new();
-    for seed in 0..40u64 {
+    for seed in 0..seeds {
         let plan = Arc::new(Plan {
             scenario: Scenario::Sync,
             ..Plan::draw(seed * SCENARIOS.len() as u64)
         });
         let rt = simulated_runtime();
-        let p = plan.clone();
-        let outcome = rt.block_on(async move {
-            tokio::time::timeout(JOB_LIMIT, intruded_job(p))
+        let outcome = rt.block_on(async {
+            tokio::time::timeout(JOB_LIMIT, job(plan.clone()))
                 .await
                 .unwrap_or_else(|_| Err("hung".into()))
         });
@@ -123,7 +126,12 @@ fn an_intruder_is_refused_under_any_claimed_id_and_the_job_ends_healthy() {
             failed.push(seed);
         }
     }
-    assert!(failed.is_empty(), "intruded jobs failed: {failed:?}");
+    assert!(failed.is_empty(), "{what} failed: {failed:?}");
+}
+
+#[test]
+fn an_intruder_is_refused_under_any_claimed_id_and_the_job_ends_healthy() {
+    sync_jobs_over_seeds(40, intruded_job, "intruded jobs");
 }
 
 /// What a squatter got from the scheduler: a place in the job, or the refusal's text.
@@ -168,26 +176,7 @@ async fn squatted_job(plan: Arc<Plan>) -> Result<(), String> {
 
 #[test]
 fn with_a_secret_squatters_cannot_take_a_slot_and_the_job_ends_healthy() {
-    psnet_config::logging::init();
-    let mut failed = Vec::new();
-    for seed in 0..20u64 {
-        let plan = Arc::new(Plan {
-            scenario: Scenario::Sync,
-            ..Plan::draw(seed * SCENARIOS.len() as u64)
-        });
-        let rt = simulated_runtime();
-        let p = plan.clone();
-        let outcome = rt.block_on(async move {
-            tokio::time::timeout(JOB_LIMIT, squatted_job(p))
-                .await
-                .unwrap_or_else(|_| Err("hung".into()))
-        });
-        if let Err(e) = outcome {
-            eprintln!("seed {seed} ({plan:?}): {e}");
-            failed.push(seed);
-        }
-    }
-    assert!(failed.is_empty(), "squatted jobs failed: {failed:?}");
+    sync_jobs_over_seeds(20, squatted_job, "squatted jobs");
 }
 
 /// The hole the secret closes: in an open job, a squatter that registers first is given a
