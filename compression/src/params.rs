@@ -292,7 +292,10 @@ impl From<CompressionParams> for Value {
         let mut map = Map::new();
         map.insert("type".into(), Value::String(params.type_name().into()));
         if let Some(t) = params.threshold() {
-            // Shortest decimal that round-trips the f32 (0.1, not 0.10000000149011612).
+            // Shortest decimal that round-trips the f32 (0.1, not 0.10000000149011612). JSON
+            // has no number for an infinite threshold (which `1bit` accepts): it is written as
+            // the string "inf" / "-inf", which `parse` reads back, rather than as `null`,
+            // which would read back as the default threshold.
             let number = t
                 .to_string()
                 .parse::<f64>()
@@ -300,7 +303,7 @@ impl From<CompressionParams> for Value {
                 .and_then(serde_json::Number::from_f64);
             map.insert(
                 "threshold".into(),
-                number.map_or(Value::Null, Value::Number),
+                number.map_or_else(|| Value::String(t.to_string()), Value::Number),
             );
         }
         Value::Object(map)

@@ -128,6 +128,29 @@ fn display_and_serde_round_trip() {
     assert!(serde_json::from_str::<CompressionParams>(r#"{"type":"4bit"}"#).is_err());
 }
 
+/// Found by fuzzing (`fuzz/corpus/compression/regression-1bit-infinite-threshold`): an infinite
+/// `1bit` threshold (accepted, e.g. `"1e39"` overflowing f32) was written as `null`, so a
+/// server reading a worker's `SetCompression` body got the default 0.5 instead.
+#[test]
+fn infinite_one_bit_threshold_round_trips() {
+    for t in [f32::INFINITY, f32::NEG_INFINITY] {
+        let p = CompressionParams::one_bit(t).unwrap();
+        let text = p.to_string();
+        assert_eq!(CompressionParams::parse(&text).unwrap(), p, "{text}");
+        let json = serde_json::to_string(&p).unwrap();
+        assert_eq!(serde_json::from_str::<CompressionParams>(&json).unwrap(), p);
+    }
+    assert_eq!(
+        CompressionParams::OneBit {
+            threshold: f32::INFINITY
+        }
+        .to_string(),
+        r#"{"threshold":"inf","type":"1bit"}"#
+    );
+    let p = CompressionParams::parse(r#"{"type": "1bit", "threshold": "1e39"}"#).unwrap();
+    assert_eq!(CompressionParams::parse(&p.to_string()).unwrap(), p);
+}
+
 #[test]
 fn mxnet_wire_encoding() {
     let p = CompressionParams::two_bit(0.5).unwrap();
