@@ -81,7 +81,7 @@ impl Link {
         inbox_full: bool,
     ) -> Result<bool, VerbsError> {
         let base = wire::parse_base(bytes)?;
-        st.credits.granted(base.credits);
+        st.credits.granted(base.credits)?;
         match base.kind {
             Kind::Credit => Ok(false),
             Kind::Offer => {

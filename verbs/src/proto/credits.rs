@@ -8,6 +8,8 @@
 //! other; a receiver whose inbox is full withholds the credits of data buffers (back-pressure)
 //! and releases them when the application reads again.
 
+use crate::error::VerbsError;
+
 /// What a credit is spent on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Class {
@@ -22,6 +24,7 @@ pub enum Class {
 /// the peer, and what it owes the peer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Credits {
+    depth: u32,
     available: u32,
     reserve: u32,
     unreported: u32,
@@ -34,6 +37,7 @@ impl Credits {
     pub fn new(peer_depth: u32) -> Self {
         assert!(peer_depth >= 4, "receive depth must be at least 4");
         Credits {
+            depth: peer_depth,
             available: peer_depth,
             reserve: 1,
             unreported: 0,
@@ -63,9 +67,22 @@ impl Credits {
         }
     }
 
-    /// The peer returned `n` credits.
-    pub fn granted(&mut self, n: u16) {
-        self.available += n as u32;
+    /// The peer returned `n` credits. More than the peer's buffers this side has used is a
+    /// protocol error (the peer's count is wrong, or it is not psnet): taken as given, it
+    /// would let this side overrun the peer's receive buffers, and a peer repeating it
+    /// would overflow the count.
+    pub fn granted(&mut self, n: u16) -> Result<(), VerbsError> {
+        match self.available.checked_add(u32::from(n)) {
+            Some(available) if available <= self.depth => {
+                self.available = available;
+                Ok(())
+            }
+            _ => Err(VerbsError::Protocol(format!(
+                "the peer returned {n} credits, but only {} of its {} receive buffers were used",
+                self.depth - self.available,
+                self.depth
+            ))),
+        }
     }
 
     /// One of this side's receive buffers was consumed and posted again; its credit is owed to
@@ -141,7 +158,7 @@ mod tests {
     fn deliver(sides: &mut [Side; 2], to: usize, withhold: bool) {
         let from = 1 - to;
         if let Some(report) = sides[from].in_flight.pop_front() {
-            sides[to].credits.granted(report);
+            sides[to].credits.granted(report).unwrap();
             sides[to].credits.slot_reposted(withhold);
             if sides[to].credits.wants_credit_message() {
                 send(sides, to, Class::CreditReturn);
@@ -209,8 +226,31 @@ mod tests {
         assert!(!c.try_take(Class::Normal, 1));
         assert!(c.try_take(Class::CreditReturn, 1));
         assert!(!c.try_take(Class::CreditReturn, 1));
-        c.granted(2);
+        c.granted(2).unwrap();
         assert!(c.try_take(Class::Normal, 1));
+    }
+
+    /// A peer cannot return more credits than it has buffers, however often it repeats the
+    /// largest report (which used to overflow the count: a panic with overflow checks).
+    #[test]
+    fn credits_beyond_the_peers_buffers_are_a_protocol_error() {
+        let mut c = Credits::new(4);
+        assert!(matches!(c.granted(1), Err(VerbsError::Protocol(_))));
+        assert_eq!(c.available(), 4);
+        assert!(c.try_take(Class::Normal, 2));
+        let err = c.granted(3).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the peer returned 3 credits, but only 2 of its 4 receive buffers were used"
+        );
+        assert_eq!(c.available(), 2);
+        c.granted(2).unwrap();
+        assert_eq!(c.available(), 4);
+        let mut c = Credits::new(u32::MAX);
+        for _ in 0..3 {
+            assert!(c.granted(u16::MAX).is_err());
+        }
+        assert_eq!(c.available(), u32::MAX);
     }
 
     #[test]
