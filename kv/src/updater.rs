@@ -72,14 +72,29 @@
 //! * Not supported: learning-rate schedulers, `lr_mult` / `wd_mult`, `multi_precision`
 //!   (float16 weights), other optimizers. MXNet 2.x rewrote its optimizers; the formulas here
 //!   are 1.9.1's.
+//!
+//! # Checkpoints
+//!
+//! A server's checkpoint keeps its updater's per-key state: [`Updater::export_state`] writes
+//! it, [`Updater::import_state`] reads it into an updater built from the same spec, which then
+//! goes on bit-identically. Little-endian, keys in ascending order, `f32` as their bits:
+//!
+//! * `"sgd"`: tag `1`, `u64` count, then per key `u64` key, `u64` length, the momentum
+//!   (none without momentum);
+//! * `"adam"`: tag `2`, `u64` count, then per key `u64` key, `u64` step count `t` (`>= 1`),
+//!   `u64` length, the mean, the variance;
+//! * `"test"`: tag `3`, `u64` count `0` (no state).
 
 use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
 
+use psnet_transport::le::{LeReader, LeWriter};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use thiserror::Error;
+
+mod state;
 
 /// A server-side optimizer: applies a (summed) gradient to a key's stored value.
 ///
@@ -92,6 +107,16 @@ pub trait Updater: Send {
     /// earlier updates (its state was sized then). On error nothing is changed: neither
     /// `weight` nor the updater's state.
     fn update(&mut self, key: u64, grad: &[f32], weight: &mut [f32]) -> Result<(), UpdaterError>;
+
+    /// Appends the per-key state (momentum, moments, step counts) to `out`, in the format
+    /// of the [module](self)'s "Checkpoints": deterministic, keys in ascending order.
+    fn export_state(&self, out: &mut LeWriter);
+
+    /// Replaces the per-key state with the one [`export_state`](Self::export_state) wrote for
+    /// an updater of the same spec, read from the front of `input` (exactly its bytes).
+    /// Malformed or foreign state is an error, never a panic, and then nothing is changed;
+    /// no length read from `input` allocates more than `input` holds.
+    fn import_state(&mut self, input: &mut LeReader<'_>) -> Result<(), UpdaterError>;
 }
 
 /// Errors of updaters and of optimizer specs.
@@ -140,6 +165,10 @@ pub enum UpdaterError {
     /// parameter, a parameter that is not a number, ...
     #[error("invalid optimizer spec: {0}")]
     Malformed(String),
+    /// Optimizer state given to [`Updater::import_state`] that is malformed or was written by
+    /// another optimizer.
+    #[error("invalid optimizer state: {0}")]
+    BadState(String),
 }
 
 /// Hyper-parameters of [`Sgd`], with MXNet's names and defaults.
@@ -704,6 +733,15 @@ impl Updater for Sgd {
         }
         Ok(())
     }
+
+    fn export_state(&self, out: &mut LeWriter) {
+        state::export_sgd(&self.moms, out);
+    }
+
+    fn import_state(&mut self, input: &mut LeReader<'_>) -> Result<(), UpdaterError> {
+        self.moms = state::import_sgd(input, self.params.momentum > 0.0)?;
+        Ok(())
+    }
 }
 
 impl fmt::Debug for Sgd {
@@ -816,6 +854,15 @@ impl Updater for Adam {
         }
         Ok(())
     }
+
+    fn export_state(&self, out: &mut LeWriter) {
+        state::export_adam(&self.states, out);
+    }
+
+    fn import_state(&mut self, input: &mut LeReader<'_>) -> Result<(), UpdaterError> {
+        self.states = state::import_adam(input)?;
+        Ok(())
+    }
 }
 
 impl fmt::Debug for Adam {
@@ -857,5 +904,13 @@ impl Updater for TestUpdater {
             *w += g * self.rescale;
         }
         Ok(())
+    }
+
+    fn export_state(&self, out: &mut LeWriter) {
+        state::export_none(out);
+    }
+
+    fn import_state(&mut self, input: &mut LeReader<'_>) -> Result<(), UpdaterError> {
+        state::import_none(input)
     }
 }
