@@ -214,6 +214,12 @@ crate::declare_env_vars! {
     PSNET_KV_SERVER_KEY_BYTES = "PSNET_KV_SERVER_KEY_BYTES", "0",
         "bytes of key values one server may hold; an init beyond it fails naming this limit (0: half the machine's memory)";
 
+    PSNET_CHECKPOINT_DIR = "PSNET_CHECKPOINT_DIR", "",
+        "kv servers: a directory where server rank r keeps its shard durably, server-<r>.snapshot (values, optimizer state, update counts) and server-<r>.journal (every change it acknowledged since, written before the acknowledgement); created if missing. Unset: no checkpoints, nothing written.";
+    PSNET_CHECKPOINT_EVERY = "PSNET_CHECKPOINT_EVERY", "100",
+        "kv servers with PSNET_CHECKPOINT_DIR: a fresh snapshot (and empty journal) once some key has had this many updates (dist_sync rounds or dist_async pushes) since the last; 0: only when a worker asks (save_checkpoint). The journal holds up to about this many updates of every key.";
+    PSNET_CHECKPOINT_FSYNC = "PSNET_CHECKPOINT_FSYNC", "0",
+        "kv servers with PSNET_CHECKPOINT_DIR: 1 flushes the journal to disk (fdatasync) before acknowledging what it records, so that acknowledged updates survive a machine crash; 0 only writes it to the kernel first, which survives the server process dying. Snapshots are always flushed.";
     PSNET_KV_SERIAL_SENDS = "PSNET_KV_SERIAL_SENDS", "0",
         "Benchmarks only: 1 makes a worker send a call's requests one server after another (the parts of a sharded key wait for each other's sends) instead of to all servers at once, to measure what sending in parallel gains.";
     PSNET_COMPRESSION_SIMD = "PSNET_COMPRESSION_SIMD", "",

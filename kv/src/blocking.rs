@@ -168,6 +168,11 @@ impl<T: Transport> KvStore<T> {
         self.runtime.block_on(self.worker.set_mode(mode))
     }
 
+    /// See [`Worker::save_checkpoint`].
+    pub fn save_checkpoint(&self) -> Result<(), KvError> {
+        self.runtime.block_on(self.worker.save_checkpoint())
+    }
+
     /// Leaves the job (see [`Worker::finalize`]). Operations still under way must have been
     /// waited on.
     pub fn finalize(self) -> Result<(), KvError> {

@@ -2,6 +2,7 @@
 //! code through [`KvConfig`]'s builder methods.
 
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use psnet_config::env::{self, EnvVar};
@@ -15,6 +16,7 @@ use crate::proto::resend::MAX_TIMEOUT;
 pub use psnet_config::env::{
     DMLC_NUM_SERVER, DMLC_NUM_WORKER, DMLC_PS_ROOT_PORT, DMLC_PS_ROOT_URI, DMLC_ROLE,
     DMLC_SERVER_ID, DMLC_WORKER_ID, MXNET_KVSTORE_BIGARRAY_BOUND, PSNET_BOOTSTRAP_TIMEOUT,
+    PSNET_CHECKPOINT_DIR, PSNET_CHECKPOINT_EVERY, PSNET_CHECKPOINT_FSYNC,
     PSNET_KV_SERVER_KEY_BYTES, PS_HEARTBEAT_INTERVAL, PS_HEARTBEAT_TIMEOUT, PS_RESEND,
     PS_RESEND_TIMEOUT,
 };
@@ -56,6 +58,14 @@ pub struct KvConfig {
     /// when every node of it wishes a different rank in range, else ranks follow listening
     /// addresses (ps-lite's rule).
     pub rank_hint: Option<u32>,
+    /// Servers keep their shard durably in this directory (`PSNET_CHECKPOINT_DIR`; None:
+    /// no checkpoints). See [`crate::checkpoint`].
+    pub checkpoint_dir: Option<PathBuf>,
+    /// A fresh snapshot once a key has had this many updates since the last
+    /// (`PSNET_CHECKPOINT_EVERY`; 0: only when a worker asks).
+    pub checkpoint_every: u64,
+    /// Flush the journal to disk before acknowledging (`PSNET_CHECKPOINT_FSYNC`).
+    pub checkpoint_fsync: bool,
 }
 
 /// Half the machine's memory (`MemTotal` in `/proc/meminfo`), or 16 GiB where it cannot be
@@ -122,6 +132,19 @@ fn resend() -> Result<Option<Duration>, ConfigError> {
     Ok(on.then(|| Duration::from_millis(ms)))
 }
 
+/// A 0/1 switch.
+fn flag(var: EnvVar) -> Result<bool, ConfigError> {
+    match var.parse_or_default::<u8>()? {
+        0 => Ok(false),
+        1 => Ok(true),
+        n => Err(ConfigError::Invalid {
+            name: var.name,
+            value: n.to_string(),
+            reason: "must be 0 or 1".into(),
+        }),
+    }
+}
+
 /// Resolves `host:port` for the scheduler.
 pub fn resolve_root(host: &str, port: u16) -> Result<SocketAddr, ConfigError> {
     (host, port)
@@ -158,13 +181,17 @@ impl KvConfig {
             server_key_bytes: half_the_memory(),
             serial_sends: false,
             rank_hint: None,
+            checkpoint_dir: None,
+            checkpoint_every: 100,
+            checkpoint_fsync: false,
         }
     }
 
     /// Reads `DMLC_ROLE`, `DMLC_PS_ROOT_URI`, `DMLC_PS_ROOT_PORT`, `DMLC_NUM_SERVER`,
     /// `DMLC_NUM_WORKER`, `PS_HEARTBEAT_INTERVAL`, `PS_HEARTBEAT_TIMEOUT`,
     /// `MXNET_KVSTORE_BIGARRAY_BOUND`, `PSNET_BOOTSTRAP_TIMEOUT`, `PS_RESEND`,
-    /// `PS_RESEND_TIMEOUT`, `PSNET_KV_SERVER_KEY_BYTES`, `DMLC_WORKER_ID` / `DMLC_SERVER_ID`.
+    /// `PS_RESEND_TIMEOUT`, `PSNET_KV_SERVER_KEY_BYTES`, `DMLC_WORKER_ID` / `DMLC_SERVER_ID`,
+    /// `PSNET_CHECKPOINT_DIR`, `PSNET_CHECKPOINT_EVERY`, `PSNET_CHECKPOINT_FSYNC`.
     /// A missing or malformed variable is an error naming it.
     pub fn from_env() -> Result<Self, ConfigError> {
         let role_text = DMLC_ROLE.require()?;
@@ -207,7 +234,29 @@ impl KvConfig {
                 Role::Server => DMLC_SERVER_ID.parse()?,
                 Role::Scheduler => None,
             },
+            checkpoint_dir: PSNET_CHECKPOINT_DIR.get().map(PathBuf::from),
+            checkpoint_every: PSNET_CHECKPOINT_EVERY.parse_or_default()?,
+            checkpoint_fsync: flag(PSNET_CHECKPOINT_FSYNC)?,
         })
+    }
+
+    /// Servers keep their shard durably in `dir` (`PSNET_CHECKPOINT_DIR`), or not (None).
+    pub fn checkpoint_dir(mut self, dir: Option<PathBuf>) -> Self {
+        self.checkpoint_dir = dir;
+        self
+    }
+
+    /// A fresh snapshot once a key has had `every` updates since the last
+    /// (`PSNET_CHECKPOINT_EVERY`; 0: only when a worker asks).
+    pub fn checkpoint_every(mut self, every: u64) -> Self {
+        self.checkpoint_every = every;
+        self
+    }
+
+    /// Flush the journal to disk before acknowledging (`PSNET_CHECKPOINT_FSYNC`).
+    pub fn checkpoint_fsync(mut self, fsync: bool) -> Self {
+        self.checkpoint_fsync = fsync;
+        self
     }
 
     /// Sets the bound on one server's key values (`PSNET_KV_SERVER_KEY_BYTES`).
@@ -263,6 +312,39 @@ mod tests {
             seconds(PS_HEARTBEAT_INTERVAL),
             Ok(Some(Duration::from_secs(1)))
         );
+    }
+
+    #[test]
+    fn checkpoint_settings_are_off_by_default_and_fsync_is_a_switch() {
+        let c = KvConfig::local(Role::Server, "127.0.0.1:1".parse().unwrap(), 1, 1);
+        assert_eq!(c.checkpoint_dir, None);
+        assert_eq!(c.checkpoint_every, 100);
+        assert!(!c.checkpoint_fsync);
+        assert_eq!(PSNET_CHECKPOINT_EVERY.parse_or_default::<u64>(), Ok(100));
+        std::env::remove_var("PSNET_CHECKPOINT_FSYNC");
+        assert_eq!(flag(PSNET_CHECKPOINT_FSYNC), Ok(false));
+        std::env::set_var("PSNET_CHECKPOINT_FSYNC", "1");
+        assert_eq!(flag(PSNET_CHECKPOINT_FSYNC), Ok(true));
+        std::env::set_var("PSNET_CHECKPOINT_FSYNC", "2");
+        let err = flag(PSNET_CHECKPOINT_FSYNC).unwrap_err().to_string();
+        assert!(err.contains("PSNET_CHECKPOINT_FSYNC"), "{err}");
+        std::env::remove_var("PSNET_CHECKPOINT_FSYNC");
+        for var in [
+            PSNET_CHECKPOINT_DIR,
+            PSNET_CHECKPOINT_EVERY,
+            PSNET_CHECKPOINT_FSYNC,
+        ] {
+            assert!(env::ALL.contains(&var));
+        }
+        let c = c
+            .checkpoint_dir(Some("/tmp/x".into()))
+            .checkpoint_every(7)
+            .checkpoint_fsync(true);
+        assert_eq!(
+            c.checkpoint_dir.as_deref(),
+            Some(std::path::Path::new("/tmp/x"))
+        );
+        assert_eq!((c.checkpoint_every, c.checkpoint_fsync), (7, true));
     }
 
     #[test]

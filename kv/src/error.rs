@@ -62,6 +62,10 @@ pub enum KvError {
         /// What was wrong.
         reason: String,
     },
+    /// A server checkpoint (snapshot or journal) could not be written or read: names the
+    /// file, or what is wrong with its contents.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
     /// The job is shutting down.
     #[error("the job is shutting down")]
     Shutdown,

@@ -16,6 +16,9 @@
 //!   sequence numbers; a dropped connection is re-established and what it lost resent, and
 //!   duplicates are dropped, so a push is applied exactly once. A peer is declared gone only
 //!   after the retry limit ([`proto::resend`]).
+//! - `PSNET_CHECKPOINT_DIR`: servers keep their shard durably (snapshot and journal, every
+//!   acknowledged update written before its acknowledgement); [`checkpoint::load_shard`]
+//!   rebuilds it ([`checkpoint`]).
 //!
 //! The protocol lives in [`proto`] as plain state machines without I/O; [`Scheduler`],
 //! [`run_server`] and [`Worker`] only move bytes, over any
@@ -27,6 +30,7 @@
 
 pub mod blocking;
 mod bootstrap;
+pub mod checkpoint;
 mod clock;
 pub mod config;
 mod error;

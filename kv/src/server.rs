@@ -1,5 +1,7 @@
 //! A server's event loop: moves bytes between the transport and
-//! [`ServerState`](crate::proto::server::ServerState).
+//! [`ServerState`](crate::proto::server::ServerState), and with `PSNET_CHECKPOINT_DIR` writes
+//! its checkpoint ([`crate::checkpoint`]): journal records before the answers that follow
+//! them, snapshots as they come.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -7,6 +9,7 @@ use std::time::Duration;
 use psnet_transport::{NodeId, Transport};
 
 use crate::bootstrap::{self, heartbeat_period, Heard, CAUGHT_UP_WAIT};
+use crate::checkpoint::ShardFiles;
 use crate::config::KvConfig;
 use crate::error::KvError;
 use crate::proto::ids::{self, describe, Role, SCHEDULER};
@@ -23,6 +26,21 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
     let link = joined.link.clone();
     let num_workers = joined.num_workers();
     let mut state = ServerState::new(num_workers).with_key_limit(config.server_key_bytes);
+    let period = heartbeat_period(config);
+    let mut files = match &config.checkpoint_dir {
+        None => None,
+        Some(dir) => {
+            state = state.with_checkpoints(config.checkpoint_every);
+            match ShardFiles::create(dir, joined.rank, config.checkpoint_fsync, &state.snapshot()) {
+                Ok(files) => Some(files),
+                Err(e) => {
+                    let reason = format!("server {} cannot checkpoint: {e}", joined.rank);
+                    leave(&link, num_workers, &reason, period).await;
+                    return Err(e);
+                }
+            }
+        }
+    };
     let mut heartbeat = tokio::time::interval(heartbeat_period(config));
     let worker_rank = |id: NodeId| match ids::role_rank(id) {
         Some((Role::Worker, r)) => Some(r),
@@ -32,7 +50,6 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
     let heard = Heard::new(crate::clock::now());
     // The first node the scheduler declared failed: the job cannot end well after it.
     let mut failure: Option<(NodeId, String)> = None;
-    let period = heartbeat_period(config);
     loop {
         // A wait for the next message means everything that reached this server was read:
         // only then does the scheduler's silence count (see `Heard`).
@@ -63,16 +80,7 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
                     }),
                     (Msg::Pull { ts, key, n_elems }, Some(rank)) => state.handle_pull(rank, ts, key, n_elems),
                     (Msg::Command { ts, kind, body }, Some(rank)) => {
-                        let reply = match state.handle_command(kind, &body) {
-                            Ok(()) => Msg::Done { ts },
-                            Err(reason) => {
-                                tracing::warn!(worker = rank, ts, ?kind, %reason, "command refused");
-                                Msg::Failed { ts, reason }
-                            }
-                        };
-                        if let Err(e) = link.send(from, &reply, None).await {
-                            tracing::debug!(to = %describe(from), error = %e, "reply lost");
-                        }
+                        state.handle_command_request(rank, ts, kind, &body)
                     }
                     (Msg::NodeFailed { id, reason }, _) if from == SCHEDULER => {
                         if let Some(rank) = worker_rank(id) {
@@ -118,7 +126,13 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
                 let _ = tokio::time::timeout(period, link.send(SCHEDULER, &Msg::Heartbeat, None)).await;
             }
         }
-        flush(&link, &mut state);
+        if let Err(e) = flush(&link, &mut state, files.as_mut()) {
+            // An acknowledgement must never go out for a change the journal lacks: stop.
+            tracing::error!(error = %e, "cannot write the checkpoint; this server stops");
+            let reason = format!("server {} cannot write its checkpoint: {e}", joined.rank);
+            leave(&link, num_workers, &reason, period).await;
+            return Err(e);
+        }
     }
     link.close();
     // The job ended, but not well: this server's exit must say so.
@@ -163,8 +177,14 @@ fn heard_from_scheduler(event: Received, heard: &Heard) -> Received {
 
 /// Sends every answer the state has ready, each in its own task: answers to different workers
 /// go out in parallel, and the loop goes on taking requests meanwhile. Values are shared with
-/// the state, not copied.
-fn flush<T: Transport>(link: &Arc<Link<T>>, state: &mut ServerState) {
+/// the state, not copied. Journal records are written (and flushed to disk with
+/// `PSNET_CHECKPOINT_FSYNC=1`) before any answer that follows them; an error writing one is
+/// returned before anything after it is sent.
+fn flush<T: Transport>(
+    link: &Arc<Link<T>>,
+    state: &mut ServerState,
+    mut files: Option<&mut ShardFiles>,
+) -> Result<(), KvError> {
     while let Some(out) = state.poll_output() {
         let (rank, msg, value) = match out {
             Output::Done { rank, ts, value } => (
@@ -173,7 +193,32 @@ fn flush<T: Transport>(link: &Arc<Link<T>>, state: &mut ServerState) {
                 value.and_then(|k| state.shared_value(k)),
             ),
             Output::Failed { rank, ts, reason } => (rank, Msg::Failed { ts, reason }, None),
+            Output::Journal(record) => {
+                checkpoint_files(&mut files)?.append(&record)?;
+                continue;
+            }
+            Output::Snapshot { bytes, reply } => {
+                let files = checkpoint_files(&mut files)?;
+                // Written in place: the loop waits (a shard's worth of disk writes).
+                let written = files.write_snapshot(&bytes);
+                if let Err(e) = &written {
+                    // The previous snapshot and the journal still hold every change.
+                    tracing::warn!(error = %e, "snapshot not written; the journal goes on");
+                }
+                let Some((rank, ts)) = reply else { continue };
+                let msg = match written {
+                    Ok(()) => Msg::Done { ts },
+                    Err(e) => Msg::Failed {
+                        ts,
+                        reason: e.to_string(),
+                    },
+                };
+                (rank, msg, None)
+            }
         };
+        if let Some(files) = files.as_deref_mut() {
+            files.sync()?;
+        }
         let link = link.clone();
         tokio::spawn(async move {
             let to = ids::node_id(Role::Worker, rank);
@@ -183,4 +228,14 @@ fn flush<T: Transport>(link: &Arc<Link<T>>, state: &mut ServerState) {
             }
         });
     }
+    Ok(())
+}
+
+/// The checkpoint files, which exist whenever the state produces records.
+fn checkpoint_files<'a>(
+    files: &'a mut Option<&mut ShardFiles>,
+) -> Result<&'a mut ShardFiles, KvError> {
+    files
+        .as_deref_mut()
+        .ok_or_else(|| KvError::Checkpoint("a checkpoint output without checkpoint files".into()))
 }

@@ -380,6 +380,15 @@ impl<T: Transport> Worker<T> {
         Ok(())
     }
 
+    /// Asks every server to write a snapshot of its shard now (servers with
+    /// `PSNET_CHECKPOINT_DIR`, see [`crate::checkpoint`]) and waits until all have: every
+    /// update acknowledged before the call is then in the snapshots. Fails, naming the
+    /// server, where checkpoints are off or a snapshot cannot be written.
+    pub async fn save_checkpoint(&self) -> Result<(), KvError> {
+        self.command_all(CommandKind::Checkpoint, String::new())
+            .await
+    }
+
     /// Initializes keys: rank 0's values are stored on the servers, other ranks' values are
     /// ignored (MXNet), and all workers wait for each other.
     pub async fn init(&self, keys: &[u64], values: &[&[f32]]) -> Result<(), KvError> {

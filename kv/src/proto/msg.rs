@@ -62,22 +62,29 @@ pub enum CommandKind {
     SetCompression,
     /// Body: `sync` or `async`.
     SetMode,
+    /// Body: empty. Write a snapshot of the server's shard now (servers with
+    /// `PSNET_CHECKPOINT_DIR`); answered once it is written.
+    Checkpoint,
 }
 
 impl CommandKind {
-    fn code(self) -> u8 {
+    /// The command's code on the wire (and in server journals).
+    pub fn code(self) -> u8 {
         match self {
             CommandKind::SetOptimizer => 0,
             CommandKind::SetCompression => 1,
             CommandKind::SetMode => 2,
+            CommandKind::Checkpoint => 3,
         }
     }
 
-    fn from_code(c: u8) -> Option<Self> {
+    /// The command of a code, if any.
+    pub fn from_code(c: u8) -> Option<Self> {
         match c {
             0 => Some(CommandKind::SetOptimizer),
             1 => Some(CommandKind::SetCompression),
             2 => Some(CommandKind::SetMode),
+            3 => Some(CommandKind::Checkpoint),
             _ => None,
         }
     }

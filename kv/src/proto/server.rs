@@ -19,6 +19,29 @@
 //! with other settings would be decoded wrongly), a switch to `dist_async` or a re-`init`
 //! while a `dist_sync` round holds pushes (they would never be answered). No count from a
 //! header is ever used to allocate.
+//!
+//! # Checkpoints
+//!
+//! With checkpoints on ([`ServerState::with_checkpoints`]), every change the server
+//! acknowledges comes out first as an [`Output::Journal`] record, queued before the answers
+//! that acknowledge it: an `init`, an optimizer, compression or mode command, each completed
+//! `dist_sync` round (its merged gradient) and each `dist_async` push (its payload). The
+//! driver appends the record to the journal before it sends what follows. Every
+//! `checkpoint_every` updates of a key, and on a worker's [`CommandKind::Checkpoint`], an
+//! [`Output::Snapshot`] of the whole shard ([`ServerState::snapshot`]) replaces the previous
+//! snapshot and starts an empty journal. [`ServerState::restore`] of the last snapshot
+//! followed by [`ServerState::apply_journal`] of the records after it, in order, rebuilds a
+//! state bit-identical to the one that wrote them, through the same code that applied the
+//! changes live; records carry sequence numbers, so that records the snapshot already holds
+//! are skipped and a missing one is an error.
+//!
+//! What a snapshot and the journal hold: the mode, the compression settings, the optimizer
+//! and every key's optimizer state, every key's value and update count, and the sequence
+//! number. What they deliberately do not hold, because nothing of it was acknowledged or it
+//! describes the running job rather than the shard: the pushes of a `dist_sync` round not yet
+//! complete and pushes deferred to a later round (their workers were never answered and
+//! resend them), the workers known to be lost, answers not yet sent, scratch buffers, and the
+//! counts towards the next periodic snapshot.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -26,9 +49,16 @@ use std::sync::Arc;
 use bytes::Bytes;
 use psnet_compression::{CompressionParams, Compressor};
 
-use super::msg::{CommandKind, Exchange, PushFlags, NO_REQUEST};
+use super::msg::{CommandKind, Exchange, PushFlags, MAX_STRING, NO_REQUEST};
 use super::sum;
 use crate::updater::{OptimizerSpec, Updater};
+
+mod journal;
+mod round;
+mod snapshot;
+
+#[doc(hidden)]
+pub use journal::fuzz_decode;
 
 /// Synchronous or asynchronous updates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,6 +107,21 @@ pub enum Output {
         /// Why, naming the key and what was wrong.
         reason: String,
     },
+    /// With checkpoints on: append this record to the journal before sending any output that
+    /// follows (the answers that acknowledge its change follow it). See
+    /// [`ServerState::apply_journal`] for its format.
+    Journal(Vec<u8>),
+    /// With checkpoints on: make this ([`ServerState::snapshot`]'s bytes) the server's
+    /// snapshot and start an empty journal, before sending any output that follows. If the
+    /// snapshot cannot be written, the previous snapshot and the journal (which holds every
+    /// change since) still make a complete checkpoint.
+    Snapshot {
+        /// The snapshot.
+        bytes: Vec<u8>,
+        /// The worker's request that asked for it (rank, request id): answer it `Done` once
+        /// the snapshot is written, or `Failed` if it cannot be.
+        reply: Option<(u32, u64)>,
+    },
 }
 
 /// A push waiting in a round.
@@ -104,13 +149,30 @@ struct KeyState {
     /// made only if an update overtakes a send).
     value: Arc<Vec<f32>>,
     round: Round,
+    /// Updates applied since the key's init (completed rounds, async pushes).
+    updates: u64,
+    /// Updates since the last snapshot (not checkpointed).
+    since_snapshot: u64,
+}
+
+impl KeyState {
+    fn new(value: Vec<f32>, updates: u64) -> Self {
+        KeyState {
+            value: Arc::new(value),
+            round: Round::default(),
+            updates,
+            since_snapshot: 0,
+        }
+    }
 }
 
 /// One server's store and round bookkeeping.
 pub struct ServerState {
     num_workers: u32,
     mode: Mode,
+    /// The updater and the spec it was built from.
     updater: Option<Box<dyn Updater>>,
+    optimizer: Option<OptimizerSpec>,
     compressor: Option<Box<dyn Compressor>>,
     /// The compression settings in force; None until a worker sets them (no compression).
     compression: Option<CompressionParams>,
@@ -120,6 +182,24 @@ pub struct ServerState {
     key_limit: u64,
     dead: BTreeMap<u32, String>,
     out: VecDeque<Output>,
+    /// Changes applied (the sequence number of the last journal record).
+    seq: u64,
+    /// Checkpoints on: a snapshot every this many updates of a key (0: only on request).
+    checkpoint_every: Option<u64>,
+}
+
+impl std::fmt::Debug for ServerState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerState")
+            .field("num_workers", &self.num_workers)
+            .field("mode", &self.mode)
+            .field("optimizer", &self.optimizer)
+            .field("compression", &self.compression)
+            .field("keys", &self.keys.len())
+            .field("key_bytes", &self.key_bytes)
+            .field("seq", &self.seq)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ServerState {
@@ -129,6 +209,7 @@ impl ServerState {
             num_workers: num_workers.max(1),
             mode: Mode::Sync,
             updater: None,
+            optimizer: None,
             compressor: None,
             compression: None,
             keys: HashMap::new(),
@@ -136,7 +217,41 @@ impl ServerState {
             key_limit: u64::MAX,
             dead: BTreeMap::new(),
             out: VecDeque::new(),
+            seq: 0,
+            checkpoint_every: None,
         }
+    }
+
+    /// Turns checkpoints on: every acknowledged change comes out as an [`Output::Journal`]
+    /// record before its answers, and an [`Output::Snapshot`] every `every` updates of a key
+    /// (`PSNET_CHECKPOINT_EVERY`; 0: only when a worker asks). Off by default, at no cost.
+    pub fn with_checkpoints(mut self, every: u64) -> Self {
+        self.checkpoint_every = Some(every);
+        self
+    }
+
+    /// Whether checkpoints are on.
+    pub fn checkpoints(&self) -> bool {
+        self.checkpoint_every.is_some()
+    }
+
+    /// Changes applied so far: the sequence number of the last journal record (counted with
+    /// checkpoints off too).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Updates applied to `key` since its init (completed `dist_sync` rounds, `dist_async`
+    /// pushes).
+    pub fn updates(&self, key: u64) -> Option<u64> {
+        self.keys.get(&key).map(|k| k.updates)
+    }
+
+    /// The keys held, in ascending order.
+    pub fn keys(&self) -> Vec<u64> {
+        let mut keys: Vec<u64> = self.keys.keys().copied().collect();
+        keys.sort_unstable();
+        keys
     }
 
     /// Bounds the bytes of key values this server holds (`PSNET_KV_SERVER_KEY_BYTES`): an
@@ -189,20 +304,66 @@ impl ServerState {
         }
     }
 
-    /// A `dist_sync` round holding pushes, if any: its key and how many workers pushed.
+    /// A `dist_sync` round holding pushes, if any (the lowest key's, so that the answer does
+    /// not depend on the map's order): its key and how many workers pushed.
     fn round_in_progress(&self) -> Option<(u64, u32)> {
         self.keys
             .iter()
-            .find(|(_, k)| k.round.count > 0 || !k.round.deferred.is_empty())
+            .filter(|(_, k)| k.round.count > 0 || !k.round.deferred.is_empty())
             .map(|(key, k)| (*key, k.round.count))
+            .min_by_key(|(key, _)| *key)
     }
 
-    /// A worker's command: optimizer, compression, mode. `Err` is the reason to report.
+    /// Request `ts` of worker `rank`, a command: answered [`Output::Done`] (after its
+    /// journal record) or [`Output::Failed`]; a checkpoint is answered by the driver once
+    /// the [`Output::Snapshot`] is written.
+    pub fn handle_command_request(&mut self, rank: u32, ts: u64, kind: CommandKind, body: &str) {
+        if kind == CommandKind::Checkpoint {
+            return match self.checkpoint_refused() {
+                Some(reason) => self.fail(rank, ts, reason),
+                None => self.queue_snapshot(Some((rank, ts))),
+            };
+        }
+        match self.handle_command(kind, body) {
+            Ok(()) => self.out.push_back(Output::Done {
+                rank,
+                ts,
+                value: None,
+            }),
+            Err(reason) => self.fail(rank, ts, reason),
+        }
+    }
+
+    /// A worker's command: optimizer, compression, mode, checkpoint. `Err` is the reason to
+    /// report. With checkpoints on, a change comes out as an [`Output::Journal`] record
+    /// first; a checkpoint as an [`Output::Snapshot`].
     pub fn handle_command(&mut self, kind: CommandKind, body: &str) -> Result<(), String> {
+        if kind == CommandKind::Checkpoint {
+            if let Some(reason) = self.checkpoint_refused() {
+                return Err(reason);
+            }
+            self.queue_snapshot(None);
+            return Ok(());
+        }
+        if body.len() > MAX_STRING {
+            return Err(format!(
+                "a command of {} bytes, at most {MAX_STRING}",
+                body.len()
+            ));
+        }
+        self.apply_command(kind, body)?;
+        self.commit(None, |_, seq| journal::command(seq, kind, body));
+        Ok(())
+    }
+
+    /// Applies a command (live and in replay); `Err` changes nothing.
+    fn apply_command(&mut self, kind: CommandKind, body: &str) -> Result<(), String> {
         match kind {
+            CommandKind::Checkpoint => return Err("a checkpoint changes nothing".into()),
             CommandKind::SetOptimizer => {
                 let spec = OptimizerSpec::parse(body).map_err(|e| e.to_string())?;
                 self.updater = Some(spec.build());
+                self.optimizer = Some(spec);
             }
             CommandKind::SetCompression => {
                 let params = CompressionParams::parse(body).map_err(|e| e.to_string())?;
@@ -347,39 +508,37 @@ impl ServerState {
                 ),
             );
         }
-        let replaced = self
-            .keys
-            .get(&p.key)
-            .map_or(0, |k| k.value.len() as u64 * 4);
-        let held = self.key_bytes - replaced + n as u64 * 4;
-        if held > self.key_limit {
-            return self.fail(
-                p.rank,
-                p.ts,
-                format!(
-                    "key {}: {} bytes would bring this server's keys to {held} bytes, beyond \
-                     PSNET_KV_SERVER_KEY_BYTES={}",
-                    p.key,
-                    n * 4,
-                    self.key_limit
-                ),
-            );
+        if let Err(reason) = self.apply_init(p.key, &p.payload) {
+            return self.fail(p.rank, p.ts, reason);
         }
-        self.key_bytes = held;
-        let mut value = vec![0f32; n];
-        sum::copy_from_le(&mut value, &p.payload);
-        self.keys.insert(
-            p.key,
-            KeyState {
-                value: Arc::new(value),
-                round: Round::default(),
-            },
-        );
+        self.commit(None, |_, seq| journal::init(seq, p.key, &p.payload));
         self.out.push_back(Output::Done {
             rank: p.rank,
             ts: p.ts,
             value: p.flags.pull_back.then_some(p.key),
         });
+    }
+
+    /// Stores `payload` (whole f32) as `key`'s value (live and in replay); `Err` changes
+    /// nothing.
+    fn apply_init(&mut self, key: u64, payload: &[u8]) -> Result<(), String> {
+        let n = sum::f32_count(payload)
+            .ok_or_else(|| format!("key {key}: init payload is not f32 values"))?;
+        let replaced = self.keys.get(&key).map_or(0, |k| k.value.len() as u64 * 4);
+        let held = self.key_bytes - replaced + n as u64 * 4;
+        if held > self.key_limit {
+            return Err(format!(
+                "key {key}: {} bytes would bring this server's keys to {held} bytes, beyond \
+                 PSNET_KV_SERVER_KEY_BYTES={}",
+                n * 4,
+                self.key_limit
+            ));
+        }
+        self.key_bytes = held;
+        let mut value = vec![0f32; n];
+        sum::copy_from_le(&mut value, payload);
+        self.keys.insert(key, KeyState::new(value, 0));
+        Ok(())
     }
 
     fn check(&self, p: &Push) -> Result<(), String> {
@@ -401,24 +560,7 @@ impl ServerState {
                 p.rank, self.num_workers
             ));
         }
-        if p.flags.compressed {
-            let c = self.compressor.as_ref().ok_or_else(|| {
-                format!("key {key}: compressed push, but no compression was set on this server")
-            })?;
-            let want = c.compressed_len(n);
-            if p.payload.len() != want {
-                return Err(format!(
-                    "key {key}: compressed push of {} bytes, expected {want} for {n} elements",
-                    p.payload.len()
-                ));
-            }
-        } else if p.payload.len() != 4 * n {
-            return Err(format!(
-                "key {key}: push of {} bytes, expected {} ({n} f32)",
-                p.payload.len(),
-                4 * n
-            ));
-        }
+        self.check_payload(key, n, p.flags.compressed, p.payload.len())?;
         if self.mode == Mode::Sync {
             if let Some((_, why)) = self.dead.iter().next() {
                 return Err(format!(
@@ -428,129 +570,13 @@ impl ServerState {
         }
         Ok(())
     }
-
-    /// Decodes a checked payload into `dst` (`add`: accumulate instead of overwrite).
-    fn decode(
-        compressor: Option<&dyn Compressor>,
-        compressed: bool,
-        payload: &[u8],
-        dst: &mut [f32],
-        add: bool,
-    ) {
-        match (compressed, compressor) {
-            (true, Some(c)) => {
-                // Lengths were checked, so these cannot fail.
-                let r = if add {
-                    c.dequantize_add(payload, dst)
-                } else {
-                    c.dequantize(payload, dst)
-                };
-                debug_assert!(r.is_ok());
-            }
-            _ if add => sum::add_from_le(dst, payload),
-            _ => sum::copy_from_le(dst, payload),
-        }
-    }
-
-    fn apply_async(&mut self, p: Push) {
-        let Some(updater) = self.updater.as_mut() else {
-            return self.fail(
-                p.rank,
-                p.ts,
-                "dist_async needs an optimizer on the servers: call set_optimizer first".into(),
-            );
-        };
-        let k = self.keys.get_mut(&p.key).expect("checked");
-        let mut grad = std::mem::take(&mut k.round.merged);
-        grad.resize(k.value.len(), 0.0);
-        Self::decode(
-            self.compressor.as_deref(),
-            p.flags.compressed,
-            &p.payload,
-            &mut grad,
-            false,
-        );
-        let result = updater.update(p.key, &grad, Arc::make_mut(&mut k.value).as_mut_slice());
-        k.round.merged = grad;
-        match result {
-            Ok(()) => self.out.push_back(Output::Done {
-                rank: p.rank,
-                ts: p.ts,
-                value: p.flags.pull_back.then_some(p.key),
-            }),
-            Err(e) => self.fail(p.rank, p.ts, format!("key {}: update failed: {e}", p.key)),
-        }
-    }
-
-    fn add_to_round(&mut self, p: Push) {
-        let workers = self.num_workers as usize;
-        let compressor = self.compressor.as_deref();
-        let k = self.keys.get_mut(&p.key).expect("checked");
-        let round = &mut k.round;
-        if round.arrived.len() != workers {
-            round.arrived.resize_with(workers, || None);
-        }
-        let rank = p.rank as usize;
-        if round.arrived[rank].is_some() {
-            // Already pushed this round: it counts for the next one.
-            round.deferred.push_back(p);
-            return;
-        }
-        round.arrived[rank] = Some(Arrived {
-            ts: p.ts,
-            pull_back: p.flags.pull_back,
-            payload: Some(p.payload),
-            compressed: p.flags.compressed,
-        });
-        round.count += 1;
-        // Sum every rank that is now next in line, in rank order.
-        while let Some(Some(a)) = round.arrived.get_mut(round.next as usize) {
-            let payload = a.payload.take().expect("held until summed");
-            if round.next == 0 {
-                round.merged.resize(k.value.len(), 0.0);
-                Self::decode(compressor, a.compressed, &payload, &mut round.merged, false);
-            } else {
-                Self::decode(compressor, a.compressed, &payload, &mut round.merged, true);
-            }
-            round.next += 1;
-        }
-        if round.count as usize == workers {
-            self.complete_round(p.key);
-        }
-    }
-
-    fn complete_round(&mut self, key: u64) {
-        let k = self.keys.get_mut(&key).expect("round of a known key");
-        let round = std::mem::take(&mut k.round);
-        let mut merged = round.merged;
-        let result = match self.updater.as_mut() {
-            Some(u) => u.update(key, &merged, Arc::make_mut(&mut k.value).as_mut_slice()),
-            None => {
-                // MXNet without an updater: the round's sum replaces the value. The old buffer
-                // becomes the next round's scratch space unless an answer still holds it.
-                let old = std::mem::replace(&mut k.value, Arc::new(merged));
-                merged = Arc::try_unwrap(old).unwrap_or_default();
-                Ok(())
-            }
-        };
-        k.round.merged = merged;
-        for (rank, a) in round.arrived.into_iter().enumerate() {
-            let Some(a) = a else { continue };
-            let rank = rank as u32;
-            match &result {
-                Ok(()) => self.out.push_back(Output::Done {
-                    rank,
-                    ts: a.ts,
-                    value: a.pull_back.then_some(key),
-                }),
-                Err(e) => self.fail(rank, a.ts, format!("key {key}: update failed: {e}")),
-            }
-        }
-        for p in round.deferred {
-            self.handle_push(p);
-        }
-    }
 }
 
+#[cfg(test)]
+mod harness;
+#[cfg(test)]
+mod journal_tests;
+#[cfg(test)]
+mod recovery_tests;
 #[cfg(test)]
 mod tests;

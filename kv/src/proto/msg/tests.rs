@@ -47,6 +47,11 @@ fn samples() -> Vec<Msg> {
             kind: CommandKind::SetOptimizer,
             body: "{\"type\":\"sgd\"}".into(),
         },
+        Msg::Command {
+            ts: 4,
+            kind: CommandKind::Checkpoint,
+            body: String::new(),
+        },
         Msg::Push {
             ts: 1,
             key: u64::MAX,
