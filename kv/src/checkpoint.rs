@@ -58,10 +58,19 @@ use std::path::{Path, PathBuf};
 use crate::error::KvError;
 use crate::proto::server::ServerState;
 
-mod crc32;
+/// The CRC-32 (IEEE, as zlib's) the files' headers and records carry.
+fn crc32(bytes: &[u8]) -> u32 {
+    crc32fast::hash(bytes)
+}
 
-#[doc(hidden)]
-pub use crc32::crc32;
+/// The CRC-32 of the concatenation of `parts`.
+fn crc32_parts(parts: &[&[u8]]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    for p in parts {
+        h.update(p);
+    }
+    h.finalize()
+}
 
 const SNAPSHOT_MAGIC: &[u8; 8] = b"PSNETSNP";
 const JOURNAL_MAGIC: &[u8; 8] = b"PSNETJNL";
@@ -108,7 +117,7 @@ fn journal_header(rank: u32, id: u64) -> [u8; JOURNAL_HEADER] {
     h[8..12].copy_from_slice(&VERSION.to_le_bytes());
     h[12..16].copy_from_slice(&rank.to_le_bytes());
     h[16..24].copy_from_slice(&id.to_le_bytes());
-    let crc = crc32::crc32(&h[..24]);
+    let crc = crc32(&h[..24]);
     h[24..].copy_from_slice(&crc.to_le_bytes());
     h
 }
@@ -176,7 +185,7 @@ impl ShardFiles {
     pub(crate) fn append(&mut self, record: &[u8]) -> Result<(), KvError> {
         let mut header = [0u8; RECORD_HEADER];
         header[..8].copy_from_slice(&(record.len() as u64).to_le_bytes());
-        header[8..].copy_from_slice(&crc32::crc32(record).to_le_bytes());
+        header[8..].copy_from_slice(&crc32(record).to_le_bytes());
         self.journal
             .write_all(&header)
             .and_then(|()| self.journal.write_all(record))
@@ -218,7 +227,7 @@ impl ShardFiles {
         header[12..16].copy_from_slice(&rank.to_le_bytes());
         header[16..24].copy_from_slice(&id.to_le_bytes());
         header[24..32].copy_from_slice(&(snapshot.len() as u64).to_le_bytes());
-        let crc = crc32::crc32_parts(&[&header[..32], snapshot]);
+        let crc = crc32_parts(&[&header[..32], snapshot]);
         header[32..].copy_from_slice(&crc.to_le_bytes());
         File::create(&tmp)
             .and_then(|mut f| {
@@ -350,7 +359,7 @@ fn read_snapshot_file(bytes: &[u8], rank: u32) -> Result<(u64, &[u8]), KvError> 
             body.len()
         )));
     }
-    if crc32::crc32_parts(&[&bytes[..32], body]) != u32_at(bytes, 32) {
+    if crc32_parts(&[&bytes[..32], body]) != u32_at(bytes, 32) {
         return Err(bad("checksum mismatch".into()));
     }
     Ok((u64_at(bytes, 16), body))
@@ -387,7 +396,7 @@ pub fn replay_journal(
     if of != rank {
         return Err(bad(format!("written by server {of}, not {rank}")));
     }
-    if crc32::crc32(&header[..24]) != u32_at(&header, 24) {
+    if crc32(&header[..24]) != u32_at(&header, 24) {
         return Err(bad("its header fails its checksum".into()));
     }
     let mut done = Replayed::default();
@@ -424,7 +433,7 @@ pub fn replay_journal(
         }
         record.resize(n as usize, 0);
         input.read_exact(&mut record).map_err(read_error)?;
-        if crc32::crc32(&record) != crc {
+        if crc32(&record) != crc {
             if n == room {
                 done.torn = left;
                 return Ok(done);
