@@ -76,7 +76,7 @@ fn check_msg(bytes: &[u8]) {
             CommandKind::SetCompression => {
                 let _ = psnet_compression::CompressionParams::parse(body);
             }
-            CommandKind::SetMode => {}
+            CommandKind::SetMode | CommandKind::Checkpoint => {}
         }
     }
 }

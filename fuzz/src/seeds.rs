@@ -47,7 +47,17 @@ pub fn all() -> Vec<Seed> {
     seeds.extend(verbs_wire());
     seeds.extend(verbs_handshake());
     seeds.extend(compression());
+    seeds.extend(kv_checkpoint());
     seeds
+}
+
+/// A fresh server's snapshot, read as a snapshot (mode 0) and as a journal file (mode 1).
+fn kv_checkpoint() -> Vec<Seed> {
+    let snapshot = psnet_kv::proto::server::ServerState::new(2).snapshot();
+    vec![
+        seed("kv_checkpoint", "snapshot-fresh", cat(&[0], &snapshot)),
+        seed("kv_checkpoint", "journal-file-guess", cat(&[1], &snapshot)),
+    ]
 }
 
 fn frame(kind: FrameKind, meta: &[u8], segments: &[&[u8]], limits: &Limits) -> Vec<u8> {
