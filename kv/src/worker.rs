@@ -170,6 +170,12 @@ pub(crate) async fn answer(rx: oneshot::Receiver<Reply>) -> Reply {
 }
 
 /// A worker of a kv job, over any transport.
+///
+/// Its heartbeats and its receiving run as tasks on the runtime it was joined on. On a
+/// current-thread runtime, a caller that computes for longer than `PS_HEARTBEAT_TIMEOUT`
+/// without awaiting starves them, and the scheduler declares this worker dead: compute in
+/// `spawn_blocking` / `block_in_place` on a multi-thread runtime, or use the blocking front
+/// end ([`crate::blocking::KvStore`]), which runs its own runtime threads.
 pub struct Worker<T: Transport> {
     pub(crate) shared: Arc<Shared<T>>,
     tasks: Vec<JoinHandle<()>>,
