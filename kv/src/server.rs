@@ -50,6 +50,8 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
     let heard = Heard::new(crate::clock::now());
     // The first node the scheduler declared failed: the job cannot end well after it.
     let mut failure: Option<(NodeId, String)> = None;
+    // Why workers said they are leaving, by rank.
+    let mut leaving: std::collections::BTreeMap<u32, String> = std::collections::BTreeMap::new();
     loop {
         // A wait for the next message means everything that reached this server was read:
         // only then does the scheduler's silence count (see `Heard`).
@@ -88,6 +90,11 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
                         }
                         failure.get_or_insert((id, reason));
                     }
+                    // A worker about to fail says why: when its connection ends, that is the
+                    // cause this server reports to the others.
+                    (Msg::Leaving { reason }, Some(rank)) => {
+                        leaving.insert(rank, reason);
+                    }
                     (Msg::Shutdown, _) if from == SCHEDULER => break,
                     // The scheduler's answer to a heartbeat: heard above.
                     (Msg::Heartbeat, _) if from == SCHEDULER => {}
@@ -104,6 +111,9 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
                         return Err(KvError::NodeLost { node, reason });
                     }
                     if let Some(rank) = worker_rank(peer) {
+                        let reason = leaving
+                            .remove(&rank)
+                            .map_or(reason, |why| format!("it left: {why}"));
                         state.handle_worker_lost(rank, &reason);
                     }
                 }

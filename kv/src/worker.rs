@@ -93,6 +93,18 @@ impl<T: Transport> Shared<T> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Sends `Leaving` messages, all at once and bounded by [`LOSS_GRACE`]: a peer that does
+    /// not read is not waited for.
+    async fn tell(&self, messages: Vec<(NodeId, Msg)>) {
+        if messages.is_empty() {
+            return;
+        }
+        let sends = messages
+            .iter()
+            .map(|(to, msg)| self.link.send(*to, msg, None));
+        let _ = tokio::time::timeout(LOSS_GRACE, futures_util::future::join_all(sends)).await;
+    }
+
     /// Hands one received event to the state.
     fn handle(&self, event: crate::wire::Received) {
         let ended = {
@@ -236,10 +248,7 @@ impl<T: Transport> Worker<T> {
                     shared.state().handle_waiting(crate::clock::now(), false);
                     // Said before the calls fail: the application may exit right after.
                     let tell = shared.state().leaving_before(&event);
-                    if let Some((to, msg)) = tell {
-                        let send = shared.link.send(to, &msg, None);
-                        let _ = tokio::time::timeout(LOSS_GRACE, send).await;
-                    }
+                    shared.tell(tell).await;
                     shared.handle(event);
                 }
                 shared.state().handle_closed();
@@ -256,10 +265,18 @@ impl<T: Transport> Worker<T> {
                 let mut tick = tokio::time::interval(period);
                 loop {
                     tick.tick().await;
+                    let silence = shared.state().scheduler_silence(crate::clock::now());
+                    if let Some(reason) = &silence {
+                        // Said before the calls fail: the application may exit right after.
+                        let tell = shared.state().leaving(SCHEDULER, reason);
+                        shared.tell(tell).await;
+                    }
                     let (ended, lost) = {
                         let mut state = shared.state();
-                        let lost = state.handle_timeout(crate::clock::now());
-                        (state.is_shutdown(), lost)
+                        if let Some(reason) = silence {
+                            state.handle_lost(SCHEDULER, reason);
+                        }
+                        (state.is_shutdown(), state.scheduler_lost().is_some())
                     };
                     if lost {
                         shared.ended.notify_one();

@@ -400,27 +400,32 @@ impl WorkerState {
         }
     }
 
-    /// What to tell the scheduler before `event` is handled (and the worker's calls fail):
-    /// a worker that lost a server says so (`Leaving`). The scheduler may see this worker's
-    /// connection close before the server's; with this, it names the server, not the worker.
-    pub fn leaving_before(&self, event: &Received) -> Option<(NodeId, Msg)> {
+    /// What to tell before `event` is handled (and the worker's calls fail): a worker that
+    /// lost a server says so (`Leaving`) to the scheduler and the other servers. They may see
+    /// this worker's connection close before the server's; with this, they name the server,
+    /// not the worker.
+    pub fn leaving_before(&self, event: &Received) -> Vec<(NodeId, Msg)> {
         match event {
-            Received::Lost { peer, reason }
-                if is_server(*peer)
-                    && !self.shutdown
-                    && !self.finalizing
-                    && !self.dead.contains_key(peer)
-                    && !self.dead.contains_key(&SCHEDULER) =>
-            {
-                Some((
-                    SCHEDULER,
-                    Msg::Leaving {
-                        reason: format!("{} is gone: {reason}", describe(*peer)),
-                    },
-                ))
-            }
-            _ => None,
+            Received::Lost { peer, reason } if is_server(*peer) => self.leaving(*peer, reason),
+            _ => Vec::new(),
         }
+    }
+
+    /// The `Leaving` messages a worker about to fail because `cause` is gone sends to every
+    /// live peer its failure reaches (the scheduler and the servers, `cause` aside); none
+    /// while the job ends normally or once `cause` was already known lost.
+    pub fn leaving(&self, cause: NodeId, reason: &str) -> Vec<(NodeId, Msg)> {
+        if self.shutdown || self.finalizing || self.dead.contains_key(&cause) {
+            return Vec::new();
+        }
+        let msg = Msg::Leaving {
+            reason: format!("{} is gone: {reason}", describe(cause)),
+        };
+        std::iter::once(SCHEDULER)
+            .chain(self.servers.iter().copied())
+            .filter(|to| *to != cause && !self.dead.contains_key(to))
+            .map(|to| (to, msg.clone()))
+            .collect()
     }
 
     /// A message from `from` that could not be read: if it answers a request of this worker
@@ -457,11 +462,21 @@ impl WorkerState {
     /// worker had caught up with what reached it, counts as lost. Returns true when that
     /// happened now.
     pub fn handle_timeout(&mut self, now: Instant) -> bool {
-        let Some(limit) = self.heartbeat_timeout else {
-            return false;
-        };
+        match self.scheduler_silence(now) {
+            Some(reason) => {
+                self.handle_lost(SCHEDULER, reason);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Why the scheduler counts as lost at `now`, if it does (see [`Self::handle_timeout`]);
+    /// the driver tells the servers ([`Self::leaving`]) before it hands the loss over.
+    pub fn scheduler_silence(&mut self, now: Instant) -> Option<String> {
+        let limit = self.heartbeat_timeout?;
         if self.shutdown || self.dead.contains_key(&SCHEDULER) {
-            return false;
+            return None;
         }
         if self
             .waiting_since
@@ -473,18 +488,13 @@ impl WorkerState {
             .caught_up
             .min(now)
             .saturating_duration_since(self.scheduler_heard);
-        if quiet <= limit {
-            return false;
-        }
-        self.handle_lost(
-            SCHEDULER,
+        (quiet > limit).then(|| {
             format!(
                 "silent for {:.1} s (PS_HEARTBEAT_TIMEOUT={} s): stopped or cut off",
                 quiet.as_secs_f64(),
                 limit.as_secs_f64()
-            ),
-        );
-        true
+            )
+        })
     }
 
     /// This worker's transport closed: nothing more will be answered, barriers included.

@@ -180,32 +180,35 @@ fn keys_are_laid_out_and_checked() {
 }
 
 #[test]
-fn a_worker_losing_a_server_tells_the_scheduler_first_and_only_then() {
+fn a_worker_about_to_fail_tells_the_scheduler_and_the_other_servers_why_once() {
     let now = Instant::now();
     let mut s = state(now);
     let lost = |peer| Received::Lost {
         peer,
         reason: "closed by the peer".into(),
     };
+    let leaving = |reason: &str| Msg::Leaving {
+        reason: reason.into(),
+    };
+    let why = "server 1 (node 10) is gone: closed by the peer";
     assert_eq!(
         s.leaving_before(&lost(S1)),
-        Some((
-            SCHEDULER,
-            Msg::Leaving {
-                reason: "server 1 (node 10) is gone: closed by the peer".into()
-            }
-        ))
+        vec![(SCHEDULER, leaving(why)), (S0, leaving(why))]
     );
-    // Not for another worker, nor for the scheduler itself.
-    assert_eq!(s.leaving_before(&lost(node_id(Role::Worker, 1))), None);
-    assert_eq!(s.leaving_before(&lost(SCHEDULER)), None);
-    // Once: a server already known lost is not reported again.
+    // Not for another worker, nor for the scheduler's end (its silence is told separately).
+    assert!(s.leaving_before(&lost(node_id(Role::Worker, 1))).is_empty());
+    assert!(s.leaving_before(&lost(SCHEDULER)).is_empty());
+    // Once: a server already known lost is not reported again, and not told.
     s.handle_received(lost(S1), now);
-    assert_eq!(s.leaving_before(&lost(S1)), None);
+    assert!(s.leaving_before(&lost(S1)).is_empty());
+    assert_eq!(
+        s.leaving(SCHEDULER, "silent"),
+        vec![(S0, leaving("the scheduler (node 1) is gone: silent"))]
+    );
     // Nor while the job ends (servers close after their shutdown).
     let mut done = state(now);
     done.handle_finalize_sent();
-    assert_eq!(done.leaving_before(&lost(S0)), None);
+    assert!(done.leaving_before(&lost(S0)).is_empty());
 }
 
 #[test]
