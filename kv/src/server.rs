@@ -3,7 +3,6 @@
 //! its checkpoint ([`crate::checkpoint`]): journal records before the answers that follow
 //! them, snapshots as they come.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use psnet_transport::{NodeId, Transport};
@@ -15,15 +14,19 @@ use crate::error::KvError;
 use crate::proto::ids::{self, describe, Role, SCHEDULER};
 use crate::proto::msg::Msg;
 use crate::proto::server::{Output, Push, ServerState};
-use crate::proto::sum;
 use crate::reliable::Link;
 use crate::wire::Received;
+
+mod answers;
+
+use answers::Answers;
 
 /// Joins the job as a server over `transport` (bound and listening) and serves until the
 /// scheduler ends the job.
 pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result<(), KvError> {
     let mut joined = bootstrap::join(config, transport).await?;
     let link = joined.link.clone();
+    let mut answers = Answers::new(link.clone());
     let num_workers = joined.num_workers();
     let mut state = ServerState::new(num_workers).with_key_limit(config.server_key_bytes);
     let period = heartbeat_period(config);
@@ -136,7 +139,7 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
                 let _ = tokio::time::timeout(period, link.send(SCHEDULER, &Msg::Heartbeat, None)).await;
             }
         }
-        if let Err(e) = flush(&link, &mut state, files.as_mut()) {
+        if let Err(e) = flush(&mut answers, &mut state, files.as_mut()) {
             // An acknowledgement must never go out for a change the journal lacks: stop.
             tracing::error!(error = %e, "cannot write the checkpoint; this server stops");
             let reason = format!("server {} cannot write its checkpoint: {e}", joined.rank);
@@ -185,13 +188,14 @@ fn heard_from_scheduler(event: Received, heard: &Heard) -> Received {
     event
 }
 
-/// Sends every answer the state has ready, each in its own task: answers to different workers
-/// go out in parallel, and the loop goes on taking requests meanwhile. Values are shared with
+/// Queues every answer the state has ready for its worker's sending task ([`Answers`]):
+/// answers to different workers go out in parallel, each worker's in order, and the loop goes
+/// on taking requests meanwhile. Values are shared with
 /// the state, not copied. Journal records are written (and flushed to disk with
 /// `PSNET_CHECKPOINT_FSYNC=1`) before any answer that follows them; an error writing one is
 /// returned before anything after it is sent.
 fn flush<T: Transport>(
-    link: &Arc<Link<T>>,
+    answers: &mut Answers<T>,
     state: &mut ServerState,
     mut files: Option<&mut ShardFiles>,
 ) -> Result<(), KvError> {
@@ -229,14 +233,7 @@ fn flush<T: Transport>(
         if let Some(files) = files.as_deref_mut() {
             files.sync()?;
         }
-        let link = link.clone();
-        tokio::spawn(async move {
-            let to = ids::node_id(Role::Worker, rank);
-            let bytes = value.as_deref().map(|v| sum::as_bytes(v));
-            if let Err(e) = link.send(to, &msg, bytes).await {
-                tracing::debug!(worker = rank, error = %e, "answer lost");
-            }
-        });
+        answers.send(rank, msg, value);
     }
     Ok(())
 }
