@@ -33,7 +33,7 @@ use tokio::sync::oneshot;
 
 mod rogue;
 
-use rogue::job::{complete_round, honest_round, loopback, Job, Setup, KEY, LEN};
+use rogue::job::{end_round_and_job, honest_round, loopback, Job, Setup, KEY, LEN};
 use rogue::watch::{peak_bytes, HUGE};
 use rogue::{
     assert_names, compressed_push, f32_bytes, init_msg, pull_msg, push_msg, refused,
@@ -84,9 +84,7 @@ async fn wrong_value_counts_and_sizes_are_refused_naming_them() {
     assert_names(&e, &["key 2", "not f32 values"]);
     let e = refused(r.request(s, pull_msg(2, 4), &[]).await);
     assert_names(&e, &["key 2", "before it was initialized"]);
-    go.send(()).unwrap();
-    complete_round(&mut job, honest).await;
-    job.finish().await;
+    end_round_and_job(job, go, honest).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -106,9 +104,7 @@ async fn unknown_keys_and_pushes_before_init_are_refused() {
     assert_names(&e, &["key 99", "pushed before it was initialized"]);
     let e = refused(job.rogue.request(s, pull_msg(99, 4), &[]).await);
     assert_names(&e, &["key 99", "pulled before it was initialized"]);
-    go.send(()).unwrap();
-    complete_round(&mut job, honest).await;
-    job.finish().await;
+    end_round_and_job(job, go, honest).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -141,9 +137,7 @@ async fn huge_claimed_counts_are_refused_without_allocating() {
     let big = vec![0u8; 2 << 20];
     let e = refused(r.request(s, init_msg(3, (2 << 20) / 4), &[&big]).await);
     assert_names(&e, &["key 3", "PSNET_KV_SERVER_KEY_BYTES=1048576"]);
-    go.send(()).unwrap();
-    complete_round(&mut job, honest).await;
-    job.finish().await;
+    end_round_and_job(job, go, honest).await;
     assert!(
         peak_bytes() < HUGE,
         "the process held {} bytes at once",
@@ -350,14 +344,12 @@ async fn malformed_metadata(setup: Setup, resend: bool) {
     r.send_raw(SCHEDULER, &[VERSION, 3, 0], &[]).await.unwrap();
     let e = refused(r.answer(SCHEDULER, 0).await);
     assert_names(&e, &["scheduler could not read", "bad group"]);
-    go.send(()).unwrap();
-    complete_round(&mut job, honest).await;
-    job.finish().await;
+    end_round_and_job(job, go, honest).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_registration_is_refused_and_the_job_goes_on() {
-    let mut job = Job::start(Setup::default()).await;
+    let job = Job::start(Setup::default()).await;
     let (go, gate) = oneshot::channel();
     let honest = honest_round(&job, gate);
     job.rogue.barrier(Group::WORKERS).await;
@@ -393,9 +385,7 @@ async fn a_second_registration_is_refused_and_the_job_goes_on() {
     let root = job.rogue.addr_of(SCHEDULER);
     let e = late.connect(SCHEDULER, root).await.unwrap_err();
     assert_names(&e.to_string(), &["registrations are closed"]);
-    go.send(()).unwrap();
-    complete_round(&mut job, honest).await;
-    job.finish().await;
+    end_round_and_job(job, go, honest).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -163,3 +163,15 @@ pub async fn complete_round(job: &mut Job, honest: tokio::task::JoinHandle<Vec<f
     assert_eq!(honest.await.expect("honest task"), vec![3.0; LEN]);
     assert!(job.server_running());
 }
+
+/// Lets the honest worker's round go (`go`), completes it with the rogue's push, checks the
+/// honest worker's sum and that the server still runs, then ends the job cleanly.
+pub async fn end_round_and_job(
+    mut job: Job,
+    go: oneshot::Sender<()>,
+    honest: tokio::task::JoinHandle<Vec<f32>>,
+) {
+    go.send(()).expect("the honest worker waits");
+    complete_round(&mut job, honest).await;
+    job.finish().await;
+}

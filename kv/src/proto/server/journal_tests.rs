@@ -1,14 +1,13 @@
 //! Journal records come out before the answers that acknowledge their change, on every path;
 //! damaged snapshots and records are errors, never panics.
 
-use bytes::Bytes;
 use proptest::prelude::*;
 use psnet_compression::CompressionParams;
 
 use super::harness::{command, run, Disk, Job, Op, LIMIT};
-use super::{fuzz_decode, Mode, Output, Push, ServerState};
-use crate::proto::msg::{CommandKind, PushFlags};
-use crate::proto::sum;
+use super::tests::push;
+use super::{fuzz_decode, Mode, Output, ServerState};
+use crate::proto::msg::CommandKind;
 
 fn outputs(s: &mut ServerState) -> Vec<Output> {
     std::iter::from_fn(|| s.poll_output()).collect()
@@ -16,17 +15,6 @@ fn outputs(s: &mut ServerState) -> Vec<Output> {
 
 fn done(rank: u32, ts: u64, value: Option<u64>) -> Output {
     Output::Done { rank, ts, value }
-}
-
-fn push(rank: u32, ts: u64, key: u64, values: &[f32]) -> Push {
-    Push {
-        rank,
-        ts,
-        key,
-        flags: PushFlags::default(),
-        n_elems: values.len() as u64,
-        payload: Bytes::copy_from_slice(sum::as_bytes(values)),
-    }
 }
 
 /// The kinds of `out`: `J` journal, `S` snapshot, `D` done, `F` failed.

@@ -6,7 +6,7 @@ fn bytes_of(v: &[f32]) -> Bytes {
     Bytes::copy_from_slice(sum::as_bytes(v))
 }
 
-fn push(rank: u32, ts: u64, key: u64, values: &[f32]) -> Push {
+pub(super) fn push(rank: u32, ts: u64, key: u64, values: &[f32]) -> Push {
     Push {
         rank,
         ts,
