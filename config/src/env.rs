@@ -220,6 +220,8 @@ crate::declare_env_vars! {
         "kv servers with PSNET_CHECKPOINT_DIR: a fresh snapshot (and empty journal) once some key has had this many updates (dist_sync rounds or dist_async pushes) since the last; 0: only when a worker asks (save_checkpoint). The journal holds up to about this many updates of every key.";
     PSNET_CHECKPOINT_FSYNC = "PSNET_CHECKPOINT_FSYNC", "0",
         "kv servers with PSNET_CHECKPOINT_DIR: 1 flushes the journal to disk (fdatasync) before acknowledging what it records, so that acknowledged updates survive a machine crash; 0 only writes it to the kernel first, which survives the server process dying. Snapshots are always flushed.";
+    PSNET_RECOVERY_TIMEOUT = "PSNET_RECOVERY_TIMEOUT", "",
+        "kv: seconds the job waits for a lost server to be restarted with the same DMLC_SERVER_ID and PSNET_CHECKPOINT_DIR and rejoin (it reloads its shard; workers hold their requests to it and send again what it had not answered); past it the loss ends the job. Default: 60 with PSNET_CHECKPOINT_DIR set, else 0 (a lost server ends the job at once). Set it the same on every node.";
     PSNET_KV_SERIAL_SENDS = "PSNET_KV_SERIAL_SENDS", "0",
         "Benchmarks only: 1 makes a worker send a call's requests one server after another (the parts of a sharded key wait for each other's sends) instead of to all servers at once, to measure what sending in parallel gains.";
     PSNET_COMPRESSION_SIMD = "PSNET_COMPRESSION_SIMD", "",

@@ -202,6 +202,7 @@ fn kv() -> Vec<Seed> {
                     init: false,
                     compressed: true,
                     pull_back: true,
+                    retry: None,
                 },
                 n_elems: 1000,
             },
@@ -215,6 +216,45 @@ fn kv() -> Vec<Seed> {
             },
         ),
         ("done", Msg::Done { ts: 5 }),
+        (
+            "push-retry",
+            Msg::Push {
+                ts: 11,
+                key: 42,
+                flags: PushFlags {
+                    init: false,
+                    compressed: false,
+                    pull_back: true,
+                    retry: Some(17),
+                },
+                n_elems: 1000,
+            },
+        ),
+        (
+            "rejoined",
+            Msg::Rejoined {
+                node: NodeInfo {
+                    id: NodeId(8),
+                    role: Role::Server,
+                    rank: 0,
+                    addr,
+                    token: Proof([5; psnet_transport::PROOF_LEN]),
+                },
+            },
+        ),
+        (
+            "reassign",
+            Msg::Reassign {
+                your_id: NodeId(8),
+                nodes: vec![NodeInfo {
+                    id: NodeId(8),
+                    role: Role::Server,
+                    rank: 0,
+                    addr,
+                    token: Proof([6; psnet_transport::PROOF_LEN]),
+                }],
+            },
+        ),
         (
             "failed",
             Msg::Failed {

@@ -29,6 +29,11 @@ pub struct Joined<T: Transport> {
     /// What arrived during the start-up barrier that is not part of it (a worker that left
     /// the barrier first may already be pushing): the node's loop handles these first.
     pub early: Vec<Received>,
+    /// Who may connect: learns the token of a server that rejoins.
+    pub admission: Arc<JobAdmission>,
+    /// This node took back the id of a lost server in a running job (`Reassign`): no
+    /// start-up barrier was held, and its shard is to be reloaded.
+    pub rejoined: bool,
 }
 
 impl<T: Transport> Joined<T> {
@@ -75,7 +80,7 @@ pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joine
         None,
     )
     .await?;
-    let (id, nodes) = loop {
+    let (id, nodes, rejoined) = loop {
         let event = timeout_at(deadline, wire::recv(&transport))
             .await
             .map_err(|_| {
@@ -89,7 +94,11 @@ pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joine
             Received::Msg {
                 msg: Msg::Assign { your_id, nodes },
                 ..
-            } => break (your_id, nodes),
+            } => break (your_id, nodes, false),
+            Received::Msg {
+                msg: Msg::Reassign { your_id, nodes },
+                ..
+            } if config.role == Role::Server => break (your_id, nodes, true),
             Received::Msg {
                 msg: Msg::NodeFailed { reason, .. },
                 ..
@@ -109,10 +118,15 @@ pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joine
     let (role, rank) = ids::role_rank(id)
         .filter(|(r, _)| *r == config.role)
         .ok_or_else(|| KvError::Bootstrap(format!("the scheduler assigned an invalid id {id}")))?;
-    tracing::info!(node = %describe(id), addr = %listen, "joined the job");
+    if rejoined {
+        tracing::warn!(node = %describe(id), addr = %listen, "rejoined the running job");
+    } else {
+        tracing::info!(node = %describe(id), addr = %listen, "joined the job");
+    }
     // Reconnect to the scheduler under the assigned id. From here on, messages go through
     // the link (PS_RESEND, if on, covers every message between assigned ids).
-    transport.set_admission(Arc::new(JobAdmission::member(&nodes)));
+    let admission = Arc::new(JobAdmission::member(&nodes));
+    transport.set_admission(admission.clone());
     transport.set_local_id(id);
     let link = Link::new(Arc::new(transport), config.resend);
     link.learn_nodes(&nodes);
@@ -121,8 +135,13 @@ pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joine
     transport.disconnect(SCHEDULER);
     transport.connect(SCHEDULER, config.root).await?;
     // After this barrier every node answers under its assigned id, so workers can dial the
-    // servers and check who answers.
-    let early = barrier_inline(&link, Group::ALL, deadline).await?;
+    // servers and check who answers. A rejoining server finds the job past it: the workers
+    // dial it when the scheduler tells them it is back.
+    let early = if rejoined {
+        Vec::new()
+    } else {
+        barrier_inline(&link, Group::ALL, deadline).await?
+    };
     if role == Role::Worker {
         for server in nodes.iter().filter(|n| n.role == Role::Server) {
             link.transport().connect(server.id, server.addr).await?;
@@ -134,6 +153,8 @@ pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joine
         rank,
         nodes,
         early,
+        admission,
+        rejoined,
     })
 }
 

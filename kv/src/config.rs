@@ -17,8 +17,8 @@ pub use psnet_config::env::{
     DMLC_NUM_SERVER, DMLC_NUM_WORKER, DMLC_PS_ROOT_PORT, DMLC_PS_ROOT_URI, DMLC_ROLE,
     DMLC_SERVER_ID, DMLC_WORKER_ID, MXNET_KVSTORE_BIGARRAY_BOUND, PSNET_BOOTSTRAP_TIMEOUT,
     PSNET_CHECKPOINT_DIR, PSNET_CHECKPOINT_EVERY, PSNET_CHECKPOINT_FSYNC,
-    PSNET_KV_SERVER_KEY_BYTES, PS_HEARTBEAT_INTERVAL, PS_HEARTBEAT_TIMEOUT, PS_RESEND,
-    PS_RESEND_TIMEOUT,
+    PSNET_KV_SERVER_KEY_BYTES, PSNET_RECOVERY_TIMEOUT, PS_HEARTBEAT_INTERVAL, PS_HEARTBEAT_TIMEOUT,
+    PS_RESEND, PS_RESEND_TIMEOUT,
 };
 
 /// Everything a kv node needs to join a job.
@@ -66,7 +66,14 @@ pub struct KvConfig {
     pub checkpoint_every: u64,
     /// Flush the journal to disk before acknowledging (`PSNET_CHECKPOINT_FSYNC`).
     pub checkpoint_fsync: bool,
+    /// How long the job waits for a lost server to be restarted and rejoin
+    /// (`PSNET_RECOVERY_TIMEOUT`; None: a lost server ends the job at once). Every node must
+    /// agree: the scheduler holds the server's rank for it, workers hold their requests.
+    pub recovery_timeout: Option<Duration>,
 }
+
+/// `PSNET_RECOVERY_TIMEOUT`'s default with `PSNET_CHECKPOINT_DIR` set.
+pub const DEFAULT_RECOVERY_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Half the machine's memory (`MemTotal` in `/proc/meminfo`), or 16 GiB where it cannot be
 /// read: the default bound on a server's key values.
@@ -184,6 +191,7 @@ impl KvConfig {
             checkpoint_dir: None,
             checkpoint_every: 100,
             checkpoint_fsync: false,
+            recovery_timeout: None,
         }
     }
 
@@ -191,8 +199,8 @@ impl KvConfig {
     /// `DMLC_NUM_WORKER`, `PS_HEARTBEAT_INTERVAL`, `PS_HEARTBEAT_TIMEOUT`,
     /// `MXNET_KVSTORE_BIGARRAY_BOUND`, `PSNET_BOOTSTRAP_TIMEOUT`, `PS_RESEND`,
     /// `PS_RESEND_TIMEOUT`, `PSNET_KV_SERVER_KEY_BYTES`, `DMLC_WORKER_ID` / `DMLC_SERVER_ID`,
-    /// `PSNET_CHECKPOINT_DIR`, `PSNET_CHECKPOINT_EVERY`, `PSNET_CHECKPOINT_FSYNC`.
-    /// A missing or malformed variable is an error naming it.
+    /// `PSNET_CHECKPOINT_DIR`, `PSNET_CHECKPOINT_EVERY`, `PSNET_CHECKPOINT_FSYNC`,
+    /// `PSNET_RECOVERY_TIMEOUT`. A missing or malformed variable is an error naming it.
     pub fn from_env() -> Result<Self, ConfigError> {
         let role_text = DMLC_ROLE.require()?;
         let role = Role::parse(&role_text).ok_or_else(|| ConfigError::Invalid {
@@ -237,6 +245,10 @@ impl KvConfig {
             checkpoint_dir: PSNET_CHECKPOINT_DIR.get().map(PathBuf::from),
             checkpoint_every: PSNET_CHECKPOINT_EVERY.parse_or_default()?,
             checkpoint_fsync: flag(PSNET_CHECKPOINT_FSYNC)?,
+            recovery_timeout: match PSNET_RECOVERY_TIMEOUT.get() {
+                Some(_) => seconds(PSNET_RECOVERY_TIMEOUT)?,
+                None => PSNET_CHECKPOINT_DIR.get().map(|_| DEFAULT_RECOVERY_TIMEOUT),
+            },
         })
     }
 
@@ -250,6 +262,13 @@ impl KvConfig {
     /// (`PSNET_CHECKPOINT_EVERY`; 0: only when a worker asks).
     pub fn checkpoint_every(mut self, every: u64) -> Self {
         self.checkpoint_every = every;
+        self
+    }
+
+    /// How long a lost server may take to restart and rejoin (`PSNET_RECOVERY_TIMEOUT`;
+    /// None: a lost server ends the job at once).
+    pub fn recovery_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.recovery_timeout = timeout;
         self
     }
 

@@ -62,6 +62,16 @@ pub enum KvError {
         /// What was wrong.
         reason: String,
     },
+    /// The server asked was restarted and rejoined the job before it answered: the request
+    /// must be sent again (the kv calls do so themselves; no call returns this). `retry`:
+    /// for a push, the number to send in [`PushFlags::retry`](crate::proto::msg::PushFlags).
+    #[error("{node} restarted before it answered: the request is sent again")]
+    Rejoined {
+        /// The server.
+        node: String,
+        /// A push's place among this worker's pushes of its key (None: not a push).
+        retry: Option<u64>,
+    },
     /// A server checkpoint (snapshot or journal) could not be written or read: names the
     /// file, or what is wrong with its contents.
     #[error("checkpoint: {0}")]

@@ -28,7 +28,7 @@ use psnet_transport::Transport;
 use crate::error::KvError;
 use crate::proto::msg::PushFlags;
 use crate::proto::worker::{Layout, PreparedPart};
-use crate::worker::{answer, fill, Worker};
+use crate::worker::{fill, Worker};
 
 /// A worker's push and pull of buffers on one GPU.
 pub struct GpuKv<'w, T: Transport> {
@@ -101,9 +101,9 @@ impl<'w, T: Transport> GpuKv<'w, T> {
         let result = async {
             let staged = self.stage(key, values, false, &mut staging)?;
             let host = host_of(&staging.values)?;
-            let rxs = self.worker.send_pushes(&staged.parts, &[host]).await?;
-            for rx in rxs {
-                answer(rx).await?;
+            let waits = self.worker.send_pushes(&staged.parts, &[host]).await?;
+            for wait in waits {
+                self.worker.shared.settle(wait).await?;
             }
             Ok(())
         }
@@ -143,14 +143,17 @@ impl<'w, T: Transport> GpuKv<'w, T> {
         let mut staging = self.take_staging(key, out.len())?;
         let result = async {
             let staged = self.stage(key, values, true, &mut staging)?;
-            let rxs = {
+            // Every answer first: a server that restarts gets the staged values again.
+            let mut values = Vec::with_capacity(staged.parts.len());
+            {
                 let host = host_of(&staging.values)?;
-                self.worker.send_pushes(&staged.parts, &[host]).await?
-            };
+                for wait in self.worker.send_pushes(&staged.parts, &[host]).await? {
+                    values.push(self.worker.shared.settle(wait).await?);
+                }
+            }
             // The answers overwrite the staged values: the push has left by now.
             let host = host_of_mut(&mut staging.values)?;
-            for ((_, pp), rx) in staged.parts.iter().zip(rxs) {
-                let value = answer(rx).await?;
+            for ((_, pp), value) in staged.parts.iter().zip(values) {
                 let p = pp.part;
                 let from = self.worker.shared.servers[p.server];
                 fill(key, &mut host[p.offset..p.offset + p.len], value, from)?;
@@ -181,6 +184,7 @@ impl<'w, T: Transport> GpuKv<'w, T> {
             init: false,
             compressed,
             pull_back,
+            retry: None,
         };
         let Some((scheme, threshold)) = compression else {
             // cudarc records a pinned buffer's event only when it tracks several streams:

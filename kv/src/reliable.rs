@@ -149,6 +149,18 @@ impl<T: Transport> Link<T> {
         }
     }
 
+    /// `node` was restarted and took its id back: it listens at a new address, and with
+    /// `PS_RESEND` its sequence numbers start again, so whatever this link had in flight
+    /// with the old process is forgotten (the kv calls send their requests again).
+    pub fn rejoined(&self, node: &NodeInfo) {
+        if let Some(r) = &self.inner.resend {
+            let mut s = r.lock();
+            s.addrs.insert(node.id, node.addr);
+            s.resender.forget_peer(node.id);
+            s.lost.retain(|(peer, _)| *peer != node.id);
+        }
+    }
+
     /// [`Link::learn`] for every node of the job.
     pub fn learn_nodes(&self, nodes: &[NodeInfo]) {
         for n in nodes {

@@ -52,7 +52,8 @@ impl<T: Transport> Scheduler<T> {
             t.listen_addr(),
             config.heartbeat_timeout,
             Box::new(random_token),
-        );
+        )
+        .with_recovery(config.recovery_timeout);
         let admission = Arc::new(JobAdmission::scheduler(state.token()));
         t.set_admission(admission.clone());
         let started = Instant::now();
@@ -99,17 +100,30 @@ impl<T: Transport> Scheduler<T> {
                 }
             }
             while let Some((to, msg)) = state.poll_transmit() {
-                if let Msg::Assign { nodes, .. } = &msg {
-                    // Where to redial nodes whose connection drops (PS_RESEND), and the
-                    // tokens they will prove their assigned ids with.
-                    link.learn_nodes(nodes);
-                    admission.learn(nodes);
-                    admission.close_registrations();
+                match &msg {
+                    Msg::Assign { nodes, .. } => {
+                        // Where to redial nodes whose connection drops (PS_RESEND), and the
+                        // tokens they will prove their assigned ids with.
+                        link.learn_nodes(nodes);
+                        admission.learn(nodes);
+                    }
+                    // A restarted server: its new address and token, and (PS_RESEND) a
+                    // fresh start with the new process.
+                    Msg::Reassign { your_id, nodes } => {
+                        if let Some(node) = nodes.iter().find(|n| n.id == *your_id) {
+                            link.rejoined(node);
+                            admission.learn(std::slice::from_ref(node));
+                        }
+                    }
+                    _ => {}
                 }
                 if let Err(e) = link.send(to, &msg, None).await {
                     tracing::debug!(to = %describe(to), error = %e, "scheduler could not deliver");
                 }
             }
+            // Nobody registers once every node is assigned, but a restarted server may while
+            // a lost one's rank is held.
+            admission.set_registrations(state.takes_registrations());
             if state.is_finished() {
                 break;
             }

@@ -28,8 +28,21 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
     let link = joined.link.clone();
     let mut answers = Answers::new(link.clone());
     let num_workers = joined.num_workers();
-    let mut state = ServerState::new(num_workers).with_key_limit(config.server_key_bytes);
     let period = heartbeat_period(config);
+    let mut state = if joined.rejoined {
+        match reload(config, joined.rank, num_workers) {
+            Ok(state) => state,
+            Err(e) => {
+                let reason = format!("server {} cannot rejoin: {e}", joined.rank);
+                tracing::error!(%reason);
+                leave(&link, num_workers, &reason, period).await;
+                return Err(e);
+            }
+        }
+    } else {
+        ServerState::new(num_workers)
+    }
+    .with_key_limit(config.server_key_bytes);
     let mut files = match &config.checkpoint_dir {
         None => None,
         Some(dir) => {
@@ -158,6 +171,29 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
     }
     tracing::info!(node = %describe(joined.id), "server done");
     Ok(())
+}
+
+/// The shard of a server that took back a lost server's rank: its checkpoint, without
+/// which it cannot rejoin (it would answer with values the job never had).
+fn reload(config: &KvConfig, rank: u32, num_workers: u32) -> Result<ServerState, KvError> {
+    let Some(dir) = &config.checkpoint_dir else {
+        return Err(KvError::Checkpoint(
+            "it has no PSNET_CHECKPOINT_DIR to reload its shard from".into(),
+        ));
+    };
+    let started = std::time::Instant::now();
+    let state = crate::checkpoint::load_shard(dir, rank, num_workers, config.server_key_bytes)?
+        .ok_or_else(|| {
+            KvError::Checkpoint(format!("no snapshot of server {rank} in {}", dir.display()))
+        })?;
+    tracing::warn!(
+        rank,
+        keys = state.keys().len(),
+        seq = state.seq(),
+        ms = started.elapsed().as_millis() as u64,
+        "reloaded the shard"
+    );
+    Ok(state)
 }
 
 /// Tells every worker why this server is about to exit, then closes: their errors then name

@@ -18,16 +18,19 @@ use crate::bootstrap::{self, heartbeat_period};
 use crate::config::KvConfig;
 use crate::error::KvError;
 use crate::placement::Placement;
+use crate::proto::admission::JobAdmission;
 use crate::proto::ids::{describe, Group, Role, SCHEDULER};
-use crate::proto::msg::{CommandKind, Msg, PushFlags};
+use crate::proto::msg::{CommandKind, Msg, NodeInfo, PushFlags};
 use crate::proto::resend::Stats;
 use crate::proto::server::Mode;
 use crate::proto::sum;
-use crate::proto::worker::{PreparedPart, Reply, WorkerState};
+use crate::proto::worker::{Asked, PreparedPart, Reply, WorkerState};
 use crate::reliable::Link;
 use crate::updater::OptimizerSpec;
+use crate::wire::Received;
 
 /// What one request asks of a server; its id is given when it is sent.
+#[derive(Clone)]
 enum Ask {
     Push {
         key: u64,
@@ -45,6 +48,26 @@ enum Ask {
 }
 
 impl Ask {
+    /// What the worker's state keeps of it.
+    fn asked(&self) -> Asked {
+        match self {
+            Ask::Push { key, flags, .. } => Asked::Push {
+                key: *key,
+                init: flags.init,
+            },
+            _ => Asked::Other,
+        }
+    }
+
+    /// The same request, to send again to a restarted server (a push with its place
+    /// among this worker's pushes of the key).
+    fn again(mut self, retry: Option<u64>) -> Self {
+        if let Ask::Push { flags, .. } = &mut self {
+            flags.retry = retry;
+        }
+        self
+    }
+
     fn into_msg(self, ts: u64) -> Msg {
         match self {
             Ask::Push {
@@ -70,11 +93,24 @@ struct Outgoing<'a> {
     value: Option<&'a [u8]>,
 }
 
+/// A request sent and waiting for its answer, with what it takes to send it again if its
+/// server restarts first.
+pub(crate) struct Wait<'a> {
+    sent: Outgoing<'a>,
+    rx: oneshot::Receiver<Reply>,
+}
+
+/// Dials of a rejoined server before its requests are sent anyway (and fail): 10 ms, then
+/// twice as long each time, about 1.3 s in all.
+const REDIALS: u32 = 8;
+
 /// How long a failed send waits for the receiver to report the peer's loss with its cause.
 const LOSS_GRACE: std::time::Duration = std::time::Duration::from_millis(250);
 
 pub(crate) struct Shared<T: Transport> {
     link: Arc<Link<T>>,
+    /// Learns a rejoined server's new token.
+    admission: Arc<JobAdmission>,
     /// Fixed at join: read without the lock.
     rank: u32,
     pub(crate) servers: Vec<NodeId>,
@@ -105,6 +141,30 @@ impl<T: Transport> Shared<T> {
         let _ = tokio::time::timeout(LOSS_GRACE, futures_util::future::join_all(sends)).await;
     }
 
+    /// A server rejoined (`Rejoined` from the scheduler): accept its new token, redial it at
+    /// its new address, then let the state have the event, which sends again what waited on
+    /// it. A server that cannot be dialled fails those requests when they are sent.
+    async fn reconnect(&self, node: &NodeInfo) {
+        self.admission.learn(std::slice::from_ref(node));
+        self.link.rejoined(node);
+        let t = self.link.transport();
+        t.disconnect(node.id);
+        let mut pause = std::time::Duration::from_millis(10);
+        for attempt in 1..=REDIALS {
+            match t.connect(node.id, node.addr).await {
+                Ok(()) => return,
+                Err(e) if attempt == REDIALS => {
+                    tracing::warn!(node = %describe(node.id), addr = %node.addr, error = %e,
+                        "cannot dial the rejoined server");
+                }
+                Err(_) => {
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+            }
+        }
+    }
+
     /// Hands one received event to the state.
     fn handle(&self, event: crate::wire::Received) {
         let ended = {
@@ -121,19 +181,16 @@ impl<T: Transport> Shared<T> {
     /// (A large send completes only once its bytes are out, after its RDMA WRITE on verbs: one
     /// server after another would serialize the parts of a sharded key.) The receivers come
     /// back in the requests' order.
-    async fn send_all(
-        &self,
-        requests: Vec<Outgoing<'_>>,
-    ) -> Result<Vec<oneshot::Receiver<Reply>>, KvError> {
+    async fn send_all<'a>(&self, requests: Vec<Outgoing<'a>>) -> Result<Vec<Wait<'a>>, KvError> {
         if self.serial_sends {
             let mut sent = Vec::with_capacity(requests.len());
             for r in requests {
-                sent.push(self.request(r.to, r.ask, r.value).await?);
+                sent.push(self.request(r).await?);
             }
             return Ok(sent);
         }
         let total = requests.len();
-        let mut by_server: Vec<(NodeId, Vec<(usize, Outgoing<'_>)>)> = Vec::new();
+        let mut by_server: Vec<(NodeId, Vec<(usize, Outgoing<'a>)>)> = Vec::new();
         for (i, r) in requests.into_iter().enumerate() {
             match by_server.iter_mut().find(|(to, _)| *to == r.to) {
                 Some((_, queue)) => queue.push((i, r)),
@@ -143,42 +200,66 @@ impl<T: Transport> Shared<T> {
         let sends = by_server.into_iter().map(|(_, queue)| async move {
             let mut sent = Vec::with_capacity(queue.len());
             for (i, r) in queue {
-                sent.push((i, self.request(r.to, r.ask, r.value).await?));
+                sent.push((i, self.request(r).await?));
             }
             Ok::<_, KvError>(sent)
         });
-        let mut slots: Vec<Option<oneshot::Receiver<Reply>>> = (0..total).map(|_| None).collect();
+        let mut slots: Vec<Option<Wait<'a>>> = (0..total).map(|_| None).collect();
         for sent in futures_util::future::join_all(sends).await {
-            for (i, rx) in sent? {
-                slots[i] = Some(rx);
+            for (i, wait) in sent? {
+                slots[i] = Some(wait);
             }
         }
         // Every slot is filled: each request was sent, or the call failed above.
         Ok(slots.into_iter().flatten().collect())
     }
 
-    /// Registers a request and sends it; the receiver yields the answer.
-    async fn request(
-        &self,
-        to: NodeId,
-        ask: Ask,
-        value: Option<&[u8]>,
-    ) -> Result<oneshot::Receiver<Reply>, KvError> {
-        let (ts, mut rx) = self.state().begin_request(to)?;
-        if let Err(e) = self.link.send(to, &ask.into_msg(ts), value).await {
-            // The peer's loss, with its cause (a `Leaving` or the scheduler's word), may be
-            // on its way through the receiver: an error naming the cause beats "not connected".
-            if let Ok(Ok(Err(cause))) = tokio::time::timeout(LOSS_GRACE, &mut rx).await {
-                return Err(cause);
-            }
-            return Err(self.state().abandon_request(ts, to).unwrap_or(e));
+    /// Registers a request and sends it; the [`Wait`] yields the answer.
+    async fn request<'a>(&self, sent: Outgoing<'a>) -> Result<Wait<'a>, KvError> {
+        let to = sent.to;
+        let (ts, mut rx) = self.state().begin_request(to, sent.ask.asked())?;
+        let msg = sent.ask.clone().into_msg(ts);
+        let Err(e) = self.link.send(to, &msg, sent.value).await else {
+            return Ok(Wait { sent, rx });
+        };
+        // A server that may rejoin: the request waits for it, and goes again then.
+        if self.state().is_recovering(to) {
+            return Ok(Wait { sent, rx });
         }
-        Ok(rx)
+        // The peer's loss, with its cause (a `Leaving` or the scheduler's word), may be on
+        // its way through the receiver: an error naming the cause beats "not connected". So
+        // may the news that the server is lost but may rejoin, or has already.
+        if let Ok(Ok(reply)) = tokio::time::timeout(LOSS_GRACE, &mut rx).await {
+            let (tx, ready) = oneshot::channel();
+            let _ = tx.send(reply);
+            return Ok(Wait { sent, rx: ready });
+        }
+        if self.state().is_recovering(to) {
+            return Ok(Wait { sent, rx });
+        }
+        Err(self.state().abandon_request(ts, to).unwrap_or(e))
     }
-}
 
-pub(crate) async fn answer(rx: oneshot::Receiver<Reply>) -> Reply {
-    rx.await.unwrap_or(Err(KvError::Shutdown))
+    /// The answer to a request; one whose server restarted before answering is sent again
+    /// (as often as that happens: the scheduler ends the wait when a server does not come
+    /// back within `PSNET_RECOVERY_TIMEOUT`).
+    pub(crate) async fn settle(&self, wait: Wait<'_>) -> Reply {
+        let Wait { mut sent, mut rx } = wait;
+        loop {
+            match rx.await.unwrap_or(Err(KvError::Shutdown)) {
+                Err(KvError::Rejoined { node, retry }) => {
+                    tracing::debug!(%node, ?retry, "sending a request again");
+                    let again = Outgoing {
+                        ask: sent.ask.again(retry),
+                        ..sent
+                    };
+                    let wait = self.request(again).await?;
+                    (sent, rx) = (wait.sent, wait.rx);
+                }
+                reply => return reply,
+            }
+        }
+    }
 }
 
 /// A worker of a kv job, over any transport.
@@ -224,9 +305,11 @@ impl<T: Transport> Worker<T> {
             placement,
             config.heartbeat_timeout,
             crate::clock::now(),
-        );
+        )
+        .with_recovery(config.recovery_timeout.is_some());
         let shared = Arc::new(Shared {
             link: joined.link,
+            admission: joined.admission,
             rank: joined.rank,
             servers,
             num_workers,
@@ -249,6 +332,14 @@ impl<T: Transport> Worker<T> {
                     // Said before the calls fail: the application may exit right after.
                     let tell = shared.state().leaving_before(&event);
                     shared.tell(tell).await;
+                    if let Received::Msg {
+                        from: SCHEDULER,
+                        msg: Msg::Rejoined { node },
+                        ..
+                    } = &event
+                    {
+                        shared.reconnect(node).await;
+                    }
                     shared.handle(event);
                 }
                 shared.state().handle_closed();
@@ -363,8 +454,8 @@ impl<T: Transport> Worker<T> {
                 value: None,
             })
             .collect();
-        for rx in self.shared.send_all(requests).await? {
-            answer(rx).await?;
+        for wait in self.shared.send_all(requests).await? {
+            self.shared.settle(wait).await?;
         }
         Ok(())
     }
@@ -454,8 +545,8 @@ impl<T: Transport> Worker<T> {
                     value: Some(sum::as_bytes(&v[p.offset..p.offset + p.len])),
                 })
                 .collect();
-            for rx in self.shared.send_all(requests).await? {
-                answer(rx).await?;
+            for wait in self.shared.send_all(requests).await? {
+                self.shared.settle(wait).await?;
             }
         }
         self.barrier().await
@@ -463,11 +554,11 @@ impl<T: Transport> Worker<T> {
 
     /// Sends every prepared part of the call's pushes (`values[i]` is key i's array), all
     /// servers at once; the receivers come back in the parts' order.
-    pub(crate) async fn send_pushes(
+    pub(crate) async fn send_pushes<'a>(
         &self,
-        parts: &[(usize, PreparedPart)],
-        values: &[&[f32]],
-    ) -> Result<Vec<oneshot::Receiver<Reply>>, KvError> {
+        parts: &'a [(usize, PreparedPart)],
+        values: &[&'a [f32]],
+    ) -> Result<Vec<Wait<'a>>, KvError> {
         let requests = parts
             .iter()
             .map(|(i, pp)| {
@@ -503,8 +594,8 @@ impl<T: Transport> Worker<T> {
             let prepared = self.shared.state().prepare_push(key, v, false)?;
             parts.extend(prepared.into_iter().map(|p| (i, p)));
         }
-        for rx in self.send_pushes(&parts, values).await? {
-            answer(rx).await?;
+        for wait in self.send_pushes(&parts, values).await? {
+            self.shared.settle(wait).await?;
         }
         Ok(())
     }
@@ -537,8 +628,8 @@ impl<T: Transport> Worker<T> {
             })
             .collect();
         let waits = self.shared.send_all(requests).await?;
-        for ((i, key, p), rx) in parts.into_iter().zip(waits) {
-            let value = answer(rx).await?;
+        for ((i, key, p), wait) in parts.into_iter().zip(waits) {
+            let value = self.shared.settle(wait).await?;
             fill(
                 key,
                 &mut outs[i][p.offset..p.offset + p.len],
@@ -576,12 +667,12 @@ impl<T: Transport> Worker<T> {
             parts.extend(prepared.into_iter().map(|p| (i, p)));
         }
         let waits = self.send_pushes(&parts, values).await?;
-        for ((i, pp), rx) in parts.into_iter().zip(waits) {
-            let value = answer(rx).await?;
+        for ((i, pp), wait) in parts.iter().zip(waits) {
+            let value = self.shared.settle(wait).await?;
             let p = pp.part;
             fill(
                 pp.key,
-                &mut outs[i].as_mut()[p.offset..p.offset + p.len],
+                &mut outs[*i].as_mut()[p.offset..p.offset + p.len],
                 value,
                 self.shared.servers[p.server],
             )?;

@@ -259,6 +259,7 @@ async fn commands_that_would_strand_a_round_are_refused() {
             init: true,
             compressed: true,
             pull_back: false,
+            retry: None,
         },
         n_elems: 4,
     };

@@ -27,6 +27,8 @@ use tokio::time::Instant;
 
 #[path = "sim/intruders.rs"]
 mod intruders;
+#[path = "sim/restart.rs"]
+mod restart;
 
 type SimWorker = Worker<MemTransport>;
 
@@ -47,9 +49,13 @@ enum Scenario {
     Freeze,
     /// The scheduler stops mid-run (SIGSTOP): every worker and server must notice.
     SchedulerFreeze,
+    /// A server is killed mid-run and restarted: it rejoins and the job ends as if it had
+    /// never stopped (`dist_sync`; and `dist_async` below).
+    Restart,
+    RestartAsync,
 }
 
-const SCENARIOS: [Scenario; 8] = [
+const SCENARIOS: [Scenario; 10] = [
     Scenario::Sync,
     Scenario::TwoBit,
     Scenario::OneBit,
@@ -58,6 +64,8 @@ const SCENARIOS: [Scenario; 8] = [
     Scenario::Kill,
     Scenario::Freeze,
     Scenario::SchedulerFreeze,
+    Scenario::Restart,
+    Scenario::RestartAsync,
 ];
 
 /// The job a seed draws.
@@ -109,6 +117,11 @@ impl Plan {
         }
     }
 
+    /// `dist_async` rather than `dist_sync`.
+    fn is_async(&self) -> bool {
+        matches!(self.scenario, Scenario::Async | Scenario::RestartAsync)
+    }
+
     fn compression(&self) -> Option<CompressionParams> {
         match self.scenario {
             Scenario::TwoBit => Some(CompressionParams::two_bit(0.5).unwrap()),
@@ -134,9 +147,9 @@ fn grad(plan: &Plan, rank: u32, round: u32, key: usize) -> Vec<f32> {
         plan.seed ^ (u64::from(rank) << 48) ^ (u64::from(round) << 32) ^ key as u64,
     );
     (0..plan.lens[key])
-        .map(|_| match plan.scenario {
-            Scenario::Async => rng.i32(-4..=4) as f32,
-            _ => rng.i32(-128..128) as f32 / 64.0,
+        .map(|_| match plan.is_async() {
+            true => rng.i32(-4..=4) as f32,
+            false => rng.i32(-128..128) as f32 / 64.0,
         })
         .collect()
 }
@@ -189,31 +202,39 @@ fn reference(plan: &Plan) -> Vec<Vec<Vec<f32>>> {
 
 struct Job {
     net: MemNet,
+    /// Where the scheduler listens.
+    root: std::net::SocketAddr,
     scheduler: JoinHandle<Result<(), KvError>>,
     servers: Vec<JoinHandle<Result<(), KvError>>>,
     workers: Vec<SimWorker>,
 }
 
 async fn start(plan: &Plan) -> Result<Job, String> {
-    start_with(plan, MemNet::with_faults(plan.faults()), None).await
+    start_with(plan, MemNet::with_faults(plan.faults()), None, Plan::config).await
 }
 
-/// Starts `plan`'s job on `net`, every node holding `secret`.
-async fn start_with(plan: &Plan, net: MemNet, secret: Option<Secret>) -> Result<Job, String> {
+/// Starts `plan`'s job on `net`, every node holding `secret` and configured by `config`
+/// (the plan's role, the scheduler's address).
+async fn start_with(
+    plan: &Plan,
+    net: MemNet,
+    secret: Option<Secret>,
+    config: impl Fn(&Plan, Role, std::net::SocketAddr) -> KvConfig,
+) -> Result<Job, String> {
     let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
     let bind = |id| net.bind_with_secret(id, secret.clone());
-    let scheduler = Scheduler::new(&plan.config(Role::Scheduler, any), bind(SCHEDULER));
+    let scheduler = Scheduler::new(&config(plan, Role::Scheduler, any), bind(SCHEDULER));
     let root = scheduler.addr();
     let scheduler = tokio::spawn(scheduler.run());
     let servers = (0..plan.servers)
         .map(|_| {
-            let (c, t) = (plan.config(Role::Server, root), bind(NodeId(0)));
+            let (c, t) = (config(plan, Role::Server, root), bind(NodeId(0)));
             tokio::spawn(async move { run_server(&c, t).await })
         })
         .collect();
     let joins: Vec<_> = (0..plan.workers)
         .map(|_| {
-            let (c, t) = (plan.config(Role::Worker, root), bind(NodeId(0)));
+            let (c, t) = (config(plan, Role::Worker, root), bind(NodeId(0)));
             tokio::spawn(async move { SimWorker::join(&c, t).await })
         })
         .collect();
@@ -224,6 +245,7 @@ async fn start_with(plan: &Plan, net: MemNet, secret: Option<Secret>) -> Result<
     workers.sort_by_key(|w| w.rank());
     Ok(Job {
         net,
+        root,
         scheduler,
         servers,
         workers,
@@ -236,7 +258,7 @@ async fn work(plan: Arc<Plan>, w: Arc<SimWorker>) -> Result<Vec<Vec<Vec<f32>>>, 
     if let Some(c) = plan.compression() {
         w.set_gradient_compression(c).await?;
     }
-    if plan.scenario == Scenario::Async {
+    if plan.is_async() {
         w.set_mode(Mode::Async).await?;
     }
     w.set_optimizer(&OptimizerSpec::parse(r#"{"type":"test","rescale_grad":1.0}"#).unwrap())
@@ -251,7 +273,7 @@ async fn work(plan: Arc<Plan>, w: Arc<SimWorker>) -> Result<Vec<Vec<Vec<f32>>>, 
         for key in 0..plan.lens.len() {
             let g = grad(&plan, w.rank(), round, key);
             let mut out = vec![0.0; g.len()];
-            if plan.scenario == Scenario::Async {
+            if plan.is_async() {
                 w.push(key as u64, &g).await?;
             } else {
                 w.pushpull(key as u64, &g, &mut out).await?;
@@ -260,7 +282,7 @@ async fn work(plan: Arc<Plan>, w: Arc<SimWorker>) -> Result<Vec<Vec<Vec<f32>>>, 
         }
         pulled.push(now);
     }
-    if plan.scenario == Scenario::Async {
+    if plan.is_async() {
         w.barrier().await?;
         let mut last = Vec::new();
         for (key, &n) in plan.lens.iter().enumerate() {
@@ -302,7 +324,7 @@ async fn finish_healthy(plan: Arc<Plan>, job: Job) -> Result<(), String> {
         let (w, r) = t.await.unwrap();
         let rank = w.rank();
         let pulled = r.map_err(|e| format!("worker {rank}: {e}"))?;
-        if plan.scenario == Scenario::Async {
+        if plan.is_async() {
             // Every push applied exactly once, in whatever order: integers sum exactly.
             let last = expected.last().unwrap();
             for (key, got) in pulled.last().unwrap().iter().enumerate() {
@@ -506,6 +528,9 @@ fn run_seed(seed: u64) -> Result<Plan, (Plan, String)> {
             match p.scenario {
                 Scenario::Kill | Scenario::Freeze | Scenario::SchedulerFreeze => {
                     failing_job(p.clone()).await
+                }
+                Scenario::Restart | Scenario::RestartAsync => {
+                    restart::restarted_server_job(p.clone()).await
                 }
                 _ => healthy_job(p.clone()).await,
             }

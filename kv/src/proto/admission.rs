@@ -52,7 +52,13 @@ impl JobAdmission {
 
     /// Stops letting in provisional ids: once every node is assigned, nobody registers.
     pub fn close_registrations(&self) {
-        self.registrations.store(false, Ordering::Release);
+        self.set_registrations(false);
+    }
+
+    /// Lets provisional ids in (registrations) or not: the scheduler opens them again
+    /// while a lost server's rank is held for it to rejoin.
+    pub fn set_registrations(&self, open: bool) {
+        self.registrations.store(open, Ordering::Release);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<NodeId, Proof>> {

@@ -99,22 +99,35 @@ pub struct PushFlags {
     pub compressed: bool,
     /// Answer with the updated value once the round completes (push-pull in one exchange).
     pub pull_back: bool,
+    /// Sent again to a server that restarted and rejoined the job: how many of this worker's
+    /// pushes of this key that server acknowledged before this one. The push is this
+    /// worker's update number `n` (from 0) of the key, so a server whose key has taken that
+    /// update already (it was applied and journaled, but the answer died with the server)
+    /// answers it without applying it twice. An init sent again is answered without
+    /// storing it when the key exists.
+    pub retry: Option<u64>,
 }
 
 impl PushFlags {
     fn bits(self) -> u8 {
-        u8::from(self.init) | (u8::from(self.compressed) << 1) | (u8::from(self.pull_back) << 2)
+        u8::from(self.init)
+            | (u8::from(self.compressed) << 1)
+            | (u8::from(self.pull_back) << 2)
+            | (u8::from(self.retry.is_some()) << 3)
     }
 
-    fn from_bits(b: u8) -> Result<Self, DecodeError> {
-        if b & !0b111 != 0 {
+    /// The flags of `b`; a retry's count is read after the push's other fields.
+    fn from_bits(b: u8) -> Result<(Self, bool), DecodeError> {
+        if b & !0b1111 != 0 {
             return Err(DecodeError::Invalid("unknown push flags"));
         }
-        Ok(PushFlags {
+        let flags = PushFlags {
             init: b & 1 != 0,
             compressed: b & 2 != 0,
             pull_back: b & 4 != 0,
-        })
+            retry: None,
+        };
+        Ok((flags, b & 8 != 0))
     }
 }
 
@@ -136,6 +149,21 @@ pub enum Msg {
         your_id: NodeId,
         /// All nodes, scheduler included.
         nodes: Vec<NodeInfo>,
+    },
+    /// Scheduler to a restarted server that registered for the rank of a server the job lost:
+    /// its old id again (with a fresh token) and every node; the job is running, so there is
+    /// no start-up barrier.
+    Reassign {
+        /// The node's id, the lost server's.
+        your_id: NodeId,
+        /// All nodes, scheduler included.
+        nodes: Vec<NodeInfo>,
+    },
+    /// Scheduler to the other members: a lost server was restarted and took its id back; it
+    /// listens at a new address and proves its id with a new token.
+    Rejoined {
+        /// The server as it is now.
+        node: NodeInfo,
     },
     /// Node to scheduler: entering a barrier of `group`.
     Barrier {
@@ -386,6 +414,11 @@ impl Writer {
     fn addr(&mut self, a: SocketAddr) -> &mut Self {
         self.str(&a.to_string())
     }
+    fn node(&mut self, n: &NodeInfo) -> &mut Self {
+        self.u64(n.id.0).u8(n.role.code()).u32(n.rank).addr(n.addr);
+        self.0.bytes(&n.token.0);
+        self
+    }
 }
 
 /// The kv codec's fields over the shared bounded little-endian reader.
@@ -426,6 +459,15 @@ impl<'a> Reader<'a> {
     fn role(&mut self) -> Result<Role, DecodeError> {
         Role::from_code(self.u8()?).ok_or(DecodeError::Invalid("unknown role"))
     }
+    fn node(&mut self) -> Result<NodeInfo, DecodeError> {
+        Ok(NodeInfo {
+            id: NodeId(self.u64()?),
+            role: self.role()?,
+            rank: self.u32()?,
+            addr: self.addr()?,
+            token: Proof(self.take(PROOF_LEN)?.try_into().expect("16 bytes")),
+        })
+    }
     fn group(&mut self) -> Result<Group, DecodeError> {
         let g = self.u8()?;
         if g == 0 || g & !7 != 0 {
@@ -453,6 +495,8 @@ impl Msg {
             Msg::Done { .. } => 13,
             Msg::Failed { .. } => 14,
             Msg::Leaving { .. } => 15,
+            Msg::Rejoined { .. } => 16,
+            Msg::Reassign { .. } => 17,
         }
     }
 
@@ -486,12 +530,14 @@ impl Msg {
                     .addr(*addr)
                     .u32(rank_hint.unwrap_or(NO_RANK_HINT));
             }
-            Msg::Assign { your_id, nodes } => {
+            Msg::Assign { your_id, nodes } | Msg::Reassign { your_id, nodes } => {
                 w.u64(your_id.0).u32(nodes.len().min(MAX_NODES) as u32);
                 for n in nodes.iter().take(MAX_NODES) {
-                    w.u64(n.id.0).u8(n.role.code()).u32(n.rank).addr(n.addr);
-                    w.0.bytes(&n.token.0);
+                    w.node(n);
                 }
+            }
+            Msg::Rejoined { node } => {
+                w.node(node);
             }
             Msg::Barrier { group } | Msg::BarrierDone { group } => {
                 w.u8(group.0);
@@ -516,6 +562,9 @@ impl Msg {
                 n_elems,
             } => {
                 w.u64(*ts).u64(*key).u8(flags.bits()).u64(*n_elems);
+                if let Some(n) = flags.retry {
+                    w.u64(n);
+                }
             }
             Msg::Pull { ts, key, n_elems } => {
                 w.u64(*ts).u64(*key).u64(*n_elems);
@@ -546,7 +595,7 @@ impl Msg {
                 addr: r.addr()?,
                 rank_hint: Some(r.u32()?).filter(|&h| h != NO_RANK_HINT),
             },
-            2 => {
+            tag @ (2 | 17) => {
                 let your_id = NodeId(r.u64()?);
                 let count = r.u32()? as usize;
                 if count > MAX_NODES {
@@ -555,16 +604,15 @@ impl Msg {
                 // Each entry takes at least 33 bytes: bound the allocation by the input.
                 let mut nodes = Vec::with_capacity(count.min(r.0.remaining() / 33));
                 for _ in 0..count {
-                    nodes.push(NodeInfo {
-                        id: NodeId(r.u64()?),
-                        role: r.role()?,
-                        rank: r.u32()?,
-                        addr: r.addr()?,
-                        token: Proof(r.take(PROOF_LEN)?.try_into().expect("16 bytes")),
-                    });
+                    nodes.push(r.node()?);
                 }
-                Msg::Assign { your_id, nodes }
+                if tag == 2 {
+                    Msg::Assign { your_id, nodes }
+                } else {
+                    Msg::Reassign { your_id, nodes }
+                }
             }
+            16 => Msg::Rejoined { node: r.node()? },
             3 => Msg::Barrier { group: r.group()? },
             4 => Msg::BarrierDone { group: r.group()? },
             5 => Msg::BarrierFailed {
@@ -585,12 +633,21 @@ impl Msg {
                     .ok_or(DecodeError::Invalid("unknown command"))?,
                 body: r.str()?,
             },
-            11 => Msg::Push {
-                ts: r.u64()?,
-                key: r.u64()?,
-                flags: PushFlags::from_bits(r.u8()?)?,
-                n_elems: r.u64()?,
-            },
+            11 => {
+                let ts = r.u64()?;
+                let key = r.u64()?;
+                let (mut flags, retry) = PushFlags::from_bits(r.u8()?)?;
+                let n_elems = r.u64()?;
+                if retry {
+                    flags.retry = Some(r.u64()?);
+                }
+                Msg::Push {
+                    ts,
+                    key,
+                    flags,
+                    n_elems,
+                }
+            }
             12 => Msg::Pull {
                 ts: r.u64()?,
                 key: r.u64()?,

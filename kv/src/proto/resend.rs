@@ -473,6 +473,13 @@ impl Resender {
         }
     }
 
+    /// `peer` is a new process under the same id (a restarted server): everything known of
+    /// the old one (its window, sequence numbers, loss) is dropped; both sides start again.
+    pub fn forget_peer(&mut self, peer: NodeId) {
+        self.peers.remove(&peer);
+        self.wake = true;
+    }
+
     /// Whether the connection to `peer` is lost and not yet back.
     pub fn is_down(&self, peer: NodeId) -> bool {
         self.peers.get(&peer).is_some_and(|p| p.down.is_some())

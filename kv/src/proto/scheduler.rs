@@ -8,6 +8,13 @@
 //! wishes a rank (`DMLC_WORKER_ID` / `DMLC_SERVER_ID`, which psnet-launch sets) and the wishes
 //! are a permutation of the role's ranks, they are granted, so that the launcher's
 //! `[worker 1]` is the kv store's worker 1.
+//!
+//! With a recovery timeout ([`SchedulerState::with_recovery`], `PSNET_RECOVERY_TIMEOUT`), a
+//! lost server is not declared failed at once: its rank is held for the timeout, and a
+//! server that registers meanwhile (restarted with the same `DMLC_SERVER_ID`, or any server
+//! when it names none) takes the lost one's id back with a fresh token (`Reassign`); every
+//! other member learns its new address and token (`Rejoined`). Past the timeout the loss is
+//! declared as any other. Workers are not recovered: a lost worker ends the job.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
@@ -47,6 +54,14 @@ pub struct SchedulerState {
     token: Proof,
     /// When time last passed here ([`Self::handle_timeout`]).
     last_tick: Option<Instant>,
+    /// How long a lost server's rank is held for it to rejoin (None: not at all).
+    recovery: Option<Duration>,
+    /// Lost servers whose rank is held: why each was lost, and until when (set at the
+    /// first tick after the loss).
+    recovering: BTreeMap<NodeId, (String, Option<Instant>)>,
+    /// Servers that took their id back, announced to the workers once they connect under it
+    /// (before that, a worker dialling the new address would find a node without the id).
+    rejoining: BTreeMap<NodeId, NodeInfo>,
 }
 
 impl SchedulerState {
@@ -77,7 +92,28 @@ impl SchedulerState {
             shutting_down: false,
             out: VecDeque::new(),
             scheduler_addr: addr,
+            recovery: None,
+            recovering: BTreeMap::new(),
+            rejoining: BTreeMap::new(),
         }
+    }
+
+    /// Holds a lost server's rank for `timeout` (`PSNET_RECOVERY_TIMEOUT`) so that a
+    /// restarted server can take it back (None: a lost server fails the job at once).
+    pub fn with_recovery(mut self, timeout: Option<Duration>) -> Self {
+        self.recovery = timeout;
+        self
+    }
+
+    /// Whether a node without an id may register now: before every node is assigned, and
+    /// afterwards while a lost server's rank is held for it.
+    pub fn takes_registrations(&self) -> bool {
+        !self.is_assigned() || !self.recovering.is_empty()
+    }
+
+    /// Lost servers whose rank is held for them to rejoin.
+    pub fn recovering(&self) -> Vec<NodeId> {
+        self.recovering.keys().copied().collect()
     }
 
     /// The scheduler's own token.
@@ -135,6 +171,9 @@ impl SchedulerState {
             self.out
                 .push_back((from, Msg::NodeFailed { id: from, reason }));
             return;
+        }
+        if self.is_assigned() && role == Role::Server && ids::is_provisional(from) {
+            return self.handle_rejoin(from, addr, rank_hint, now);
         }
         let limit = match role {
             Role::Server => self.num_servers,
@@ -251,10 +290,73 @@ impl SchedulerState {
         }
     }
 
-    /// Any message from an assigned node counts as a sign of life.
+    /// A server registers while the job runs: it takes back the id of a lost server whose
+    /// rank is held (the one it wishes, or the lowest), with a fresh token.
+    fn handle_rejoin(&mut self, from: NodeId, addr: SocketAddr, hint: Option<u32>, now: Instant) {
+        let held = match hint {
+            Some(rank) => {
+                Some(ids::node_id(Role::Server, rank)).filter(|id| self.recovering.contains_key(id))
+            }
+            None => self.recovering.keys().next().copied(),
+        };
+        let Some(id) = held.filter(|_| !self.shutting_down) else {
+            let waiting: Vec<String> = self.recovering.keys().map(|id| describe(*id)).collect();
+            let reason = match (self.recovery, waiting.is_empty(), hint) {
+                (None, _, _) => format!(
+                    "the job already has its {} server(s), and lost servers are not replaced                      (PSNET_RECOVERY_TIMEOUT is 0)",
+                    self.num_servers
+                ),
+                (Some(_), true, _) => format!(
+                    "the job already has its {} server(s) and none is lost: a server may                      rejoin only in place of a lost one",
+                    self.num_servers
+                ),
+                (Some(_), false, Some(rank)) => format!(
+                    "server {rank} (DMLC_SERVER_ID) is not lost; the job waits for {}",
+                    waiting.join(", ")
+                ),
+                (Some(_), false, None) => "the job is ending".into(),
+            };
+            tracing::warn!(%addr, %reason, "refusing a server's registration");
+            self.out
+                .push_back((from, Msg::NodeFailed { id: from, reason }));
+            return;
+        };
+        let (lost, _) = self.recovering.remove(&id).expect("held");
+        let token = (self.tokens)();
+        let Some(member) = self.members.get_mut(&id) else {
+            return;
+        };
+        member.info.addr = addr;
+        member.info.token = token;
+        member.last_seen = now;
+        let info = member.info.clone();
+        tracing::warn!(node = %describe(id), %addr, %lost, "a restarted server took its rank back");
+        let mut nodes = vec![NodeInfo {
+            id: SCHEDULER,
+            role: Role::Scheduler,
+            rank: 0,
+            addr: self.scheduler_addr,
+            token: self.token,
+        }];
+        nodes.extend(self.members.values().map(|m| m.info.clone()));
+        self.out
+            .push_back((from, Msg::Reassign { your_id: id, nodes }));
+        self.rejoining.insert(id, info);
+    }
+
+    /// Any message from an assigned node counts as a sign of life (and a server that took
+    /// its id back and now connects under it is announced to the workers, which dial it).
     pub fn handle_alive(&mut self, from: NodeId, now: Instant) {
         if let Some(m) = self.members.get_mut(&from) {
             m.last_seen = now;
+        }
+        if let Some(info) = self.rejoining.remove(&from) {
+            for to in self.alive() {
+                if matches!(ids::role_rank(to), Some((Role::Worker, _))) {
+                    self.out
+                        .push_back((to, Msg::Rejoined { node: info.clone() }));
+                }
+            }
         }
     }
 
@@ -286,12 +388,12 @@ impl SchedulerState {
         self.check_barrier(group);
     }
 
-    /// Assigned nodes not known dead.
+    /// Assigned nodes not known dead (nor lost and awaited).
     fn alive(&self) -> Vec<NodeId> {
         self.members
             .keys()
             .copied()
-            .filter(|m| !self.dead.contains_key(m))
+            .filter(|m| !self.dead.contains_key(m) && !self.recovering.contains_key(m))
             .collect()
     }
 
@@ -354,11 +456,27 @@ impl SchedulerState {
         if self.shutting_down || ids::is_provisional(id) || self.dead.contains_key(&id) {
             return;
         }
-        if !self.members.contains_key(&id) || self.finalized.contains(&id) {
+        if !self.members.contains_key(&id)
+            || self.finalized.contains(&id)
+            || self.recovering.contains_key(&id)
+        {
             return;
         }
         let why = self.leaving.remove(&id).map(|w| format!("it left: {w}"));
         let reason = why.as_deref().unwrap_or(reason);
+        let server = matches!(ids::role_rank(id), Some((Role::Server, _)));
+        if let (Some(timeout), true) = (self.recovery, server) {
+            tracing::warn!(node = %describe(id), %reason, timeout_s = timeout.as_secs_f64(),
+                "server lost: holding its rank for it to restart (PSNET_RECOVERY_TIMEOUT)");
+            self.rejoining.remove(&id);
+            self.recovering.insert(id, (reason.to_string(), None));
+            return;
+        }
+        self.declare_dead(id, reason);
+    }
+
+    /// Tells every live member that `id` failed, and fails what cannot complete without it.
+    fn declare_dead(&mut self, id: NodeId, reason: &str) {
         tracing::warn!(node = %describe(id), %reason, "node lost");
         self.dead.insert(id, reason.to_string());
         for to in self.alive() {
@@ -383,6 +501,7 @@ impl SchedulerState {
     /// machine stalled), the nodes' silence is its own: their clocks restart instead, so that
     /// a scheduler resumed after a SIGSTOP does not declare a whole healthy job dead.
     pub fn handle_timeout(&mut self, now: Instant) {
+        self.expire_recoveries(now);
         let Some(limit) = self.heartbeat_timeout else {
             return;
         };
@@ -404,7 +523,12 @@ impl SchedulerState {
         let silent: Vec<(NodeId, Duration)> = self
             .members
             .values()
-            .filter(|m| !self.dead.contains_key(&m.info.id) && !self.finalized.contains(&m.info.id))
+            .filter(|m| {
+                let id = &m.info.id;
+                !self.dead.contains_key(id)
+                    && !self.finalized.contains(id)
+                    && !self.recovering.contains_key(id)
+            })
             .filter_map(|m| {
                 let quiet = now.saturating_duration_since(m.last_seen);
                 (quiet > limit).then_some((m.info.id, quiet))
@@ -419,6 +543,30 @@ impl SchedulerState {
                     limit.as_secs()
                 ),
             );
+        }
+    }
+
+    /// Lost servers not back within the recovery timeout are declared failed.
+    fn expire_recoveries(&mut self, now: Instant) {
+        let Some(timeout) = self.recovery else {
+            return;
+        };
+        let mut expired = Vec::new();
+        for (id, (reason, deadline)) in self.recovering.iter_mut() {
+            match deadline {
+                None => *deadline = Some(now + timeout),
+                Some(d) if now >= *d => expired.push((*id, reason.clone())),
+                Some(_) => {}
+            }
+        }
+        for (id, reason) in expired {
+            self.recovering.remove(&id);
+            let reason = format!(
+                "{reason}; not restarted within PSNET_RECOVERY_TIMEOUT={} s",
+                timeout.as_secs_f64()
+            );
+            tracing::warn!(node = %describe(id), %reason, "lost server did not rejoin");
+            self.declare_dead(id, &reason);
         }
     }
 

@@ -151,6 +151,9 @@ struct KeyState {
     round: Round,
     /// Updates applied since the key's init (completed rounds, async pushes).
     updates: u64,
+    /// `dist_async` pushes applied since the key's init, by worker rank (empty until the
+    /// first): a push sent again to a restarted server is found applied by these counts.
+    pushes_by_worker: Vec<u64>,
     /// Updates since the last snapshot (not checkpointed).
     since_snapshot: u64,
 }
@@ -161,6 +164,7 @@ impl KeyState {
             value: Arc::new(value),
             round: Round::default(),
             updates,
+            pushes_by_worker: Vec::new(),
             since_snapshot: 0,
         }
     }
@@ -460,6 +464,15 @@ impl ServerState {
 
     /// A push from a worker.
     pub fn handle_push(&mut self, p: Push) {
+        if self.applied_before(&p) {
+            tracing::debug!(worker = p.rank, key = p.key, retry = ?p.flags.retry,
+                "a push sent again was applied before the restart: answered, not applied");
+            return self.out.push_back(Output::Done {
+                rank: p.rank,
+                ts: p.ts,
+                value: p.flags.pull_back.then_some(p.key),
+            });
+        }
         if p.flags.init {
             return self.init(p);
         }
@@ -469,6 +482,26 @@ impl ServerState {
         match self.mode {
             Mode::Async => self.apply_async(p),
             Mode::Sync => self.add_to_round(p),
+        }
+    }
+
+    /// Whether `p`, sent again after this server restarted ([`PushFlags::retry`]), is a
+    /// change this server had applied (and journaled) before: the worker's `n`-th push of a
+    /// key is in the key's `n`-th `dist_sync` round, so the round count tells; `dist_async`
+    /// counts each worker's pushes. An init sent again finds its key.
+    fn applied_before(&self, p: &Push) -> bool {
+        let (Some(n), Some(k)) = (p.flags.retry, self.keys.get(&p.key)) else {
+            return false;
+        };
+        if p.flags.init {
+            return true;
+        }
+        match self.mode {
+            Mode::Sync => k.updates > n,
+            Mode::Async => k
+                .pushes_by_worker
+                .get(p.rank as usize)
+                .is_some_and(|&applied| applied > n),
         }
     }
 

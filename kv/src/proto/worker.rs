@@ -24,6 +24,27 @@ use crate::wire::Received;
 /// A server's answer: its value, if it carries one.
 pub type Reply = Result<Option<Bytes>, KvError>;
 
+/// What a waiting request asked, as far as sending it again to a restarted server needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Asked {
+    /// A push of `key` (`init`: its initial value).
+    Push {
+        /// The key.
+        key: u64,
+        /// An init.
+        init: bool,
+    },
+    /// A pull or a command: sent again as it was.
+    Other,
+}
+
+/// A request waiting for its answer.
+struct Waiting {
+    to: NodeId,
+    asked: Asked,
+    tx: oneshot::Sender<Reply>,
+}
+
 /// One server's share of a key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Part {
@@ -64,8 +85,16 @@ pub struct WorkerState {
     placement: Placement,
     heartbeat_timeout: Option<Duration>,
     next_ts: u64,
-    /// Requests waiting for an answer: request id to (server asked, where the answer goes).
-    pending: HashMap<u64, (NodeId, oneshot::Sender<Reply>)>,
+    /// Requests waiting for an answer, by request id.
+    pending: HashMap<u64, Waiting>,
+    /// `PSNET_RECOVERY_TIMEOUT` is on: a lost server may be restarted, so requests to it wait
+    /// for the scheduler's word (it rejoined, or it is declared failed).
+    recovery: bool,
+    /// Servers lost while recovery is on, waiting to rejoin: why each was lost.
+    recovering: BTreeMap<NodeId, String>,
+    /// Pushes of a key (not inits) each server acknowledged since this worker defined the
+    /// key: a push sent again to a restarted server says where it stands in that order.
+    acknowledged: HashMap<(NodeId, u64), u64>,
     barrier: Option<(Group, oneshot::Sender<Result<(), KvError>>)>,
     keys: HashMap<u64, Layout>,
     residuals: HashMap<u64, Vec<f32>>,
@@ -115,6 +144,9 @@ impl WorkerState {
             heartbeat_timeout,
             next_ts: 1,
             pending: HashMap::new(),
+            recovery: false,
+            recovering: BTreeMap::new(),
+            acknowledged: HashMap::new(),
             barrier: None,
             keys: HashMap::new(),
             residuals: HashMap::new(),
@@ -128,6 +160,18 @@ impl WorkerState {
             caught_up: now,
             waiting_since: None,
         }
+    }
+
+    /// Holds requests to a lost server until the scheduler says it rejoined or failed
+    /// (`PSNET_RECOVERY_TIMEOUT` on), instead of failing them at once.
+    pub fn with_recovery(mut self, on: bool) -> Self {
+        self.recovery = on;
+        self
+    }
+
+    /// Whether `server` is lost and may come back: requests to it wait.
+    pub fn is_recovering(&self, server: NodeId) -> bool {
+        self.recovering.contains_key(&server)
     }
 
     /// This worker's rank.
@@ -208,6 +252,8 @@ impl WorkerState {
                 .collect(),
         };
         self.keys.insert(key, Layout { len, parts });
+        // An init starts the key's updates again on every server.
+        self.acknowledged.retain(|(_, k), _| *k != key);
     }
 
     /// How many servers a key of `len` elements is spread over (1 below
@@ -261,6 +307,7 @@ impl WorkerState {
                     init: false,
                     compressed: compressed.is_some(),
                     pull_back,
+                    retry: None,
                 },
                 compressed,
             });
@@ -279,11 +326,13 @@ impl WorkerState {
             })
     }
 
-    /// Registers a request to `to`: its id, and where its answer will arrive. Fails at once
-    /// if `to`, a server or the scheduler is known lost.
+    /// Registers a request to `to` asking `asked`: its id, and where its answer will arrive.
+    /// Fails at once if `to`, a server or the scheduler is known lost (a server that may
+    /// still rejoin is not: the request waits for it).
     pub fn begin_request(
         &mut self,
         to: NodeId,
+        asked: Asked,
     ) -> Result<(u64, oneshot::Receiver<Reply>), KvError> {
         if let Some(e) = self.blocking_loss(to) {
             return Err(e);
@@ -291,12 +340,13 @@ impl WorkerState {
         let ts = self.next_ts;
         self.next_ts += 1;
         let (tx, rx) = oneshot::channel();
-        self.pending.insert(ts, (to, tx));
+        self.pending.insert(ts, Waiting { to, asked, tx });
         Ok((ts, rx))
     }
 
     /// The request `ts` could not be sent: forget it. Returns the loss that explains it, if
-    /// one is known by now.
+    /// one is known by now. (To a server that may still rejoin, the driver keeps the request
+    /// instead, see [`Self::is_recovering`]: its answer is then a [`KvError::Rejoined`].)
     pub fn abandon_request(&mut self, ts: u64, to: NodeId) -> Option<KvError> {
         self.pending.remove(&ts);
         self.blocking_loss(to)
@@ -332,9 +382,10 @@ impl WorkerState {
     pub fn entitled(&self, from: NodeId, msg: &Msg) -> bool {
         match msg {
             Msg::Done { ts } | Msg::Failed { ts, .. } => {
-                self.pending.get(ts).is_none_or(|(asked, _)| *asked == from)
+                self.pending.get(ts).is_none_or(|w| w.to == from)
             }
             Msg::NodeFailed { .. }
+            | Msg::Rejoined { .. }
             | Msg::BarrierDone { .. }
             | Msg::BarrierFailed { .. }
             | Msg::Heartbeat
@@ -357,13 +408,16 @@ impl WorkerState {
             }
             Received::Msg { from, msg, value } => match msg {
                 Msg::Done { ts } => {
-                    if let Some((_, tx)) = self.pending.remove(&ts) {
-                        let _ = tx.send(Ok(value));
+                    if let Some(w) = self.pending.remove(&ts) {
+                        if let Asked::Push { key, init: false } = w.asked {
+                            *self.acknowledged.entry((w.to, key)).or_default() += 1;
+                        }
+                        let _ = w.tx.send(Ok(value));
                     }
                 }
                 Msg::Failed { ts, reason } => match self.pending.remove(&ts) {
-                    Some((_, tx)) => {
-                        let _ = tx.send(Err(KvError::Remote {
+                    Some(w) => {
+                        let _ = w.tx.send(Err(KvError::Remote {
                             node: describe(from),
                             reason,
                         }));
@@ -381,7 +435,8 @@ impl WorkerState {
                     }
                 }
                 Msg::BarrierFailed { reason, .. } => self.fail_barrier(reason),
-                Msg::NodeFailed { id, reason } => self.handle_lost(id, reason),
+                Msg::NodeFailed { id, reason } => self.handle_failed(id, reason),
+                Msg::Rejoined { node } => self.handle_rejoined(node.id),
                 Msg::Shutdown => self.shutdown = true,
                 // The scheduler's answer to a heartbeat: heard above.
                 Msg::Heartbeat => {}
@@ -406,7 +461,9 @@ impl WorkerState {
     /// not the worker.
     pub fn leaving_before(&self, event: &Received) -> Vec<(NodeId, Msg)> {
         match event {
-            Received::Lost { peer, reason } if is_server(*peer) => self.leaving(*peer, reason),
+            Received::Lost { peer, reason } if is_server(*peer) && !self.recovery => {
+                self.leaving(*peer, reason)
+            }
             _ => Vec::new(),
         }
     }
@@ -432,9 +489,9 @@ impl WorkerState {
     /// to `from`, that request fails naming it; anything else is logged and dropped.
     fn handle_malformed(&mut self, from: NodeId, exchange: Option<Exchange>, reason: String) {
         if let Some(Exchange::Answer(ts)) = exchange {
-            if matches!(self.pending.get(&ts), Some((asked, _)) if *asked == from) {
-                if let Some((_, tx)) = self.pending.remove(&ts) {
-                    let _ = tx.send(Err(KvError::Protocol {
+            if matches!(self.pending.get(&ts), Some(w) if w.to == from) {
+                if let Some(w) = self.pending.remove(&ts) {
+                    let _ = w.tx.send(Err(KvError::Protocol {
                         node: describe(from),
                         reason: format!("unreadable answer: {reason}"),
                     }));
@@ -499,15 +556,73 @@ impl WorkerState {
 
     /// This worker's transport closed: nothing more will be answered, barriers included.
     pub fn handle_closed(&mut self) {
-        for (_, (_, tx)) in self.pending.drain() {
-            let _ = tx.send(Err(KvError::Shutdown));
+        for (_, w) in self.pending.drain() {
+            let _ = w.tx.send(Err(KvError::Shutdown));
         }
         self.fail_barrier("this worker's transport is closed".into());
     }
 
+    /// The scheduler declared `node` failed: for a server that was awaited, it did not
+    /// rejoin in time, and what waited on it fails now.
+    fn handle_failed(&mut self, node: NodeId, reason: String) {
+        self.recovering.remove(&node);
+        self.handle_lost(node, reason);
+    }
+
+    /// A lost server was restarted and took its id back (the driver has learned its new
+    /// address and token and dialled it): every request still waiting on it is answered
+    /// [`KvError::Rejoined`], so that its call sends it again. A push says how many of this
+    /// worker's pushes of its key the server acknowledged before it (its place in the
+    /// key's order), so that one the server applied before it died is not applied twice.
+    pub fn handle_rejoined(&mut self, server: NodeId) {
+        let lost = self.recovering.remove(&server);
+        if self.dead.contains_key(&server) {
+            return;
+        }
+        tracing::warn!(node = %describe(server), lost = lost.as_deref().unwrap_or("-"),
+            "server rejoined: sending again what it had not answered");
+        let mut waiting: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, w)| w.to == server)
+            .map(|(ts, _)| *ts)
+            .collect();
+        // Sent in request order, so a key's pushes take their places in the order sent.
+        waiting.sort_unstable();
+        let mut ahead: HashMap<u64, u64> = HashMap::new();
+        for ts in waiting {
+            let Some(w) = self.pending.remove(&ts) else {
+                continue;
+            };
+            let retry = match w.asked {
+                Asked::Push { key, init: false } => {
+                    let before = ahead.entry(key).or_default();
+                    let place =
+                        self.acknowledged.get(&(server, key)).copied().unwrap_or(0) + *before;
+                    *before += 1;
+                    Some(place)
+                }
+                Asked::Push { init: true, .. } => Some(0),
+                Asked::Other => None,
+            };
+            let _ = w.tx.send(Err(KvError::Rejoined {
+                node: describe(server),
+                retry,
+            }));
+        }
+    }
+
     /// A node is gone (the transport lost it, the scheduler declared it failed, or it left).
     pub fn handle_lost(&mut self, node: NodeId, reason: String) {
-        if self.shutdown {
+        if self.shutdown || self.dead.contains_key(&node) {
+            return;
+        }
+        if self.recovery && is_server(node) && !self.finalizing {
+            if let std::collections::btree_map::Entry::Vacant(e) = self.recovering.entry(node) {
+                tracing::warn!(node = %describe(node), %reason,
+                    "server lost: waiting for it to restart and rejoin (PSNET_RECOVERY_TIMEOUT)");
+                e.insert(reason);
+            }
             return;
         }
         if self.finalizing && node != SCHEDULER {
@@ -532,12 +647,12 @@ impl WorkerState {
         let ts: Vec<u64> = self
             .pending
             .iter()
-            .filter(|(_, (to, _))| all || *to == node)
+            .filter(|(_, w)| all || w.to == node)
             .map(|(ts, _)| *ts)
             .collect();
         for ts in ts {
-            if let Some((_, tx)) = self.pending.remove(&ts) {
-                let _ = tx.send(Err(KvError::NodeLost {
+            if let Some(w) = self.pending.remove(&ts) {
+                let _ = w.tx.send(Err(KvError::NodeLost {
                     node: describe(node),
                     reason: reason.to_string(),
                 }));

@@ -163,7 +163,7 @@ async fn squatted_job(plan: Arc<Plan>) -> Result<(), String> {
             tokio::spawn(async move { squat(&plan, &net, root, s).await })
         })
         .collect();
-    let job = start_with(&plan, net, Some(secret)).await?;
+    let job = start_with(&plan, net, Some(secret), Plan::config).await?;
     for s in squatters {
         match s.await.unwrap() {
             Ok(rank) => return Err(format!("a squatter took worker rank {rank}")),

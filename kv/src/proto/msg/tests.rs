@@ -3,6 +3,13 @@ use proptest::prelude::*;
 
 fn samples() -> Vec<Msg> {
     let addr: SocketAddr = "127.0.0.1:9000".parse().unwrap();
+    let node = NodeInfo {
+        id: NodeId(10),
+        role: Role::Server,
+        rank: 1,
+        addr,
+        token: psnet_transport::Proof([5; psnet_transport::PROOF_LEN]),
+    };
     vec![
         Msg::Register {
             role: Role::Worker,
@@ -24,6 +31,11 @@ fn samples() -> Vec<Msg> {
                 token: psnet_transport::Proof([3; psnet_transport::PROOF_LEN]),
             }],
         },
+        Msg::Reassign {
+            your_id: NodeId(8),
+            nodes: vec![node.clone(), node.clone()],
+        },
+        Msg::Rejoined { node },
         Msg::Barrier { group: Group::ALL },
         Msg::BarrierDone {
             group: Group::WORKERS,
@@ -59,8 +71,20 @@ fn samples() -> Vec<Msg> {
                 init: false,
                 compressed: true,
                 pull_back: true,
+                retry: None,
             },
             n_elems: 1 << 40,
+        },
+        Msg::Push {
+            ts: 9,
+            key: 3,
+            flags: PushFlags {
+                init: false,
+                compressed: false,
+                pull_back: false,
+                retry: Some(41),
+            },
+            n_elems: 2,
         },
         Msg::Pull {
             ts: 2,

@@ -257,6 +257,7 @@ impl Job {
                         init: false,
                         compressed: compressor.is_some(),
                         pull_back: rng.bool(),
+                        retry: None,
                     },
                     n_elems: n as u64,
                     payload,

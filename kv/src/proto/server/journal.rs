@@ -10,7 +10,7 @@ use crate::proto::msg::{CommandKind, MAX_STRING};
 use crate::proto::sum;
 
 /// Version of the record format.
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 const INIT: u8 = 1;
 const COMMAND: u8 = 2;
 const ROUND: u8 = 3;
@@ -32,6 +32,7 @@ enum Record<'a> {
     },
     Push {
         key: u64,
+        rank: u32,
         compressed: bool,
         payload: &'a [u8],
     },
@@ -71,10 +72,11 @@ pub(super) fn round(seq: u64, key: u64, merged: &[f32]) -> Vec<u8> {
     values(ROUND, seq, key, sum::as_bytes(merged))
 }
 
-/// A `dist_async` push: its payload as received.
-pub(super) fn push(seq: u64, key: u64, compressed: bool, payload: &[u8]) -> Vec<u8> {
-    let mut w = header(seq, PUSH, 17 + payload.len());
+/// A `dist_async` push of worker `rank`: its payload as received.
+pub(super) fn push(seq: u64, key: u64, rank: u32, compressed: bool, payload: &[u8]) -> Vec<u8> {
+    let mut w = header(seq, PUSH, 21 + payload.len());
     w.u64(key)
+        .u32(rank)
         .u8(u8::from(compressed))
         .u64(payload.len() as u64)
         .bytes(payload);
@@ -132,6 +134,7 @@ fn decode(bytes: &[u8]) -> Result<(u64, Record<'_>), String> {
         },
         PUSH => {
             let key = key(&mut r)?;
+            let rank = r.u32().map_err(|_| truncated("the worker rank"))?;
             let compressed = match r.u8().map_err(|_| truncated("the push flags"))? {
                 0 => false,
                 1 => true,
@@ -139,6 +142,7 @@ fn decode(bytes: &[u8]) -> Result<(u64, Record<'_>), String> {
             };
             Record::Push {
                 key,
+                rank,
                 compressed,
                 payload: sized(&mut r, 1, "a push payload")?,
             }
@@ -197,11 +201,12 @@ impl ServerState {
     /// that skips a sequence number (an acknowledged change would be missing) or one that
     /// does not apply to this state is an error, and changes nothing.
     ///
-    /// A record is little-endian: version `1`, tag, `u64` sequence number, then
+    /// A record is little-endian: version `2`, tag, `u64` sequence number, then
     /// * `1` init: `u64` key, `u64` n, n `f32` (the value);
     /// * `2` command: `u8` command code, `u32` length, the body (UTF-8);
     /// * `3` `dist_sync` round: `u64` key, `u64` n, n `f32` (the merged gradient);
-    /// * `4` `dist_async` push: `u64` key, `u8` compressed, `u64` length, the payload.
+    /// * `4` `dist_async` push: `u64` key, `u32` worker rank, `u8` compressed, `u64`
+    ///   length, the payload.
     pub fn apply_journal(&mut self, record: &[u8]) -> Result<bool, KvError> {
         let (seq, record) = decode(record)
             .map_err(|e| KvError::Checkpoint(format!("malformed journal record: {e}")))?;
@@ -245,12 +250,13 @@ impl ServerState {
             }
             Record::Push {
                 key,
+                rank,
                 compressed,
                 payload,
             } => {
                 let n = self.held(key)?;
                 self.check_payload(key, n, compressed, payload.len())?;
-                self.apply_push(key, compressed, payload)
+                self.apply_push(key, rank, compressed, payload)
             }
         }
     }

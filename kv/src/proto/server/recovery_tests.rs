@@ -233,6 +233,7 @@ fn random_ops(seed: u64, len: usize, workers: u32) -> Vec<Op> {
                         init: false,
                         compressed,
                         pull_back: rng.bool(),
+                        retry: None,
                     },
                     n_elems: n as u64,
                     payload: payload.into(),

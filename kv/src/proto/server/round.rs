@@ -69,11 +69,11 @@ impl ServerState {
                 "dist_async needs an optimizer on the servers: call set_optimizer first".into(),
             );
         }
-        if let Err(reason) = self.apply_push(p.key, p.flags.compressed, &p.payload) {
+        if let Err(reason) = self.apply_push(p.key, p.rank, p.flags.compressed, &p.payload) {
             return self.fail(p.rank, p.ts, reason);
         }
         self.commit(Some(p.key), |_, seq| {
-            journal::push(seq, p.key, p.flags.compressed, &p.payload)
+            journal::push(seq, p.key, p.rank, p.flags.compressed, &p.payload)
         });
         self.out.push_back(Output::Done {
             rank: p.rank,
@@ -82,14 +82,21 @@ impl ServerState {
         });
     }
 
-    /// Applies one push of a checked payload to `key` with the updater (`dist_async`, live
-    /// and in replay); `Err` changes nothing.
+    /// Applies one push of worker `rank` of a checked payload to `key` with the updater
+    /// (`dist_async`, live and in replay); `Err` changes nothing.
     pub(super) fn apply_push(
         &mut self,
         key: u64,
+        rank: u32,
         compressed: bool,
         payload: &[u8],
     ) -> Result<(), String> {
+        if rank >= self.num_workers {
+            return Err(format!(
+                "key {key}: a push of worker {rank}, the job has {} workers",
+                self.num_workers
+            ));
+        }
         let updater = self.updater.as_mut().ok_or_else(|| {
             format!("key {key}: a dist_async push needs an optimizer on the servers")
         })?;
@@ -110,6 +117,10 @@ impl ServerState {
         k.round.merged = grad;
         result.map_err(|e| format!("key {key}: update failed: {e}"))?;
         k.updates += 1;
+        if k.pushes_by_worker.is_empty() {
+            k.pushes_by_worker = vec![0; self.num_workers as usize];
+        }
+        k.pushes_by_worker[rank as usize] += 1;
         Ok(())
     }
 

@@ -14,7 +14,7 @@ use crate::updater::OptimizerSpec;
 /// First bytes of a snapshot.
 const MAGIC: &[u8; 8] = b"PSNSHARD";
 /// Version of the snapshot format.
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 
 const NOT_SET: u8 = 0;
 const NO_COMPRESSION: u8 = 1;
@@ -34,13 +34,14 @@ impl ServerState {
     /// under way (see the module docs, "Checkpoints"). Deterministic: equal states give equal
     /// bytes.
     ///
-    /// Little-endian: `PSNSHARD`, `u32` version `1`, `u32` workers, `u64` sequence number,
+    /// Little-endian: `PSNSHARD`, `u32` version `2`, `u32` workers, `u64` sequence number,
     /// `u8` mode (0 `dist_sync`, 1 `dist_async`), `u8` compression (0 not set, 1 none,
     /// 2 2-bit, 3 1-bit, the last two followed by the `f32` threshold), `u8` optimizer
     /// (0 none; 1 followed by `u32` length, its spec's JSON and the updater's state, see
     /// [`Updater::export_state`](crate::updater::Updater::export_state)), `u64` key count,
-    /// then per key in ascending order: `u64` key, `u64` updates, `u64` n, n `f32` (the
-    /// value).
+    /// then per key in ascending order: `u64` key, `u64` updates, `u32` m (0, or the
+    /// workers once a `dist_async` push was applied), m `u64` (`dist_async` pushes applied by
+    /// each worker), `u64` n, n `f32` (the value).
     pub fn snapshot(&self) -> Vec<u8> {
         let values: usize = self.keys.values().map(|k| 32 + 4 * k.value.len()).sum();
         let mut w = LeWriter::with_capacity(64 + values);
@@ -73,8 +74,11 @@ impl ServerState {
             let k = &self.keys[&key];
             w.u64(key)
                 .u64(k.updates)
-                .u64(k.value.len() as u64)
-                .bytes(sum::as_bytes(&k.value));
+                .u32(k.pushes_by_worker.len() as u32);
+            for &count in &k.pushes_by_worker {
+                w.u64(count);
+            }
+            w.u64(k.value.len() as u64).bytes(sum::as_bytes(&k.value));
         }
         w.into_vec()
     }
@@ -167,6 +171,17 @@ impl ServerState {
             }
             previous = Some(key);
             let updates = r.u64().map_err(|_| truncated("an update count"))?;
+            let m = r.u32().map_err(|_| truncated("a worker count"))?;
+            if m != 0 && m != s.num_workers {
+                return Err(bad(format_args!(
+                    "key {key}: pushes counted for {m} workers, the job has {}",
+                    s.num_workers
+                )));
+            }
+            let mut pushes_by_worker = Vec::with_capacity(m as usize);
+            for _ in 0..m {
+                pushes_by_worker.push(r.u64().map_err(|_| truncated("a push count"))?);
+            }
             let n = r.u64().map_err(|_| truncated("a value length"))?;
             if n > (r.remaining() / 4) as u64 {
                 return Err(bad(format_args!(
@@ -184,7 +199,9 @@ impl ServerState {
             }
             let mut value = vec![0f32; n as usize];
             sum::copy_from_le(&mut value, raw);
-            s.keys.insert(key, KeyState::new(value, updates));
+            let mut state = KeyState::new(value, updates);
+            state.pushes_by_worker = pushes_by_worker;
+            s.keys.insert(key, state);
         }
         if !r.is_empty() {
             return Err(bad(format_args!("{} trailing bytes", r.remaining())));

@@ -27,7 +27,7 @@ fn msg(from: NodeId, msg: Msg) -> Received {
 fn job_control_is_taken_only_from_the_node_entitled_to_send_it() {
     let now = Instant::now();
     let mut s = state(now);
-    let (ts, _rx) = s.begin_request(S0).unwrap();
+    let (ts, _rx) = s.begin_request(S0, Asked::Other).unwrap();
     let worker1 = node_id(Role::Worker, 1);
     let control = [
         Msg::Shutdown,
@@ -62,8 +62,8 @@ fn job_control_is_taken_only_from_the_node_entitled_to_send_it() {
 fn answers_reach_their_request_and_failures_name_the_server() {
     let now = Instant::now();
     let mut s = state(now);
-    let (a, mut rx_a) = s.begin_request(S0).unwrap();
-    let (b, mut rx_b) = s.begin_request(S1).unwrap();
+    let (a, mut rx_a) = s.begin_request(S0, Asked::Other).unwrap();
+    let (b, mut rx_b) = s.begin_request(S1, Asked::Other).unwrap();
     assert_ne!(a, b);
     s.handle_received(
         Received::Msg {
@@ -98,7 +98,7 @@ fn answers_reach_their_request_and_failures_name_the_server() {
 fn a_lost_server_fails_every_request_the_barrier_and_later_calls() {
     let now = Instant::now();
     let mut s = state(now);
-    let (_, mut to_s1) = s.begin_request(S1).unwrap();
+    let (_, mut to_s1) = s.begin_request(S1, Asked::Other).unwrap();
     let mut barrier = s.begin_barrier(Group::WORKERS).unwrap();
     s.handle_received(
         Received::Lost {
@@ -112,7 +112,10 @@ fn a_lost_server_fails_every_request_the_barrier_and_later_calls() {
     assert!(err.contains("server 0 (node 8)"), "{err}");
     let err = barrier.try_recv().unwrap().unwrap_err().to_string();
     assert!(err.contains("server 0 (node 8) is gone"), "{err}");
-    let err = s.begin_request(S1).expect_err("refused").to_string();
+    let err = s
+        .begin_request(S1, Asked::Other)
+        .expect_err("refused")
+        .to_string();
     assert!(err.contains("server 0 (node 8)"), "{err}");
     assert!(s.begin_barrier(Group::WORKERS).is_err());
 }
@@ -121,7 +124,7 @@ fn a_lost_server_fails_every_request_the_barrier_and_later_calls() {
 fn a_silent_scheduler_is_lost_after_the_heartbeat_timeout() {
     let t0 = Instant::now();
     let mut s = state(t0);
-    let (_, mut rx) = s.begin_request(S0).unwrap();
+    let (_, mut rx) = s.begin_request(S0, Asked::Other).unwrap();
     s.handle_received(msg(SCHEDULER, Msg::Heartbeat), t0 + Duration::from_secs(5));
     // Then it waits for its next message: nothing is queued for it.
     s.handle_waiting(t0 + Duration::from_secs(5), true);
@@ -215,8 +218,8 @@ fn a_worker_about_to_fail_tells_the_scheduler_and_the_other_servers_why_once() {
 fn an_unreadable_answer_fails_its_request_naming_the_server() {
     let now = Instant::now();
     let mut s = state(now);
-    let (ts, mut rx) = s.begin_request(S0).unwrap();
-    let (other, mut other_rx) = s.begin_request(S1).unwrap();
+    let (ts, mut rx) = s.begin_request(S0, Asked::Other).unwrap();
+    let (other, mut other_rx) = s.begin_request(S1, Asked::Other).unwrap();
     let unreadable = |from, ts| Received::Malformed {
         from,
         exchange: Some(Exchange::Answer(ts)),

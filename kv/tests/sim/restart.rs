@@ -1,0 +1,116 @@
+//! A server killed mid-run and restarted under its rank: it reloads its shard from its
+//! checkpoint, the scheduler gives it its id back, the workers send again what it had not
+//! answered, and the job ends with the values of a job that never lost it.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use psnet_kv::proto::ids::{self, Role};
+use psnet_kv::{run_server, KvConfig};
+use psnet_memnet::MemNet;
+use psnet_transport::NodeId;
+
+use super::{finish_healthy, start_with, Plan};
+
+/// How long the scheduler holds a lost server's rank.
+pub const RECOVERY: Duration = Duration::from_secs(30);
+
+/// This seed's checkpoint directory (removed when dropped).
+pub struct CheckpointDir(pub PathBuf);
+
+impl CheckpointDir {
+    pub fn new(seed: u64) -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("psnet-sim-restart-{}-{seed}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        CheckpointDir(dir)
+    }
+}
+
+impl Drop for CheckpointDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A node's configuration in a job whose servers checkpoint to `dir` every `every` updates
+/// of a key, and may be restarted.
+pub fn config(
+    plan: &Plan,
+    role: Role,
+    root: std::net::SocketAddr,
+    dir: &CheckpointDir,
+) -> KvConfig {
+    let every = plan.seed % 4;
+    plan.config(role, root)
+        .checkpoint_dir(Some(dir.0.clone()))
+        .checkpoint_every(every)
+        .recovery_timeout(Some(RECOVERY))
+}
+
+/// Runs the plan's rounds while one server is killed after a few milliseconds and started
+/// again (with `DMLC_SERVER_ID` = its rank) after up to two seconds: every worker's values,
+/// after every round, must be the reference's, bit for bit; every push applied once.
+pub async fn restarted_server_job(plan: Arc<Plan>) -> Result<(), String> {
+    let mut rng = fastrand::Rng::with_seed(plan.seed.rotate_left(29));
+    // Enough rounds that the kill lands while the job runs (a push-pull takes about two
+    // message delays).
+    let plan = Arc::new(Plan {
+        rounds: 30,
+        ..(*plan).clone()
+    });
+    let dir = Arc::new(CheckpointDir::new(plan.seed));
+    let net = MemNet::with_faults(plan.faults());
+    let mut job = {
+        let dir = dir.clone();
+        start_with(&plan, net, None, move |p, role, root| {
+            config(p, role, root, &dir)
+        })
+        .await?
+    };
+    let rank = rng.u32(0..plan.servers);
+    let victim = ids::node_id(Role::Server, rank);
+    let kill_after = plan.max_delay.max(Duration::from_micros(100)) * rng.u32(1..40);
+    let restart_after = Duration::from_millis(rng.u64(0..2000));
+    let net = job.net.clone();
+    let root = job.root;
+    let restarted = {
+        let (plan, dir) = (plan.clone(), dir.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(kill_after).await;
+            if !net.kill(victim) {
+                return Err(format!("server {rank} was gone before the kill"));
+            }
+            tokio::time::sleep(restart_after).await;
+            let mut c = config(&plan, Role::Server, root, &dir);
+            c.rank_hint = Some(rank);
+            let t = net.bind(NodeId(0));
+            Ok(tokio::spawn(async move { run_server(&c, t).await }))
+        })
+    };
+    // The killed server's task ends with its transport; the others run to the job's end.
+    let old = std::mem::take(&mut job.servers);
+    let finished = {
+        let plan = plan.clone();
+        tokio::spawn(async move { finish_healthy(plan, job).await })
+    };
+    let again = restarted.await.unwrap()?;
+    let mut killed = 0;
+    for s in old {
+        if s.await.unwrap().is_err() {
+            killed += 1;
+        }
+    }
+    finished.await.unwrap()?;
+    again
+        .await
+        .unwrap()
+        .map_err(|e| format!("the restarted server: {e}"))?;
+    if killed != 1 {
+        return Err(format!(
+            "{killed} servers ended in error, expected the killed one"
+        ));
+    }
+    Ok(())
+}
