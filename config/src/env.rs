@@ -220,6 +220,8 @@ crate::declare_env_vars! {
         "kv servers with PSNET_CHECKPOINT_DIR: a fresh snapshot (and empty journal) once some key has had this many updates (dist_sync rounds or dist_async pushes) since the last; 0: only when a worker asks (save_checkpoint). The journal holds up to about this many updates of every key.";
     PSNET_CHECKPOINT_FSYNC = "PSNET_CHECKPOINT_FSYNC", "0",
         "kv servers with PSNET_CHECKPOINT_DIR: 1 flushes the journal to disk (fdatasync) before acknowledging what it records, so that acknowledged updates survive a machine crash; 0 only writes it to the kernel first, which survives the server process dying. Snapshots are always flushed.";
+    PSNET_MAX_RESTARTS = "PSNET_MAX_RESTARTS", "0",
+        "psnet-launch (local jobs; also --max-restarts): restart a kv server that dies up to this many times each, with its rank (DMLC_SERVER_ID), so that it rejoins the job from its checkpoint; needs PSNET_CHECKPOINT_DIR. 0: a dying server stops the job.";
     PSNET_RECOVERY_TIMEOUT = "PSNET_RECOVERY_TIMEOUT", "",
         "kv: seconds the job waits for a lost server to be restarted with the same DMLC_SERVER_ID and PSNET_CHECKPOINT_DIR and rejoin (it reloads its shard; workers hold their requests to it and send again what it had not answered); past it the loss ends the job. Default: 60 with PSNET_CHECKPOINT_DIR set, else 0 (a lost server ends the job at once). Set it the same on every node.";
     PSNET_KV_SERIAL_SENDS = "PSNET_KV_SERIAL_SENDS", "0",

@@ -82,6 +82,10 @@ pub struct JobSpec {
     /// `[scheduler] `), as `mpirun --tag-output` does; otherwise processes write straight to
     /// the launcher's stdout and stderr.
     pub tag_output: bool,
+    /// Local jobs: how many times each server that dies is started again with its rank
+    /// (`PSNET_MAX_RESTARTS`, `--max-restarts`), to rejoin the job from its checkpoint
+    /// (`PSNET_CHECKPOINT_DIR` is required). 0: a dying server stops the job.
+    pub max_restarts: u32,
 }
 
 impl JobSpec {
@@ -96,6 +100,7 @@ impl JobSpec {
             root_port: 0,
             grace: Duration::from_secs(10),
             tag_output: false,
+            max_restarts: env::PSNET_MAX_RESTARTS.parse().ok().flatten().unwrap_or(0),
         }
     }
 }
@@ -297,6 +302,18 @@ pub(crate) fn launch_with(
     let Some(program) = spec.command.first() else {
         return Err(LaunchError::Invalid("no command to launch".into()));
     };
+    let checkpoints = env::PSNET_CHECKPOINT_DIR.is_set()
+        || spec
+            .env
+            .iter()
+            .any(|(k, v)| k == env::PSNET_CHECKPOINT_DIR.name && !v.is_empty());
+    if spec.max_restarts > 0 && !checkpoints {
+        return Err(LaunchError::Invalid(
+            "restarting servers (--max-restarts / PSNET_MAX_RESTARTS) needs PSNET_CHECKPOINT_DIR: \
+             a restarted server reloads its shard from there"
+                .into(),
+        ));
+    }
     let port = if spec.root_port == 0 {
         free_port(&spec.root_host)?
     } else {
@@ -308,7 +325,7 @@ pub(crate) fn launch_with(
     let signals = StopSignals::install()?;
     let mut children: Vec<(Role, u32, Child)> = Vec::new();
     let mut tagger = spec.tag_output.then(Tagger::new);
-    for (role, index) in roles {
+    let mut spawn = |role: Role, index: u32| {
         let mut cmd = command(role, index, port);
         // A group of its own: a signal to the job reaches what the process started, and a
         // terminal's Ctrl-C reaches the launcher, which stops everything in order.
@@ -317,28 +334,34 @@ pub(crate) fn launch_with(
         if tagger.is_some() {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         }
-        match cmd.spawn() {
-            Ok(mut child) => {
-                if let Some(t) = &mut tagger {
-                    t.follow(&mut child, &tag(role, index));
-                }
-                children.push((role, index, child));
-            }
-            Err(source) => {
+        let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
+            role,
+            index,
+            program: program.clone(),
+            source,
+        })?;
+        if let Some(t) = &mut tagger {
+            t.follow(&mut child, &tag(role, index));
+        }
+        Ok(child)
+    };
+    for (role, index) in roles {
+        match spawn(role, index) {
+            Ok(child) => children.push((role, index, child)),
+            Err(e) => {
                 for (_, _, mut c) in children {
                     signal_group(&c, rustix::process::Signal::KILL);
                     let _ = c.wait();
                 }
-                return Err(LaunchError::Spawn {
-                    role,
-                    index,
-                    program: program.clone(),
-                    source,
-                });
+                return Err(e);
             }
         }
     }
-    let outcome = wait_all(children, spec.grace, &signals);
+    let restarts = Restarts {
+        most: spec.max_restarts,
+        spawn: &mut spawn,
+    };
+    let outcome = wait_all(children, spec.grace, &signals, restarts);
     if let Some(t) = tagger {
         t.finish(OUTPUT_DRAIN);
     }
@@ -401,11 +424,20 @@ pub(crate) fn stop_local_scheduler(scheduler: &mut Child) {
 /// How long processes may take to exit after the launcher passed a signal on to them.
 pub(crate) const SIGNAL_GRACE: Duration = Duration::from_secs(5);
 
+/// Servers that die are started again, at most `most` times each, while the job is not
+/// already stopping.
+struct Restarts<'a> {
+    most: u32,
+    spawn: &'a mut dyn FnMut(Role, u32) -> Result<Child, LaunchError>,
+}
+
 fn wait_all(
     mut running: Vec<(Role, u32, Child)>,
     grace: Duration,
     signals: &StopSignals,
+    restarts: Restarts<'_>,
 ) -> Result<Outcome, LaunchError> {
+    let mut restarted: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
     let mut signal: Option<i32> = None;
     let mut ended = Vec::new();
     let mut first_failure: Option<(Role, u32, String, bool)> = None;
@@ -416,6 +448,43 @@ fn wait_all(
             match running[i].2.try_wait().map_err(LaunchError::Wait)? {
                 Some(status) => {
                     let (role, index, _) = running.swap_remove(i);
+                    let used = restarted.get(&index).copied().unwrap_or(0);
+                    let restart = role == Role::Server
+                        && !status.success()
+                        && used < restarts.most
+                        && signal.is_none()
+                        && kill_at.is_none();
+                    if restart {
+                        eprintln!(
+                            "psnet-launch: server {index} exited ({status}); starting it again \
+                             ({} of {}) to rejoin the job from its checkpoint",
+                            used + 1,
+                            restarts.most
+                        );
+                        restarted.insert(index, used + 1);
+                        ended.push(Ended {
+                            role,
+                            index,
+                            status: Some(status),
+                        });
+                        match (restarts.spawn)(role, index) {
+                            Ok(child) => {
+                                running.push((role, index, child));
+                                continue;
+                            }
+                            Err(e) => {
+                                eprintln!("psnet-launch: {e}");
+                                first_failure.get_or_insert((
+                                    role,
+                                    index,
+                                    status.to_string(),
+                                    false,
+                                ));
+                                kill_at.get_or_insert(Instant::now() + grace);
+                                continue;
+                            }
+                        }
+                    }
                     // Blame the process that failed by its own exit: one that stopped
                     // because another failed (EXIT_PEER_FAILED) yields to any other failure,
                     // even one seen in the same poll or during the grace period.
@@ -515,6 +584,48 @@ mod tests {
         let out = launch_local(&spec).unwrap();
         assert!(out.success(), "{out:?}");
         assert_eq!(out.ended.len(), 5);
+    }
+
+    #[test]
+    fn a_dying_server_is_started_again_with_its_rank_up_to_the_limit() {
+        // Server 1 fails on its first two starts (a marker file counts them), then succeeds;
+        // everyone else succeeds at once.
+        let dir = std::env::temp_dir().join(format!("psnet-launch-restart-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = format!(
+            "if [ \"$DMLC_ROLE\" = server ] && [ \"$DMLC_SERVER_ID\" = 1 ]; then \
+               n=$(cat {d}/starts 2>/dev/null || echo 0); echo $((n+1)) > {d}/starts; \
+               [ $n -ge 2 ] || exit 7; fi",
+            d = dir.display()
+        );
+        let mut spec = JobSpec::new(2, 1, vec!["sh".into(), "-c".into(), script]);
+        spec.env
+            .push(("PSNET_CHECKPOINT_DIR".into(), dir.display().to_string()));
+        spec.max_restarts = 2;
+        let out = launch_local(&spec).unwrap();
+        assert!(out.success(), "{out:?}");
+        assert_eq!(
+            out.ended.len(),
+            6,
+            "two failed starts and four processes: {out:?}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.join("starts")).unwrap().trim(),
+            "3"
+        );
+        // One restart fewer than needed: the second failure stops the job, blamed on it.
+        std::fs::remove_file(dir.join("starts")).unwrap();
+        spec.max_restarts = 1;
+        spec.grace = Duration::from_millis(200);
+        let out = launch_local(&spec).unwrap();
+        assert_eq!(out.failure_code(), Some(7), "{out:?}");
+        let (role, index, _) = out.first_failure.expect("failure reported");
+        assert_eq!((role, index), (Role::Server, 1));
+        // Restarts without a checkpoint directory would bring a server back empty: refused.
+        spec.env.clear();
+        let err = launch_local(&spec).unwrap_err().to_string();
+        assert!(err.contains("PSNET_CHECKPOINT_DIR"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

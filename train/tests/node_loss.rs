@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{at, free_port, train, wait_within};
+use common::{at, children, free_port, role_of, train, wait_within};
 
 /// `PS_HEARTBEAT_TIMEOUT` of these jobs, in seconds (heartbeats every 0.2 s).
 const TIMEOUT_S: u64 = 2;
@@ -390,22 +390,6 @@ fn a_network_partition_is_reported_on_both_sides() {
         None,
         "the partition, seen from worker 1",
     );
-}
-
-/// The ids of `pid`'s child processes.
-fn children(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
-}
-
-fn role_of(pid: u32) -> Option<String> {
-    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    env.split(|&b| b == 0)
-        .find_map(|kv| kv.strip_prefix(b"DMLC_ROLE="))
-        .map(|v| String::from_utf8_lossy(v).into_owned())
 }
 
 #[test]

@@ -612,4 +612,6 @@ mod journal_tests;
 #[cfg(test)]
 mod recovery_tests;
 #[cfg(test)]
+mod retry_tests;
+#[cfg(test)]
 mod tests;

@@ -566,7 +566,9 @@ impl WorkerState {
     /// rejoin in time, and what waited on it fails now.
     fn handle_failed(&mut self, node: NodeId, reason: String) {
         self.recovering.remove(&node);
-        self.handle_lost(node, reason);
+        if !self.shutdown && !self.dead.contains_key(&node) {
+            self.declare_lost(node, reason);
+        }
     }
 
     /// A lost server was restarted and took its id back (the driver has learned its new
@@ -625,6 +627,12 @@ impl WorkerState {
             }
             return;
         }
+        self.declare_lost(node, reason);
+    }
+
+    /// `node` is gone for good: what waits on it fails (everything, for a server or the
+    /// scheduler).
+    fn declare_lost(&mut self, node: NodeId, reason: String) {
         if self.finalizing && node != SCHEDULER {
             tracing::debug!(node = %describe(node), %reason, "peer closed while the job ends");
         } else {

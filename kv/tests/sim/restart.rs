@@ -6,10 +6,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use psnet_kv::proto::ids::{self, Role};
-use psnet_kv::{run_server, KvConfig};
+use psnet_kv::proto::ids::{self, describe, Role};
+use psnet_kv::{run_server, KvConfig, KvError};
 use psnet_memnet::MemNet;
 use psnet_transport::NodeId;
+use tokio::time::Instant;
 
 use super::{finish_healthy, start_with, Plan};
 
@@ -43,7 +44,10 @@ pub fn config(
     dir: &CheckpointDir,
 ) -> KvConfig {
     let every = plan.seed % 4;
+    // Some seeds with PS_RESEND: the link forgets the old process's sequence numbers.
+    let resend = ((plan.seed / 10) % 3 == 1).then(|| Duration::from_millis(50));
     plan.config(role, root)
+        .resend(resend)
         .checkpoint_dir(Some(dir.0.clone()))
         .checkpoint_every(every)
         .recovery_timeout(Some(RECOVERY))
@@ -80,7 +84,11 @@ pub async fn restarted_server_job(plan: Arc<Plan>) -> Result<(), String> {
         tokio::spawn(async move {
             tokio::time::sleep(kill_after).await;
             if !net.kill(victim) {
-                return Err(format!("server {rank} was gone before the kill"));
+                panic!("server {rank} was gone before the kill");
+            }
+            let killed = tokio::time::Instant::now();
+            if never_restarted(&plan) {
+                return Err(killed);
             }
             tokio::time::sleep(restart_after).await;
             let mut c = config(&plan, Role::Server, root, &dir);
@@ -95,7 +103,10 @@ pub async fn restarted_server_job(plan: Arc<Plan>) -> Result<(), String> {
         let plan = plan.clone();
         tokio::spawn(async move { finish_healthy(plan, job).await })
     };
-    let again = restarted.await.unwrap()?;
+    if never_restarted(&plan) {
+        return unrecovered(plan, finished, restarted, victim).await;
+    }
+    let again = restarted.await.unwrap().expect("restarted");
     let mut killed = 0;
     for s in old {
         if s.await.unwrap().is_err() {
@@ -110,6 +121,43 @@ pub async fn restarted_server_job(plan: Arc<Plan>) -> Result<(), String> {
     if killed != 1 {
         return Err(format!(
             "{killed} servers ended in error, expected the killed one"
+        ));
+    }
+    Ok(())
+}
+
+/// One seed in five never restarts the server: the job must fail, every worker naming it,
+/// once the recovery timeout has passed, and not much later.
+fn never_restarted(plan: &Plan) -> bool {
+    (plan.seed / 10) % 5 == 0
+}
+
+async fn unrecovered(
+    plan: Arc<Plan>,
+    finished: tokio::task::JoinHandle<Result<(), String>>,
+    restarted: tokio::task::JoinHandle<
+        Result<tokio::task::JoinHandle<Result<(), KvError>>, Instant>,
+    >,
+    victim: NodeId,
+) -> Result<(), String> {
+    let Err(killed) = restarted.await.unwrap() else {
+        return Err("restarted a server that was to stay dead".into());
+    };
+    let err = match finished.await.unwrap() {
+        Ok(()) => return Err(format!("{} rounds finished without a server", plan.rounds)),
+        Err(e) => e,
+    };
+    let after = killed.elapsed();
+    let name = describe(victim);
+    if !err.contains(&name) || !err.contains("PSNET_RECOVERY_TIMEOUT") {
+        return Err(format!(
+            "the error does not name {name} and the timeout: {err}"
+        ));
+    }
+    let bound = RECOVERY + plan.heartbeat().0 * 3;
+    if after < RECOVERY || after > bound {
+        return Err(format!(
+            "failed {after:?} after the kill, expected {RECOVERY:?}..{bound:?}"
         ));
     }
     Ok(())

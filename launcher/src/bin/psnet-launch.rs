@@ -108,6 +108,11 @@ struct Cli {
     /// Seconds the others may run on after one process failed.
     #[arg(long, default_value_t = 10)]
     grace: u64,
+    /// Local jobs: start a server that dies again, up to N times each, with its rank; it
+    /// rejoins the job from its checkpoint (needs PSNET_CHECKPOINT_DIR). Default:
+    /// PSNET_MAX_RESTARTS, else 0 (a dying server stops the job).
+    #[arg(long, value_name = "N")]
+    max_restarts: Option<u32>,
     /// Pass the processes' output through untouched, without the `[worker 1] ` prefix on
     /// each line (a process then sees the launcher's terminal, for progress bars).
     #[arg(long)]
@@ -147,6 +152,9 @@ fn main() -> ExitCode {
     spec.env = cli.env;
     spec.grace = Duration::from_secs(cli.grace);
     spec.tag_output = !cli.no_prefix;
+    if let Some(n) = cli.max_restarts {
+        spec.max_restarts = n;
+    }
     if cli.role_from_env {
         let Some(root) = cli.root.or_else(|| env::DMLC_PS_ROOT_URI.get()) else {
             return fail("--role-from-env needs the scheduler's host: --root or DMLC_PS_ROOT_URI");

@@ -112,3 +112,26 @@ pub fn finish(mut child: Child, limit: Duration) -> (std::process::ExitStatus, S
     std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
     (status, err)
 }
+
+/// The ids of `pid`'s child processes.
+pub fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// A variable of `pid`'s environment.
+pub fn env_of(pid: u32, name: &str) -> Option<String> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let prefix = format!("{name}=");
+    env.split(|&b| b == 0)
+        .find_map(|kv| kv.strip_prefix(prefix.as_bytes()))
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+/// `pid`'s `DMLC_ROLE`.
+pub fn role_of(pid: u32) -> Option<String> {
+    env_of(pid, "DMLC_ROLE")
+}

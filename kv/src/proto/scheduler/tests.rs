@@ -417,3 +417,107 @@ fn unreadable_messages_are_answered_never_dropped_silently() {
     assert!(s.dead().is_empty());
     assert!(!s.is_finished());
 }
+
+#[test]
+fn a_lost_server_rank_is_held_and_a_restarted_server_takes_it_back() {
+    let t0 = Instant::now();
+    let mut s = assigned(t0).with_recovery(Some(Duration::from_secs(30)));
+    let s1 = node_id(Role::Server, 1);
+    assert!(!s.takes_registrations());
+    s.handle_lost(s1, "killed");
+    assert!(
+        drain(&mut s).is_empty(),
+        "nobody is told while the rank is held"
+    );
+    assert_eq!(s.recovering(), vec![s1]);
+    assert!(s.takes_registrations());
+    // Its heartbeats stop (the others' go on), which is no second loss.
+    for id in [0, 1]
+        .map(|r| node_id(Role::Worker, r))
+        .into_iter()
+        .chain([node_id(Role::Server, 0)])
+    {
+        s.handle_alive(id, t0 + Duration::from_secs(15));
+    }
+    s.handle_timeout(t0 + Duration::from_secs(20));
+    assert!(drain(&mut s).is_empty());
+    // A server wishing another rank, one wishing none: refused and taken, in turn.
+    let (a, b) = (addr(9400), addr(9500));
+    s.handle_register(provisional_id(a), Role::Server, a, Some(0), t0);
+    let out = drain(&mut s);
+    assert!(
+        matches!(&out[..], [(to, Msg::NodeFailed { reason, .. })]
+            if *to == provisional_id(a) && reason.contains("server 0") && reason.contains("not lost")),
+        "{out:?}"
+    );
+    s.handle_register(provisional_id(b), Role::Server, b, None, t0);
+    let out = drain(&mut s);
+    let [(to, Msg::Reassign { your_id, nodes })] = &out[..] else {
+        panic!("{out:?}");
+    };
+    assert_eq!((*to, *your_id), (provisional_id(b), s1));
+    let info = nodes.iter().find(|n| n.id == s1).unwrap().clone();
+    assert_eq!(info.addr, b, "the new address");
+    assert!(!s.takes_registrations());
+    // Announced to the workers (only) once it connects under its id.
+    s.handle_alive(s1, t0);
+    let out = drain(&mut s);
+    let told: Vec<NodeId> = out.iter().map(|(to, _)| *to).collect();
+    assert_eq!(
+        told,
+        vec![node_id(Role::Worker, 0), node_id(Role::Worker, 1)]
+    );
+    assert!(out
+        .iter()
+        .all(|(_, m)| matches!(m, Msg::Rejoined { node } if *node == info)));
+    // A member again: a second registration is refused; its silence counts again.
+    s.handle_register(provisional_id(a), Role::Server, a, None, t0);
+    assert!(
+        matches!(&drain(&mut s)[..], [(_, Msg::NodeFailed { reason, .. })] if reason.contains("none is lost"))
+    );
+    assert!(s.dead().is_empty());
+}
+
+#[test]
+fn a_lost_server_not_back_in_time_fails_the_job_and_workers_are_never_held() {
+    let t0 = Instant::now();
+    let mut s = assigned(t0).with_recovery(Some(Duration::from_secs(30)));
+    let s0 = node_id(Role::Server, 0);
+    s.handle_lost(s0, "killed");
+    s.handle_timeout(t0 + Duration::from_secs(1)); // the wait starts
+    s.handle_timeout(t0 + Duration::from_secs(30));
+    assert!(drain(&mut s).is_empty(), "still within the timeout");
+    s.handle_timeout(t0 + Duration::from_secs(32));
+    let out = drain(&mut s);
+    assert_eq!(out.len(), 3, "every other member is told: {out:?}");
+    for (_, m) in &out {
+        let Msg::NodeFailed { id, reason } = m else {
+            panic!("{m:?}")
+        };
+        assert_eq!(*id, s0);
+        assert!(
+            reason.contains("killed") && reason.contains("PSNET_RECOVERY_TIMEOUT"),
+            "{reason}"
+        );
+    }
+    assert!(!s.takes_registrations());
+    // A lost worker is failed at once, recovery or not.
+    let w1 = node_id(Role::Worker, 1);
+    s.handle_lost(w1, "killed");
+    assert!(s.dead().contains_key(&w1));
+}
+
+#[test]
+fn without_recovery_a_server_registering_late_is_refused_naming_the_setting() {
+    let t0 = Instant::now();
+    let mut s = assigned(t0);
+    s.handle_lost(node_id(Role::Server, 0), "killed");
+    drain(&mut s);
+    let a = addr(9400);
+    s.handle_register(provisional_id(a), Role::Server, a, Some(0), t0);
+    let out = drain(&mut s);
+    assert!(
+        matches!(&out[..], [(_, Msg::NodeFailed { reason, .. })] if reason.contains("PSNET_RECOVERY_TIMEOUT")),
+        "{out:?}"
+    );
+}

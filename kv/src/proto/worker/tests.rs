@@ -282,3 +282,111 @@ fn a_worker_behind_a_backlog_does_not_blame_the_scheduler_until_it_catches_up() 
     assert!(s.handle_timeout(t + Duration::from_millis(5)));
     assert!(s.scheduler_lost().unwrap().contains("silent for 30.0 s"));
 }
+
+fn lost(peer: NodeId) -> Received {
+    Received::Lost {
+        peer,
+        reason: "crashed".into(),
+    }
+}
+
+fn rejoined(id: NodeId) -> Received {
+    msg(
+        SCHEDULER,
+        Msg::Rejoined {
+            node: crate::proto::msg::NodeInfo {
+                id,
+                role: Role::Server,
+                rank: 0,
+                addr: "127.0.0.1:1".parse().unwrap(),
+                token: psnet_transport::Proof([1; psnet_transport::PROOF_LEN]),
+            },
+        },
+    )
+}
+
+fn retry_of(rx: &mut oneshot::Receiver<Reply>) -> Option<u64> {
+    match rx.try_recv() {
+        Ok(Err(KvError::Rejoined { retry, .. })) => retry,
+        other => panic!("not told to send again: {other:?}"),
+    }
+}
+
+#[test]
+fn requests_to_a_lost_server_wait_for_it_and_pushes_go_again_with_their_place() {
+    let now = Instant::now();
+    let mut s = state(now).with_recovery(true);
+    let push = |key| Asked::Push { key, init: false };
+    // Key 3: two pushes acknowledged, then three more waiting (one of them to S1).
+    for _ in 0..2 {
+        let (ts, _rx) = s.begin_request(S0, push(3)).unwrap();
+        s.handle_received(msg(S0, Msg::Done { ts }), now);
+    }
+    let (_, mut a) = s.begin_request(S0, push(3)).unwrap();
+    let (_, mut other) = s.begin_request(S1, push(3)).unwrap();
+    let (_, mut b) = s.begin_request(S0, push(3)).unwrap();
+    let (_, mut init) = s
+        .begin_request(S0, Asked::Push { key: 5, init: true })
+        .unwrap();
+    let (_, mut pull) = s.begin_request(S0, Asked::Other).unwrap();
+    assert!(
+        s.leaving_before(&lost(S0)).is_empty(),
+        "a worker that waits does not leave"
+    );
+    s.handle_received(lost(S0), now);
+    assert!(s.is_recovering(S0));
+    for rx in [&mut a, &mut b, &mut init, &mut pull] {
+        assert!(rx.try_recv().is_err(), "held, not failed");
+    }
+    // New requests to it are taken (and held) too.
+    let (_, mut late) = s.begin_request(S0, push(3)).unwrap();
+    s.handle_received(rejoined(S0), now);
+    assert!(!s.is_recovering(S0));
+    assert_eq!(retry_of(&mut a), Some(2), "after the two acknowledged");
+    assert_eq!(retry_of(&mut b), Some(3));
+    assert_eq!(retry_of(&mut late), Some(4));
+    assert_eq!(retry_of(&mut init), Some(0));
+    assert_eq!(retry_of(&mut pull), None);
+    assert!(
+        other.try_recv().is_err(),
+        "S1's request is none of S0's business"
+    );
+    // A key defined again (an init) starts its count again.
+    s.define_key(3, 4);
+    let (_, mut again) = s.begin_request(S0, push(3)).unwrap();
+    s.handle_received(lost(S0), now);
+    s.handle_received(rejoined(S0), now);
+    assert_eq!(retry_of(&mut again), Some(0));
+}
+
+#[test]
+fn a_lost_server_that_does_not_rejoin_fails_what_waits_on_it() {
+    let now = Instant::now();
+    let mut s = state(now).with_recovery(true);
+    let (_, mut rx) = s.begin_request(S0, Asked::Other).unwrap();
+    s.handle_received(lost(S0), now);
+    s.handle_received(
+        msg(
+            SCHEDULER,
+            Msg::NodeFailed {
+                id: S0,
+                reason: "not restarted within PSNET_RECOVERY_TIMEOUT=30 s".into(),
+            },
+        ),
+        now,
+    );
+    let err = rx.try_recv().unwrap().unwrap_err().to_string();
+    assert!(
+        err.contains("server 0") && err.contains("PSNET_RECOVERY_TIMEOUT"),
+        "{err}"
+    );
+    assert!(
+        s.begin_request(S1, Asked::Other).is_err(),
+        "a lost shard fails every call"
+    );
+    // Without recovery, the loss fails requests at once.
+    let mut s = state(now);
+    let (_, mut rx) = s.begin_request(S0, Asked::Other).unwrap();
+    s.handle_received(lost(S0), now);
+    assert!(rx.try_recv().unwrap().is_err());
+}
