@@ -30,8 +30,14 @@
 //! restarted server), and the rest of what a snapshot leaves out (see
 //! [`crate::proto::server`], "Checkpoints"). A change is in the files once its record is
 //! written, even if the server died before its answer went out: the worker that resends it
-//! then finds it applied. Telling such a resend apart (for `dist_sync`, by the key's update
-//! count, [`ServerState::updates`], which the files keep) is the rejoin protocol's part.
+//! then finds it applied: a push sent again says its place in the key's order
+//! ([`PushFlags::retry`](crate::proto::msg::PushFlags::retry)), which the server compares
+//! with the key's round count ([`ServerState::updates`], `dist_sync`) or the sender's count
+//! of applied pushes (`dist_async`), both kept in the files.
+//!
+//! A server restarted with its rank while the job waits for it (`PSNET_RECOVERY_TIMEOUT`)
+//! loads its shard with [`load_shard`] and rejoins the running job (see
+//! [`crate::proto::scheduler`]).
 //!
 //! Snapshots come every `PSNET_CHECKPOINT_EVERY` updates of a key and when a worker asks
 //! (`Worker::save_checkpoint`); with `PSNET_CHECKPOINT_EVERY=0` the journal grows until a

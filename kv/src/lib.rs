@@ -18,7 +18,8 @@
 //!   after the retry limit ([`proto::resend`]).
 //! - `PSNET_CHECKPOINT_DIR`: servers keep their shard durably (snapshot and journal, every
 //!   acknowledged update written before its acknowledgement); [`checkpoint::load_shard`]
-//!   rebuilds it ([`checkpoint`]).
+//!   rebuilds it ([`checkpoint`]); a server restarted with its rank rejoins the running job
+//!   from it (`PSNET_RECOVERY_TIMEOUT`), and workers send again what it had not answered.
 //!
 //! The protocol lives in [`proto`] as plain state machines without I/O; [`Scheduler`],
 //! [`run_server`] and [`Worker`] only move bytes, over any
