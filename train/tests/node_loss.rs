@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{at, children, free_port, role_of, train, wait_within};
+use common::{at, children, free_port, role_of, train, wait_for_launcher, wait_within};
 
 /// `PS_HEARTBEAT_TIMEOUT` of these jobs, in seconds (heartbeats every 0.2 s).
 const TIMEOUT_S: u64 = 2;
@@ -425,14 +425,7 @@ fn a_launched_job_is_stopped_by_its_launcher_when_the_server_is_killed() {
         .unwrap()
         .success());
     let struck = Instant::now();
-    let status = wait_within(&mut launcher, Duration::from_secs(60)).expect("the launcher hangs");
-    let mut err = String::new();
-    launcher
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+    let (status, err) = wait_for_launcher(&mut launcher, Duration::from_secs(60));
     assert!(!status.success(), "{err}");
     assert!(
         err.contains("server 0"),

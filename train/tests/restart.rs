@@ -2,14 +2,14 @@
 //! rejoins the job from its checkpoint (`PSNET_CHECKPOINT_DIR`): the job ends well, with the
 //! loss of every epoch and the final weights bit-identical to the single-process reference.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{children, env_of, ok, role_of, tmp, train, wait_within};
+use common::{children, env_of, ok, role_of, tmp, train, wait_for_launcher};
 
 const ARGS: [&str; 8] = [
     "--servers",
@@ -86,14 +86,7 @@ fn killed_servers_restarted_by_the_launcher_rejoin_and_the_weights_match_the_ref
         .expect("no epoch completed after server 1 was killed");
     let recovered = struck.elapsed();
     kill(server(launcher.id(), "0"));
-    let status = wait_within(&mut launcher, Duration::from_secs(120)).expect("the job hangs");
-    let mut err = String::new();
-    launcher
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+    let (status, err) = wait_for_launcher(&mut launcher, Duration::from_secs(120));
     let out = reader.join().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     assert!(status.success(), "{out}\n{err}");

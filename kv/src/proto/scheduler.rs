@@ -249,13 +249,7 @@ impl SchedulerState {
                 );
             }
         }
-        let mut nodes = vec![NodeInfo {
-            id: SCHEDULER,
-            role: Role::Scheduler,
-            rank: 0,
-            addr: self.scheduler_addr,
-            token: self.token,
-        }];
+        let mut nodes = vec![self.own_info()];
         let mut provisional = Vec::new();
         for role in [Role::Server, Role::Worker] {
             for (rank, (prov, _, addr, _)) in pending.iter().filter(|p| p.1 == role).enumerate() {
@@ -331,17 +325,22 @@ impl SchedulerState {
         member.last_seen = now;
         let info = member.info.clone();
         tracing::warn!(node = %describe(id), %addr, %lost, "a restarted server took its rank back");
-        let mut nodes = vec![NodeInfo {
+        let mut nodes = vec![self.own_info()];
+        nodes.extend(self.members.values().map(|m| m.info.clone()));
+        self.out
+            .push_back((from, Msg::Reassign { your_id: id, nodes }));
+        self.rejoining.insert(id, info);
+    }
+
+    /// The scheduler as the nodes' lists name it.
+    fn own_info(&self) -> NodeInfo {
+        NodeInfo {
             id: SCHEDULER,
             role: Role::Scheduler,
             rank: 0,
             addr: self.scheduler_addr,
             token: self.token,
-        }];
-        nodes.extend(self.members.values().map(|m| m.info.clone()));
-        self.out
-            .push_back((from, Msg::Reassign { your_id: id, nodes }));
-        self.rejoining.insert(id, info);
+        }
     }
 
     /// Any message from an assigned node counts as a sign of life (and a server that took

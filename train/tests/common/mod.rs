@@ -113,6 +113,20 @@ pub fn finish(mut child: Child, limit: Duration) -> (std::process::ExitStatus, S
     (status, err)
 }
 
+/// Waits up to `limit` for a launcher started with piped stderr; its status and stderr.
+pub fn wait_for_launcher(
+    launcher: &mut Child,
+    limit: Duration,
+) -> (std::process::ExitStatus, String) {
+    use std::io::Read;
+    let status = wait_within(launcher, limit).expect("the launcher hangs");
+    let mut err = String::new();
+    if let Some(mut stderr) = launcher.stderr.take() {
+        let _ = stderr.read_to_string(&mut err);
+    }
+    (status, err)
+}
+
 /// The ids of `pid`'s child processes.
 pub fn children(pid: u32) -> Vec<u32> {
     std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
