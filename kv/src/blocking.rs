@@ -14,6 +14,7 @@ use crate::config::KvConfig;
 use crate::error::KvError;
 use crate::proto::server::Mode;
 use crate::updater::OptimizerSpec;
+use crate::value::Value;
 use crate::worker::Worker;
 
 /// A worker with its own background runtime.
@@ -93,46 +94,46 @@ impl<T: Transport> KvStore<T> {
     }
 
     /// See [`Worker::init`].
-    pub fn init(&self, keys: &[u64], values: &[&[f32]]) -> Result<(), KvError> {
+    pub fn init<V: Value>(&self, keys: &[u64], values: &[&[V]]) -> Result<(), KvError> {
         self.runtime.block_on(self.worker.init(keys, values))
     }
 
     /// Pushes from the caller's slice, blocking until done (no copy).
-    pub fn push(&self, key: u64, values: &[f32]) -> Result<(), KvError> {
+    pub fn push<V: Value>(&self, key: u64, values: &[V]) -> Result<(), KvError> {
         self.runtime.block_on(self.worker.push(key, values))
     }
 
     /// Pulls into the caller's slice, blocking until done.
-    pub fn pull(&self, key: u64, out: &mut [f32]) -> Result<(), KvError> {
+    pub fn pull<V: Value>(&self, key: u64, out: &mut [V]) -> Result<(), KvError> {
         self.runtime.block_on(self.worker.pull(key, out))
     }
 
     /// Push and pull in one exchange, blocking until done.
-    pub fn pushpull(&self, key: u64, values: &[f32], out: &mut [f32]) -> Result<(), KvError> {
+    pub fn pushpull<V: Value>(&self, key: u64, values: &[V], out: &mut [V]) -> Result<(), KvError> {
         self.runtime
             .block_on(self.worker.pushpull(key, values, out))
     }
 
     /// Starts a push of owned values (moved, not copied) and returns at once.
-    pub fn push_async(&self, key: u64, values: Vec<f32>) -> Handle<()> {
+    pub fn push_async<V: Value>(&self, key: u64, values: Vec<V>) -> Handle<()> {
         let worker = self.worker.clone();
         self.spawn(async move { worker.push(key, &values).await })
     }
 
     /// Starts a pull into `out` (reused, not reallocated) and returns at once; the handle
     /// gives the buffer back filled.
-    pub fn pull_async(&self, key: u64, mut out: Vec<f32>) -> Handle<Vec<f32>> {
+    pub fn pull_async<V: Value>(&self, key: u64, mut out: Vec<V>) -> Handle<Vec<V>> {
         let worker = self.worker.clone();
         self.spawn(async move { worker.pull(key, &mut out).await.map(|()| out) })
     }
 
     /// Starts a push-pull and returns at once; the handle gives `out` back filled.
-    pub fn pushpull_async(
+    pub fn pushpull_async<V: Value>(
         &self,
         key: u64,
-        values: Vec<f32>,
-        mut out: Vec<f32>,
-    ) -> Handle<Vec<f32>> {
+        values: Vec<V>,
+        mut out: Vec<V>,
+    ) -> Handle<Vec<V>> {
         let worker = self.worker.clone();
         self.spawn(async move { worker.pushpull(key, &values, &mut out).await.map(|()| out) })
     }

@@ -176,7 +176,9 @@ impl<'w, T: Transport> GpuKv<'w, T> {
     ) -> Result<Staged, KvError> {
         let (layout, compression, epoch) = {
             let state = self.worker.shared.state();
-            let layout = state.layout(key, values.len())?.clone();
+            let layout = state
+                .layout(key, values.len(), crate::value::Dtype::F32)?
+                .clone();
             let (compression, epoch) = state.compression();
             (layout, compression, epoch)
         };
@@ -185,6 +187,7 @@ impl<'w, T: Transport> GpuKv<'w, T> {
             compressed,
             pull_back,
             retry: None,
+            dtype: crate::value::Dtype::F32,
         };
         let Some((scheme, threshold)) = compression else {
             // cudarc records a pinned buffer's event only when it tracks several streams:

@@ -43,6 +43,7 @@ mod reliable;
 mod scheduler;
 mod server;
 pub mod updater;
+pub mod value;
 mod wire;
 mod worker;
 
@@ -52,4 +53,5 @@ pub use proto::ids::Role;
 pub use proto::server::Mode;
 pub use scheduler::Scheduler;
 pub use server::run_server;
+pub use value::{bf16, f16, Dtype, Value};
 pub use worker::Worker;

@@ -240,7 +240,7 @@ fn flush<T: Transport>(
             Output::Done { rank, ts, value } => (
                 rank,
                 Msg::Done { ts },
-                value.and_then(|k| state.shared_value(k)),
+                value.and_then(|k| state.answer_value(k)),
             ),
             Output::Failed { rank, ts, reason } => (rank, Msg::Failed { ts, reason }, None),
             Output::Journal(record) => {

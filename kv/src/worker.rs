@@ -23,10 +23,10 @@ use crate::proto::ids::{describe, Group, Role, SCHEDULER};
 use crate::proto::msg::{CommandKind, Msg, NodeInfo, PushFlags};
 use crate::proto::resend::Stats;
 use crate::proto::server::Mode;
-use crate::proto::sum;
 use crate::proto::worker::{Asked, PreparedPart, Reply, WorkerState};
 use crate::reliable::Link;
 use crate::updater::OptimizerSpec;
+use crate::value::{self, Value};
 use crate::wire::Received;
 
 /// What one request asks of a server; its id is given when it is sent.
@@ -505,7 +505,7 @@ impl<T: Transport> Worker<T> {
 
     /// Initializes keys: rank 0's values are stored on the servers, other ranks' values are
     /// ignored (MXNet), and all workers wait for each other.
-    pub async fn init(&self, keys: &[u64], values: &[&[f32]]) -> Result<(), KvError> {
+    pub async fn init<V: Value>(&self, keys: &[u64], values: &[&[V]]) -> Result<(), KvError> {
         if keys.len() != values.len() {
             return Err(KvError::Invalid(format!(
                 "init: {} keys but {} values",
@@ -516,20 +516,21 @@ impl<T: Transport> Worker<T> {
         {
             let mut state = self.shared.state();
             for (&key, v) in keys.iter().zip(values) {
-                state.define_key(key, v.len());
+                state.define_key(key, v.len(), V::DTYPE);
             }
         }
         tracing::debug!(rank = self.shared.rank, keys = keys.len(), "init");
         if self.shared.rank == 0 {
             let flags = PushFlags {
                 init: true,
+                dtype: V::DTYPE,
                 ..PushFlags::default()
             };
             let mut parts = Vec::new();
             {
                 let state = self.shared.state();
                 for (&key, v) in keys.iter().zip(values) {
-                    let layout = state.layout(key, v.len())?;
+                    let layout = state.layout(key, v.len(), V::DTYPE)?;
                     parts.extend(layout.parts.iter().map(|p| (key, *v, *p)));
                 }
             }
@@ -542,7 +543,7 @@ impl<T: Transport> Worker<T> {
                         flags,
                         n_elems: p.len as u64,
                     },
-                    value: Some(sum::as_bytes(&v[p.offset..p.offset + p.len])),
+                    value: Some(value::as_bytes(&v[p.offset..p.offset + p.len])),
                 })
                 .collect();
             for wait in self.shared.send_all(requests).await? {
@@ -554,10 +555,10 @@ impl<T: Transport> Worker<T> {
 
     /// Sends every prepared part of the call's pushes (`values[i]` is key i's array), all
     /// servers at once; the receivers come back in the parts' order.
-    pub(crate) async fn send_pushes<'a>(
+    pub(crate) async fn send_pushes<'a, V: Value>(
         &self,
         parts: &'a [(usize, PreparedPart)],
-        values: &[&'a [f32]],
+        values: &[&'a [V]],
     ) -> Result<Vec<Wait<'a>>, KvError> {
         let requests = parts
             .iter()
@@ -572,7 +573,7 @@ impl<T: Transport> Worker<T> {
                     },
                     value: Some(match &pp.compressed {
                         Some(bytes) => &bytes[..],
-                        None => sum::as_bytes(&values[*i][p.offset..p.offset + p.len]),
+                        None => value::as_bytes(&values[*i][p.offset..p.offset + p.len]),
                     }),
                 }
             })
@@ -582,12 +583,12 @@ impl<T: Transport> Worker<T> {
 
     /// Pushes `values` for `key` and waits until the servers have applied it (in `dist_sync`,
     /// until every worker pushed this round).
-    pub async fn push(&self, key: u64, values: &[f32]) -> Result<(), KvError> {
+    pub async fn push<V: Value>(&self, key: u64, values: &[V]) -> Result<(), KvError> {
         self.push_many(&[key], &[values]).await
     }
 
     /// Pushes several keys at once.
-    pub async fn push_many(&self, keys: &[u64], values: &[&[f32]]) -> Result<(), KvError> {
+    pub async fn push_many<V: Value>(&self, keys: &[u64], values: &[&[V]]) -> Result<(), KvError> {
         check_lengths("push", keys.len(), values.len())?;
         let mut parts = Vec::new();
         for (i, (&key, v)) in keys.iter().zip(values).enumerate() {
@@ -601,18 +602,22 @@ impl<T: Transport> Worker<T> {
     }
 
     /// Pulls `key` into `out`.
-    pub async fn pull(&self, key: u64, out: &mut [f32]) -> Result<(), KvError> {
+    pub async fn pull<V: Value>(&self, key: u64, out: &mut [V]) -> Result<(), KvError> {
         self.pull_many(&[key], &mut [out]).await
     }
 
     /// Pulls several keys at once.
-    pub async fn pull_many(&self, keys: &[u64], outs: &mut [&mut [f32]]) -> Result<(), KvError> {
+    pub async fn pull_many<V: Value>(
+        &self,
+        keys: &[u64],
+        outs: &mut [&mut [V]],
+    ) -> Result<(), KvError> {
         check_lengths("pull", keys.len(), outs.len())?;
         let mut parts = Vec::new();
         {
             let state = self.shared.state();
             for (i, (&key, out)) in keys.iter().zip(outs.iter()).enumerate() {
-                let layout = state.layout(key, out.len())?;
+                let layout = state.layout(key, out.len(), V::DTYPE)?;
                 parts.extend(layout.parts.iter().map(|p| (i, key, *p)));
             }
         }
@@ -641,15 +646,20 @@ impl<T: Transport> Worker<T> {
     }
 
     /// Pushes `values` and pulls the updated value into `out` in one exchange per server.
-    pub async fn pushpull(&self, key: u64, values: &[f32], out: &mut [f32]) -> Result<(), KvError> {
+    pub async fn pushpull<V: Value>(
+        &self,
+        key: u64,
+        values: &[V],
+        out: &mut [V],
+    ) -> Result<(), KvError> {
         self.pushpull_many(&[key], &[values], &mut [out]).await
     }
 
     /// `pushpull` for several keys at once.
-    pub async fn pushpull_many<O: AsMut<[f32]>>(
+    pub async fn pushpull_many<V: Value, O: AsMut<[V]>>(
         &self,
         keys: &[u64],
-        values: &[&[f32]],
+        values: &[&[V]],
         outs: &mut [O],
     ) -> Result<(), KvError> {
         check_lengths("pushpull", keys.len(), values.len())?;
@@ -740,14 +750,14 @@ fn check_lengths(op: &str, keys: usize, values: usize) -> Result<(), KvError> {
 }
 
 /// Copies an answer's value into `out`, checking its size.
-pub(crate) fn fill(
+pub(crate) fn fill<V: Value>(
     key: u64,
-    out: &mut [f32],
+    out: &mut [V],
     value: Option<Bytes>,
     from: NodeId,
 ) -> Result<(), KvError> {
     let bytes = value.unwrap_or_default();
-    if bytes.len() != out.len() * 4 {
+    if bytes.len() != out.len() * V::DTYPE.size() {
         return Err(KvError::Protocol {
             node: describe(from),
             reason: format!(
@@ -757,6 +767,6 @@ pub(crate) fn fill(
             ),
         });
     }
-    sum::copy_from_le(out, &bytes);
+    value::copy_from_le(out, &bytes);
     Ok(())
 }

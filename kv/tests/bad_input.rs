@@ -81,7 +81,7 @@ async fn wrong_value_counts_and_sizes_are_refused_naming_them() {
     let e = refused(r.request(s, init_msg(2, 8), &[&four]).await);
     assert_names(&e, &["key 2", "announces 8 elements", "carries 4"]);
     let e = refused(r.request(s, init_msg(2, 4), &[&four[..15]]).await);
-    assert_names(&e, &["key 2", "not f32 values"]);
+    assert_names(&e, &["key 2", "not float32 values"]);
     let e = refused(r.request(s, pull_msg(2, 4), &[]).await);
     assert_names(&e, &["key 2", "before it was initialized"]);
     end_round_and_job(job, go, honest).await;
@@ -260,6 +260,7 @@ async fn commands_that_would_strand_a_round_are_refused() {
             compressed: true,
             pull_back: false,
             retry: None,
+            dtype: psnet_kv::Dtype::F32,
         },
         n_elems: 4,
     };

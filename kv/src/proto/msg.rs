@@ -16,6 +16,7 @@ use psnet_transport::le::{LeReader, LeWriter, Truncated};
 use psnet_transport::{NodeId, Proof, PROOF_LEN};
 
 use super::ids::{Group, Role};
+use crate::value::Dtype;
 
 /// The kv protocol version in every message.
 pub const VERSION: u8 = 2;
@@ -106,6 +107,8 @@ pub struct PushFlags {
     /// answers it without applying it twice. An init sent again is answered without
     /// storing it when the key exists.
     pub retry: Option<u64>,
+    /// The values' element type (an init's sets the key's; every other push must match it).
+    pub dtype: Dtype,
 }
 
 impl PushFlags {
@@ -114,18 +117,21 @@ impl PushFlags {
             | (u8::from(self.compressed) << 1)
             | (u8::from(self.pull_back) << 2)
             | (u8::from(self.retry.is_some()) << 3)
+            | (self.dtype.code() << 4)
     }
 
     /// The flags of `b`; a retry's count is read after the push's other fields.
     fn from_bits(b: u8) -> Result<(Self, bool), DecodeError> {
-        if b & !0b1111 != 0 {
+        if b & !0b11_1111 != 0 {
             return Err(DecodeError::Invalid("unknown push flags"));
         }
+        let dtype = Dtype::from_code(b >> 4).ok_or(DecodeError::Invalid("unknown value type"))?;
         let flags = PushFlags {
             init: b & 1 != 0,
             compressed: b & 2 != 0,
             pull_back: b & 4 != 0,
             retry: None,
+            dtype,
         };
         Ok((flags, b & 8 != 0))
     }

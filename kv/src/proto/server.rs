@@ -52,6 +52,7 @@ use psnet_compression::{CompressionParams, Compressor};
 use super::msg::{CommandKind, Exchange, PushFlags, MAX_STRING, NO_REQUEST};
 use super::sum;
 use crate::updater::{OptimizerSpec, Updater};
+use crate::value::Dtype;
 
 mod journal;
 mod round;
@@ -124,6 +125,25 @@ pub enum Output {
     },
 }
 
+/// The bytes of a value an answer carries.
+#[derive(Clone, Debug)]
+pub enum AnswerValue {
+    /// An `f32` key's value, shared with the state (no copy).
+    Shared(Arc<Vec<f32>>),
+    /// A half key's value, rounded to its type.
+    Narrow(Vec<u8>),
+}
+
+impl AnswerValue {
+    /// The wire bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            AnswerValue::Shared(v) => sum::as_bytes(v),
+            AnswerValue::Narrow(b) => b,
+        }
+    }
+}
+
 /// A push waiting in a round.
 #[derive(Debug)]
 struct Arrived {
@@ -156,6 +176,9 @@ struct KeyState {
     pushes_by_worker: Vec<u64>,
     /// Updates since the last snapshot (not checkpointed).
     since_snapshot: u64,
+    /// The element type it was initialized with: pushes carry it, pulls answer in it; the
+    /// value itself is kept in `f32` (see [`crate::value`]).
+    dtype: Dtype,
 }
 
 impl KeyState {
@@ -166,6 +189,7 @@ impl KeyState {
             updates,
             pushes_by_worker: Vec::new(),
             since_snapshot: 0,
+            dtype: Dtype::F32,
         }
     }
 }
@@ -278,6 +302,21 @@ impl ServerState {
     /// The stored value of `key`, shared (to send without copying while the state goes on).
     pub fn shared_value(&self, key: u64) -> Option<Arc<Vec<f32>>> {
         self.keys.get(&key).map(|k| k.value.clone())
+    }
+
+    /// The element type `key` was initialized with.
+    pub fn dtype(&self, key: u64) -> Option<Dtype> {
+        self.keys.get(&key).map(|k| k.dtype)
+    }
+
+    /// What an answer carrying `key`'s value sends: the `f32` value itself, shared, or its
+    /// rounding to the key's half type.
+    pub fn answer_value(&self, key: u64) -> Option<AnswerValue> {
+        let k = self.keys.get(&key)?;
+        Some(match k.dtype {
+            Dtype::F32 => AnswerValue::Shared(k.value.clone()),
+            half => AnswerValue::Narrow(half.narrow(&k.value)),
+        })
     }
 
     /// The next answer to send.
@@ -524,11 +563,12 @@ impl ServerState {
                 return self.fail(p.rank, p.ts, reason);
             }
         }
-        let Some(n) = sum::f32_count(&p.payload) else {
+        let dtype = p.flags.dtype;
+        let Some(n) = dtype.count(p.payload.len()) else {
             return self.fail(
                 p.rank,
                 p.ts,
-                format!("key {}: init payload is not f32 values", p.key),
+                format!("key {}: init payload is not {dtype} values", p.key),
             );
         };
         if n as u64 != p.n_elems {
@@ -541,10 +581,10 @@ impl ServerState {
                 ),
             );
         }
-        if let Err(reason) = self.apply_init(p.key, &p.payload) {
+        if let Err(reason) = self.apply_init(p.key, dtype, &p.payload) {
             return self.fail(p.rank, p.ts, reason);
         }
-        self.commit(None, |_, seq| journal::init(seq, p.key, &p.payload));
+        self.commit(None, |_, seq| journal::init(seq, p.key, dtype, &p.payload));
         self.out.push_back(Output::Done {
             rank: p.rank,
             ts: p.ts,
@@ -554,9 +594,10 @@ impl ServerState {
 
     /// Stores `payload` (whole f32) as `key`'s value (live and in replay); `Err` changes
     /// nothing.
-    fn apply_init(&mut self, key: u64, payload: &[u8]) -> Result<(), String> {
-        let n = sum::f32_count(payload)
-            .ok_or_else(|| format!("key {key}: init payload is not f32 values"))?;
+    fn apply_init(&mut self, key: u64, dtype: Dtype, payload: &[u8]) -> Result<(), String> {
+        let n = dtype
+            .count(payload.len())
+            .ok_or_else(|| format!("key {key}: init payload is not {dtype} values"))?;
         let replaced = self.keys.get(&key).map_or(0, |k| k.value.len() as u64 * 4);
         let held = self.key_bytes - replaced + n as u64 * 4;
         if held > self.key_limit {
@@ -569,8 +610,10 @@ impl ServerState {
         }
         self.key_bytes = held;
         let mut value = vec![0f32; n];
-        sum::copy_from_le(&mut value, payload);
-        self.keys.insert(key, KeyState::new(value, 0));
+        dtype.widen_into(&mut value, payload, false);
+        let mut state = KeyState::new(value, 0);
+        state.dtype = dtype;
+        self.keys.insert(key, state);
         Ok(())
     }
 
@@ -593,7 +636,13 @@ impl ServerState {
                 p.rank, self.num_workers
             ));
         }
-        self.check_payload(key, n, p.flags.compressed, p.payload.len())?;
+        if p.flags.dtype != k.dtype {
+            return Err(format!(
+                "key {key} holds {} values, pushed {}",
+                k.dtype, p.flags.dtype
+            ));
+        }
+        self.check_payload(key, n, k.dtype, p.flags.compressed, p.payload.len())?;
         if self.mode == Mode::Sync {
             if let Some((_, why)) = self.dead.iter().next() {
                 return Err(format!(
@@ -605,6 +654,8 @@ impl ServerState {
     }
 }
 
+#[cfg(test)]
+mod dtype_tests;
 #[cfg(test)]
 mod harness;
 #[cfg(test)]

@@ -19,6 +19,7 @@ use super::msg::{Exchange, Msg, PushFlags, NO_REQUEST};
 use super::CAUGHT_UP_WAIT;
 use crate::error::KvError;
 use crate::placement::Placement;
+use crate::value::{Dtype, Value};
 use crate::wire::Received;
 
 /// A server's answer: its value, if it carries one.
@@ -61,6 +62,8 @@ pub struct Part {
 pub struct Layout {
     /// Elements in the key.
     pub len: usize,
+    /// Their type.
+    pub dtype: Dtype,
     /// Each server's share.
     pub parts: Vec<Part>,
 }
@@ -229,15 +232,15 @@ impl WorkerState {
         (c, self.compression_epoch)
     }
 
-    /// Lays `key` out over the servers for `len` elements (compressed parts when compression
-    /// is on, as MXNet splits them).
-    pub fn define_key(&mut self, key: u64, len: usize) {
+    /// Lays `key` out over the servers for `len` elements of type `dtype` (compressed parts
+    /// when compression is on, as MXNet splits them).
+    pub fn define_key(&mut self, key: u64, len: usize, dtype: Dtype) {
         let part = |server, offset, len| Part {
             server,
             offset,
             len,
         };
-        let parts = match &self.compressor {
+        let parts = match self.compressor.as_ref().filter(|_| dtype == Dtype::F32) {
             Some(c) => self
                 .placement
                 .compressed_parts(key, len, c.scheme().factor())
@@ -251,7 +254,7 @@ impl WorkerState {
                 .map(|p| part(p.server, p.offset, p.len))
                 .collect(),
         };
-        self.keys.insert(key, Layout { len, parts });
+        self.keys.insert(key, Layout { len, dtype, parts });
         // An init starts the key's updates again on every server.
         self.acknowledged.retain(|(_, k), _| *k != key);
     }
@@ -262,9 +265,15 @@ impl WorkerState {
         self.placement.parts(key, len).len()
     }
 
-    /// The layout of `key`, checked against `len` elements.
-    pub fn layout(&self, key: u64, len: usize) -> Result<&Layout, KvError> {
+    /// The layout of `key`, checked against `len` elements of type `dtype`.
+    pub fn layout(&self, key: u64, len: usize, dtype: Dtype) -> Result<&Layout, KvError> {
         let layout = self.keys.get(&key).ok_or(KvError::UnknownKey(key))?;
+        if layout.dtype != dtype {
+            return Err(KvError::Invalid(format!(
+                "key {key} was initialized with {} values, given {dtype}",
+                layout.dtype
+            )));
+        }
         if layout.len != len {
             return Err(KvError::SizeMismatch {
                 key,
@@ -277,18 +286,27 @@ impl WorkerState {
 
     /// The parts of a push of `values` to `key`: each part's range, flags and, when
     /// compression is on, its compressed bytes (the residual updated as MXNet does).
-    pub fn prepare_push(
+    pub fn prepare_push<V: Value>(
         &mut self,
         key: u64,
-        values: &[f32],
+        values: &[V],
         pull_back: bool,
     ) -> Result<Vec<PreparedPart>, KvError> {
-        let layout = self.layout(key, values.len())?.clone();
+        let layout = self.layout(key, values.len(), V::DTYPE)?.clone();
+        let floats: Option<&[f32]> = match (&self.compressor, V::DTYPE) {
+            (None, _) => None,
+            (Some(_), Dtype::F32) => Some(bytemuck::cast_slice(values)),
+            (Some(_), dtype) => {
+                return Err(KvError::Invalid(format!(
+                    "key {key}: gradient compression takes float32 values, given {dtype}"
+                )))
+            }
+        };
         let mut parts = Vec::with_capacity(layout.parts.len());
         for p in &layout.parts {
-            let slice = &values[p.offset..p.offset + p.len];
-            let compressed = match &self.compressor {
-                Some(c) => {
+            let compressed = match (&self.compressor, floats) {
+                (Some(c), Some(floats)) => {
+                    let slice = &floats[p.offset..p.offset + p.len];
                     let mut out = vec![0u8; c.compressed_len(p.len)];
                     let residual = self
                         .residuals
@@ -298,7 +316,7 @@ impl WorkerState {
                         .map_err(|e| KvError::Invalid(e.to_string()))?;
                     Some(out)
                 }
-                None => None,
+                _ => None,
             };
             parts.push(PreparedPart {
                 key,
@@ -308,6 +326,7 @@ impl WorkerState {
                     compressed: compressed.is_some(),
                     pull_back,
                     retry: None,
+                    dtype: V::DTYPE,
                 },
                 compressed,
             });

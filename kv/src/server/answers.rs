@@ -12,10 +12,10 @@ use tokio::sync::mpsc;
 
 use crate::proto::ids::{self, Role};
 use crate::proto::msg::Msg;
-use crate::proto::sum;
+use crate::proto::server::AnswerValue;
 use crate::reliable::Link;
 
-type Answer = (Msg, Option<Arc<Vec<f32>>>);
+type Answer = (Msg, Option<AnswerValue>);
 
 /// Per-worker answer queues, each drained by its own task.
 pub(crate) struct Answers<T: Transport> {
@@ -32,7 +32,7 @@ impl<T: Transport> Answers<T> {
     }
 
     /// Queues `msg` (with the value it carries) for worker `rank`.
-    pub(crate) fn send(&mut self, rank: u32, msg: Msg, value: Option<Arc<Vec<f32>>>) {
+    pub(crate) fn send(&mut self, rank: u32, msg: Msg, value: Option<AnswerValue>) {
         let link = &self.link;
         let queue = self.queues.entry(rank).or_insert_with(|| {
             let (tx, rx) = mpsc::unbounded_channel();
@@ -52,7 +52,7 @@ async fn drain<T: Transport>(
 ) {
     let to = ids::node_id(Role::Worker, rank);
     while let Some((msg, value)) = queue.recv().await {
-        let bytes = value.as_deref().map(|v| sum::as_bytes(v));
+        let bytes = value.as_ref().map(AnswerValue::as_bytes);
         if let Err(e) = link.send(to, &msg, bytes).await {
             tracing::debug!(worker = rank, error = %e, "answer lost");
         }

@@ -258,6 +258,7 @@ impl Job {
                         compressed: compressor.is_some(),
                         pull_back: rng.bool(),
                         retry: None,
+                        dtype: crate::value::Dtype::F32,
                     },
                     n_elems: n as u64,
                     payload,

@@ -8,9 +8,10 @@ use super::{Output, ServerState};
 use crate::error::KvError;
 use crate::proto::msg::{CommandKind, MAX_STRING};
 use crate::proto::sum;
+use crate::value::Dtype;
 
 /// Version of the record format.
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 const INIT: u8 = 1;
 const COMMAND: u8 = 2;
 const ROUND: u8 = 3;
@@ -20,6 +21,7 @@ const PUSH: u8 = 4;
 enum Record<'a> {
     Init {
         key: u64,
+        dtype: Dtype,
         values: &'a [u8],
     },
     Command {
@@ -52,9 +54,14 @@ fn values(tag: u8, seq: u64, key: u64, values: &[u8]) -> Vec<u8> {
     w.into_vec()
 }
 
-/// An init: the key's new value (checked to be whole f32).
-pub(super) fn init(seq: u64, key: u64, value: &[u8]) -> Vec<u8> {
-    values(INIT, seq, key, value)
+/// An init: the key's element type and new value (checked to be whole elements).
+pub(super) fn init(seq: u64, key: u64, dtype: Dtype, value: &[u8]) -> Vec<u8> {
+    let mut w = header(seq, INIT, 17 + value.len());
+    w.u64(key)
+        .u8(dtype.code())
+        .u64((value.len() / dtype.size()) as u64)
+        .bytes(value);
+    w.into_vec()
 }
 
 /// A command that was carried out.
@@ -111,10 +118,17 @@ fn decode(bytes: &[u8]) -> Result<(u64, Record<'_>), String> {
     let seq = r.u64().map_err(|_| truncated("the sequence number"))?;
     let key = |r: &mut LeReader<'_>| r.u64().map_err(|_| truncated("the key"));
     let record = match tag {
-        INIT => Record::Init {
-            key: key(&mut r)?,
-            values: sized(&mut r, 4, "init values")?,
-        },
+        INIT => {
+            let key = key(&mut r)?;
+            let code = r.u8().map_err(|_| truncated("the value type"))?;
+            let dtype =
+                Dtype::from_code(code).ok_or_else(|| format!("unknown value type {code}"))?;
+            Record::Init {
+                key,
+                dtype,
+                values: sized(&mut r, dtype.size(), "init values")?,
+            }
+        }
         COMMAND => {
             let code = r.u8().map_err(|_| truncated("the command"))?;
             let kind = CommandKind::from_code(code)
@@ -201,8 +215,9 @@ impl ServerState {
     /// that skips a sequence number (an acknowledged change would be missing) or one that
     /// does not apply to this state is an error, and changes nothing.
     ///
-    /// A record is little-endian: version `2`, tag, `u64` sequence number, then
-    /// * `1` init: `u64` key, `u64` n, n `f32` (the value);
+    /// A record is little-endian: version `3`, tag, `u64` sequence number, then
+    /// * `1` init: `u64` key, `u8` element type ([`Dtype::code`]), `u64` n, n elements of
+    ///   that type (the value);
     /// * `2` command: `u8` command code, `u32` length, the body (UTF-8);
     /// * `3` `dist_sync` round: `u64` key, `u64` n, n `f32` (the merged gradient);
     /// * `4` `dist_async` push: `u64` key, `u32` worker rank, `u8` compressed, `u64`
@@ -234,7 +249,7 @@ impl ServerState {
 
     fn replay(&mut self, record: Record<'_>) -> Result<(), String> {
         match record {
-            Record::Init { key, values } => self.apply_init(key, values),
+            Record::Init { key, dtype, values } => self.apply_init(key, dtype, values),
             Record::Command { kind, body } => self.apply_command(kind, body),
             Record::Round { key, merged } => {
                 let n = self.held(key)?;
@@ -255,7 +270,8 @@ impl ServerState {
                 payload,
             } => {
                 let n = self.held(key)?;
-                self.check_payload(key, n, compressed, payload.len())?;
+                let dtype = self.keys[&key].dtype;
+                self.check_payload(key, n, dtype, compressed, payload.len())?;
                 self.apply_push(key, rank, compressed, payload)
             }
         }
@@ -284,7 +300,7 @@ pub fn fuzz_decode(data: &[u8]) {
     let _ = s.apply_journal(data);
     let _ = s.apply_command(CommandKind::SetCompression, r#"{"type":"2bit"}"#);
     let _ = s.apply_command(CommandKind::SetOptimizer, r#"{"type":"adam"}"#);
-    let _ = s.apply_init(1, &[0u8; 64]);
+    let _ = s.apply_init(1, Dtype::F32, &[0u8; 64]);
     let _ = s.apply_journal(data);
     // As the next record.
     if data.len() >= 10 {

@@ -244,7 +244,7 @@ fn damaged_or_missing_records_are_errors_and_change_nothing() {
     bad[0] = 9;
     let err = replayed.apply_journal(&bad).unwrap_err().to_string();
     assert!(err.contains("record version 9"), "{err}");
-    bad[0] = 2;
+    bad[0] = 3;
     bad[1] = 77;
     let err = replayed.apply_journal(&bad).unwrap_err().to_string();
     assert!(err.contains("unknown record tag 77"), "{err}");

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use psnet_compression::Compressor;
 
 use super::{journal, Arrived, Output, Push, ServerState};
-use crate::proto::sum;
+use crate::value::Dtype;
 
 impl ServerState {
     /// Whether a payload of `len` bytes (`compressed` or plain f32) fits `key`, which holds
@@ -16,9 +16,16 @@ impl ServerState {
         &self,
         key: u64,
         n: usize,
+        dtype: Dtype,
         compressed: bool,
         len: usize,
     ) -> Result<(), String> {
+        if compressed && dtype != Dtype::F32 {
+            return Err(format!(
+                "key {key}: a compressed push to a {dtype} key: gradient compression takes \
+                 float32 values only"
+            ));
+        }
         if compressed {
             let c = self.compressor.as_ref().ok_or_else(|| {
                 format!("key {key}: compressed push, but no compression was set on this server")
@@ -29,10 +36,10 @@ impl ServerState {
                     "key {key}: compressed push of {len} bytes, expected {want} for {n} elements"
                 ));
             }
-        } else if len != 4 * n {
+        } else if len != dtype.size() * n {
             return Err(format!(
-                "key {key}: push of {len} bytes, expected {} ({n} f32)",
-                4 * n
+                "key {key}: push of {len} bytes, expected {} ({n} {dtype})",
+                dtype.size() * n
             ));
         }
         Ok(())
@@ -41,6 +48,7 @@ impl ServerState {
     /// Decodes a checked payload into `dst` (`add`: accumulate instead of overwrite).
     fn decode(
         compressor: Option<&dyn Compressor>,
+        dtype: Dtype,
         compressed: bool,
         payload: &[u8],
         dst: &mut [f32],
@@ -56,8 +64,7 @@ impl ServerState {
                 };
                 debug_assert!(r.is_ok());
             }
-            _ if add => sum::add_from_le(dst, payload),
-            _ => sum::copy_from_le(dst, payload),
+            _ => dtype.widen_into(dst, payload, add),
         }
     }
 
@@ -108,6 +115,7 @@ impl ServerState {
         grad.resize(k.value.len(), 0.0);
         Self::decode(
             self.compressor.as_deref(),
+            k.dtype,
             compressed,
             payload,
             &mut grad,
@@ -150,9 +158,25 @@ impl ServerState {
             let payload = a.payload.take().expect("held until summed");
             if round.next == 0 {
                 round.merged.resize(k.value.len(), 0.0);
-                Self::decode(compressor, a.compressed, &payload, &mut round.merged, false);
+                let dtype = k.dtype;
+                Self::decode(
+                    compressor,
+                    dtype,
+                    a.compressed,
+                    &payload,
+                    &mut round.merged,
+                    false,
+                );
             } else {
-                Self::decode(compressor, a.compressed, &payload, &mut round.merged, true);
+                let dtype = k.dtype;
+                Self::decode(
+                    compressor,
+                    dtype,
+                    a.compressed,
+                    &payload,
+                    &mut round.merged,
+                    true,
+                );
             }
             round.next += 1;
         }

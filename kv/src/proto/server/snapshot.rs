@@ -10,11 +10,12 @@ use crate::error::KvError;
 use crate::proto::msg::MAX_STRING;
 use crate::proto::sum;
 use crate::updater::OptimizerSpec;
+use crate::value::Dtype;
 
 /// First bytes of a snapshot.
 const MAGIC: &[u8; 8] = b"PSNSHARD";
 /// Version of the snapshot format.
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 
 const NOT_SET: u8 = 0;
 const NO_COMPRESSION: u8 = 1;
@@ -34,12 +35,13 @@ impl ServerState {
     /// under way (see the module docs, "Checkpoints"). Deterministic: equal states give equal
     /// bytes.
     ///
-    /// Little-endian: `PSNSHARD`, `u32` version `2`, `u32` workers, `u64` sequence number,
+    /// Little-endian: `PSNSHARD`, `u32` version `3`, `u32` workers, `u64` sequence number,
     /// `u8` mode (0 `dist_sync`, 1 `dist_async`), `u8` compression (0 not set, 1 none,
     /// 2 2-bit, 3 1-bit, the last two followed by the `f32` threshold), `u8` optimizer
     /// (0 none; 1 followed by `u32` length, its spec's JSON and the updater's state, see
     /// [`Updater::export_state`](crate::updater::Updater::export_state)), `u64` key count,
-    /// then per key in ascending order: `u64` key, `u64` updates, `u32` m (0, or the
+    /// then per key in ascending order: `u64` key, `u8` element type ([`Dtype::code`]; the
+    /// value is kept in `f32` whatever it is), `u64` updates, `u32` m (0, or the
     /// workers once a `dist_async` push was applied), m `u64` (`dist_async` pushes applied by
     /// each worker), `u64` n, n `f32` (the value).
     pub fn snapshot(&self) -> Vec<u8> {
@@ -73,6 +75,7 @@ impl ServerState {
         for key in self.keys() {
             let k = &self.keys[&key];
             w.u64(key)
+                .u8(k.dtype.code())
                 .u64(k.updates)
                 .u32(k.pushes_by_worker.len() as u32);
             for &count in &k.pushes_by_worker {
@@ -170,6 +173,9 @@ impl ServerState {
                 return Err(bad(format_args!("key {key} out of order or repeated")));
             }
             previous = Some(key);
+            let code = r.u8().map_err(|_| truncated("a value type"))?;
+            let dtype = Dtype::from_code(code)
+                .ok_or_else(|| bad(format_args!("key {key}: value type {code}")))?;
             let updates = r.u64().map_err(|_| truncated("an update count"))?;
             let m = r.u32().map_err(|_| truncated("a worker count"))?;
             if m != 0 && m != s.num_workers {
@@ -201,6 +207,7 @@ impl ServerState {
             sum::copy_from_le(&mut value, raw);
             let mut state = KeyState::new(value, updates);
             state.pushes_by_worker = pushes_by_worker;
+            state.dtype = dtype;
             s.keys.insert(key, state);
         }
         if !r.is_empty() {

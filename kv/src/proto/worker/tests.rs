@@ -158,15 +158,18 @@ fn after_shutdown_losses_are_not_errors() {
 #[test]
 fn keys_are_laid_out_and_checked() {
     let mut s = state(Instant::now());
-    assert!(matches!(s.layout(3, 4), Err(KvError::UnknownKey(3))));
-    s.define_key(3, 4);
-    s.define_key(4, 250);
-    assert_eq!(s.layout(3, 4).unwrap().parts.len(), 1);
-    let big = s.layout(4, 250).unwrap();
+    assert!(matches!(
+        s.layout(3, 4, Dtype::F32),
+        Err(KvError::UnknownKey(3))
+    ));
+    s.define_key(3, 4, Dtype::F32);
+    s.define_key(4, 250, Dtype::F32);
+    assert_eq!(s.layout(3, 4, Dtype::F32).unwrap().parts.len(), 1);
+    let big = s.layout(4, 250, Dtype::F32).unwrap();
     assert_eq!(big.parts.len(), 2, "sharded over both servers");
     assert_eq!(big.parts.iter().map(|p| p.len).sum::<usize>(), 250);
     assert!(matches!(
-        s.layout(3, 5),
+        s.layout(3, 5, Dtype::F32),
         Err(KvError::SizeMismatch {
             expected: 4,
             got: 5,
@@ -352,7 +355,7 @@ fn requests_to_a_lost_server_wait_for_it_and_pushes_go_again_with_their_place() 
         "S1's request is none of S0's business"
     );
     // A key defined again (an init) starts its count again.
-    s.define_key(3, 4);
+    s.define_key(3, 4, Dtype::F32);
     let (_, mut again) = s.begin_request(S0, push(3)).unwrap();
     s.handle_received(lost(S0), now);
     s.handle_received(rejoined(S0), now);
