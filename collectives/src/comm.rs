@@ -53,6 +53,9 @@ pub struct Communicator<T: Transport> {
     pub(crate) failed: Mutex<Option<CollectiveError>>,
     /// The last calls finished, by number.
     pub(crate) history: Mutex<VecDeque<(u64, Call)>>,
+    /// This host runs more ranks than it has cores: a waiting call that spins gives its core
+    /// away between polls (`sched_yield`), so that the ranks with work get it.
+    pub(crate) oversubscribed: bool,
 }
 
 /// Stops the task reading the transport when the last communicator using it goes.
@@ -115,15 +118,15 @@ impl<T: Transport> Communicator<T> {
             order: Order::default(),
             failed: Mutex::new(None),
             history: Mutex::new(VecDeque::new()),
+            oversubscribed: false,
         };
         let (id, local_ranks) = crate::join::join(&comm, root).await?;
         comm.comm = id;
-        // Spinning ranks that outnumber the host's cores take the CPU from the ones that
-        // have work: then wait by sleeping.
+        // Ranks that outnumber the host's cores spin too, but give their core away between
+        // polls, as Open MPI's yield_when_idle does when oversubscribed: a rank that slept
+        // instead waits for the kernel to wake it, tens of microseconds per message.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if local_ranks > cores {
-            comm.config.spin = std::time::Duration::ZERO;
-        }
+        comm.oversubscribed = local_ranks > cores;
         Ok(comm)
     }
 
@@ -278,6 +281,7 @@ impl<T: Transport> Communicator<T> {
             order: Order::default(),
             failed: Mutex::new(None),
             history: Mutex::new(VecDeque::new()),
+            oversubscribed: self.oversubscribed,
         }))
     }
 }

@@ -141,6 +141,9 @@ async fn run_plan<'p, T: Transport, E: Element + 'p>(
         // host). Yielding lets this runtime's other tasks (the transport's readers) run.
         let idle = *idle_since.get_or_insert_with(std::time::Instant::now);
         if idle.elapsed() < comm.config.spin {
+            if comm.oversubscribed {
+                std::thread::yield_now();
+            }
             tokio::task::yield_now().await;
             continue;
         }

@@ -255,7 +255,7 @@ crate::declare_env_vars! {
     PSNET_COLL_TIMEOUT = "PSNET_COLL_TIMEOUT", "600",
         "collectives: seconds one call may wait for the other ranks (including for them to reach it) before failing, naming the ranks it waits for; 0: for ever";
     PSNET_COLL_SPIN_US = "PSNET_COLL_SPIN_US", "50",
-        "collectives: microseconds a call waiting for other ranks polls before it sleeps (0: sleep at once)";
+        "collectives: microseconds a call waiting for other ranks polls before it sleeps (0: sleep at once); with more ranks on the host than cores it yields its core (sched_yield) between polls";
     PSNET_COLL_AHEAD_BYTES = "PSNET_COLL_AHEAD_BYTES", "1073741824",
         "collectives: bytes that may arrive for calls this rank has not made yet (other ranks running ahead, as a broadcast's root may); more fails the communicator";
     // Read by `psnet-launch --role-from-env` under mpirun or srun (set by them, not by users).
