@@ -87,7 +87,7 @@ impl Ask {
 }
 
 /// One request of a call, with the bytes it carries (borrowed from the caller).
-struct Outgoing<'a> {
+pub(crate) struct Outgoing<'a> {
     to: NodeId,
     ask: Ask,
     value: Option<&'a [u8]>,
@@ -98,6 +98,32 @@ struct Outgoing<'a> {
 pub(crate) struct Wait<'a> {
     sent: Outgoing<'a>,
     rx: oneshot::Receiver<Reply>,
+}
+
+/// A call's requests, sent, and the receivers of their answers in the same order: its
+/// [`Wait`]s, made one at a time as the call takes the answers (a call of many keys holds
+/// no second copy of its requests).
+pub(crate) struct Sent<'a> {
+    requests: Vec<Outgoing<'a>>,
+    answers: Vec<oneshot::Receiver<Reply>>,
+}
+
+impl<'a> IntoIterator for Sent<'a> {
+    type Item = Wait<'a>;
+    type IntoIter = std::iter::Map<
+        std::iter::Zip<
+            std::vec::IntoIter<Outgoing<'a>>,
+            std::vec::IntoIter<oneshot::Receiver<Reply>>,
+        >,
+        fn((Outgoing<'a>, oneshot::Receiver<Reply>)) -> Wait<'a>,
+    >;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.requests
+            .into_iter()
+            .zip(self.answers)
+            .map(|(sent, rx)| Wait { sent, rx })
+    }
 }
 
 /// Dials of a rejoined server before its requests are sent anyway (and fail): 10 ms, then
@@ -181,50 +207,52 @@ impl<T: Transport> Shared<T> {
     /// (A large send completes only once its bytes are out, after its RDMA WRITE on verbs: one
     /// server after another would serialize the parts of a sharded key.) The receivers come
     /// back in the requests' order.
-    async fn send_all<'a>(&self, requests: Vec<Outgoing<'a>>) -> Result<Vec<Wait<'a>>, KvError> {
+    async fn send_all<'a>(&self, requests: Vec<Outgoing<'a>>) -> Result<Sent<'a>, KvError> {
         if self.serial_sends {
-            let mut sent = Vec::with_capacity(requests.len());
-            for r in requests {
-                sent.push(self.request(r).await?);
+            let mut answers = Vec::with_capacity(requests.len());
+            for r in &requests {
+                answers.push(self.request(r).await?);
             }
-            return Ok(sent);
+            return Ok(Sent { requests, answers });
         }
-        let total = requests.len();
-        let mut by_server: Vec<(NodeId, Vec<(usize, Outgoing<'a>)>)> = Vec::new();
-        for (i, r) in requests.into_iter().enumerate() {
+        let mut by_server: Vec<(NodeId, Vec<usize>)> = Vec::new();
+        for (i, r) in requests.iter().enumerate() {
             match by_server.iter_mut().find(|(to, _)| *to == r.to) {
-                Some((_, queue)) => queue.push((i, r)),
-                None => by_server.push((r.to, vec![(i, r)])),
+                Some((_, queue)) => queue.push(i),
+                None => by_server.push((r.to, vec![i])),
             }
         }
+        let requests_ref = &requests;
         let sends = by_server.into_iter().map(|(_, queue)| async move {
             let mut sent = Vec::with_capacity(queue.len());
-            for (i, r) in queue {
-                sent.push((i, self.request(r).await?));
+            for i in queue {
+                sent.push((i, self.request(&requests_ref[i]).await?));
             }
             Ok::<_, KvError>(sent)
         });
-        let mut slots: Vec<Option<Wait<'a>>> = (0..total).map(|_| None).collect();
+        let mut slots: Vec<Option<oneshot::Receiver<Reply>>> =
+            (0..requests.len()).map(|_| None).collect();
         for sent in futures_util::future::join_all(sends).await {
-            for (i, wait) in sent? {
-                slots[i] = Some(wait);
+            for (i, rx) in sent? {
+                slots[i] = Some(rx);
             }
         }
         // Every slot is filled: each request was sent, or the call failed above.
-        Ok(slots.into_iter().flatten().collect())
+        let answers = slots.into_iter().flatten().collect();
+        Ok(Sent { requests, answers })
     }
 
-    /// Registers a request and sends it; the [`Wait`] yields the answer.
-    async fn request<'a>(&self, sent: Outgoing<'a>) -> Result<Wait<'a>, KvError> {
+    /// Registers a request and sends it; the receiver yields the answer.
+    async fn request(&self, sent: &Outgoing<'_>) -> Result<oneshot::Receiver<Reply>, KvError> {
         let to = sent.to;
         let (ts, mut rx) = self.state().begin_request(to, sent.ask.asked())?;
         let msg = sent.ask.clone().into_msg(ts);
         let Err(e) = self.link.send(to, &msg, sent.value).await else {
-            return Ok(Wait { sent, rx });
+            return Ok(rx);
         };
         // A server that may rejoin: the request waits for it, and goes again then.
         if self.state().is_recovering(to) {
-            return Ok(Wait { sent, rx });
+            return Ok(rx);
         }
         // The peer's loss, with its cause (a `Leaving` or the scheduler's word), may be on
         // its way through the receiver: an error naming the cause beats "not connected". So
@@ -232,10 +260,10 @@ impl<T: Transport> Shared<T> {
         if let Ok(Ok(reply)) = tokio::time::timeout(LOSS_GRACE, &mut rx).await {
             let (tx, ready) = oneshot::channel();
             let _ = tx.send(reply);
-            return Ok(Wait { sent, rx: ready });
+            return Ok(ready);
         }
         if self.state().is_recovering(to) {
-            return Ok(Wait { sent, rx });
+            return Ok(rx);
         }
         Err(self.state().abandon_request(ts, to).unwrap_or(e))
     }
@@ -249,12 +277,11 @@ impl<T: Transport> Shared<T> {
             match rx.await.unwrap_or(Err(KvError::Shutdown)) {
                 Err(KvError::Rejoined { node, retry }) => {
                     tracing::debug!(%node, ?retry, "sending a request again");
-                    let again = Outgoing {
+                    sent = Outgoing {
                         ask: sent.ask.again(retry),
                         ..sent
                     };
-                    let wait = self.request(again).await?;
-                    (sent, rx) = (wait.sent, wait.rx);
+                    rx = self.request(&sent).await?;
                 }
                 reply => return reply,
             }
@@ -559,7 +586,7 @@ impl<T: Transport> Worker<T> {
         &self,
         parts: &'a [(usize, PreparedPart)],
         values: &[&'a [V]],
-    ) -> Result<Vec<Wait<'a>>, KvError> {
+    ) -> Result<Sent<'a>, KvError> {
         let requests = parts
             .iter()
             .map(|(i, pp)| {

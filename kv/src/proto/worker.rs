@@ -428,7 +428,9 @@ impl WorkerState {
             Received::Msg { from, msg, value } => match msg {
                 Msg::Done { ts } => {
                     if let Some(w) = self.pending.remove(&ts) {
-                        if let Asked::Push { key, init: false } = w.asked {
+                        // Counted only where a server may rejoin: a map entry per key
+                        // and server is memory a job without recovery does not need.
+                        if let (Asked::Push { key, init: false }, true) = (w.asked, self.recovery) {
                             *self.acknowledged.entry((w.to, key)).or_default() += 1;
                         }
                         let _ = w.tx.send(Ok(value));
