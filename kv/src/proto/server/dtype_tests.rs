@@ -1,7 +1,7 @@
 //! Keys of half types: an `f32` master copy, pulls rounded to the key's type, pushes of
 //! another type or compressed pushes refused, the type kept by snapshots and journals.
 
-use super::tests::push;
+use super::tests::{drain, failed_reason as reason, push};
 use super::*;
 use crate::value::{bf16, f16};
 
@@ -15,17 +15,6 @@ fn typed(rank: u32, ts: u64, key: u64, values: &[f32], dtype: Dtype) -> Push {
     p.n_elems = values.len() as u64;
     p.flags.dtype = dtype;
     p
-}
-
-fn drain(state: &mut ServerState) -> Vec<Output> {
-    std::iter::from_fn(|| state.poll_output()).collect()
-}
-
-fn reason(out: &[Output]) -> String {
-    match out {
-        [Output::Failed { reason, .. }] => reason.clone(),
-        other => panic!("expected a failure: {other:?}"),
-    }
 }
 
 #[test]

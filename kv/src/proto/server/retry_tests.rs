@@ -1,7 +1,7 @@
 //! Pushes sent again to a server that restarted ([`PushFlags::retry`]): one the server had
 //! applied before is answered without being applied twice; any other is applied as usual.
 
-use super::tests::push;
+use super::tests::{drain, push};
 use super::*;
 
 fn again(mut p: Push, place: u64) -> Push {
@@ -11,10 +11,6 @@ fn again(mut p: Push, place: u64) -> Push {
 
 fn done(rank: u32, ts: u64, value: Option<u64>) -> Output {
     Output::Done { rank, ts, value }
-}
-
-fn drain(state: &mut ServerState) -> Vec<Output> {
-    std::iter::from_fn(|| state.poll_output()).collect()
 }
 
 fn with_key(workers: u32) -> ServerState {

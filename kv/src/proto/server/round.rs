@@ -156,28 +156,20 @@ impl ServerState {
         // Sum every rank that is now next in line, in rank order.
         while let Some(Some(a)) = round.arrived.get_mut(round.next as usize) {
             let payload = a.payload.take().expect("held until summed");
-            if round.next == 0 {
+            // Rank 0 starts the sum, the others add to it.
+            let first = round.next == 0;
+            if first {
                 round.merged.resize(k.value.len(), 0.0);
-                let dtype = k.dtype;
-                Self::decode(
-                    compressor,
-                    dtype,
-                    a.compressed,
-                    &payload,
-                    &mut round.merged,
-                    false,
-                );
-            } else {
-                let dtype = k.dtype;
-                Self::decode(
-                    compressor,
-                    dtype,
-                    a.compressed,
-                    &payload,
-                    &mut round.merged,
-                    true,
-                );
             }
+            let (dtype, compressed) = (k.dtype, a.compressed);
+            Self::decode(
+                compressor,
+                dtype,
+                compressed,
+                &payload,
+                &mut round.merged,
+                !first,
+            );
             round.next += 1;
         }
         if round.count as usize == workers {

@@ -31,11 +31,11 @@ fn init(state: &mut ServerState, key: u64, values: &[f32]) {
     );
 }
 
-fn drain(state: &mut ServerState) -> Vec<Output> {
+pub(super) fn drain(state: &mut ServerState) -> Vec<Output> {
     std::iter::from_fn(|| state.poll_output()).collect()
 }
 
-fn failed_reason(out: &[Output]) -> String {
+pub(super) fn failed_reason(out: &[Output]) -> String {
     match out {
         [Output::Failed { reason, .. }] => reason.clone(),
         other => panic!("expected one failure, got {other:?}"),
