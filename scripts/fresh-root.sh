@@ -57,6 +57,14 @@ chroot "$ROOT" /usr/bin/env -i HOME=/root TERM=dumb \
   /bin/bash -c 'cd /psnet && bash scripts/setup.sh && cargo run --release -p psnet-train' \
   || rc=$?
 say "the README's first command exited $rc after $(( $(date +%s) - t1 )) s in the fresh root"
-# Its build output is the root's largest part (GBs); nothing below needs it.
-rm -rf "$ROOT/root/target"
+# The root (its packages and its build output, GBs) is not needed after this run: each run
+# builds it anew. Unmount first, and delete only once nothing is mounted under it any more
+# (the checkout and the toolchain are bind mounts in there).
+cleanup
+mounts=()
+if grep -q " $ROOT/" /proc/mounts; then
+  say "something is still mounted under $ROOT: left in place"
+else
+  rm -rf "$ROOT"
+fi
 exit $rc
