@@ -8,9 +8,10 @@
 #   gcc                   the linker rustc calls, and the raw TCP ping-pong reference of the
 #                         benchmarks
 #   ca-certificates       cargo's HTTPS downloads of the crates
+#   python3 python3-venv  the Python package's build and tests (scripts/test-python.sh)
 # Already installed packages are left alone; a machine without apt-get is told what to install.
 set -euo pipefail
-PACKAGES=(iproute2 cmake make clang libclang-dev gcc ca-certificates)
+PACKAGES=(iproute2 cmake make clang libclang-dev gcc ca-certificates python3 python3-venv)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -7,7 +7,7 @@ use psnet_transport::NodeId;
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum CollectiveError {
     /// A rank's connection was lost (its process died, or the network between us failed).
-    #[error("rank {rank} (node {node}) was lost: {reason}")]
+    #[error("rank {rank} ({node}) was lost: {reason}")]
     RankLost {
         /// The lost rank.
         rank: usize,

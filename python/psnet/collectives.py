@@ -1,0 +1,124 @@
+"""Collectives among the job's ranks, on NumPy arrays (and CPU torch tensors).
+
+``psnet.init()`` joins every rank of the job. Rank, size and the root address come from
+psnet's ``PSNET_RANK`` / ``PSNET_WORLD_SIZE`` / ``PSNET_ROOT_ADDR``, torchrun's ``RANK`` /
+``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``, mpirun's ``OMPI_COMM_WORLD_RANK`` /
+``PMI_RANK``, or Slurm's ``SLURM_PROCID`` / ``SLURM_NTASKS`` (with a root address).
+
+Arrays are reduced in place where they can be (C-contiguous and writable), as
+``torch.distributed`` does, and the result is also returned, as Horovod's calls return it.
+Element types: float32, float64, float16, int32, int64, uint8; operations ``'sum'``,
+``'prod'``, ``'min'``, ``'max'``, and ``'avg'`` for floats. Reductions are deterministic:
+the same inputs give the same bits on every rank, run after run. A rank that dies, or ranks
+that disagree about a call, raise on every rank (``PeerLostError``, ``CollectiveError``).
+"""
+
+import numpy as np
+
+from . import _psnet
+from ._arrays import as_array, readable, writable
+
+_comm = None
+
+
+def init():
+    """Joins the job's communicator (once; later calls return the same one)."""
+    global _comm
+    if _comm is None:
+        _comm = _psnet.Comm.join()
+    return _comm
+
+
+def is_initialized():
+    """Whether :func:`init` has joined the communicator."""
+    return _comm is not None
+
+
+def shutdown():
+    """Forgets the communicator (its connections close once nothing uses it)."""
+    global _comm
+    _comm = None
+
+
+def _get():
+    if _comm is None:
+        raise RuntimeError("psnet.init() has not been called")
+    return _comm
+
+
+def rank():
+    """This process's rank."""
+    return _get().rank
+
+
+def size():
+    """The number of ranks."""
+    return _get().size
+
+
+def allreduce(tensor, op="sum", out=None):
+    """Reduces ``tensor`` across the ranks with ``op``. In place, unless ``out`` is given
+    (then ``tensor`` is unchanged and ``out`` gets the result). Returns the result."""
+    comm = _get()
+    if out is None:
+        target = writable(tensor, "allreduce")
+    else:
+        target = writable(out, "allreduce out")
+        np.copyto(target, as_array(tensor, "allreduce"), casting="no")
+    comm.allreduce(target, op)
+    return out if out is not None else tensor
+
+
+def broadcast(tensor, root=0):
+    """Every rank's ``tensor`` ends with ``root``'s, in place. Returns it."""
+    _get().broadcast(writable(tensor, "broadcast"), root)
+    return tensor
+
+
+def allgather(tensor, out=None):
+    """Every rank's ``tensor`` (each of the same shape) concatenated along the first axis in
+    rank order, as a new array (or written into ``out``)."""
+    comm = _get()
+    send = readable(tensor, "allgather")
+    shape = (comm.size * send.shape[0],) + send.shape[1:] if send.ndim else (comm.size,)
+    if out is None:
+        out = np.empty(shape, dtype=send.dtype)
+    recv = writable(out, "allgather out")
+    if recv.size != comm.size * send.size:
+        raise ValueError(
+            f"allgather out: {recv.size} elements where {comm.size} x {send.size} are needed"
+        )
+    comm.allgather(send, recv)
+    return out
+
+
+def reduce_scatter(tensor, op="sum", out=None):
+    """Reduces ``tensor`` across the ranks and returns this rank's block of the result: the
+    first axis split into ``size()`` equal blocks (its length must divide)."""
+    comm = _get()
+    send = readable(tensor, "reduce_scatter")
+    n = comm.size
+    if send.ndim == 0 or send.shape[0] % n:
+        raise ValueError(
+            f"reduce_scatter: the first axis ({send.shape[0] if send.ndim else 'none'}) does not "
+            f"split into {n} equal blocks"
+        )
+    shape = (send.shape[0] // n,) + send.shape[1:]
+    if out is None:
+        out = np.empty(shape, dtype=send.dtype)
+    comm.reduce_scatter(send, writable(out, "reduce_scatter out"), op)
+    return out
+
+
+def reduce(tensor, op="sum", root=0):
+    """Reduces ``tensor`` across the ranks into ``root``'s ``tensor`` (in place there; the
+    other ranks' are unchanged). Returns ``tensor``."""
+    comm = _get()
+    target = writable(tensor, "reduce")
+    comm.reduce(target.copy(), target, op, root)
+    return tensor
+
+
+def barrier():
+    """Waits for every rank."""
+    _get().barrier()

@@ -1,0 +1,321 @@
+"""MXNet's kvstore API over psnet: ``psnet.kvstore.create('dist_sync')``.
+
+Types, as MXNet names them:
+
+- ``'local'``: one process; a push of a list of arrays is summed, then stored (or, with an
+  optimizer set, applied to the stored value); no network.
+- ``'dist_sync'`` / ``'dist_sync_device'``: psnet's parameter server; each round's pushes of
+  every worker are summed on the servers before the update. Bit-identical to MXNet's
+  arithmetic (sums in worker-rank order).
+- ``'dist_async'`` / ``'dist_async_device'``: every push updates at once.
+
+The ``_device`` forms are accepted for MXNet scripts and behave as their plain forms: psnet's
+Python package takes CPU arrays.
+
+Keys are ints or strs (not both in one store); values are float32 or float16 NumPy arrays
+(or CPU torch tensors), pushed and pulled in place without copying when C-contiguous.
+``row_sparse_pull`` is not provided (psnet has no sparse values).
+
+A dist store needs a job: run the script under ``psnet-launch -n W -s S python3 train.py``
+(or mpirun, srun, ...), which starts the scheduler, servers and workers; ``import psnet`` in
+the scheduler and server processes serves until the job ends.
+"""
+
+import atexit
+import numbers
+
+import numpy as np
+
+from . import _psnet
+from . import optimizer as _optimizer
+from ._arrays import as_array, readable, writable
+
+_TYPES = ("local", "dist_sync", "dist_async", "dist_sync_device", "dist_async_device")
+_worker = None
+
+
+def create(name="local"):
+    """A kvstore of type ``name`` (see the module's documentation)."""
+    if not isinstance(name, str):
+        raise TypeError("name must be a string")
+    if name == "device":
+        name = "local"
+    if name not in _TYPES:
+        raise ValueError(f"unknown kvstore type {name!r}: one of {', '.join(_TYPES)}")
+    if name == "local":
+        return KVStore(name, None)
+    global _worker
+    if _worker is None:
+        _worker = _psnet.Worker.join()
+        atexit.register(_finalize)
+    store = KVStore(name, _worker)
+    _worker.set_mode("async" if "async" in name else "sync")
+    return store
+
+
+def _finalize():
+    global _worker
+    if _worker is not None:
+        w, _worker = _worker, None
+        w.finalize()
+
+
+def _is_key(k):
+    return isinstance(k, (str, numbers.Integral)) and not isinstance(k, bool)
+
+
+class KVStore:
+    """A key-value store for synchronizing parameters (MXNet's ``mxnet.kvstore.KVStore``)."""
+
+    def __init__(self, name, worker):
+        self._type = name
+        self._worker = worker
+        self._key_kind = None
+        self._shapes = {}
+        # 'local' only: values, and the optimizer applied to them.
+        self._values = {}
+        self._updater = None
+        self._int_of_str = {}
+        self._compression = None
+
+    # --- properties ------------------------------------------------------------------------
+    @property
+    def type(self):
+        """The type given to :func:`create`."""
+        return self._type
+
+    @property
+    def rank(self):
+        """This worker's rank (0 for ``local``)."""
+        return 0 if self._worker is None else self._worker.rank
+
+    @property
+    def num_workers(self):
+        """The number of workers (1 for ``local``)."""
+        return 1 if self._worker is None else self._worker.num_workers
+
+    # --- keys and values -------------------------------------------------------------------
+    def _key(self, k):
+        if not _is_key(k):
+            raise TypeError(f"a key is an int or a str, not {type(k).__name__}")
+        kind = str if isinstance(k, str) else int
+        if self._key_kind is None:
+            self._key_kind = kind
+        elif kind is not self._key_kind:
+            raise TypeError(
+                f"key {k!r}: this store's keys are {self._key_kind.__name__}s; "
+                "int and str keys cannot be mixed (as in MXNet)"
+            )
+        if kind is str:
+            if self._worker is not None:
+                return self._worker.key(k)
+            return self._int_of_str.setdefault(k, len(self._int_of_str))
+        if k < 0:
+            raise ValueError(f"key {k}: keys are non-negative")
+        return int(k)
+
+    def _pairs(self, key, value, what):
+        """(name, int key, [arrays]) per key: a key with a value or a list of values (one per
+        device), or a list of keys with one such entry each."""
+        if isinstance(key, (list, tuple)):
+            if not isinstance(value, (list, tuple)) or len(value) != len(key):
+                raise ValueError(f"{what}: {len(key)} keys need a list of {len(key)} values")
+            items = zip(key, value)
+        else:
+            items = [(key, value)]
+        out = []
+        for k, v in items:
+            vs = list(v) if isinstance(v, (list, tuple)) else [v]
+            if not vs:
+                raise ValueError(f"{what}: key {k!r} has no value")
+            out.append((k, self._key(k), [as_array(x, f"{what} {k!r}") for x in vs]))
+        return out
+
+    def _check_shape(self, name, array, what):
+        shape = self._shapes.get(name)
+        if shape is None:
+            raise ValueError(f"{what}: key {name!r} is not initialized (call init first)")
+        if array.size != int(np.prod(shape)):
+            raise ValueError(
+                f"{what}: key {name!r} holds shape {shape}, given an array of shape {array.shape}"
+            )
+
+    @staticmethod
+    def _check_dtype(array, what):
+        if array.dtype not in (np.float32, np.float16):
+            raise TypeError(
+                f"{what}: the kvstore holds float32 and float16 values, not {array.dtype}"
+            )
+
+    def _merged(self, name, arrays, what):
+        """The sum of one key's per-device values, in list order, as one contiguous array."""
+        for a in arrays:
+            self._check_dtype(a, what)
+            self._check_shape(name, a, what)
+            if a.dtype != arrays[0].dtype:
+                raise TypeError(f"{what}: key {name!r} has values of {a.dtype} and {arrays[0].dtype}")
+        merged = readable(arrays[0], what)
+        if len(arrays) > 1:
+            merged = merged.copy()
+            for a in arrays[1:]:
+                merged += a.reshape(merged.shape)
+        return merged
+
+    # --- MXNet's calls ---------------------------------------------------------------------
+    def init(self, key, value):
+        """Initializes keys (rank 0's values count; every worker waits for the others)."""
+        pairs = self._pairs(key, value, "init")
+        for name, _, arrays in pairs:
+            self._check_dtype(arrays[0], "init")
+            if name in self._shapes and self._worker is None:
+                raise ValueError(f"init: key {name!r} is already initialized")
+        for name, _, arrays in pairs:
+            self._shapes[name] = arrays[0].shape
+        if self._worker is None:
+            for name, _, arrays in pairs:
+                self._values[name] = np.array(arrays[0], copy=True, order="C")
+            return
+        self._grouped(self._worker.init, [(k, readable(a[0], "init")) for _, k, a in pairs])
+
+    def push(self, key, value, priority=0):
+        """Pushes values (a list per key is summed first, as MXNet sums devices' values)."""
+        del priority
+        pairs = [(n, k, self._merged(n, a, "push")) for n, k, a in self._pairs(key, value, "push")]
+        if self._worker is None:
+            for name, k, merged in pairs:
+                self._apply_local(name, k, merged)
+            return
+        self._grouped(self._worker.push, [(k, m) for _, k, m in pairs])
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        """Pulls each key's value into ``out`` (an array, or a list of arrays per key)."""
+        del priority, ignore_sparse
+        if out is None:
+            raise ValueError("pull: out is required (the arrays to pull into)")
+        pairs = self._pairs(key, out, "pull")
+        for name, _, arrays in pairs:
+            for a in arrays:
+                self._check_dtype(a, "pull out")
+                self._check_shape(name, a, "pull out")
+        if self._worker is None:
+            for name, _, arrays in pairs:
+                for a in arrays:
+                    writable(a, "pull out")[...] = self._values[name].reshape(a.shape)
+            return
+        firsts = [(k, writable(arrays[0], "pull out")) for _, k, arrays in pairs]
+        self._grouped(self._worker.pull, firsts)
+        for _, _, arrays in pairs:
+            for a in arrays[1:]:
+                writable(a, "pull out")[...] = arrays[0].reshape(a.shape)
+
+    def pushpull(self, key, value, out=None, priority=0):
+        """Pushes ``value`` and pulls the result into ``out`` (``value`` itself if None)."""
+        del priority
+        pairs = [(n, k, self._merged(n, a, "pushpull"))
+                 for n, k, a in self._pairs(key, value, "pushpull")]
+        outs = self._pairs(key, value if out is None else out, "pushpull out")
+        for (name, _, merged), (_, _, arrays) in zip(pairs, outs):
+            for a in arrays:
+                self._check_shape(name, a, "pushpull out")
+                if a.dtype != merged.dtype:
+                    raise TypeError(f"pushpull out: {a.dtype} where {merged.dtype} was pushed")
+        if self._worker is None:
+            for (name, k, merged), (_, _, arrays) in zip(pairs, outs):
+                self._apply_local(name, k, merged)
+                for a in arrays:
+                    writable(a, "pushpull out")[...] = self._values[name].reshape(a.shape)
+            return
+        firsts = [writable(arrays[0], "pushpull out") for _, _, arrays in outs]
+        self._grouped3(self._worker.pushpull, [(k, m) for _, k, m in pairs], firsts)
+        for _, _, arrays in outs:
+            for a in arrays[1:]:
+                writable(a, "pushpull out")[...] = arrays[0].reshape(a.shape)
+
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
+        """Not provided: psnet's values are dense."""
+        raise NotImplementedError("row_sparse_pull: psnet's kvstore holds dense values only")
+
+    def set_gradient_compression(self, compression_params):
+        """MXNet's ``{'type': '2bit', 'threshold': 0.5}`` (or ``'1bit'``); dist stores only."""
+        if self._worker is None:
+            raise ValueError(
+                "gradient compression is for dist kvstores (as in MXNet), not 'local'"
+            )
+        import json
+
+        params = {k: (float(v) if k == "threshold" else v) for k, v in dict(compression_params).items()}
+        self._worker.set_gradient_compression(json.dumps(params))
+        self._compression = params
+
+    def set_optimizer(self, optimizer, **params):
+        """The optimizer the servers (or, for ``local``, this process) apply to pushed
+        gradients: a :mod:`psnet.optimizer` object, or a name and its parameters."""
+        if isinstance(optimizer, str):
+            optimizer = _optimizer.create(optimizer, **params)
+        elif params:
+            raise TypeError("set_optimizer: parameters go with an optimizer's name only")
+        if not isinstance(optimizer, _optimizer.Optimizer):
+            raise TypeError(
+                "set_optimizer: a psnet.optimizer object (SGD, Adam, Test) or a name"
+            )
+        spec = optimizer.spec()
+        if self._worker is None:
+            self._updater = _psnet.Updater(spec)
+        else:
+            self._worker.set_optimizer(spec)
+
+    def barrier(self):
+        """Waits for every worker."""
+        if self._worker is not None:
+            self._worker.barrier()
+
+    _barrier = barrier
+
+    def save_optimizer_states(self, fname=None, dump_optimizer=False):
+        """Dist stores: every server writes a snapshot of its shard, optimizer state included,
+        to ``PSNET_CHECKPOINT_DIR`` (``fname`` is not used: each server writes its own files,
+        and a restarted server reloads them). Not provided for ``local``."""
+        del fname, dump_optimizer
+        if self._worker is None:
+            raise NotImplementedError(
+                "save_optimizer_states: the local store keeps no optimizer checkpoint"
+            )
+        self._worker.save_checkpoint()
+
+    def close(self):
+        """Leaves the job (done at exit otherwise); the store cannot be used afterwards."""
+        if self._worker is not None:
+            _finalize()
+            self._worker = None
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _apply_local(self, name, k, merged):
+        stored = self._values[name]
+        if self._updater is None:
+            stored[...] = merged.reshape(stored.shape)
+            return
+        if stored.dtype != np.float32:
+            raise TypeError("the local store's optimizer updates float32 values only")
+        self._updater.update(k, np.ascontiguousarray(merged, dtype=np.float32).reshape(-1),
+                             stored.reshape(-1))
+
+    @staticmethod
+    def _runs(items, dtype_of):
+        """Consecutive items of one element type (one native call each)."""
+        run = []
+        for item in items:
+            if run and dtype_of(run[-1]) != dtype_of(item):
+                yield run
+                run = []
+            run.append(item)
+        if run:
+            yield run
+
+    def _grouped(self, call, pairs):
+        for run in self._runs(pairs, lambda p: p[1].dtype):
+            call([k for k, _ in run], [a for _, a in run])
+
+    def _grouped3(self, call, pairs, outs):
+        items = [(k, a, o) for (k, a), o in zip(pairs, outs)]
+        for run in self._runs(items, lambda p: p[1].dtype):
+            call([k for k, _, _ in run], [a for _, a, _ in run], [o for _, _, o in run])

@@ -1,0 +1,71 @@
+"""Server-side optimizers, with MXNet 1.9.1's names, parameters and arithmetic.
+
+``kv.set_optimizer(psnet.optimizer.SGD(learning_rate=0.1, momentum=0.9))`` or, by name,
+``kv.set_optimizer('sgd', learning_rate=0.1)``. The servers (or, for the ``local`` store,
+this process) apply them to each key's value when its gradients arrive.
+"""
+
+import json
+
+
+class Optimizer:
+    """An optimizer's type and hyper-parameters, as psnet's servers take them."""
+
+    type = None
+
+    def __init__(self, **params):
+        self.params = {k: v for k, v in params.items() if v is not None}
+
+    def spec(self):
+        """The JSON spec sent to the servers."""
+        return json.dumps(dict(type=self.type, **self.params))
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"{type(self).__name__}({args})"
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with optional momentum and weight decay (MXNet's SGD)."""
+
+    type = "sgd"
+
+    def __init__(self, learning_rate=0.01, momentum=0.0, wd=0.0, rescale_grad=1.0,
+                 clip_gradient=None):
+        super().__init__(learning_rate=learning_rate, momentum=momentum, wd=wd,
+                         rescale_grad=rescale_grad, clip_gradient=clip_gradient)
+
+
+class Adam(Optimizer):
+    """Adam with MXNet's bias correction (MXNet's Adam)."""
+
+    type = "adam"
+
+    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0,
+                 rescale_grad=1.0, clip_gradient=None):
+        super().__init__(learning_rate=learning_rate, beta1=beta1, beta2=beta2,
+                         epsilon=epsilon, wd=wd, rescale_grad=rescale_grad,
+                         clip_gradient=clip_gradient)
+
+
+class Test(Optimizer):
+    """MXNet's ``Test`` optimizer: ``weight += grad * rescale_grad``."""
+
+    type = "test"
+
+    def __init__(self, rescale_grad=1.0):
+        super().__init__(rescale_grad=rescale_grad)
+
+
+_BY_NAME = {"sgd": SGD, "adam": Adam, "test": Test}
+
+
+def create(name, **params):
+    """An optimizer by its MXNet name (``'sgd'``, ``'adam'``, ``'test'``)."""
+    try:
+        cls = _BY_NAME[name.lower()]
+    except KeyError:
+        raise ValueError(
+            f"optimizer {name!r} is not one psnet's servers run (sgd, adam, test)"
+        ) from None
+    return cls(**params)

@@ -1,0 +1,156 @@
+//! NumPy arrays as slices, without copying: C-contiguous arrays of the expected element type
+//! are borrowed in place (numpy's borrow checking keeps Python from resizing or freeing them
+//! meanwhile); anything else is a clear `TypeError` / `ValueError`.
+
+use numpy::{
+    dtype, Element, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
+    PyReadwriteArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
+};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+/// The element types psnet's Python calls take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    F32,
+    F64,
+    F16,
+    I32,
+    I64,
+    U8,
+}
+
+impl Kind {
+    const ALL: [(Kind, &'static str); 6] = [
+        (Kind::F32, "float32"),
+        (Kind::F64, "float64"),
+        (Kind::F16, "float16"),
+        (Kind::I32, "int32"),
+        (Kind::I64, "int64"),
+        (Kind::U8, "uint8"),
+    ];
+
+    pub(crate) fn name(self) -> &'static str {
+        Kind::ALL
+            .iter()
+            .find(|(k, _)| *k == self)
+            .map_or("?", |(_, n)| n)
+    }
+}
+
+fn is<T: Element>(array: &Bound<'_, PyUntypedArray>) -> bool {
+    array.dtype().is_equiv_to(&dtype::<T>(array.py()))
+}
+
+/// The element type of `obj`, a NumPy array; `what` names the argument in errors.
+pub(crate) fn kind_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Kind> {
+    let array = obj.cast::<PyUntypedArray>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what}: expected a numpy.ndarray, got {}",
+            type_name(obj)
+        ))
+    })?;
+    let kind = if is::<f32>(array) {
+        Kind::F32
+    } else if is::<f64>(array) {
+        Kind::F64
+    } else if is::<half::f16>(array) {
+        Kind::F16
+    } else if is::<i32>(array) {
+        Kind::I32
+    } else if is::<i64>(array) {
+        Kind::I64
+    } else if is::<u8>(array) {
+        Kind::U8
+    } else {
+        let names: Vec<&str> = Kind::ALL.iter().map(|(_, n)| *n).collect();
+        return Err(PyTypeError::new_err(format!(
+            "{what}: arrays of {} are not supported (use one of {})",
+            array.dtype(),
+            names.join(", ")
+        )));
+    };
+    Ok(kind)
+}
+
+/// `obj` if it holds elements of `kind`, else a `TypeError` naming both.
+pub(crate) fn expect_kind(obj: &Bound<'_, PyAny>, kind: Kind, what: &str) -> PyResult<()> {
+    let got = kind_of(obj, what)?;
+    if got != kind {
+        return Err(PyTypeError::new_err(format!(
+            "{what}: an array of {} where {} was expected",
+            got.name(),
+            kind.name()
+        )));
+    }
+    Ok(())
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map_or_else(|_| "an object".into(), |n| n.to_string())
+}
+
+/// A read-only borrow of `obj`'s elements.
+pub(crate) fn read<'py, T: Element>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<PyReadonlyArrayDyn<'py, T>> {
+    let array = obj
+        .cast::<PyArrayDyn<T>>()
+        .map_err(|_| PyTypeError::new_err(format!("{what}: not an array of the expected type")))?;
+    let borrowed = array
+        .try_readonly()
+        .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
+    contiguous(&borrowed, what)?;
+    Ok(borrowed)
+}
+
+/// A writable borrow of `obj`'s elements.
+pub(crate) fn write<'py, T: Element>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<PyReadwriteArrayDyn<'py, T>> {
+    let array = obj
+        .cast::<PyArrayDyn<T>>()
+        .map_err(|_| PyTypeError::new_err(format!("{what}: not an array of the expected type")))?;
+    let borrowed = array.try_readwrite().map_err(|e| {
+        PyValueError::new_err(format!(
+            "{what}: cannot write into this array ({e}; is it read-only, or also an input?)"
+        ))
+    })?;
+    contiguous(&borrowed, what)?;
+    Ok(borrowed)
+}
+
+fn contiguous<T: Element>(array: &PyReadonlyArrayDyn<'_, T>, what: &str) -> PyResult<()> {
+    if array.is_c_contiguous() {
+        Ok(())
+    } else {
+        Err(not_contiguous(what))
+    }
+}
+
+/// The error for an array psnet cannot use in place.
+pub(crate) fn not_contiguous(what: &str) -> PyErr {
+    PyValueError::new_err(format!(
+        "{what}: the array is not C-contiguous (numpy.ascontiguousarray makes a copy that is)"
+    ))
+}
+
+/// The elements of a read-only borrow (contiguous: [`read`] checked).
+pub(crate) fn elems<'a, T: Element>(
+    borrowed: &'a PyReadonlyArrayDyn<'_, T>,
+    what: &str,
+) -> PyResult<&'a [T]> {
+    borrowed.as_slice().map_err(|_| not_contiguous(what))
+}
+
+/// The elements of a writable borrow (contiguous: [`write`] checked).
+pub(crate) fn elems_mut<'a, T: Element>(
+    borrowed: &'a mut PyReadwriteArrayDyn<'_, T>,
+    what: &str,
+) -> PyResult<&'a mut [T]> {
+    borrowed.as_slice_mut().map_err(|_| not_contiguous(what))
+}

@@ -1,0 +1,224 @@
+//! Collectives from Python: a communicator of the job's ranks, reducing NumPy arrays in
+//! place.
+
+use std::sync::Arc;
+
+use numpy::Element as NpElement;
+use psnet::AnyTransport;
+use psnet_collectives::{Communicator, Element, ReduceOp};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::arrays::{self, Kind};
+use crate::error;
+use crate::wait::{runtime, wait};
+
+/// Calls `$body` with `$t` the Rust element type of `$kind`.
+macro_rules! with_element {
+    ($kind:expr, $t:ident => $body:expr) => {
+        match $kind {
+            Kind::F32 => {
+                type $t = f32;
+                $body
+            }
+            Kind::F64 => {
+                type $t = f64;
+                $body
+            }
+            Kind::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            Kind::I32 => {
+                type $t = i32;
+                $body
+            }
+            Kind::I64 => {
+                type $t = i64;
+                $body
+            }
+            Kind::U8 => {
+                type $t = u8;
+                $body
+            }
+        }
+    };
+}
+
+/// A communicator of every rank of the job, joined from psnet's (`PSNET_RANK`,
+/// `PSNET_WORLD_SIZE`, `PSNET_ROOT_ADDR`), torchrun's, mpirun's or Slurm's variables.
+#[pyclass(module = "psnet._psnet", frozen)]
+pub(crate) struct Comm {
+    runtime: tokio::runtime::Runtime,
+    comm: Arc<Communicator<AnyTransport>>,
+}
+
+fn op_of(op: &str) -> PyResult<ReduceOp> {
+    op.parse::<ReduceOp>().map_err(PyValueError::new_err)
+}
+
+impl Comm {
+    fn run(
+        &self,
+        py: Python<'_>,
+        call: impl std::future::Future<Output = Result<(), psnet_collectives::CollectiveError>> + Send,
+    ) -> PyResult<()> {
+        wait(py, &self.runtime, async { call.await.map_err(error::coll) })
+    }
+
+    fn allreduce_t<E: Element + NpElement>(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        op: ReduceOp,
+    ) -> PyResult<()> {
+        let mut b = arrays::write::<E>(buf, "allreduce")?;
+        let s = arrays::elems_mut(&mut b, "allreduce")?;
+        self.run(py, self.comm.allreduce(s, op))
+    }
+
+    fn broadcast_t<E: Element + NpElement>(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        root: usize,
+    ) -> PyResult<()> {
+        let mut b = arrays::write::<E>(buf, "broadcast")?;
+        let s = arrays::elems_mut(&mut b, "broadcast")?;
+        self.run(py, self.comm.broadcast(s, root))
+    }
+
+    fn allgather_t<E: Element + NpElement>(
+        &self,
+        py: Python<'_>,
+        send: &Bound<'_, PyAny>,
+        recv: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let s = arrays::read::<E>(send, "allgather send")?;
+        let mut r = arrays::write::<E>(recv, "allgather recv")?;
+        let s = arrays::elems(&s, "allgather send")?;
+        let r = arrays::elems_mut(&mut r, "allgather recv")?;
+        self.run(py, self.comm.allgather(s, r))
+    }
+
+    fn reduce_scatter_t<E: Element + NpElement>(
+        &self,
+        py: Python<'_>,
+        send: &Bound<'_, PyAny>,
+        recv: &Bound<'_, PyAny>,
+        op: ReduceOp,
+    ) -> PyResult<()> {
+        let s = arrays::read::<E>(send, "reduce_scatter send")?;
+        let mut r = arrays::write::<E>(recv, "reduce_scatter recv")?;
+        let s = arrays::elems(&s, "reduce_scatter send")?;
+        let r = arrays::elems_mut(&mut r, "reduce_scatter recv")?;
+        self.run(py, self.comm.reduce_scatter(s, r, op))
+    }
+
+    fn reduce_t<E: Element + NpElement>(
+        &self,
+        py: Python<'_>,
+        send: &Bound<'_, PyAny>,
+        recv: &Bound<'_, PyAny>,
+        op: ReduceOp,
+        root: usize,
+    ) -> PyResult<()> {
+        let s = arrays::read::<E>(send, "reduce send")?;
+        let mut r = arrays::write::<E>(recv, "reduce recv")?;
+        let s = arrays::elems(&s, "reduce send")?;
+        let r = arrays::elems_mut(&mut r, "reduce recv")?;
+        self.run(py, self.comm.reduce_into(s, r, op, root))
+    }
+}
+
+/// The element type shared by `a` and `b`.
+fn pair_kind(a: &Bound<'_, PyAny>, b: &Bound<'_, PyAny>, what: &str) -> PyResult<Kind> {
+    let kind = arrays::kind_of(a, what)?;
+    arrays::expect_kind(b, kind, what)?;
+    Ok(kind)
+}
+
+#[pymethods]
+impl Comm {
+    /// Joins every rank of the job (rank 0 listens at the root address).
+    #[staticmethod]
+    fn join(py: Python<'_>) -> PyResult<Comm> {
+        let runtime = runtime("collectives")?;
+        let handle = runtime.handle().clone();
+        let comm = wait(py, &runtime, async move {
+            // Spawned, so that the transport's tasks live on the runtime's thread.
+            handle
+                .spawn(psnet::collectives::join_from_env())
+                .await
+                .map_err(|e| error::CollectiveError::new_err(format!("join aborted: {e}")))?
+                .map_err(error::coll)
+        })?;
+        Ok(Comm {
+            runtime,
+            comm: Arc::new(comm),
+        })
+    }
+
+    /// This rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// The number of ranks.
+    #[getter]
+    fn size(&self) -> usize {
+        self.comm.size()
+    }
+
+    /// Reduces `buf` across the ranks in place (`op`: sum, prod, min, max, avg).
+    fn allreduce(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, op: &str) -> PyResult<()> {
+        let op = op_of(op)?;
+        with_element!(arrays::kind_of(buf, "allreduce")?, E => self.allreduce_t::<E>(py, buf, op))
+    }
+
+    /// Every rank's `buf` ends with `root`'s.
+    fn broadcast(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, root: usize) -> PyResult<()> {
+        with_element!(arrays::kind_of(buf, "broadcast")?, E => self.broadcast_t::<E>(py, buf, root))
+    }
+
+    /// `recv` (size x `send`) ends with every rank's `send`, in rank order.
+    fn allgather(
+        &self,
+        py: Python<'_>,
+        send: &Bound<'_, PyAny>,
+        recv: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        with_element!(pair_kind(send, recv, "allgather")?, E => self.allgather_t::<E>(py, send, recv))
+    }
+
+    /// `recv` ends with the reduction of every rank's block `rank` of `send` (size x `recv`).
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        send: &Bound<'_, PyAny>,
+        recv: &Bound<'_, PyAny>,
+        op: &str,
+    ) -> PyResult<()> {
+        let op = op_of(op)?;
+        with_element!(pair_kind(send, recv, "reduce_scatter")?, E => self.reduce_scatter_t::<E>(py, send, recv, op))
+    }
+
+    /// `root`'s `recv` ends with the reduction of every rank's `send`.
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        send: &Bound<'_, PyAny>,
+        recv: &Bound<'_, PyAny>,
+        op: &str,
+        root: usize,
+    ) -> PyResult<()> {
+        let op = op_of(op)?;
+        with_element!(pair_kind(send, recv, "reduce")?, E => self.reduce_t::<E>(py, send, recv, op, root))
+    }
+
+    /// Waits for every rank.
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, self.comm.barrier())
+    }
+}

@@ -1,0 +1,412 @@
+//! The kv store from Python: a worker's calls on NumPy arrays, a scheduler's or server's
+//! role, and the server optimizers for the `local` store.
+
+use std::sync::{Arc, Mutex};
+
+use numpy::Element;
+use psnet::kv::{KvConfig, Mode, Role};
+use psnet_kv::updater::OptimizerSpec;
+use psnet_kv::Value;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::arrays::{self, Kind};
+use crate::error;
+use crate::wait::{runtime, wait};
+
+type KvWorker = psnet::kv::Worker;
+
+/// `DMLC_ROLE` (`"scheduler"`, `"server"`, `"worker"`), or None where no launcher started
+/// this process. A half-described job (other `DMLC_*` variables without `DMLC_ROLE`) is a
+/// `ValueError` naming them.
+#[pyfunction]
+pub(crate) fn role() -> PyResult<Option<String>> {
+    if !psnet::kv::started_by_launcher().map_err(error::kv)? {
+        return Ok(None);
+    }
+    let config = KvConfig::from_env().map_err(|e| error::kv(e.into()))?;
+    Ok(Some(config.role.to_string()))
+}
+
+/// Runs this process's scheduler or server role until the job ends (as `import mxnet`
+/// does) and returns the exit status for `sys.exit`: 0, or psnet's status for a failure,
+/// printed to stderr first.
+#[pyfunction]
+pub(crate) fn run_role(py: Python<'_>) -> PyResult<i32> {
+    let config = KvConfig::from_env().map_err(|e| error::kv(e.into()))?;
+    if config.role == Role::Worker {
+        return Err(PyValueError::new_err(
+            "run_role: this process is a worker (DMLC_ROLE=worker); workers create a kvstore",
+        ));
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| error::PsnetError::new_err(format!("cannot start the runtime: {e}")))?;
+    let role = config.role;
+    let result = wait(py, &runtime, async {
+        Ok(match role {
+            Role::Scheduler => psnet::kv::run_scheduler(&config).await,
+            _ => psnet::kv::run_server(&config).await,
+        })
+    })?;
+    Ok(match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("psnet {role}: error: {e}");
+            i32::from(e.exit_code())
+        }
+    })
+}
+
+/// A kv worker joined from the environment; its traffic runs on a thread of its own.
+#[pyclass(module = "psnet._psnet", frozen)]
+pub(crate) struct Worker {
+    runtime: tokio::runtime::Runtime,
+    inner: Mutex<Option<Arc<KvWorker>>>,
+}
+
+impl Worker {
+    fn get(&self) -> PyResult<Arc<KvWorker>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| error::KvError::new_err("this kvstore was closed (finalize)"))
+    }
+
+    fn run<R: Send>(
+        &self,
+        py: Python<'_>,
+        op: impl std::future::Future<Output = Result<R, psnet_kv::KvError>> + Send,
+    ) -> PyResult<R> {
+        wait(py, &self.runtime, async { op.await.map_err(error::kv) })
+    }
+}
+
+/// Keys and arrays of one element type, borrowed for one call.
+fn read_all<'py, V: Value + Element>(
+    arrays: &[Bound<'py, PyAny>],
+    what: &str,
+) -> PyResult<Vec<numpy::PyReadonlyArrayDyn<'py, V>>> {
+    arrays.iter().map(|a| arrays::read::<V>(a, what)).collect()
+}
+
+fn slices<'a, V: Element>(
+    borrowed: &'a [numpy::PyReadonlyArrayDyn<'_, V>],
+    what: &str,
+) -> PyResult<Vec<&'a [V]>> {
+    borrowed.iter().map(|b| arrays::elems(b, what)).collect()
+}
+
+/// The one kv element type of `arrays` (float32 or float16).
+fn kv_kind(arrays: &[Bound<'_, PyAny>], what: &str) -> PyResult<Kind> {
+    let Some(first) = arrays.first() else {
+        return Ok(Kind::F32);
+    };
+    let kind = arrays::kind_of(first, what)?;
+    if !matches!(kind, Kind::F32 | Kind::F16) {
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "{what}: the kvstore holds float32 and float16 values, not {}",
+            kind.name()
+        )));
+    }
+    for a in &arrays[1..] {
+        arrays::expect_kind(a, kind, what)?;
+    }
+    Ok(kind)
+}
+
+impl Worker {
+    fn push_t<V: Value + Element>(
+        &self,
+        py: Python<'_>,
+        keys: &[u64],
+        values: &[Bound<'_, PyAny>],
+    ) -> PyResult<()> {
+        let borrowed = read_all::<V>(values, "push")?;
+        let slices = slices(&borrowed, "push")?;
+        let w = self.get()?;
+        self.run(py, w.push_many(keys, &slices))
+    }
+
+    fn pull_t<V: Value + Element>(
+        &self,
+        py: Python<'_>,
+        keys: &[u64],
+        outs: &[Bound<'_, PyAny>],
+    ) -> PyResult<()> {
+        let mut borrowed: Vec<_> = outs
+            .iter()
+            .map(|o| arrays::write::<V>(o, "pull out"))
+            .collect::<PyResult<_>>()?;
+        let mut slices: Vec<&mut [V]> = borrowed
+            .iter_mut()
+            .map(|b| arrays::elems_mut(b, "pull out"))
+            .collect::<PyResult<_>>()?;
+        let w = self.get()?;
+        self.run(py, w.pull_many(keys, &mut slices))
+    }
+
+    fn pushpull_t<V: Value + Element>(
+        &self,
+        py: Python<'_>,
+        keys: &[u64],
+        values: &[Bound<'_, PyAny>],
+        outs: &[Bound<'_, PyAny>],
+    ) -> PyResult<()> {
+        // An output that is also an input (pushpull(k, g, out=g)) cannot be borrowed twice:
+        // its values are copied first, then it is written.
+        let aliased = values
+            .iter()
+            .zip(outs)
+            .any(|(v, o)| v.is(o) || shares_memory(v, o));
+        let copies: Vec<Vec<V>>;
+        let borrowed;
+        let inputs: Vec<&[V]> = if aliased {
+            let b = read_all::<V>(values, "pushpull")?;
+            copies = slices(&b, "pushpull")?.iter().map(|s| s.to_vec()).collect();
+            drop(b);
+            copies.iter().map(Vec::as_slice).collect()
+        } else {
+            borrowed = read_all::<V>(values, "pushpull")?;
+            slices(&borrowed, "pushpull")?
+        };
+        let mut out_borrowed: Vec<_> = outs
+            .iter()
+            .map(|o| arrays::write::<V>(o, "pushpull out"))
+            .collect::<PyResult<_>>()?;
+        let mut out_slices: Vec<&mut [V]> = out_borrowed
+            .iter_mut()
+            .map(|b| arrays::elems_mut(b, "pushpull out"))
+            .collect::<PyResult<_>>()?;
+        let w = self.get()?;
+        self.run(py, w.pushpull_many(keys, &inputs, &mut out_slices))
+    }
+
+    fn init_t<V: Value + Element>(
+        &self,
+        py: Python<'_>,
+        keys: &[u64],
+        values: &[Bound<'_, PyAny>],
+    ) -> PyResult<()> {
+        let borrowed = read_all::<V>(values, "init")?;
+        let slices = slices(&borrowed, "init")?;
+        let w = self.get()?;
+        self.run(py, w.init(keys, &slices))
+    }
+}
+
+/// Whether two arrays may share memory (numpy.may_share_memory).
+fn shares_memory(a: &Bound<'_, PyAny>, b: &Bound<'_, PyAny>) -> bool {
+    let py = a.py();
+    py.import("numpy")
+        .and_then(|np| np.call_method1("may_share_memory", (a, b)))
+        .and_then(|r| r.extract::<bool>())
+        .unwrap_or(true)
+}
+
+fn same_len(what: &str, a: usize, b: usize) -> PyResult<()> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(PyValueError::new_err(format!(
+            "{what}: {a} keys and {b} arrays"
+        )))
+    }
+}
+
+#[pymethods]
+impl Worker {
+    /// Joins the job this process was launched into as a worker (`DMLC_*` variables, as
+    /// ps-lite reads them).
+    #[staticmethod]
+    fn join(py: Python<'_>) -> PyResult<Worker> {
+        if !psnet::kv::started_by_launcher().map_err(error::kv)? {
+            return Err(error::KvError::new_err(
+                "a distributed kvstore needs a job: start this program under psnet-launch \
+                 (psnet-launch -n 2 -s 2 python3 train.py), mpirun, srun or another DMLC \
+                 launcher, which set DMLC_ROLE, DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT, \
+                 DMLC_NUM_SERVER and DMLC_NUM_WORKER; or create('local')",
+            ));
+        }
+        let config = KvConfig::from_env().map_err(|e| error::kv(e.into()))?;
+        if config.role != Role::Worker {
+            return Err(PyValueError::new_err(format!(
+                "this process is the job's {} (DMLC_ROLE), not a worker",
+                config.role
+            )));
+        }
+        let runtime = runtime("kv")?;
+        let handle = runtime.handle().clone();
+        let worker = wait(py, &runtime, async move {
+            // Spawned, so that the worker's background tasks live on the runtime's thread.
+            handle
+                .spawn(async move { psnet::kv::join(&config).await })
+                .await
+                .map_err(|e| error::KvError::new_err(format!("join aborted: {e}")))?
+                .map_err(error::kv)
+        })?;
+        Ok(Worker {
+            runtime,
+            inner: Mutex::new(Some(Arc::new(worker))),
+        })
+    }
+
+    /// This worker's rank.
+    #[getter]
+    fn rank(&self) -> PyResult<u32> {
+        Ok(self.get()?.rank())
+    }
+
+    /// The number of workers.
+    #[getter]
+    fn num_workers(&self) -> PyResult<u32> {
+        Ok(self.get()?.num_workers())
+    }
+
+    /// The number of servers.
+    #[getter]
+    fn num_servers(&self) -> PyResult<u32> {
+        Ok(self.get()?.num_servers())
+    }
+
+    /// The integer key psnet uses for a string key (the same on every worker).
+    fn key(&self, name: &str) -> PyResult<u64> {
+        Ok(self.get()?.key(name))
+    }
+
+    /// Initializes keys with rank 0's arrays (other ranks' are ignored); every worker waits
+    /// for the others.
+    fn init(&self, py: Python<'_>, keys: Vec<u64>, values: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
+        same_len("init", keys.len(), values.len())?;
+        match kv_kind(&values, "init")? {
+            Kind::F16 => self.init_t::<half::f16>(py, &keys, &values),
+            _ => self.init_t::<f32>(py, &keys, &values),
+        }
+    }
+
+    /// Pushes arrays (one per key), in place.
+    fn push(&self, py: Python<'_>, keys: Vec<u64>, values: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
+        same_len("push", keys.len(), values.len())?;
+        match kv_kind(&values, "push")? {
+            Kind::F16 => self.push_t::<half::f16>(py, &keys, &values),
+            _ => self.push_t::<f32>(py, &keys, &values),
+        }
+    }
+
+    /// Pulls into arrays (one per key), in place.
+    fn pull(&self, py: Python<'_>, keys: Vec<u64>, outs: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
+        same_len("pull", keys.len(), outs.len())?;
+        match kv_kind(&outs, "pull out")? {
+            Kind::F16 => self.pull_t::<half::f16>(py, &keys, &outs),
+            _ => self.pull_t::<f32>(py, &keys, &outs),
+        }
+    }
+
+    /// Pushes `values` and pulls the result into `outs` in one exchange per key.
+    fn pushpull(
+        &self,
+        py: Python<'_>,
+        keys: Vec<u64>,
+        values: Vec<Bound<'_, PyAny>>,
+        outs: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        same_len("pushpull", keys.len(), values.len())?;
+        same_len("pushpull", keys.len(), outs.len())?;
+        let kind = kv_kind(&values, "pushpull")?;
+        for o in &outs {
+            arrays::expect_kind(o, kind, "pushpull out")?;
+        }
+        match kind {
+            Kind::F16 => self.pushpull_t::<half::f16>(py, &keys, &values, &outs),
+            _ => self.pushpull_t::<f32>(py, &keys, &values, &outs),
+        }
+    }
+
+    /// Waits for every worker.
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        let w = self.get()?;
+        self.run(py, w.barrier())
+    }
+
+    /// Sets the servers' optimizer from its JSON spec (`{"type": "sgd", ...}`).
+    fn set_optimizer(&self, py: Python<'_>, spec: &str) -> PyResult<()> {
+        let spec = OptimizerSpec::parse(spec).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let w = self.get()?;
+        self.run(py, w.set_optimizer(&spec))
+    }
+
+    /// Turns on gradient compression (`{"type": "2bit", "threshold": 0.5}` as JSON).
+    fn set_gradient_compression(&self, py: Python<'_>, params: &str) -> PyResult<()> {
+        let params = psnet_compression::CompressionParams::parse(params)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let w = self.get()?;
+        self.run(py, w.set_gradient_compression(params))
+    }
+
+    /// `"sync"` or `"async"`.
+    fn set_mode(&self, py: Python<'_>, mode: &str) -> PyResult<()> {
+        let mode = match mode {
+            "sync" => Mode::Sync,
+            "async" => Mode::Async,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "mode {other:?}: expected \"sync\" or \"async\""
+                )))
+            }
+        };
+        let w = self.get()?;
+        self.run(py, w.set_mode(mode))
+    }
+
+    /// Asks every server to write a snapshot of its shard (`PSNET_CHECKPOINT_DIR`).
+    fn save_checkpoint(&self, py: Python<'_>) -> PyResult<()> {
+        let w = self.get()?;
+        self.run(py, w.save_checkpoint())
+    }
+
+    /// Leaves the job; every worker must call it (MXNet does at exit).
+    fn finalize(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(w) = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+            return Ok(());
+        };
+        let w = Arc::try_unwrap(w).map_err(|_| {
+            error::KvError::new_err("finalize while another thread is in a kvstore call")
+        })?;
+        self.run(py, w.finalize())
+    }
+}
+
+/// One of psnet's server optimizers, applied in this process (the `local` kvstore).
+#[pyclass(module = "psnet._psnet", frozen)]
+pub(crate) struct Updater {
+    inner: Mutex<Box<dyn psnet_kv::updater::Updater>>,
+}
+
+#[pymethods]
+impl Updater {
+    /// From the optimizer's JSON spec (`{"type": "sgd", "learning_rate": 0.1}`).
+    #[new]
+    fn new(spec: &str) -> PyResult<Updater> {
+        let spec = OptimizerSpec::parse(spec).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(Updater {
+            inner: Mutex::new(spec.build()),
+        })
+    }
+
+    /// Updates `weight` (float32) in place with `grad` for `key`.
+    fn update(&self, key: u64, grad: &Bound<'_, PyAny>, weight: &Bound<'_, PyAny>) -> PyResult<()> {
+        arrays::expect_kind(grad, Kind::F32, "update grad")?;
+        arrays::expect_kind(weight, Kind::F32, "update weight")?;
+        let g = arrays::read::<f32>(grad, "update grad")?;
+        let mut w = arrays::write::<f32>(weight, "update weight")?;
+        let g = arrays::elems(&g, "update grad")?;
+        let w = arrays::elems_mut(&mut w, "update weight")?;
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .update(key, g, w)
+            .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+}

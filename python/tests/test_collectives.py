@@ -1,0 +1,186 @@
+"""Collectives on NumPy arrays against NumPy references, over TCP on 127.0.0.1, with 1 to 4
+ranks as separate processes."""
+
+import numpy as np
+import pytest
+
+from conftest import Ranks, run_ranks
+
+# Each rank's inputs: small integers (exact in every type, so a sum in any order is exact)
+# and random floats (to check every rank ends with the same bits).
+JOB = """
+import sys
+import numpy as np
+import psnet
+
+out = sys.argv[1]
+psnet.init()
+r, n = psnet.rank(), psnet.size()
+res = {}
+for name in ("float32", "float64", "float16", "int32", "int64", "uint8"):
+    dt = np.dtype(name)
+    for length in (0, 1, 7, 1000, 70001):
+        x = ((np.arange(length) * (r + 3)) % 5).astype(dt)
+        res[f"sum_{name}_{length}"] = psnet.allreduce(x.copy())
+        res[f"max_{name}_{length}"] = psnet.allreduce(x.copy(), op="max")
+        res[f"min_{name}_{length}"] = psnet.allreduce(x.copy(), op="min")
+    y = np.full(3, r + 1, dtype=dt)
+    res[f"prod_{name}"] = psnet.allreduce(y, op="prod")
+rng = np.random.default_rng(r)
+noise = rng.standard_normal(100003).astype(np.float32)
+res["noise_sum"] = psnet.allreduce(noise.copy())
+res["noise_avg"] = psnet.allreduce(noise.copy(), op="avg")
+kept = noise.copy()
+res["out_of_place"] = psnet.allreduce(kept, out=np.empty_like(kept))
+res["kept"] = kept
+b = np.arange(10, dtype=np.float64) * (r + 1)
+res["bcast"] = psnet.broadcast(b, root=n - 1)
+res["gather"] = psnet.allgather(np.full((2, 3), r, dtype=np.int32))
+res["scatter"] = psnet.reduce_scatter(np.arange(4 * n, dtype=np.int64).reshape(2 * n, 2) + r)
+red = np.full(5, r + 1, dtype=np.float32)
+psnet.reduce(red, root=0)
+res["reduce"] = red
+psnet.barrier()
+np.savez(f"{out}/rank{r}.npz", **res)
+"""
+
+
+def inputs(r, name, length):
+    return ((np.arange(length) * (r + 3)) % 5).astype(name)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_collective_matches_numpy(tmp_path, n):
+    out, _ = run_ranks(tmp_path, n, JOB)
+    got = [dict(np.load(out / f"rank{r}.npz")) for r in range(n)]
+    for name in ("float32", "float64", "float16", "int32", "int64", "uint8"):
+        for length in (0, 1, 7, 1000, 70001):
+            xs = [inputs(r, name, length) for r in range(n)]
+            want_sum = xs[0].copy()
+            for x in xs[1:]:
+                want_sum = want_sum + x
+            for r in range(n):
+                g = got[r]
+                np.testing.assert_array_equal(g[f"sum_{name}_{length}"], want_sum.astype(name))
+                np.testing.assert_array_equal(g[f"max_{name}_{length}"], np.maximum.reduce(xs))
+                np.testing.assert_array_equal(g[f"min_{name}_{length}"], np.minimum.reduce(xs))
+        prod = np.prod([np.full(3, r + 1, dtype=name) for r in range(n)], axis=0, dtype=name)
+        for r in range(n):
+            np.testing.assert_array_equal(got[r][f"prod_{name}"], prod)
+    noise = [np.random.default_rng(r).standard_normal(100003).astype(np.float32) for r in range(n)]
+    for r in range(n):
+        g = got[r]
+        # The same bits on every rank; the value within float rounding of NumPy's sum.
+        assert g["noise_sum"].tobytes() == got[0]["noise_sum"].tobytes()
+        np.testing.assert_allclose(g["noise_sum"], np.sum(noise, axis=0), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(g["noise_avg"], np.mean(noise, axis=0), rtol=1e-5, atol=1e-5)
+        assert g["out_of_place"].tobytes() == g["noise_sum"].tobytes()
+        np.testing.assert_array_equal(g["kept"], noise[r])
+        np.testing.assert_array_equal(g["bcast"], np.arange(10, dtype=np.float64) * n)
+        np.testing.assert_array_equal(
+            g["gather"], np.concatenate([np.full((2, 3), q, dtype=np.int32) for q in range(n)]))
+        total = sum(np.arange(4 * n, dtype=np.int64).reshape(2 * n, 2) + q for q in range(n))
+        np.testing.assert_array_equal(g["scatter"], total[2 * r:2 * r + 2])
+    np.testing.assert_array_equal(got[0]["reduce"], np.full(5, n * (n + 1) / 2, dtype=np.float32))
+    for r in range(1, n):
+        np.testing.assert_array_equal(got[r]["reduce"], np.full(5, r + 1, dtype=np.float32))
+
+
+def test_torch_cpu_tensors_are_reduced_in_place(tmp_path):
+    pytest.importorskip("torch", reason="torch is not installed here: its tensors are not tested")
+    run_ranks(tmp_path, 2, """
+        import sys, torch, psnet
+        psnet.init()
+        t = torch.full((5,), float(psnet.rank() + 1))
+        psnet.allreduce(t)
+        assert t.tolist() == [3.0] * 5, t
+    """)
+
+
+def test_bad_arguments_are_python_errors(tmp_path):
+    run_ranks(tmp_path, 1, """
+        import numpy as np, psnet
+        psnet.init()
+        from jobhelpers import raises
+        raises(TypeError, psnet.allreduce, np.zeros(3, dtype=np.complex64))
+        raises(TypeError, psnet.allreduce, [1.0, 2.0])
+        raises(ValueError, psnet.allreduce, np.zeros((4, 4), dtype=np.float32)[:, 0])
+        ro = np.zeros(3, dtype=np.float32); ro.flags.writeable = False
+        raises(ValueError, psnet.allreduce, ro)
+        raises(ValueError, psnet.allreduce, np.zeros(3, dtype=np.int32), op="avg")
+        raises(ValueError, psnet.allreduce, np.zeros(3, dtype=np.float32), op="mean")
+        raises(ValueError, psnet.broadcast, np.zeros(3, dtype=np.float32), root=5)
+        raises(ValueError, psnet.reduce_scatter, np.zeros((), dtype=np.float32))
+    """)
+
+
+def test_ranks_that_disagree_on_a_length_all_raise(tmp_path):
+    ranks = Ranks(tmp_path, 3, """
+        import numpy as np, psnet
+        psnet.init()
+        try:
+            psnet.allreduce(np.zeros(10 + psnet.rank(), dtype=np.float32))
+        except psnet.PsnetError as e:
+            print("raised:", type(e).__name__, e)
+            raise SystemExit(3)
+    """)
+    for r, (rc, out) in enumerate(ranks.wait()):
+        assert rc == 3, f"rank {r} exited {rc}:\n{out}"
+        assert "raised:" in out and "rank" in out
+
+
+def test_a_rank_that_dies_is_named_by_the_others(tmp_path):
+    ranks = Ranks(tmp_path, 3, """
+        import os, numpy as np, psnet
+        psnet.init()
+        if psnet.rank() == 2:
+            psnet.allreduce(np.zeros(4, dtype=np.float32))
+            os._exit(9)
+        try:
+            psnet.allreduce(np.zeros(4, dtype=np.float32))
+            psnet.allreduce(np.zeros(1 << 20, dtype=np.float32))
+        except psnet.PeerLostError as e:
+            print("lost:", e)
+            raise SystemExit(3)
+    """, env={"PSNET_COLL_TIMEOUT": "60"})
+    results = ranks.wait(timeout=60)
+    assert results[2][0] == 9
+    for r in (0, 1):
+        rc, out = results[r]
+        assert rc == 3, f"rank {r} exited {rc}:\n{out}"
+        assert "rank 2" in out, out
+
+
+def test_ctrl_c_in_a_waiting_call_raises_keyboard_interrupt(tmp_path):
+    import signal
+    import time
+
+    ranks = Ranks(tmp_path, 2, """
+        import sys, time, numpy as np, psnet
+        psnet.init()
+        if psnet.rank() == 1:
+            time.sleep(60)
+            sys.exit(0)
+        print("waiting", flush=True)
+        try:
+            psnet.allreduce(np.zeros(4, dtype=np.float32))
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            sys.exit(5)
+    """)
+    rank0 = ranks.procs[0]
+    seen = []
+    for line in rank0.stdout:
+        seen.append(line)
+        if "waiting" in line:
+            break
+    assert seen and "waiting" in seen[-1], "".join(seen)
+    time.sleep(0.5)
+    started = time.monotonic()
+    rank0.send_signal(signal.SIGINT)
+    out, _ = rank0.communicate(timeout=10)
+    elapsed = time.monotonic() - started
+    ranks.kill()
+    assert rank0.returncode == 5, out
+    assert "interrupted" in out
+    assert elapsed < 5, f"KeyboardInterrupt took {elapsed:.1f} s"

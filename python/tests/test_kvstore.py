@@ -1,0 +1,284 @@
+"""MXNet's kvstore API: 'local' in this process, and dist jobs (scheduler, 2 servers, 2
+workers) under psnet-launch over TCP on 127.0.0.1, checked bit for bit against NumPy
+references of MXNet's arithmetic."""
+
+import numpy as np
+import pytest
+
+import psnet
+from conftest import launch
+
+STEPS = 4
+SHAPES = {3: (2, 3), 5: (5000,), 7: (4, 1, 3)}
+
+
+def grad(rank, step, key, shape):
+    rng = np.random.default_rng(1000 * rank + 10 * step + key)
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+# Each worker initializes, then per step pushes its gradients and pulls; it saves what it
+# pulled. MXNET_KVSTORE_BIGARRAY_BOUND=1000 shards key 5 over both servers.
+DIST = """
+import json, sys
+import numpy as np
+import psnet
+
+out, kind = sys.argv[1], {kind!r}
+SHAPES = {shapes!r}
+kv = psnet.kvstore.create(kind)
+assert kv.type == kind
+r, n = kv.rank, kv.num_workers
+{setup}
+keys = sorted(SHAPES)
+kv.init(keys, [np.full(SHAPES[k], 0.5, dtype=np.float32) for k in keys])
+res = {{}}
+for step in range({steps}):
+    grads = []
+    for k in keys:
+        rng = np.random.default_rng(1000 * r + 10 * step + k)
+        grads.append(rng.standard_normal(SHAPES[k]).astype(np.float32))
+    outs = [np.empty(SHAPES[k], dtype=np.float32) for k in keys]
+    {exchange}
+    for k, o in zip(keys, outs):
+        res[f"{{k}}_{{step}}"] = o
+kv.barrier()
+np.savez(f"{{out}}/worker{{r}}.npz", **res)
+"""
+
+
+def dist_job(tmp_path, kind="dist_sync", setup="", exchange=None, env=None):
+    exchange = exchange or "kv.push(keys, grads); kv.pull(keys, out=outs)"
+    body = DIST.format(kind=kind, shapes=SHAPES, setup=setup, steps=STEPS, exchange=exchange)
+    e = {"MXNET_KVSTORE_BIGARRAY_BOUND": "1000"}
+    e.update(env or {})
+    _, output, out = launch(tmp_path, 2, 2, body, env=e)
+    return [dict(np.load(out / f"worker{r}.npz")) for r in range(2)], output
+
+
+def test_dist_sync_without_an_optimizer_stores_each_rounds_sum(tmp_path):
+    got, _ = dist_job(tmp_path)
+    for step in range(STEPS):
+        for k, shape in SHAPES.items():
+            want = grad(0, step, k, shape) + grad(1, step, k, shape)
+            for r in range(2):
+                assert got[r][f"{k}_{step}"].tobytes() == want.tobytes(), (k, step, r)
+
+
+def test_dist_sync_with_sgd_momentum_is_bit_identical_to_numpy(tmp_path):
+    lr, mom_f = np.float32(0.1), np.float32(0.9)
+    got, _ = dist_job(
+        tmp_path,
+        setup="kv.set_optimizer(psnet.optimizer.SGD(learning_rate=0.1, momentum=0.9))",
+        exchange="kv.pushpull(keys, grads, out=outs)",
+    )
+    for k, shape in SHAPES.items():
+        w = np.full(shape, 0.5, dtype=np.float32)
+        mom = np.zeros(shape, dtype=np.float32)
+        for step in range(STEPS):
+            g = grad(0, step, k, shape) + grad(1, step, k, shape)
+            # MXNet's sgd_mom_update with wd = 0 and rescale_grad = 1, term by term in f32.
+            mom = mom_f * mom - (lr * np.float32(0.0)) * w - (lr * np.float32(1.0)) * g
+            w = w + mom
+            for r in range(2):
+                assert got[r][f"{k}_{step}"].tobytes() == w.tobytes(), (k, step, r)
+
+
+def test_dist_sync_with_2bit_compression_matches_the_quantized_reference(tmp_path):
+    t = np.float32(0.5)
+    got, _ = dist_job(
+        tmp_path,
+        setup="kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})",
+    )
+    for k, shape in SHAPES.items():
+        residual = [np.zeros(shape, dtype=np.float32) for _ in range(2)]
+        for step in range(STEPS):
+            total = None
+            for r in range(2):
+                v = residual[r] + grad(r, step, k, shape)
+                q = np.where(v >= t, t, np.where(v <= -t, -t, np.float32(0))).astype(np.float32)
+                residual[r] = np.where(v >= t, v - t, np.where(v <= -t, v + t, v)).astype(np.float32)
+                total = q if total is None else total + q
+            for r in range(2):
+                assert got[r][f"{k}_{step}"].tobytes() == total.tobytes(), (k, step, r)
+
+
+def test_dist_async_applies_every_push_once(tmp_path):
+    # MXNet's 'test' optimizer (w += g): after every worker's pushes and a barrier, the value
+    # is the initial one plus every push, in any order (integers: exact).
+    body = """
+        import sys, numpy as np, psnet
+        out = sys.argv[1]
+        kv = psnet.kvstore.create('dist_async')
+        kv.set_optimizer('test')
+        kv.init('w', np.zeros(1000, dtype=np.float32))
+        for step in range(20):
+            kv.push('w', np.full(1000, kv.rank + 1, dtype=np.float32))
+        kv.barrier()
+        got = np.empty(1000, dtype=np.float32)
+        kv.pull('w', out=got)
+        np.save(f"{out}/worker{kv.rank}.npy", got)
+    """
+    import textwrap
+    _, _, out = launch(tmp_path, 2, 2, textwrap.dedent(body))
+    for r in range(2):
+        np.testing.assert_array_equal(np.load(out / f"worker{r}.npy"), np.full(1000, 60.0))
+
+
+def test_str_keys_float16_device_lists_and_in_place_pushpull(tmp_path):
+    body = """
+        import sys, numpy as np, psnet
+        out = sys.argv[1]
+        kv = psnet.kvstore.create('dist_sync_device')
+        r = kv.rank
+        kv.init(['a', 'b'], [np.zeros((3, 2), dtype=np.float16), np.zeros(4, dtype=np.float32)])
+        # Two 'devices' per worker: summed before the push, as MXNet does.
+        kv.push('a', [np.full((3, 2), r + 1, dtype=np.float16), np.full((3, 2), 0.5, dtype=np.float16)])
+        a = [np.empty((3, 2), dtype=np.float16), np.empty((3, 2), dtype=np.float16)]
+        kv.pull('a', out=a)
+        g = np.full(4, 2.0 * (r + 1), dtype=np.float32)
+        kv.pushpull('b', g)  # out=None: in place, as in MXNet
+        np.savez(f"{out}/worker{r}.npz", a0=a[0], a1=a[1], b=g)
+    """
+    import textwrap
+    _, _, out = launch(tmp_path, 2, 2, textwrap.dedent(body))
+    for r in range(2):
+        got = np.load(out / f"worker{r}.npz")
+        for name in ("a0", "a1"):
+            assert got[name].dtype == np.float16
+            np.testing.assert_array_equal(got[name], np.full((3, 2), 4.0, dtype=np.float16))
+        np.testing.assert_array_equal(got["b"], np.full(4, 6.0, dtype=np.float32))
+
+
+def test_dist_errors_are_python_exceptions_and_the_job_goes_on(tmp_path):
+    body = """
+        import sys, numpy as np, psnet
+        out = sys.argv[1]
+        kv = psnet.kvstore.create('dist_sync')
+        from jobhelpers import raises
+        kv.init(1, np.zeros(8, dtype=np.float32))
+        raises(ValueError, kv.pull, 99, out=np.zeros(8, dtype=np.float32))
+        raises(ValueError, kv.push, 1, np.zeros(9, dtype=np.float32))
+        raises(TypeError, kv.push, 1, np.zeros(8, dtype=np.float64))
+        raises(TypeError, kv.push, 'one', np.zeros(8, dtype=np.float32))
+        raises(ValueError, kv.set_gradient_compression, {'type': '3bit'})
+        raises(ValueError, kv.set_optimizer, 'rmsprop')
+        raises(NotImplementedError, kv.row_sparse_pull, 1)
+        kv.push(1, np.ones(8, dtype=np.float32))
+        got = np.empty(8, dtype=np.float32)
+        kv.pull(1, out=got)
+        assert (got == kv.num_workers).all(), got
+    """
+    import textwrap
+    launch(tmp_path, 2, 1, textwrap.dedent(body))
+
+
+def test_a_killed_server_fails_the_workers_naming_it(tmp_path):
+    import os, signal, subprocess, sys, textwrap, time
+    from conftest import _env, launcher
+
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time, numpy as np, psnet
+        out = sys.argv[1]
+        kv = psnet.kvstore.create('dist_sync')
+        kv.init(1, np.zeros(8, dtype=np.float32))
+        open(f"{out}/ready{kv.rank}", "w").close()
+        try:
+            for _ in range(2000):
+                kv.pushpull(1, np.ones(8, dtype=np.float32), out=np.empty(8, dtype=np.float32))
+                time.sleep(0.01)
+        except psnet.PeerLostError as e:
+            print("lost:", e, flush=True)
+            os._exit(7)
+        print("never lost", flush=True)
+    """))
+    out = tmp_path / "out"
+    out.mkdir()
+    env = _env({"PSNET_SHM_RING": "0", "PS_HEARTBEAT_TIMEOUT": "5"})
+    job = subprocess.Popen([launcher(), "-n", "2", "-s", "1", "--", sys.executable, str(script),
+                            str(out)], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((out / f"ready{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and job.poll() is None, "the job never got going"
+            time.sleep(0.05)
+        server = [pid for pid in _pids_running(script) if _role_of(pid) == "server"]
+        assert len(server) == 1, server
+        os.kill(server[0], signal.SIGKILL)
+        output, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0, output
+    lost = [line for line in output.splitlines() if "lost:" in line]
+    assert len(lost) == 2 and all("server" in line for line in lost), output
+
+
+def _pids_running(script):
+    import os
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if str(script).encode() in f.read():
+                        yield int(pid)
+            except OSError:
+                pass
+
+
+def _role_of(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for var in f.read().split(b"\0"):
+                if var.startswith(b"DMLC_ROLE="):
+                    return var.split(b"=", 1)[1].decode()
+    except OSError:
+        return None
+    return None
+
+
+def test_local_store_sums_device_lists_and_applies_its_optimizer():
+    kv = psnet.kvstore.create("local")
+    assert (kv.type, kv.rank, kv.num_workers) == ("local", 0, 1)
+    kv.init(3, np.ones((2, 2), dtype=np.float32))
+    kv.push(3, [np.full((2, 2), 2, dtype=np.float32), np.full((2, 2), 3, dtype=np.float32)])
+    out = np.empty((2, 2), dtype=np.float32)
+    kv.pull(3, out=out)
+    np.testing.assert_array_equal(out, np.full((2, 2), 5.0))
+    kv.set_optimizer(psnet.optimizer.SGD(learning_rate=0.5))
+    kv.push(3, np.full((2, 2), 1.0, dtype=np.float32))
+    kv.pull(3, out=out)
+    np.testing.assert_array_equal(out, np.full((2, 2), 4.5))  # 5 - 0.5 * 1
+    with pytest.raises(ValueError):
+        kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    with pytest.raises(ValueError):
+        kv.pull(4, out=out)
+    with pytest.raises(ValueError):
+        kv.init(3, np.ones((2, 2), dtype=np.float32))
+
+
+def test_a_dist_store_outside_a_job_says_how_to_start_one(monkeypatch):
+    for k in ("DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_SERVER",
+              "DMLC_NUM_WORKER"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(psnet.KvError, match="psnet-launch"):
+        psnet.kvstore.create("dist_sync")
+    with pytest.raises(ValueError, match="unknown kvstore type"):
+        psnet.kvstore.create("nccl")
+
+
+def test_the_numpy_example_trains(tmp_path):
+    from conftest import REPO
+    script = (REPO / "python" / "examples" / "numpy_dist_sync.py").read_text()
+    _, output, _ = launch(tmp_path, 2, 2, script)
+    losses = {}
+    for line in output.splitlines():
+        if "epoch" in line and "loss" in line:
+            words = line.split()
+            worker = words[words.index("worker") + 1].rstrip(":")
+            losses.setdefault(worker, []).append(float(words[words.index("loss") + 1]))
+    assert set(losses) == {"0", "1"}, output
+    for series in losses.values():
+        assert len(series) == 5 and series[-1] < series[0] * 0.5, series

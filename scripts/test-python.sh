@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# psnet's Python package (python/: pyo3 + maturin): builds its wheel, installs it with NumPy
+# and pytest in a virtual environment of its own, and runs python/tests. The tests start real
+# jobs on 127.0.0.1: collectives ranks as Python processes, kv jobs (scheduler, servers,
+# workers) under psnet-launch, which this script builds.
+#
+#   bash scripts/test-python.sh            every test
+#   bash scripts/test-python.sh -k kvstore pytest's arguments
+#
+# Env: PYTHON (the interpreter to build for, default python3), PSNET_VENV (default
+# target/python-venv), CARGO_TARGET_DIR. Needs the PyPI registry the first time (maturin,
+# numpy, pytest) and Python's venv module (Debian: python3-venv, which scripts/setup.sh
+# installs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+TARGET=${CARGO_TARGET_DIR:-$PWD/target}
+VENV=${PSNET_VENV:-$TARGET/python-venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== a virtual environment in $VENV (${PYTHON:-python3})"
+  "${PYTHON:-python3}" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check \
+  "maturin>=1.9.4,<2" "numpy>=1.21" "pytest>=7"
+echo "== psnet-launch (the kv tests' launcher)"
+cargo build --locked -p psnet-launch
+echo "== the wheel (maturin build)"
+rm -rf "$TARGET/wheels"
+"$VENV/bin/maturin" build --locked -m python/Cargo.toml -o "$TARGET/wheels"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
+  "$TARGET"/wheels/psnet-*.whl
+echo "== pytest python/tests"
+# From the repository's root: python/ on sys.path would shadow the installed package with its
+# sources (which lack the native module).
+PSNET_LAUNCH="$TARGET/debug/psnet-launch" "$VENV/bin/python" -m pytest -q python/tests "$@"
