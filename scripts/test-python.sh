@@ -8,7 +8,8 @@
 #   bash scripts/test-python.sh -k kvstore pytest's arguments
 #
 # Env: PYTHON (the interpreter to build for, default python3), PSNET_VENV (default
-# target/python-venv), CARGO_TARGET_DIR. Needs the PyPI registry the first time (maturin,
+# target/python-venv), PSNET_TORCH (the torch requirement, default torch==2.15.0; none: skip),
+# CARGO_TARGET_DIR. Needs the PyPI registry the first time (maturin,
 # numpy, pytest) and Python's venv module (Debian: python3-venv, which scripts/setup.sh
 # installs).
 set -euo pipefail
@@ -22,6 +23,20 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
   "maturin>=1.9.4,<2" "numpy>=1.21" "pytest>=7"
+# PyTorch for the torch.distributed backend's tests: PyPI's Linux wheel brings CUDA's
+# libraries (about 5.5 GB installed, 3 GB more in pip's cache, which later runs reuse).
+# Without that much room the tests skip and say why.
+TORCH=${PSNET_TORCH:-torch==2.15.0}
+if "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+  :
+elif [ "$TORCH" = none ]; then
+  echo "SKIPPED: torch not installed (PSNET_TORCH=none): the torch backend's tests skip"
+elif [ "$(df -Pm "$VENV" | awk 'NR == 2 { print $4 }')" -lt 12000 ]; then
+  echo "SKIPPED: torch not installed: it needs about 12 GB of free disk here; the torch backend's tests skip"
+else
+  echo "== $TORCH (the torch backend's tests)"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH"
+fi
 echo "== psnet-launch (the kv tests' launcher)"
 cargo build --locked -p psnet-launch
 echo "== the wheel (maturin build)"

@@ -159,6 +159,37 @@ impl Comm {
         })
     }
 
+    /// Joins as `rank` of `size` ranks, rank 0 listening at `root` (`"host:port"`): for
+    /// launchers whose rendezvous hands out the root address (torch.distributed's store).
+    #[staticmethod]
+    fn join_world(py: Python<'_>, rank: usize, size: usize, root: &str) -> PyResult<Comm> {
+        let root = root.parse().map_err(|_| {
+            PyValueError::new_err(format!(
+                "root {root:?}: expected an address like 10.0.0.1:29500"
+            ))
+        })?;
+        let world = psnet::collectives::World {
+            rank,
+            size,
+            root,
+            source: "the caller's rendezvous".into(),
+        };
+        let config = psnet::collectives::config_from_env().map_err(error::coll)?;
+        let runtime = runtime("collectives")?;
+        let handle = runtime.handle().clone();
+        let comm = wait(py, &runtime, async move {
+            handle
+                .spawn(async move { psnet::collectives::join(&world, config).await })
+                .await
+                .map_err(|e| error::CollectiveError::new_err(format!("join aborted: {e}")))?
+                .map_err(error::coll)
+        })?;
+        Ok(Comm {
+            runtime,
+            comm: Arc::new(comm),
+        })
+    }
+
     /// This rank.
     #[getter]
     fn rank(&self) -> usize {
@@ -215,6 +246,57 @@ impl Comm {
     ) -> PyResult<()> {
         let op = op_of(op)?;
         with_element!(pair_kind(send, recv, "reduce")?, E => self.reduce_t::<E>(py, send, recv, op, root))
+    }
+
+    /// Lossy allreduce of float32 `buf`: each rank's values plus its `residual` quantized
+    /// with MXNet's 2-bit or 1-bit codes (`params`: `{"type": "2bit", "threshold": 0.5}` as
+    /// JSON), the codes summed in rank order (the same bits everywhere); the quantization
+    /// error stays in `residual` for the next call (error feedback).
+    fn allreduce_compressed(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        residual: &Bound<'_, PyAny>,
+        params: &str,
+    ) -> PyResult<()> {
+        let params = psnet_compression::CompressionParams::parse(params)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let compressor = params
+            .compressor()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?
+            .ok_or_else(|| PyValueError::new_err("allreduce_compressed: compression type none"))?;
+        arrays::expect_kind(buf, Kind::F32, "allreduce_compressed")?;
+        arrays::expect_kind(residual, Kind::F32, "allreduce_compressed residual")?;
+        let mut b = arrays::write::<f32>(buf, "allreduce_compressed")?;
+        let mut r = arrays::write::<f32>(residual, "allreduce_compressed residual")?;
+        let b = arrays::elems_mut(&mut b, "allreduce_compressed")?;
+        let r = arrays::elems_mut(&mut r, "allreduce_compressed residual")?;
+        self.run(
+            py,
+            self.comm.allreduce_compressed(b, r, compressor.as_ref()),
+        )
+    }
+
+    /// Benchmark hook: `iterations` allreduces of float32 `buf` timed inside Rust, with no
+    /// Python between them (the Rust API's time, to set Python's beside); seconds.
+    fn bench_allreduce(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        op: &str,
+        iterations: u32,
+    ) -> PyResult<f64> {
+        let op = op_of(op)?;
+        let mut b = arrays::write::<f32>(buf, "bench_allreduce")?;
+        let s = arrays::elems_mut(&mut b, "bench_allreduce")?;
+        let comm = &self.comm;
+        wait(py, &self.runtime, async {
+            let start = std::time::Instant::now();
+            for _ in 0..iterations {
+                comm.allreduce(s, op).await.map_err(error::coll)?;
+            }
+            Ok(start.elapsed().as_secs_f64())
+        })
     }
 
     /// Waits for every rank.

@@ -366,6 +366,31 @@ impl Worker {
         self.run(py, w.save_checkpoint())
     }
 
+    /// Benchmark hook: `iterations` push-pulls of float32 `values` into `out` timed inside
+    /// Rust, with no Python between them (the Rust API's time, to set Python's beside);
+    /// seconds.
+    fn bench_pushpull(
+        &self,
+        py: Python<'_>,
+        key: u64,
+        values: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        iterations: u32,
+    ) -> PyResult<f64> {
+        let v = arrays::read::<f32>(values, "bench_pushpull")?;
+        let mut o = arrays::write::<f32>(out, "bench_pushpull out")?;
+        let v = arrays::elems(&v, "bench_pushpull")?;
+        let o = arrays::elems_mut(&mut o, "bench_pushpull out")?;
+        let w = self.get()?;
+        self.run(py, async {
+            let start = std::time::Instant::now();
+            for _ in 0..iterations {
+                w.pushpull(key, v, o).await?;
+            }
+            Ok::<_, psnet_kv::KvError>(start.elapsed().as_secs_f64())
+        })
+    }
+
     /// Leaves the job; every worker must call it (MXNet does at exit).
     fn finalize(&self, py: Python<'_>) -> PyResult<()> {
         let Some(w) = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take() else {

@@ -1,0 +1,203 @@
+"""psnet as a ``torch.distributed`` backend, and a compressed DDP communication hook.
+
+``import psnet.torch`` registers the backend ``'psnet'``:
+
+    import torch.distributed as dist
+    import psnet.torch  # noqa: F401
+    dist.init_process_group("psnet")          # under torchrun, psnet-launch, mpirun, ...
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+The process group runs psnet's collectives (RDMA or TCP, whichever the environment binds) on
+CPU tensors: allreduce, broadcast, allgather, reduce_scatter, reduce, barrier. Rank 0 draws
+a free port on ``MASTER_ADDR`` (127.0.0.1 if unset) and hands it to the others through
+torch's store, so psnet never competes with the store for ``MASTER_PORT``. Each call
+completes before it returns (its ``Work`` is done at once). float32, float64, float16,
+int32, int64 and uint8 tensors; bfloat16 and CUDA tensors are refused with a clear error.
+
+``compressed_allreduce_hook`` is a DDP communication hook: each bucket is averaged with
+psnet's 2-bit (or 1-bit) allreduce with error feedback (lossy; the residual stays in the
+hook's state):
+
+    model.register_comm_hook(psnet.torch.CompressionState(threshold=0.5),
+                             psnet.torch.compressed_allreduce_hook)
+"""
+
+import json
+import os
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from . import _psnet
+
+BACKEND = "psnet"
+
+_OPS = {
+    dist.ReduceOp.SUM: "sum",
+    dist.ReduceOp.PRODUCT: "prod",
+    dist.ReduceOp.MIN: "min",
+    dist.ReduceOp.MAX: "max",
+    dist.ReduceOp.AVG: "avg",
+}
+
+
+def _op(reduce_op):
+    op = getattr(reduce_op, "op", reduce_op)
+    try:
+        return _OPS[op]
+    except (KeyError, TypeError):
+        raise ValueError(f"psnet: the reduction {reduce_op} is not one psnet runs "
+                         "(SUM, PRODUCT, MIN, MAX, AVG)") from None
+
+
+def _array(t, what):
+    """The NumPy array sharing a CPU tensor's memory."""
+    if t.device.type != "cpu":
+        raise TypeError(f"psnet {what}: a tensor on {t.device}; the psnet backend takes CPU tensors")
+    if t.dtype == torch.bfloat16:
+        raise TypeError(f"psnet {what}: bfloat16 tensors are not supported yet")
+    if not t.is_contiguous():
+        raise ValueError(f"psnet {what}: the tensor is not contiguous")
+    return t.detach().numpy()
+
+
+def _done(result):
+    fut = torch.futures.Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+class ProcessGroupPsnet(dist.ProcessGroup):
+    """A ``torch.distributed`` process group over a psnet communicator."""
+
+    def __init__(self, comm, rank, size):
+        super().__init__(rank, size)
+        self._comm = comm
+
+    def getBackendName(self):  # noqa: N802 (torch's name)
+        return BACKEND
+
+    def name(self):
+        return BACKEND
+
+    def allreduce(self, tensors, opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        for t in tensors:
+            self._comm.allreduce(_array(t, "allreduce"), op)
+        return _done(tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        for t in tensors:
+            self._comm.broadcast(_array(t, "broadcast"), root)
+        return _done(tensors)
+
+    def reduce(self, tensors, opts=None):
+        op, root = _op(opts.reduceOp), opts.rootRank
+        for t in tensors:
+            a = _array(t, "reduce")
+            self._comm.reduce(a.copy(), a, op, root)
+        return _done(tensors)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        for outs, inp in zip(output_tensors, input_tensors):
+            send = _array(inp, "allgather")
+            recv = np.empty(len(outs) * send.size, dtype=send.dtype)
+            self._comm.allgather(send.reshape(-1), recv)
+            for r, out in enumerate(outs):
+                out.copy_(torch.from_numpy(recv[r * send.size:(r + 1) * send.size]).view_as(out))
+        return _done(output_tensors)
+
+    def _allgather_base(self, output, input, opts=None):
+        self._comm.allgather(_array(input, "allgather").reshape(-1),
+                             _array(output, "allgather").reshape(-1))
+        return _done([output])
+
+    # torch 2.x's all_gather_into_tensor; newer torch names it all_gather_single.
+    all_gather_single = _allgather_base
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        for out, ins in zip(output_tensors, input_tensors):
+            send = np.concatenate([_array(t, "reduce_scatter").reshape(-1) for t in ins])
+            self._comm.reduce_scatter(send, _array(out, "reduce_scatter").reshape(-1), op)
+        return _done(output_tensors)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        self._comm.reduce_scatter(_array(input, "reduce_scatter").reshape(-1),
+                                  _array(output, "reduce_scatter").reshape(-1), op)
+        return _done([output])
+
+    # torch 2.x's reduce_scatter_tensor; newer torch names it reduce_scatter_single.
+    reduce_scatter_single = _reduce_scatter_base
+
+    def barrier(self, opts=None):
+        self._comm.barrier()
+        return _done(None)
+
+
+def _free_port(host):
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _create(store, rank, size, timeout):
+    """torch.distributed's creator: rank 0 publishes psnet's root address in the store."""
+    del timeout  # psnet bounds its calls with PSNET_COLL_TIMEOUT
+    key = "psnet/root"
+    if rank == 0:
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        store.set(key, f"{host}:{_free_port(host)}")
+    root = store.get(key).decode()
+    return ProcessGroupPsnet(_psnet.Comm.join_world(rank, size, root), rank, size)
+
+
+dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+
+
+class CompressionState:
+    """State of :func:`compressed_allreduce_hook`: the scheme and threshold, and each bucket's
+    residual (the quantization error carried to the next step)."""
+
+    def __init__(self, threshold=0.5, type="2bit", process_group=None):
+        self.params = json.dumps({"type": type, "threshold": float(threshold)})
+        self.process_group = process_group
+        self.residuals = {}
+
+
+def compressed_allreduce_hook(state, bucket):
+    """A DDP communication hook: the bucket's gradients averaged over the ranks with psnet's
+    compressed allreduce (lossy, with error feedback). Float32 buckets; others are averaged
+    exactly."""
+    group = state.process_group or dist.group.WORLD
+    pg = group if isinstance(group, ProcessGroupPsnet) else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, ProcessGroupPsnet):
+        raise RuntimeError("compressed_allreduce_hook needs the 'psnet' backend")
+    buf = bucket.buffer()
+    n = pg.size()
+    if buf.dtype == torch.float32:
+        index = bucket.index()
+        residual = state.residuals.get(index)
+        if residual is None or residual.size != buf.numel():
+            residual = np.zeros(buf.numel(), dtype=np.float32)
+            state.residuals[index] = residual
+        pg._comm.allreduce_compressed(_array(buf, "compressed allreduce").reshape(-1),
+                                      residual, state.params)
+        buf.div_(n)
+    else:
+        pg._comm.allreduce(_array(buf, "allreduce"), "avg")
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+__all__ = ["BACKEND", "CompressionState", "ProcessGroupPsnet", "compressed_allreduce_hook"]
+

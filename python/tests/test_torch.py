@@ -1,0 +1,127 @@
+"""psnet as a torch.distributed backend: collectives through torch.distributed's API, and an
+unchanged DDP training script on 'psnet' ending with the same weights as on 'gloo'. Runs
+where torch is installed (scripts/test-python.sh installs it when there is room)."""
+
+import numpy as np
+import pytest
+
+from conftest import free_port, run_ranks
+
+torch = pytest.importorskip("torch", reason="torch is not installed: the torch backend is not tested")
+
+# An unchanged DDP script: the backend comes from argv[2].
+DDP = """
+import os, sys
+import numpy as np
+import torch
+import torch.distributed as dist
+import psnet.torch  # registers the 'psnet' backend
+
+out, backend = sys.argv[1], sys.argv[2]
+dist.init_process_group(backend)
+rank, size = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+# Different starting weights per rank: DDP must broadcast rank 0's.
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(rank)
+ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+if len(sys.argv) > 3:
+    ddp.register_comm_hook(psnet.torch.CompressionState(threshold=0.01),
+                           psnet.torch.compressed_allreduce_hook)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(1 + rank)
+x = torch.randn(256, 32, generator=g)
+y = (x[:, :4].argmax(dim=1))
+losses = []
+for step in range(30):
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(ddp(x), y)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+np.savez(f"{out}/{backend}{rank}.npz", losses=np.array(losses),
+         **{f"p{i}": p.detach().numpy() for i, p in enumerate(model.parameters())})
+dist.destroy_process_group()
+"""
+
+
+def torchrun_env(port):
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+# Ranks starts processes with PSNET_RANK / PSNET_WORLD_SIZE; torch wants RANK / WORLD_SIZE.
+_torchrun_shim = """
+import os
+os.environ["RANK"] = os.environ["PSNET_RANK"]
+os.environ["WORLD_SIZE"] = os.environ["PSNET_WORLD_SIZE"]
+os.environ["LOCAL_RANK"] = os.environ["PSNET_RANK"]
+del os.environ["PSNET_ROOT_ADDR"]
+"""
+
+
+def test_torch_distributed_collectives_on_psnet(tmp_path):
+    run_ranks(tmp_path, 3, _torchrun_shim + """
+import sys, torch, torch.distributed as dist
+import psnet.torch
+dist.init_process_group("psnet")
+r, n = dist.get_rank(), dist.get_world_size()
+assert dist.get_backend() == "psnet"
+t = torch.full((5,), float(r + 1))
+dist.all_reduce(t)
+assert t.tolist() == [6.0] * 5, t
+t = torch.full((3,), float(r + 1)); dist.all_reduce(t, op=dist.ReduceOp.MAX)
+assert t.tolist() == [3.0] * 3, t
+b = torch.arange(4, dtype=torch.int64) * (r + 1); dist.broadcast(b, src=2)
+assert b.tolist() == [0, 3, 6, 9], b
+outs = [torch.empty(2) for _ in range(n)]; dist.all_gather(outs, torch.full((2,), float(r)))
+assert [o.tolist() for o in outs] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]], outs
+flat = torch.empty(2 * n); dist.all_gather_into_tensor(flat, torch.full((2,), float(r)))
+assert flat.tolist() == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0], flat
+out = torch.empty(2); dist.reduce_scatter(out, [torch.full((2,), float(q + r)) for q in range(n)])
+assert out.tolist() == [3.0 * r + 3.0] * 2, out
+red = torch.full((2,), float(r + 1)); dist.reduce(red, dst=0)
+assert red.tolist() == ([6.0, 6.0] if r == 0 else [float(r + 1)] * 2), red
+dist.barrier()
+try:
+    dist.all_reduce(torch.zeros(2, dtype=torch.bfloat16))
+    raise AssertionError("bfloat16 was not refused")
+except TypeError as e:
+    print("refused:", e)
+dist.destroy_process_group()
+""", env=torchrun_env(free_port()))
+
+
+def test_ddp_on_psnet_ends_with_gloos_weights(tmp_path):
+    (tmp_path / "psnet").mkdir()
+    (tmp_path / "gloo").mkdir()
+    out_p, _ = run_ranks(tmp_path / "psnet", 2, _torchrun_shim + DDP.replace("sys.argv[2]", "'psnet'"),
+                         env=torchrun_env(free_port()))
+    out_g, _ = run_ranks(tmp_path / "gloo", 2, _torchrun_shim + DDP.replace("sys.argv[2]", "'gloo'"),
+                         env=torchrun_env(free_port()))
+    for r in range(2):
+        p = np.load(out_p / f"psnet{r}.npz")
+        g = np.load(out_g / f"gloo{r}.npz")
+        assert set(p.files) == set(g.files)
+        for name in p.files:
+            assert p[name].tobytes() == g[name].tobytes(), (r, name, p[name], g[name])
+    p0, p1 = np.load(out_p / "psnet0.npz"), np.load(out_p / "psnet1.npz")
+    for name in p0.files:
+        if name != "losses":
+            assert p0[name].tobytes() == p1[name].tobytes(), name
+
+
+def test_the_compressed_hook_trains(tmp_path):
+    body = _torchrun_shim + DDP.replace("sys.argv[2]", "'psnet'").replace(
+        "len(sys.argv) > 3", "True")
+    out, _ = run_ranks(tmp_path, 2, body, env=torchrun_env(free_port()))
+    for r in range(2):
+        losses = np.load(out / f"psnet{r}.npz")["losses"]
+        # Lossy and slower than exact averaging (2-bit steps of the threshold), but it
+        # trains: the loss falls at every step.
+        assert (np.diff(losses) < 0).all() and losses[-1] < losses[0] - 0.1, losses
+    p0, p1 = np.load(out / "psnet0.npz"), np.load(out / "psnet1.npz")
+    for name in p0.files:
+        if name != "losses":
+            assert p0[name].tobytes() == p1[name].tobytes(), name
