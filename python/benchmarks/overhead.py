@@ -83,7 +83,8 @@ def launcher():
 
 def lines(cmd, env):
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
-    return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    # psnet-launch prefixes each line with its process ("[worker 0] ").
+    return [json.loads(l[l.index("{"):]) for l in out.splitlines() if '{"bench"' in l]
 
 
 def main():

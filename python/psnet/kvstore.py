@@ -72,6 +72,9 @@ class KVStore:
         self._worker = worker
         self._key_kind = None
         self._shapes = {}
+        self._sizes = {}
+        # int key per name, once checked (the hot path skips _key's checks).
+        self._ints = {}
         # 'local' only: values, and the optimizer applied to them.
         self._values = {}
         self._updater = None
@@ -96,6 +99,8 @@ class KVStore:
 
     # --- keys and values -------------------------------------------------------------------
     def _key(self, k):
+        if type(k) in (int, str) and k in self._ints:
+            return self._ints[k]
         if not _is_key(k):
             raise TypeError(f"a key is an int or a str, not {type(k).__name__}")
         kind = str if isinstance(k, str) else int
@@ -108,11 +113,15 @@ class KVStore:
             )
         if kind is str:
             if self._worker is not None:
-                return self._worker.key(k)
-            return self._int_of_str.setdefault(k, len(self._int_of_str))
-        if k < 0:
-            raise ValueError(f"key {k}: keys are non-negative")
-        return int(k)
+                i = self._worker.key(k)
+            else:
+                i = self._int_of_str.setdefault(k, len(self._int_of_str))
+        else:
+            if k < 0:
+                raise ValueError(f"key {k}: keys are non-negative")
+            i = int(k)
+        self._ints[k] = i
+        return i
 
     def _pairs(self, key, value, what):
         """(name, int key, [arrays]) per key: a key with a value or a list of values (one per
@@ -132,17 +141,18 @@ class KVStore:
         return out
 
     def _check_shape(self, name, array, what):
-        shape = self._shapes.get(name)
-        if shape is None:
+        size = self._sizes.get(name)
+        if size is None:
             raise ValueError(f"{what}: key {name!r} is not initialized (call init first)")
-        if array.size != int(np.prod(shape)):
+        if array.size != size:
             raise ValueError(
-                f"{what}: key {name!r} holds shape {shape}, given an array of shape {array.shape}"
+                f"{what}: key {name!r} holds shape {self._shapes[name]}, given an array of "
+                f"shape {array.shape}"
             )
 
     @staticmethod
     def _check_dtype(array, what):
-        if array.dtype not in (np.float32, np.float16):
+        if array.dtype.char not in "fe":
             raise TypeError(
                 f"{what}: the kvstore holds float32 and float16 values, not {array.dtype}"
             )
@@ -171,6 +181,7 @@ class KVStore:
                 raise ValueError(f"init: key {name!r} is already initialized")
         for name, _, arrays in pairs:
             self._shapes[name] = arrays[0].shape
+            self._sizes[name] = arrays[0].size
         if self._worker is None:
             for name, _, arrays in pairs:
                 self._values[name] = np.array(arrays[0], copy=True, order="C")
@@ -180,6 +191,13 @@ class KVStore:
     def push(self, key, value, priority=0):
         """Pushes values (a list per key is summed first, as MXNet sums devices' values)."""
         del priority
+        if self._worker is not None and type(value) is np.ndarray:
+            k = self._key(key)
+            size = self._sizes.get(key)
+            if (size is not None and value.size == size and value.dtype.char in "fe"
+                    and value.flags.c_contiguous):
+                self._worker.push([k], [value])
+                return
         pairs = [(n, k, self._merged(n, a, "push")) for n, k, a in self._pairs(key, value, "push")]
         if self._worker is None:
             for name, k, merged in pairs:
@@ -192,6 +210,13 @@ class KVStore:
         del priority, ignore_sparse
         if out is None:
             raise ValueError("pull: out is required (the arrays to pull into)")
+        if self._worker is not None and type(out) is np.ndarray:
+            k = self._key(key)
+            size = self._sizes.get(key)
+            if (size is not None and out.size == size and out.dtype.char in "fe"
+                    and out.flags.c_contiguous and out.flags.writeable):
+                self._worker.pull([k], [out])
+                return
         pairs = self._pairs(key, out, "pull")
         for name, _, arrays in pairs:
             for a in arrays:
@@ -211,6 +236,18 @@ class KVStore:
     def pushpull(self, key, value, out=None, priority=0):
         """Pushes ``value`` and pulls the result into ``out`` (``value`` itself if None)."""
         del priority
+        if (self._worker is not None and type(value) is np.ndarray
+                and (out is None or type(out) is np.ndarray)):
+            # One key, one array: the per-step call of a training loop, kept short.
+            k = self._key(key)
+            o = value if out is None else out
+            size = self._sizes.get(key)
+            if (size is not None and value.size == size and o.size == size
+                    and value.dtype.char in "fe" and o.dtype == value.dtype
+                    and value.flags.c_contiguous and o.flags.c_contiguous
+                    and o.flags.writeable):
+                self._worker.pushpull([k], [value], [o])
+                return
         pairs = [(n, k, self._merged(n, a, "pushpull"))
                  for n, k, a in self._pairs(key, value, "pushpull")]
         outs = self._pairs(key, value if out is None else out, "pushpull out")
