@@ -319,7 +319,11 @@ mod tests {
         let mut pool = LargeBuffers::default();
         let first = cycle(&mut pool, 1 << 20);
         assert_eq!(cycle(&mut pool, 1 << 20), first);
-        assert_eq!(cycle(&mut pool, 512 << 10), first, "a smaller body fits too");
+        assert_eq!(
+            cycle(&mut pool, 512 << 10),
+            first,
+            "a smaller body fits too"
+        );
         assert_eq!(pool.pool.len(), 1);
         assert_eq!(pool.bytes, 1 << 20);
     }
