@@ -56,8 +56,10 @@ def create(name="local"):
 def _finalize():
     global _worker
     if _worker is not None:
-        w, _worker = _worker, None
-        w.finalize()
+        # Forgotten only once it left the job: if finalize fails (another thread still in a
+        # call), the exit handler tries again.
+        _worker.finalize()
+        _worker = None
 
 
 def _is_key(k):
@@ -98,7 +100,10 @@ class KVStore:
         return 1 if self._worker is None else self._worker.num_workers
 
     # --- keys and values -------------------------------------------------------------------
-    def _key(self, k):
+    def _key(self, k, assign=False):
+        """The int key for name ``k``. A str key gets its number at ``init`` only
+        (``assign``), in the order of first use as MXNet does, so a failed call with a
+        misspelt key cannot shift the numbers of the keys that follow."""
         if type(k) in (int, str) and k in self._ints:
             return self._ints[k]
         if not _is_key(k):
@@ -112,6 +117,8 @@ class KVStore:
                 "int and str keys cannot be mixed (as in MXNet)"
             )
         if kind is str:
+            if not assign:
+                raise ValueError(f"key {k!r} is not initialized (call init first)")
             if self._worker is not None:
                 i = self._worker.key(k)
             else:
@@ -123,22 +130,29 @@ class KVStore:
         self._ints[k] = i
         return i
 
-    def _pairs(self, key, value, what):
-        """(name, int key, [arrays]) per key: a key with a value or a list of values (one per
-        device), or a list of keys with one such entry each."""
+    def _items(self, key, value, what):
+        """(name, [arrays]) per key: a key with a value or a list of values (one per device),
+        or a list of keys with one such entry each. A key named twice gets the values of
+        both, as MXNet groups them."""
         if isinstance(key, (list, tuple)):
             if not isinstance(value, (list, tuple)) or len(value) != len(key):
                 raise ValueError(f"{what}: {len(key)} keys need a list of {len(key)} values")
             items = zip(key, value)
         else:
             items = [(key, value)]
-        out = []
+        merged = {}
         for k, v in items:
+            if not _is_key(k):
+                raise TypeError(f"a key is an int or a str, not {type(k).__name__}")
             vs = list(v) if isinstance(v, (list, tuple)) else [v]
             if not vs:
                 raise ValueError(f"{what}: key {k!r} has no value")
-            out.append((k, self._key(k), [as_array(x, f"{what} {k!r}") for x in vs]))
-        return out
+            merged.setdefault(k, []).extend(as_array(x, f"{what} {k!r}") for x in vs)
+        return list(merged.items())
+
+    def _pairs(self, key, value, what):
+        """(name, int key, [arrays]) per key (see _items)."""
+        return [(k, self._key(k), arrays) for k, arrays in self._items(key, value, what)]
 
     def _check_shape(self, name, array, what):
         size = self._sizes.get(name)
@@ -174,11 +188,12 @@ class KVStore:
     # --- MXNet's calls ---------------------------------------------------------------------
     def init(self, key, value):
         """Initializes keys (rank 0's values count; every worker waits for the others)."""
-        pairs = self._pairs(key, value, "init")
-        for name, _, arrays in pairs:
+        items = self._items(key, value, "init")
+        for name, arrays in items:
             self._check_dtype(arrays[0], "init")
             if name in self._shapes and self._worker is None:
                 raise ValueError(f"init: key {name!r} is already initialized")
+        pairs = [(name, self._key(name, assign=True), arrays) for name, arrays in items]
         for name, _, arrays in pairs:
             self._shapes[name] = arrays[0].shape
             self._sizes[name] = arrays[0].size

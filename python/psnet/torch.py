@@ -144,7 +144,8 @@ class ProcessGroupPsnet(dist.ProcessGroup):
 
 
 def _free_port(host):
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+    family = socket.getaddrinfo(host, None)[0][0]
+    with socket.socket(family) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -155,7 +156,8 @@ def _create(store, rank, size, timeout):
     key = "psnet/root"
     if rank == 0:
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        store.set(key, f"{host}:{_free_port(host)}")
+        port = _free_port(host)
+        store.set(key, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     root = store.get(key).decode()
     return ProcessGroupPsnet(_psnet.Comm.join_world(rank, size, root), rank, size)
 

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use numpy::Element as NpElement;
+use numpy::{Element as NpElement, PyUntypedArray, PyUntypedArrayMethods};
 use psnet::AnyTransport;
 use psnet_collectives::{Communicator, Element, ReduceOp};
 use pyo3::exceptions::PyValueError;
@@ -57,13 +57,65 @@ fn op_of(op: &str) -> PyResult<ReduceOp> {
     op.parse::<ReduceOp>().map_err(PyValueError::new_err)
 }
 
+/// Integer elements, which have no average.
+fn is_integer(kind: Kind) -> bool {
+    matches!(kind, Kind::I32 | Kind::I64 | Kind::U8)
+}
+
+fn elements(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    Ok(obj.cast::<PyUntypedArray>()?.len())
+}
+
 impl Comm {
     fn run(
         &self,
         py: Python<'_>,
         call: impl std::future::Future<Output = Result<(), psnet_collectives::CollectiveError>> + Send,
     ) -> PyResult<()> {
+        self.usable()?;
         wait(py, &self.runtime, async { call.await.map_err(error::coll) })
+    }
+
+    /// An error if an earlier call failed the communicator (its ranks no longer agree on
+    /// what comes next).
+    fn usable(&self) -> PyResult<()> {
+        match self.comm.failure() {
+            Some(e) => Err(error::CollectiveError::new_err(format!(
+                "this communicator failed in an earlier call and cannot be used: {e}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Checks made here, before the call takes its turn: a call refused by the communicator
+    /// fails it on every rank, an argument refused here only raises.
+    fn check_op(kind: Kind, op: ReduceOp, what: &str) -> PyResult<()> {
+        if op == ReduceOp::Avg && is_integer(kind) {
+            return Err(PyValueError::new_err(format!(
+                "{what}: avg is for floating-point elements, not {}",
+                kind.name()
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_root(&self, root: usize, what: &str) -> PyResult<()> {
+        if root >= self.comm.size() {
+            return Err(PyValueError::new_err(format!(
+                "{what}: root {root} is not a rank of {} ranks",
+                self.comm.size()
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_len(what: &str, got: usize, want: usize, rule: &str) -> PyResult<()> {
+        if got != want {
+            return Err(PyValueError::new_err(format!(
+                "{what}: {got} elements where {rule} makes {want}"
+            )));
+        }
+        Ok(())
     }
 
     fn allreduce_t<E: Element + NpElement>(
@@ -205,11 +257,14 @@ impl Comm {
     /// Reduces `buf` across the ranks in place (`op`: sum, prod, min, max, avg).
     fn allreduce(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, op: &str) -> PyResult<()> {
         let op = op_of(op)?;
-        with_element!(arrays::kind_of(buf, "allreduce")?, E => self.allreduce_t::<E>(py, buf, op))
+        let kind = arrays::kind_of(buf, "allreduce")?;
+        Self::check_op(kind, op, "allreduce")?;
+        with_element!(kind, E => self.allreduce_t::<E>(py, buf, op))
     }
 
     /// Every rank's `buf` ends with `root`'s.
     fn broadcast(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, root: usize) -> PyResult<()> {
+        self.check_root(root, "broadcast")?;
         with_element!(arrays::kind_of(buf, "broadcast")?, E => self.broadcast_t::<E>(py, buf, root))
     }
 
@@ -220,7 +275,15 @@ impl Comm {
         send: &Bound<'_, PyAny>,
         recv: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        with_element!(pair_kind(send, recv, "allgather")?, E => self.allgather_t::<E>(py, send, recv))
+        let kind = pair_kind(send, recv, "allgather")?;
+        let n = self.comm.size();
+        Self::check_len(
+            "allgather recv",
+            elements(recv)?,
+            n * elements(send)?,
+            "ranks x send",
+        )?;
+        with_element!(kind, E => self.allgather_t::<E>(py, send, recv))
     }
 
     /// `recv` ends with the reduction of every rank's block `rank` of `send` (size x `recv`).
@@ -232,7 +295,16 @@ impl Comm {
         op: &str,
     ) -> PyResult<()> {
         let op = op_of(op)?;
-        with_element!(pair_kind(send, recv, "reduce_scatter")?, E => self.reduce_scatter_t::<E>(py, send, recv, op))
+        let kind = pair_kind(send, recv, "reduce_scatter")?;
+        Self::check_op(kind, op, "reduce_scatter")?;
+        let n = self.comm.size();
+        Self::check_len(
+            "reduce_scatter send",
+            elements(send)?,
+            n * elements(recv)?,
+            "ranks x recv",
+        )?;
+        with_element!(kind, E => self.reduce_scatter_t::<E>(py, send, recv, op))
     }
 
     /// `root`'s `recv` ends with the reduction of every rank's `send`.
@@ -245,7 +317,11 @@ impl Comm {
         root: usize,
     ) -> PyResult<()> {
         let op = op_of(op)?;
-        with_element!(pair_kind(send, recv, "reduce")?, E => self.reduce_t::<E>(py, send, recv, op, root))
+        let kind = pair_kind(send, recv, "reduce")?;
+        Self::check_op(kind, op, "reduce")?;
+        self.check_root(root, "reduce")?;
+        Self::check_len("reduce recv", elements(recv)?, elements(send)?, "send")?;
+        with_element!(kind, E => self.reduce_t::<E>(py, send, recv, op, root))
     }
 
     /// Lossy allreduce of float32 `buf`: each rank's values plus its `residual` quantized
@@ -271,6 +347,7 @@ impl Comm {
         let mut r = arrays::write::<f32>(residual, "allreduce_compressed residual")?;
         let b = arrays::elems_mut(&mut b, "allreduce_compressed")?;
         let r = arrays::elems_mut(&mut r, "allreduce_compressed residual")?;
+        Self::check_len("allreduce_compressed residual", r.len(), b.len(), "buf")?;
         self.run(
             py,
             self.comm.allreduce_compressed(b, r, compressor.as_ref()),

@@ -155,27 +155,26 @@ impl Worker {
         values: &[Bound<'_, PyAny>],
         outs: &[Bound<'_, PyAny>],
     ) -> PyResult<()> {
-        // An output that is also an input (pushpull(k, g, out=g)) cannot be borrowed twice:
-        // its values are copied first, then it is written.
-        let aliased = values
-            .iter()
-            .zip(outs)
-            .any(|(v, o)| v.is(o) || shares_memory(v, o));
-        let copies: Vec<Vec<V>>;
-        let borrowed;
-        let inputs: Vec<&[V]> = if aliased {
-            let b = read_all::<V>(values, "pushpull")?;
-            copies = slices(&b, "pushpull")?.iter().map(|s| s.to_vec()).collect();
-            drop(b);
-            copies.iter().map(Vec::as_slice).collect()
-        } else {
-            borrowed = read_all::<V>(values, "pushpull")?;
-            slices(&borrowed, "pushpull")?
+        let borrowed = read_all::<V>(values, "pushpull")?;
+        let (borrowed, copies, mut out_borrowed) = match write_all::<V>(outs) {
+            Ok(written) => (Some(borrowed), None, written),
+            Err(_) => {
+                // An output that is also an input (pushpull(k, g) with out=None), or shares
+                // memory with one: numpy does not lend it for writing while it is lent for
+                // reading, so the inputs are copied first and the outputs borrowed again.
+                let copies: Vec<Vec<V>> = slices(&borrowed, "pushpull")?
+                    .iter()
+                    .map(|s| s.to_vec())
+                    .collect();
+                drop(borrowed);
+                (None, Some(copies), write_all::<V>(outs)?)
+            }
         };
-        let mut out_borrowed: Vec<_> = outs
-            .iter()
-            .map(|o| arrays::write::<V>(o, "pushpull out"))
-            .collect::<PyResult<_>>()?;
+        let inputs: Vec<&[V]> = match (&borrowed, &copies) {
+            (Some(b), _) => slices(b, "pushpull")?,
+            (None, Some(c)) => c.iter().map(Vec::as_slice).collect(),
+            (None, None) => Vec::new(),
+        };
         let mut out_slices: Vec<&mut [V]> = out_borrowed
             .iter_mut()
             .map(|b| arrays::elems_mut(b, "pushpull out"))
@@ -197,13 +196,13 @@ impl Worker {
     }
 }
 
-/// Whether two arrays may share memory (numpy.may_share_memory).
-fn shares_memory(a: &Bound<'_, PyAny>, b: &Bound<'_, PyAny>) -> bool {
-    let py = a.py();
-    py.import("numpy")
-        .and_then(|np| np.call_method1("may_share_memory", (a, b)))
-        .and_then(|r| r.extract::<bool>())
-        .unwrap_or(true)
+/// Writable borrows of pushpull's outputs.
+fn write_all<'py, V: Value + Element>(
+    outs: &[Bound<'py, PyAny>],
+) -> PyResult<Vec<numpy::PyReadwriteArrayDyn<'py, V>>> {
+    outs.iter()
+        .map(|o| arrays::write::<V>(o, "pushpull out"))
+        .collect()
 }
 
 fn same_len(what: &str, a: usize, b: usize) -> PyResult<()> {
@@ -393,12 +392,22 @@ impl Worker {
 
     /// Leaves the job; every worker must call it (MXNet does at exit).
     fn finalize(&self, py: Python<'_>) -> PyResult<()> {
-        let Some(w) = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+        let w = {
+            let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            match inner.as_ref() {
+                None => return Ok(()),
+                // Left in place, so that a later finalize (at exit) still leaves the job.
+                Some(w) if Arc::strong_count(w) > 1 => {
+                    return Err(error::KvError::new_err(
+                        "finalize while another thread is in a kvstore call: wait for it first",
+                    ))
+                }
+                Some(_) => inner.take(),
+            }
+        };
+        let Some(w) = w.and_then(Arc::into_inner) else {
             return Ok(());
         };
-        let w = Arc::try_unwrap(w).map_err(|_| {
-            error::KvError::new_err("finalize while another thread is in a kvstore call")
-        })?;
         self.run(py, w.finalize())
     }
 }

@@ -108,9 +108,13 @@ def test_bad_arguments_are_python_errors(tmp_path):
         ro = np.zeros(3, dtype=np.float32); ro.flags.writeable = False
         raises(ValueError, psnet.allreduce, ro)
         raises(ValueError, psnet.allreduce, np.zeros(3, dtype=np.int32), op="avg")
-        raises(ValueError, psnet.allreduce, np.zeros(3, dtype=np.float32), op="mean")
+        raises(ValueError, psnet.allreduce, np.zeros(3, dtype=np.float32), op="median")
         raises(ValueError, psnet.broadcast, np.zeros(3, dtype=np.float32), root=5)
-        raises(ValueError, psnet.reduce_scatter, np.zeros((), dtype=np.float32))
+        raises(ValueError, psnet.reduce_scatter, np.zeros(3, dtype=np.float32),
+               out=np.zeros(2, dtype=np.float32))
+        raises(ValueError, psnet.reduce, np.zeros(3, dtype=np.int64), op="avg")
+        # Refused before the call took its turn: the communicator still works.
+        assert psnet.allreduce(np.ones(3, dtype=np.float32)).tolist() == [1.0, 1.0, 1.0]
     """)
 
 
@@ -175,7 +179,8 @@ def test_ctrl_c_in_a_waiting_call_raises_keyboard_interrupt(tmp_path):
         if "waiting" in line:
             break
     assert seen and "waiting" in seen[-1], "".join(seen)
-    time.sleep(0.5)
+    # Well inside the call by then (it waits for rank 1, which sleeps).
+    time.sleep(1.0)
     started = time.monotonic()
     rank0.send_signal(signal.SIGINT)
     out, _ = rank0.communicate(timeout=10)

@@ -138,7 +138,18 @@ def test_str_keys_float16_device_lists_and_in_place_pushpull(tmp_path):
         kv.pull('a', out=a)
         g = np.full(4, 2.0 * (r + 1), dtype=np.float32)
         kv.pushpull('b', g)  # out=None: in place, as in MXNet
-        np.savez(f"{out}/worker{r}.npz", a0=a[0], a1=a[1], b=g)
+        # One key, one array: the short paths of push, pull and pushpull(out=).
+        kv.init(['c', 'x', 'y'], [np.zeros(5, dtype=np.float32)] + [np.zeros(3, dtype=np.float32)] * 2)
+        kv.push('c', np.full(5, r + 1, dtype=np.float32))
+        c = np.empty(5, dtype=np.float32)
+        kv.pull('c', out=c)
+        c2 = np.empty(5, dtype=np.float32)
+        kv.pushpull('c', np.full(5, 10.0 * (r + 1), dtype=np.float32), out=c2)
+        # Each output is the other key's input.
+        x = np.full(3, 1.0 * (r + 1), dtype=np.float32)
+        y = np.full(3, 100.0 * (r + 1), dtype=np.float32)
+        kv.pushpull(['x', 'y'], [x, y], out=[y, x])
+        np.savez(f"{out}/worker{r}.npz", a0=a[0], a1=a[1], b=g, c=c, c2=c2, x=x, y=y)
     """
     import textwrap
     _, _, out = launch(tmp_path, 2, 2, textwrap.dedent(body))
@@ -148,6 +159,10 @@ def test_str_keys_float16_device_lists_and_in_place_pushpull(tmp_path):
             assert got[name].dtype == np.float16
             np.testing.assert_array_equal(got[name], np.full((3, 2), 4.0, dtype=np.float16))
         np.testing.assert_array_equal(got["b"], np.full(4, 6.0, dtype=np.float32))
+        np.testing.assert_array_equal(got["c"], np.full(5, 3.0, dtype=np.float32))
+        np.testing.assert_array_equal(got["c2"], np.full(5, 30.0, dtype=np.float32))
+        np.testing.assert_array_equal(got["y"], np.full(3, 3.0, dtype=np.float32))
+        np.testing.assert_array_equal(got["x"], np.full(3, 300.0, dtype=np.float32))
 
 
 def test_dist_errors_are_python_exceptions_and_the_job_goes_on(tmp_path):
@@ -164,6 +179,9 @@ def test_dist_errors_are_python_exceptions_and_the_job_goes_on(tmp_path):
         raises(ValueError, kv.set_gradient_compression, {'type': '3bit'})
         raises(ValueError, kv.set_optimizer, 'rmsprop')
         raises(NotImplementedError, kv.row_sparse_pull, 1)
+        # Past the Python layer's checks: the worker's own refusal, as a Python exception.
+        raises(ValueError, kv._worker.pull, [99], [np.zeros(8, dtype=np.float32)])
+        raises(ValueError, kv._worker.push, [1], [np.zeros(9, dtype=np.float32)])
         kv.push(1, np.ones(8, dtype=np.float32))
         got = np.empty(8, dtype=np.float32)
         kv.pull(1, out=got)
@@ -257,6 +275,18 @@ def test_local_store_sums_device_lists_and_applies_its_optimizer():
         kv.pull(4, out=out)
     with pytest.raises(ValueError):
         kv.init(3, np.ones((2, 2), dtype=np.float32))
+    # A key named twice in one call gets both values, summed (MXNet groups them).
+    kv2 = psnet.kvstore.create("local")
+    kv2.init("k", np.zeros(2, dtype=np.float32))
+    kv2.push(["k", "k"], [np.ones(2, dtype=np.float32), np.full(2, 2, dtype=np.float32)])
+    got = np.empty(2, dtype=np.float32)
+    kv2.pull("k", out=got)
+    np.testing.assert_array_equal(got, [3.0, 3.0])
+    # A misspelt str key is refused and takes no number (MXNet numbers keys at init).
+    with pytest.raises(ValueError, match="not initialized"):
+        kv2.pull("typo", out=got)
+    kv2.init("z", np.zeros(2, dtype=np.float32))
+    assert kv2._key("z") == 1
 
 
 def test_a_dist_store_outside_a_job_says_how_to_start_one(monkeypatch):
