@@ -5,8 +5,10 @@ psnet's ``PSNET_RANK`` / ``PSNET_WORLD_SIZE`` / ``PSNET_ROOT_ADDR``, torchrun's 
 ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``, mpirun's ``OMPI_COMM_WORLD_RANK`` /
 ``PMI_RANK``, or Slurm's ``SLURM_PROCID`` / ``SLURM_NTASKS`` (with a root address).
 
-Arrays are reduced in place where they can be (C-contiguous and writable), as
-``torch.distributed`` does, and the result is also returned, as Horovod's calls return it.
+``allreduce``, ``broadcast`` and ``reduce`` work in place, as ``torch.distributed`` does, and
+also return the result, as Horovod's calls do; their arrays must be C-contiguous and writable
+(anything else is a ``ValueError``, never a silent copy). ``allgather`` and
+``reduce_scatter`` return new arrays (or fill ``out``).
 Element types: float32, float64, float16, int32, int64, uint8; operations ``'sum'``,
 ``'prod'``, ``'min'``, ``'max'``, and ``'avg'`` for floats. Reductions are deterministic:
 the same inputs give the same bits on every rank, run after run. A rank that dies, or ranks
