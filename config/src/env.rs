@@ -167,6 +167,8 @@ crate::declare_env_vars! {
         "Reliability testing only: faults the TCP transport injects into its sends, e.g. drop=0.01,delay=2ms,reset_every=500,seed=7 (drop: probability that a send drops its connection, the message lost with it; delay: each send waits up to this long; reset_every: every N-th send closes its connection after writing; seed: of the draws). Unset: none, at no cost.";
     PSNET_TCP_BUFFER = "PSNET_TCP_BUFFER", "0",
         "TCP socket send/receive buffer in bytes; 0 keeps the kernel's autotuning.";
+    PSNET_TCP_CONGESTION = "PSNET_TCP_CONGESTION", "auto",
+        "TCP congestion control: auto (connections between processes of one host use cubic, or reno where cubic is not allowed: pacing algorithms such as BBR reorder loopback traffic and retransmit what was never lost; connections to other hosts keep the system's), system (the system's everywhere), or an algorithm's name for every connection (one the kernel refuses fails the connection, naming it).";
     PSNET_SHM_RING = "PSNET_SHM_RING", "67108864",
         "Bytes of shared memory (a sealed anonymous memory file, passed by descriptor) a node offers a peer on the same host, per direction, for large messages; 0: only sockets.";
     PSNET_INBOX_BYTES = "PSNET_INBOX_BYTES", "268435456",

@@ -31,6 +31,6 @@ mod shm;
 mod socket;
 mod transport;
 
-pub use config::TcpConfig;
+pub use config::{Congestion, TcpConfig};
 pub use faults::{FaultCounts, FaultSpec};
 pub use transport::TcpTransport;

@@ -122,6 +122,7 @@ pub fn tcp_config_from_env(bind: SocketAddr) -> Result<TcpConfig, ConfigError> {
         0 => None,
         n => Some(n),
     };
+    config.congestion = env::PSNET_TCP_CONGESTION.parse_or_default()?;
     config.faults = match env::PSNET_FAULTS.get() {
         None => None,
         Some(text) => Some(text.parse().map_err(|reason| ConfigError::Invalid {
