@@ -137,6 +137,7 @@ elapsed=$(($(date +%s) - start))
 echo "# psnet vs Open MPI allreduce on $(hostname) ($(nproc) cores), 127.0.0.1, float32 sum in place"
 echo "# psnet $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?'), $(mpirun --version 2>/dev/null | head -1), mpi4py $("$PY" -c 'import mpi4py; print(mpi4py.__version__)')"
 echo "# iterations: 8 B: $SMALL_WARMUP warmup + $SMALL_ITERS timed; $MINBYTES..$MAXBYTES: $WARMUP + $ITERS; time: average iteration, the slowest rank's"
+echo "# TCP congestion control: the system's is $(cat /proc/sys/net/ipv4/tcp_congestion_control 2>/dev/null || echo unknown) (Open MPI's sockets use it); psnet's same-host connections: PSNET_TCP_CONGESTION=${PSNET_TCP_CONGESTION:-auto} (auto: cubic, else reno)"
 echo "# sockets: psnet PSNET_SHM_RING=0 vs mpirun ${MPI_SOCKETS[*]}"
 echo "# shm:     psnet default vs mpirun ${MPI_SHM[*]}"
 echo "# measured in ${elapsed} s"
