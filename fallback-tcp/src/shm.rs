@@ -164,10 +164,8 @@ impl SendRing {
         let file = File::from(fd);
         // SAFETY: the memory file was just created by this process, sized and sealed against
         // shrinking above (so every mapped page stays backed), and is written only through
-        // this mapping; the peer maps it read-only. Populated at once: otherwise every page's
-        // first message pays its fault (a ring of 64 MiB is 16,384 of them, and a run of
-        // 256 KiB messages met a fresh page on every one of its first 256 messages).
-        let mut map = unsafe { MmapOptions::new().len(size).populate().map_mut(&file)? };
+        // this mapping; the peer maps it read-only.
+        let mut map = unsafe { MmapOptions::new().len(size).map_mut(&file)? };
         let cookie = u64::from_le_bytes(random::<8>()?);
         map[..COOKIE].copy_from_slice(&cookie.to_le_bytes());
         let token = random::<TOKEN>()?;
@@ -390,9 +388,8 @@ impl RecvRing {
         // SAFETY: the descriptor is a memory file sealed against shrinking (checked above), of
         // exactly `size` bytes, so no mapped page can lose its backing. The peer writes only
         // regions it has not yet described to us; we read only regions described by a frame
-        // it sent after writing them (the socket write/read orders the two). Populated at once,
-        // as the sender's mapping is.
-        let map = unsafe { MmapOptions::new().len(size).populate().map(&file)? };
+        // it sent after writing them (the socket write/read orders the two).
+        let map = unsafe { MmapOptions::new().len(size).map(&file)? };
         if map[..COOKIE] != cookie.to_le_bytes() {
             return Err(bad("cookie mismatch"));
         }
