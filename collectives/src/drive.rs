@@ -28,6 +28,8 @@ const ABORT_SEND: Duration = Duration::from_secs(2);
 /// How long a failed call waits for its sends in flight, so that a half-written message does
 /// not close a connection before the other ranks hear why.
 const SETTLE: Duration = Duration::from_secs(1);
+/// How long a failed send waits for the peer's connection to end before it is blamed.
+const BLAME_WAIT: Duration = Duration::from_millis(500);
 
 type Sent = (usize, usize, Result<(), TransportError>);
 
@@ -90,7 +92,9 @@ async fn run_plan<'p, T: Transport, E: Element + 'p>(
         // Sends that completed meanwhile (polled here too, so they progress while we reduce).
         while let Some(Some((op, to, result))) = sends.next().now_or_never() {
             progress = true;
-            result.map_err(|e| send_error(comm, to, e))?;
+            if let Err(e) = result {
+                return Err(send_error(comm, to, e).await);
+            }
             plan.handle_sent(op);
         }
         // Armed before looking, so that mail arriving after the look wakes the wait below.
@@ -155,7 +159,9 @@ async fn run_plan<'p, T: Transport, E: Element + 'p>(
         };
         tokio::select! {
             Some((op, to, result)) = sends.next(), if !sends.is_empty() => {
-                result.map_err(|e| send_error(comm, to, e))?;
+                if let Err(e) = result {
+                    return Err(send_error(comm, to, e).await);
+                }
                 plan.handle_sent(op);
             }
             _ = &mut changed => {}
@@ -258,7 +264,45 @@ fn check_awaited<T: Transport>(comm: &Communicator<T>, plan: &Plan) -> Result<()
     Ok(())
 }
 
-fn send_error<T: Transport>(
+/// The error for a send to rank `to` that failed. A rank that fails tells the others why
+/// and then exits, so a send to it may break before its reason is read: the reason comes
+/// first on its connection, and the connection's end after it. So this waits (at most
+/// [`BLAME_WAIT`]) until the connection's end has been read, and names the first failure
+/// another rank reported, if one did, rather than the broken pipe it left behind.
+async fn send_error<T: Transport>(
+    comm: &Communicator<T>,
+    to: usize,
+    e: TransportError,
+) -> CollectiveError {
+    let node = comm.members[to];
+    let waited = tokio::time::timeout(BLAME_WAIT, async {
+        loop {
+            let changed = comm.mailbox.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let mail = comm.mailbox.lock();
+                if mail.aborted.contains_key(&comm.comm)
+                    || mail.lost.contains_key(&node)
+                    || mail.closed.is_some()
+                {
+                    return;
+                }
+            }
+            changed.await;
+        }
+    });
+    let _ = waited.await;
+    let aborted = comm.mailbox.lock().aborted.get(&comm.comm).cloned();
+    if let Some((from, reason)) = aborted {
+        if let Some(rank) = rank_of(comm, from) {
+            return CollectiveError::Aborted { rank, reason };
+        }
+    }
+    lost_by_send(comm, to, e)
+}
+
+fn lost_by_send<T: Transport>(
     comm: &Communicator<T>,
     to: usize,
     e: TransportError,

@@ -99,3 +99,50 @@ async fn a_rank_whose_transport_dies_is_named_by_the_others() {
         assert!(named, "{err}");
     }
 }
+
+/// Rank 2 dies; rank 1, once its call fails, drops its transport at once (as a process that
+/// exits on the error does) while rank 0 may still be sending to it. Rank 0 must still name
+/// rank 2, the first failure, which rank 1 reported before it went, not the broken pipe rank
+/// 1 left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_exits_on_an_error_is_not_blamed_for_it() {
+    for attempt in 0..5 {
+        let n = 3;
+        let mut comms = world(n).await;
+        let dead = comms.pop().expect("rank 2");
+        let rank1 = comms.pop().expect("rank 1");
+        let rank0 = comms.pop().expect("rank 0");
+        let mut b0 = vec![1.0f32; 1 << 22];
+        let mut b1 = vec![1.0f32; 1 << 22];
+        let first = async {
+            tokio::time::timeout(
+                Duration::from_secs(60),
+                rank0.allreduce(&mut b0, ReduceOp::Sum),
+            )
+            .await
+        };
+        let second = async {
+            let result = tokio::time::timeout(
+                Duration::from_secs(60),
+                rank1.allreduce(&mut b1, ReduceOp::Sum),
+            )
+            .await;
+            rank1.transport().shutdown();
+            result
+        };
+        let kill = async {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            dead.transport().shutdown();
+        };
+        let (r0, r1, ()) = tokio::join!(first, second, kill);
+        for (rank, result) in [(0, r0), (1, r1)] {
+            let err = result.expect("fails in bounded time").unwrap_err();
+            let named = match &err {
+                CollectiveError::RankLost { rank, .. } => *rank == 2,
+                CollectiveError::Aborted { reason, .. } => reason.contains("rank 2"),
+                _ => false,
+            };
+            assert!(named, "attempt {attempt}, rank {rank}: {err}");
+        }
+    }
+}
