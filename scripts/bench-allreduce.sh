@@ -21,9 +21,10 @@
 # run as root, otherwise named. Builds psnet-perf with `cargo build --release -p psnet-perf`
 # (in $CARGO_TARGET_DIR if set).
 #
-# Settings (environment): RANKS ("2 4"), ITERS / WARMUP (50 / 10, sizes from 128 KiB),
-# SMALL_ITERS / SMALL_WARMUP (1000 / 100, the 8-byte size), MINBYTES (128K), MAXBYTES (64M),
-# FACTOR (2), KEEP (a directory to keep the raw JSON Lines in).
+# Settings (environment): RANKS ("2 4"), SMALL_ITERS / SMALL_WARMUP (1000 / 100, the 8-byte
+# size), MID_ITERS / MID_WARMUP (400 / 40, sizes up to MIDBYTES, 1M), ITERS / WARMUP (50 / 10,
+# the larger sizes), MINBYTES (128K), MAXBYTES (64M), FACTOR (2), KEEP (a directory to keep
+# the raw JSON Lines in).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -35,6 +36,9 @@ SMALL_WARMUP=${SMALL_WARMUP:-100}
 MINBYTES=${MINBYTES:-128K}
 MAXBYTES=${MAXBYTES:-64M}
 FACTOR=${FACTOR:-2}
+MIDBYTES=${MIDBYTES:-1M}
+MID_ITERS=${MID_ITERS:-400}
+MID_WARMUP=${MID_WARMUP:-40}
 
 say() { echo "bench-allreduce: $*" >&2; }
 
@@ -108,6 +112,31 @@ run() {
     fi
 }
 
+# bytes SIZE: 64, 4K, 16M, 1G (powers of 1024) as a number of bytes.
+bytes() {
+    local t=${1^^} shift=0
+    case $t in
+        *K) shift=10 ;;
+        *M) shift=20 ;;
+        *G) shift=30 ;;
+    esac
+    [ "$shift" = 0 ] || t=${t%?}
+    echo $((t << shift))
+}
+
+# Size bands, each "smallest largest iterations warmup": sizes up to MIDBYTES take MID_ITERS
+# iterations, so that each runs for tens of milliseconds and one stall of the host does not
+# decide its figure; the larger sizes take ITERS.
+BANDS=()
+min=$(bytes "$MINBYTES") mid=$(bytes "$MIDBYTES") max=$(bytes "$MAXBYTES")
+if [ "$mid" -ge "$min" ]; then
+    BANDS+=("$min $((mid < max ? mid : max)) $MID_ITERS $MID_WARMUP")
+    next=$((mid * FACTOR))
+    [ "$next" -gt "$max" ] || BANDS+=("$next $max $ITERS $WARMUP")
+else
+    BANDS+=("$min $max $ITERS $WARMUP")
+fi
+
 start=$(date +%s)
 for np in $RANKS; do
     for pairing in sockets shm; do
@@ -122,13 +151,19 @@ for np in $RANKS; do
         rm -f "$OUT/psnet-$np-$pairing".{jsonl,log} "$OUT/mpi-$np-$pairing".{jsonl,log}
         run "psnet-$np-$pairing" "${psnet_env[@]}" "$PERF" allreduce --np "$np" -d float -o sum \
             -b 8 -e 8 -n "$SMALL_ITERS" -w "$SMALL_WARMUP" --json
-        run "psnet-$np-$pairing" "${psnet_env[@]}" "$PERF" allreduce --np "$np" -d float -o sum \
-            -b "$MINBYTES" -e "$MAXBYTES" -f "$FACTOR" -n "$ITERS" -w "$WARMUP" --json
+        for band in "${BANDS[@]}"; do
+            read -r lo hi n w <<<"$band"
+            run "psnet-$np-$pairing" "${psnet_env[@]}" "$PERF" allreduce --np "$np" -d float \
+                -o sum -b "$lo" -e "$hi" -f "$FACTOR" -n "$n" -w "$w" --json
+        done
         say "$np ranks, $pairing: Open MPI"
         run "mpi-$np-$pairing" "${mpi[@]}" -np "$np" "$PY" "$MPI_PY" \
             -b 8 -e 8 -n "$SMALL_ITERS" -w "$SMALL_WARMUP"
-        run "mpi-$np-$pairing" "${mpi[@]}" -np "$np" "$PY" "$MPI_PY" \
-            -b "$MINBYTES" -e "$MAXBYTES" -f "$FACTOR" -n "$ITERS" -w "$WARMUP"
+        for band in "${BANDS[@]}"; do
+            read -r lo hi n w <<<"$band"
+            run "mpi-$np-$pairing" "${mpi[@]}" -np "$np" "$PY" "$MPI_PY" \
+                -b "$lo" -e "$hi" -f "$FACTOR" -n "$n" -w "$w"
+        done
     done
 done
 elapsed=$(($(date +%s) - start))
@@ -136,7 +171,7 @@ elapsed=$(($(date +%s) - start))
 # --- the tables ----------------------------------------------------------------------------
 echo "# psnet vs Open MPI allreduce on $(hostname) ($(nproc) cores), 127.0.0.1, float32 sum in place"
 echo "# psnet $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?'), $(mpirun --version 2>/dev/null | head -1), mpi4py $("$PY" -c 'import mpi4py; print(mpi4py.__version__)')"
-echo "# iterations: 8 B: $SMALL_WARMUP warmup + $SMALL_ITERS timed; $MINBYTES..$MAXBYTES: $WARMUP + $ITERS; time: average iteration, the slowest rank's"
+echo "# iterations: 8 B: $SMALL_WARMUP warmup + $SMALL_ITERS timed; $MINBYTES..$MIDBYTES: $MID_WARMUP + $MID_ITERS; above: $WARMUP + $ITERS; time: average iteration, the slowest rank's"
 echo "# TCP congestion control: the system's is $(cat /proc/sys/net/ipv4/tcp_congestion_control 2>/dev/null || echo unknown) (Open MPI's sockets use it); psnet's same-host connections: PSNET_TCP_CONGESTION=${PSNET_TCP_CONGESTION:-auto} (auto: cubic, else reno)"
 echo "# sockets: psnet PSNET_SHM_RING=0 vs mpirun ${MPI_SOCKETS[*]}"
 echo "# shm:     psnet default vs mpirun ${MPI_SHM[*]}"
