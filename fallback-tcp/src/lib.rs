@@ -9,7 +9,7 @@
 //!   without copying, and reused once the application drops them;
 //! - received messages wait in a queue bounded in bytes; when it is full the connection stops
 //!   reading, and TCP's flow control makes the sender wait (back-pressure, not unbounded memory);
-//! - between processes on one host, large messages (256 KiB and up) travel through a ring of
+//! - between processes on one host, large messages (64 KiB and up) travel through a ring of
 //!   shared memory the sender offers after its first large message (`PSNET_SHM_RING` bytes, 0 to
 //!   disable): one copy instead of two through the kernel, only a descriptor on the socket, in
 //!   order with everything else; a full ring falls back to the socket. The ring is an anonymous

@@ -222,7 +222,7 @@ fn every_collective_reports_no_wrong_elements() {
             factor: 1.0,
         },
         // Past recursive doubling (64 KiB): the pipelined ring, pieces of 1 MiB and the
-        // shared-memory ring (messages of 256 KiB and more); bfloat16 averages.
+        // shared-memory ring (messages of 64 KiB and more); bfloat16 averages.
         Case {
             args: &[
                 "allreduce",
