@@ -49,7 +49,7 @@ pub struct Config {
     /// Allreduces of at most this many bytes on more than 2 ranks use recursive doubling (with
     /// [`Algo::Auto`]). Doubling sends the whole buffer log2(n) times, the ring 2(n-1)/n of
     /// it in 2(n-1) steps: on 4 ranks over TCP the ring was the faster from 128 KiB (busbw
-    /// 0.85-1.08 GB/s against doubling's 0.49-0.61 from 128 to 512 KiB), doubling below.
+    /// 0.71-1.08 GB/s against doubling's 0.43-0.61 from 128 to 512 KiB), doubling below.
     pub small_bytes: usize,
     /// Large buffers move in pieces of at most this many bytes, each a message of its own, so
     /// that transfers and reductions overlap.
