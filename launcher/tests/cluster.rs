@@ -6,9 +6,12 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// A directory of stub cluster tools, first on PATH for the commands run with it.
-fn stubs() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("psnet-launch-stubs-{}", std::process::id()));
+/// A directory of stub cluster tools, first on PATH for the commands run with it. One per
+/// test: tests run in parallel, and a stub rewritten while another test's shell reads it
+/// ran as an empty script (a launch that printed nothing and exited 0).
+fn stubs(test: &str) -> PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("psnet-launch-stubs-{}-{test}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let ranks = |rank: &str, size: &str, count_flag: &str| {
         format!(
@@ -63,7 +66,7 @@ fn launch(stubs: &Path, args: &[&str], extra_env: &[(&str, &str)]) -> (Vec<Strin
 
 #[test]
 fn mpirun_ranks_become_scheduler_servers_then_workers() {
-    let dir = stubs();
+    let dir = stubs("mpirun_ranks_become_scheduler_servers_then_workers");
     let hostfile = dir.join("hosts");
     std::fs::write(&hostfile, "# job\nhostA slots=2\nhostB slots=2\n").unwrap();
     let (lines, stderr, code) = launch(
@@ -98,7 +101,7 @@ fn mpirun_ranks_become_scheduler_servers_then_workers() {
 
 #[test]
 fn srun_tasks_put_the_scheduler_on_the_first_node() {
-    let dir = stubs();
+    let dir = stubs("srun_tasks_put_the_scheduler_on_the_first_node");
     let (lines, stderr, code) = launch(
         &dir,
         &["--launcher", "slurm", "-n", "1", "-s", "2"],
@@ -118,7 +121,7 @@ fn srun_tasks_put_the_scheduler_on_the_first_node() {
 
 #[test]
 fn slurm_outside_an_allocation_says_so() {
-    let dir = stubs();
+    let dir = stubs("slurm_outside_an_allocation_says_so");
     let (_, stderr, code) = launch(&dir, &["--launcher", "slurm", "-n", "1"], &[]);
     assert_eq!(code, 1);
     assert!(stderr.contains("inside an allocation"), "{stderr}");
@@ -126,7 +129,7 @@ fn slurm_outside_an_allocation_says_so() {
 
 #[test]
 fn role_from_env_under_a_user_run_mpirun() {
-    let dir = stubs();
+    let dir = stubs("role_from_env_under_a_user_run_mpirun");
     // As a user would: mpirun -np 3 psnet-launch --role-from-env -n 1 -s 1 -- COMMAND.
     let (lines, stderr, code) = launch(
         &dir,
@@ -144,7 +147,7 @@ fn role_from_env_under_a_user_run_mpirun() {
 
 #[test]
 fn role_from_env_refuses_a_job_of_the_wrong_size_or_no_rank() {
-    let dir = stubs();
+    let dir = stubs("role_from_env_refuses_a_job_of_the_wrong_size_or_no_rank");
     let env = [
         ("OMPI_COMM_WORLD_RANK", "0"),
         ("OMPI_COMM_WORLD_SIZE", "5"),
@@ -167,7 +170,7 @@ fn role_from_env_refuses_a_job_of_the_wrong_size_or_no_rank() {
 
 #[test]
 fn the_secret_reaches_mpi_ranks_in_their_environment_never_on_a_command_line() {
-    let dir = stubs();
+    let dir = stubs("the_secret_reaches_mpi_ranks_in_their_environment_never_on_a_command_line");
     let _ = std::fs::remove_file(dir.join("argv.log"));
     let (lines, stderr, code) = launch(
         &dir,
