@@ -201,3 +201,28 @@ fn a_piece_of_the_wrong_length_or_tag_is_refused() {
         Err(PlanError::Unexpected { from: 1, tag: 1 })
     );
 }
+
+#[test]
+fn doubling_keeps_only_a_window_of_pieces_in_flight() {
+    // Two ranks, 10 pieces: at first only the first two may go; piece 2 goes once piece 0 is
+    // combined, and not before.
+    let mut plan = doubling_allreduce(0, 2, 100, 4, 10);
+    let first: Vec<SendReq> = std::iter::from_fn(|| plan.poll_send()).collect();
+    assert_eq!(
+        first.iter().map(|s| s.piece).collect::<Vec<_>>(),
+        [0, 1],
+        "only the window's pieces are released"
+    );
+    plan.handle_sent(first[0].op);
+    assert!(plan.poll_send().is_none(), "sent is not combined");
+    let round0 = 2u64 << 32;
+    plan.handle_message(1, round0, Bytes::from(vec![0u8; 40]))
+        .unwrap();
+    let apply = plan.poll_apply().expect("piece 0 may be combined");
+    assert_eq!(apply.piece, 0);
+    assert!(plan.poll_send().is_none(), "received is not combined");
+    plan.handle_applied(apply.op);
+    let next = plan.poll_send().expect("piece 2 released");
+    assert_eq!(next.piece, 2);
+    assert!(plan.poll_send().is_none());
+}
