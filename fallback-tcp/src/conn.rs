@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use psnet_transport::codec::{FrameHeader, HeaderBuf};
+use psnet_transport::device::{stream_to_sink, ChunkSink, StreamError};
 use psnet_transport::{FrameKind, Limits, NodeId, OutMessage, Segment};
 use smallvec::SmallVec;
 use tokio::io::AsyncWriteExt;
@@ -165,7 +166,12 @@ impl Conn {
             segments
                 .iter()
                 .filter(|s| !s.is_empty())
-                .map(|s| IoSlice::new(s.bytes())),
+                .filter_map(|s| s.host())
+                .map(IoSlice::new),
+        );
+        debug_assert!(
+            segments.iter().all(|s| s.host().is_some()),
+            "device segments go through write_frame_staged"
         );
         let mut writer = self.writer.lock().await;
         if self.is_broken() {
@@ -195,6 +201,63 @@ impl Conn {
         }
         guard.done = true;
         Ok(())
+    }
+}
+
+impl Conn {
+    /// Writes one frame whose segments include device memory: the header, metadata and host
+    /// segments as they are, each device segment through two staging buffers of `chunk` bytes,
+    /// copying chunk k+1 out of the device while chunk k is written. A device error after the
+    /// frame has started closes the connection (the frame cannot be finished).
+    pub(crate) async fn write_frame_staged(
+        &self,
+        header: &HeaderBuf,
+        meta: &[u8],
+        segments: &[Segment<'_>],
+        chunk: usize,
+    ) -> Result<(), StreamError> {
+        let mut writer = self.writer.lock().await;
+        if self.is_broken() {
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "connection closed").into());
+        }
+        let mut sink = SocketSink {
+            writer: &mut writer,
+            guard: PartialWriteGuard {
+                conn: self,
+                started: false,
+                done: false,
+            },
+        };
+        sink.write(header).await?;
+        sink.write(meta).await?;
+        for seg in segments {
+            match (seg.host(), seg.device_bytes()) {
+                (Some(bytes), _) => sink.write(bytes).await?,
+                (None, Some(device)) => stream_to_sink(device, chunk, &mut sink).await?,
+                (None, None) => unreachable!("a segment is host or device memory"),
+            }
+        }
+        sink.guard.done = true;
+        Ok(())
+    }
+}
+
+/// The socket as the staging pipeline's sink; a failed write closes the connection.
+struct SocketSink<'a, 'c> {
+    writer: &'a mut OwnedWriteHalf,
+    guard: PartialWriteGuard<'c>,
+}
+
+impl ChunkSink for SocketSink<'_, '_> {
+    async fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        self.guard.started = true;
+        self.writer
+            .write_all(bytes)
+            .await
+            .inspect_err(|_| self.guard.conn.close())
     }
 }
 

@@ -36,6 +36,7 @@ use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
     SendAncillaryMessage, SendFlags,
 };
+use smallvec::SmallVec;
 use tokio::io::AsyncReadExt;
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
@@ -218,15 +219,19 @@ impl SendRing {
         self.active.load(Ordering::Acquire)
     }
 
-    /// Copies `segments` into one new region; None if the ring has no room.
+    /// Copies `segments` into one new region; None if the ring has no room or a segment is
+    /// device memory.
     pub(crate) fn put(&self, segments: &[Segment<'_>]) -> Option<(usize, usize)> {
-        let total: usize = segments.iter().map(Segment::len).sum();
+        // Device memory takes the socket's staging pipeline instead (see `Conn::write_frame_staged`).
+        let host: Option<SmallVec<[&[u8]; 4]>> = segments.iter().map(Segment::host).collect();
+        let host = host?;
+        let total: usize = host.iter().map(|b| b.len()).sum();
         let off = lock(&self.alloc).alloc(total, self.size)?;
         let mut map = lock(&self.map);
         let mut at = off;
-        for s in segments {
-            map[at..at + s.len()].copy_from_slice(s.bytes());
-            at += s.len();
+        for bytes in host {
+            map[at..at + bytes.len()].copy_from_slice(bytes);
+            at += bytes.len();
         }
         Some((off, total))
     }

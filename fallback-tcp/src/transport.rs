@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::BytesMut;
 use psnet_transport::codec::{FrameHeader, HeaderBuf};
+use psnet_transport::device::{DevicePath, PathLog, StreamError, DEFAULT_STAGE_CHUNK};
 use psnet_transport::{
     Admission, Capabilities, Event, FrameKind, NodeId, OutMessage, Proof, RegisteredBuf, Segment,
     Transport, TransportError,
@@ -47,6 +48,8 @@ struct Inner {
     acceptor: Mutex<Option<AbortHandle>>,
     admission: Mutex<Option<Arc<dyn Admission>>>,
     faults: Option<Faults>,
+    /// The paths device segments took, logged once per peer.
+    device_paths: PathLog,
 }
 
 impl TcpTransport {
@@ -80,6 +83,7 @@ impl TcpTransport {
             acceptor: Mutex::new(None),
             admission: Mutex::new(None),
             faults,
+            device_paths: PathLog::default(),
         });
         let task = tokio::spawn(accept_loop(listener, inner.clone()));
         *inner.acceptor.lock().unwrap_or_else(|p| p.into_inner()) = Some(task.abort_handle());
@@ -363,9 +367,23 @@ impl Transport for TcpTransport {
             }
         }
         header.encode_into(&mut head);
-        conn.write_frame(&head, msg.meta, msg.segments)
-            .await
-            .map_err(lost)?;
+        if msg.has_device() {
+            for ordinal in msg.segments.iter().filter_map(|s| s.device_bytes()) {
+                inner
+                    .device_paths
+                    .note("tcp", peer, ordinal.ordinal(), DevicePath::Staged);
+            }
+            conn.write_frame_staged(&head, msg.meta, msg.segments, DEFAULT_STAGE_CHUNK)
+                .await
+                .map_err(|e| match e {
+                    StreamError::Device(source) => TransportError::Device { peer, source },
+                    StreamError::Io(e) => lost(e),
+                })?;
+        } else {
+            conn.write_frame(&head, msg.meta, msg.segments)
+                .await
+                .map_err(lost)?;
+        }
         if strike == Strike::Reset {
             tracing::info!(%peer, "PSNET_FAULTS: resetting the connection after a message");
             conn.close();

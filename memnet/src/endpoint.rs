@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use psnet_transport::auth;
+use psnet_transport::device::{copy_all, DevicePath, PathLog};
 use psnet_transport::{
     Admission, Capabilities, CodecError, Event, Incoming, NodeId, OutMessage, RegisteredBuf,
     Transport, TransportError,
@@ -20,6 +21,7 @@ pub struct MemTransport {
     net: MemNet,
     ep: u64,
     addr: SocketAddr,
+    device_paths: PathLog,
 }
 
 /// What a waiting call does after looking at the network.
@@ -31,7 +33,12 @@ enum Step<T> {
 
 impl MemTransport {
     pub(crate) fn new(net: MemNet, ep: u64, addr: SocketAddr) -> Self {
-        MemTransport { net, ep, addr }
+        MemTransport {
+            net,
+            ep,
+            addr,
+            device_paths: PathLog::default(),
+        }
     }
 
     /// The network this endpoint is on.
@@ -209,6 +216,22 @@ impl Transport for MemTransport {
 
     async fn send<'a>(&'a self, peer: NodeId, msg: OutMessage<'a>) -> Result<(), TransportError> {
         let bytes = self.check(peer, &msg)?;
+        // Device memory is copied out first: the network takes a message in one piece.
+        let mut copied: SmallVec<[Option<Bytes>; 4]> = SmallVec::new();
+        for seg in msg.segments {
+            copied.push(match seg.device_bytes() {
+                None => None,
+                Some(device) => {
+                    let path = DevicePath::Copied;
+                    self.device_paths
+                        .note("memnet", peer, device.ordinal(), path);
+                    let host = copy_all(device)
+                        .await
+                        .map_err(|source| TransportError::Device { peer, source })?;
+                    Some(Bytes::from(host))
+                }
+            });
+        }
         let cap = self.net.config().inbox_bytes;
         let mut conn_seen = None;
         self.until(|net, ep| {
@@ -254,7 +277,11 @@ impl Transport for MemTransport {
                 segments: msg
                     .segments
                     .iter()
-                    .map(|s| Bytes::copy_from_slice(s.bytes()))
+                    .zip(&copied)
+                    .map(|(s, c)| match (s.host(), c) {
+                        (Some(host), _) => Bytes::copy_from_slice(host),
+                        (None, c) => c.clone().unwrap_or_default(),
+                    })
                     .collect::<SmallVec<[Bytes; 4]>>(),
             };
             net.enqueue(

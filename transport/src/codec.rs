@@ -125,6 +125,9 @@ pub enum CodecError {
     /// Unknown frame kind.
     #[error("unknown frame kind {0}")]
     UnknownKind(u8),
+    /// A device segment where only host bytes can go (a whole frame encoded at once).
+    #[error("a device-memory segment cannot be encoded into one host buffer; copy it first")]
+    DeviceSegment,
     /// Reserved bits set.
     #[error("reserved header field is {0:#06x}, must be 0")]
     Reserved(u16),
@@ -358,7 +361,10 @@ pub fn encode_frame(
     out.extend_from_slice(&head);
     out.extend_from_slice(msg.meta);
     for seg in msg.segments {
-        out.extend_from_slice(seg.bytes());
+        match seg.host() {
+            Some(bytes) => out.extend_from_slice(bytes),
+            None => return Err(CodecError::DeviceSegment),
+        }
     }
     Ok(out)
 }

@@ -48,6 +48,16 @@ pub enum TransportError {
         /// The limit it broke.
         source: CodecError,
     },
+    /// Device memory in the message could not be read (a failed copy out of the GPU). When the
+    /// failure came after part of the message was written, the connection to the peer was
+    /// closed (the peer sees it lost: a half-written message cannot be finished).
+    #[error("message to {peer}: {source}")]
+    Device {
+        /// The peer it was meant for.
+        peer: NodeId,
+        /// The device's error.
+        source: crate::device::DeviceError,
+    },
     /// Binding the listening socket failed.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
@@ -72,7 +82,8 @@ impl TransportError {
             | TransportError::Connect { peer, .. }
             | TransportError::Handshake { peer, .. }
             | TransportError::PeerLost { peer, .. }
-            | TransportError::Invalid { peer, .. } => Some(*peer),
+            | TransportError::Invalid { peer, .. }
+            | TransportError::Device { peer, .. } => Some(*peer),
             TransportError::Bind { .. }
             | TransportError::Unavailable(_)
             | TransportError::Closed => None,

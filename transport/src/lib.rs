@@ -16,6 +16,8 @@
 //! - [`Admission`]: who may connect, and the [`Proof`] of identity a node's hello carries.
 //! - [`auth`]: the shared-secret exchange (HMAC-SHA256 over both sides' nonces) that opens
 //!   every connection of a job with `PSNET_SECRET`.
+//! - [`device`]: GPU memory in messages ([`DeviceBytes`]), staged through host buffers in a
+//!   pipeline of chunks where the NIC cannot read it.
 //! - `conformance` (feature `conformance`): the suite every transport runs in its tests.
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
@@ -27,6 +29,7 @@ pub mod codec;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 mod contract;
+pub mod device;
 mod error;
 pub mod le;
 mod memory;
@@ -37,6 +40,7 @@ pub use admission::{Admission, Proof, PROOF_LEN};
 pub use caps::Capabilities;
 pub use codec::{CodecError, FrameKind, Limits};
 pub use contract::Transport;
+pub use device::{DeviceBytes, DeviceError};
 pub use error::TransportError;
 pub use memory::{RegionKey, RegisteredBuf};
 pub use message::{Event, Incoming, OutMessage, Segment};

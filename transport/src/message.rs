@@ -3,21 +3,30 @@ use std::net::SocketAddr;
 use bytes::Bytes;
 use smallvec::SmallVec;
 
+use crate::device::DeviceBytes;
 use crate::memory::{RegionKey, RegisteredBuf};
 use crate::node::NodeId;
 
-/// One data segment of an outgoing message, borrowed from the caller until the send completes.
+/// One data segment of an outgoing message, borrowed from the caller until the send completes:
+/// host bytes, or device memory (see [`crate::device`]) that the transport sends zero-copy or
+/// stages through host buffers. The receiver gets host bytes either way.
 #[derive(Clone, Copy, Debug)]
 pub struct Segment<'a> {
-    bytes: &'a [u8],
+    data: Data<'a>,
     region: Option<RegionKey>,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Data<'a> {
+    Host(&'a [u8]),
+    Device(&'a dyn DeviceBytes),
 }
 
 impl<'a> Segment<'a> {
     /// A segment of plain memory.
     pub fn new(bytes: &'a [u8]) -> Self {
         Segment {
-            bytes,
+            data: Data::Host(bytes),
             region: None,
         }
     }
@@ -25,29 +34,51 @@ impl<'a> Segment<'a> {
     /// A segment inside a registered buffer (zero-copy on RDMA).
     pub fn registered(buf: &'a RegisteredBuf, range: std::ops::Range<usize>) -> Self {
         Segment {
-            bytes: &buf[range],
+            data: Data::Host(&buf[range]),
             region: buf.is_registered().then(|| buf.key()),
         }
     }
 
-    /// The bytes to send.
-    pub fn bytes(&self) -> &'a [u8] {
-        self.bytes
+    /// A segment of device memory.
+    pub fn device(region: &'a dyn DeviceBytes) -> Self {
+        Segment {
+            data: Data::Device(region),
+            region: region.nic().map(|n| n.key),
+        }
     }
 
-    /// The registration covering the bytes, if any.
+    /// The host bytes to send; None for device memory.
+    pub fn host(&self) -> Option<&'a [u8]> {
+        match self.data {
+            Data::Host(bytes) => Some(bytes),
+            Data::Device(_) => None,
+        }
+    }
+
+    /// The device memory to send; None for host bytes.
+    pub fn device_bytes(&self) -> Option<&'a dyn DeviceBytes> {
+        match self.data {
+            Data::Host(_) => None,
+            Data::Device(region) => Some(region),
+        }
+    }
+
+    /// The registration covering the bytes, if any (for device memory: its NIC registration).
     pub fn region(&self) -> Option<RegionKey> {
         self.region
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.bytes.len()
+        match self.data {
+            Data::Host(bytes) => bytes.len(),
+            Data::Device(region) => region.len(),
+        }
     }
 
     /// Whether the segment is empty.
     pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty()
+        self.len() == 0
     }
 }
 
@@ -89,6 +120,11 @@ impl<'a> OutMessage<'a> {
     /// Metadata plus all segments, in bytes.
     pub fn total_len(&self) -> u64 {
         self.meta.len() as u64 + self.segments.iter().map(|s| s.len() as u64).sum::<u64>()
+    }
+
+    /// Whether a segment is device memory.
+    pub fn has_device(&self) -> bool {
+        self.segments.iter().any(|s| s.device_bytes().is_some())
     }
 }
 

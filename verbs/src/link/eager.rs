@@ -24,8 +24,9 @@ impl Link {
                 let lens = msg.segments.iter().map(|s| s.len() as u64);
                 let mut at = wire::put_data_header(buf, base, msg.meta.len() as u32, 0, lens);
                 debug_assert_eq!(at, header_len);
-                for part in std::iter::once(msg.meta).chain(msg.segments.iter().map(|s| s.bytes()))
-                {
+                // Device segments were copied to the host before (`device_send.rs`).
+                let host = msg.segments.iter().map(|s| s.host().unwrap_or_default());
+                for part in std::iter::once(msg.meta).chain(host) {
                     buf[at..at + part.len()].copy_from_slice(part);
                     at += part.len();
                 }

@@ -7,7 +7,8 @@
 //!
 //! The parts: `setup.rs` brings a queue pair up (INIT, then RTR and RTS from the peer's
 //! [`QpInfo`] or from rdma_cm's attributes); `send.rs` posts small messages and picks a send
-//! path: `eager.rs` (copied into a pre-posted buffer), `rendezvous.rs` (request-to-send,
+//! path: `eager.rs` (copied into a pre-posted buffer), `device_send.rs` (GPU memory: read by the NIC
+//! where it is registered with it, else copied out first), `rendezvous.rs` (request-to-send,
 //! clear-to-send, RDMA WRITE WITH IMMEDIATE), `direct.rs` (written into a buffer the peer
 //! offered); `recv.rs` handles completions and received messages; `pump.rs` does the work
 //! completions left behind (reposts, deferred requests, offers, credits).
@@ -38,6 +39,7 @@ pub(crate) use crate::sys::verbs::{split_wr_id, wr_id, WorkCompletion, WrKind};
 use crate::sys::verbs::{Gather, QueuePair, INDEX_MASK};
 use post::WorkRequest;
 
+mod device_send;
 mod direct;
 mod eager;
 mod post;
@@ -261,6 +263,8 @@ pub struct Link {
     send: Slab,
     pool: Arc<RecvPool>,
     dev: Arc<Device>,
+    /// The paths device segments to this peer took, each logged once.
+    device_paths: psnet_transport::device::PathLog,
 }
 
 fn lost(peer: NodeId, reason: impl Into<String>) -> TransportError {

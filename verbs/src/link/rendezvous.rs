@@ -3,10 +3,11 @@
 //! IMMEDIATE. A message that fits an offered buffer takes the direct path instead
 //! (`direct.rs`); both share the writes posted here.
 
-use psnet_transport::{OutMessage, TransportError};
+use psnet_transport::{OutMessage, Segment, TransportError};
 use smallvec::SmallVec;
 use tokio::sync::oneshot;
 
+use super::device_send::direct_lkey;
 use super::{lost, Link, OutRndv, PendingSend, State, WorkRequest, SEQ_MASK};
 use crate::error::VerbsError;
 use crate::proto::credits::Class;
@@ -16,6 +17,16 @@ use crate::sys::verbs::Gather;
 
 /// Largest byte count one work request carries (providers limit a message to 2 GiB).
 const MAX_WR_BYTES: u64 = 1 << 30;
+
+/// Calls `push(at, n)` for pieces of `len` bytes that one work request may carry each.
+fn push_split(len: usize, mut push: impl FnMut(usize, usize)) {
+    let mut at = 0usize;
+    while at < len {
+        let n = (len - at).min(MAX_WR_BYTES as usize);
+        push(at, n);
+        at += n;
+    }
+}
 
 impl Link {
     /// Sends `msg` by rendezvous (or directly into an offered buffer); completes when the
@@ -30,21 +41,24 @@ impl Link {
         let meta_inline = header_len + msg.meta.len() <= self.params.slot_size;
         let mut gather = Gather::default();
         let mut regs = Vec::new();
-        let remote_parts = (!meta_inline)
-            .then_some(msg.meta)
-            .into_iter()
-            .chain(msg.segments.iter().map(|s| s.bytes()));
-        for (i, part) in remote_parts.enumerate() {
-            if part.is_empty() {
+        // The metadata when it does not fit the request, then every segment.
+        let meta_part = (!meta_inline).then_some(Segment::new(msg.meta));
+        for seg in meta_part.iter().chain(msg.segments) {
+            if seg.is_empty() {
                 continue;
             }
-            let region = if meta_inline || i > 0 {
-                let seg_index = if meta_inline { i } else { i - 1 };
-                msg.segments[seg_index].region()
-            } else {
-                None
-            };
-            let lkey = match region.and_then(|key| registrar.own_lkey(key)) {
+            if let Some(device) = seg.device_bytes() {
+                // Only segments the NIC reads in place get here (`device_send.rs`).
+                let (Some(lkey), Some(nic)) = (direct_lkey(seg, registrar), device.nic()) else {
+                    return Err(lost(peer, "a device segment without a NIC registration"));
+                };
+                push_split(seg.len(), |at, n| {
+                    gather.push_device(nic.addr + at as u64, n, lkey)
+                });
+                continue;
+            }
+            let part = seg.host().unwrap_or_default();
+            let lkey = match seg.region().and_then(|key| registrar.own_lkey(key)) {
                 Some(lkey) => lkey,
                 None => {
                     let mr = registrar.register(part).map_err(|e| e.into_lost(peer))?;
@@ -53,13 +67,7 @@ impl Link {
                     lkey
                 }
             };
-            // Split parts above what one work request may carry.
-            let mut at = 0usize;
-            while at < part.len() {
-                let n = (part.len() - at).min(MAX_WR_BYTES as usize);
-                gather.push(&part[at..at + n], lkey);
-                at += n;
-            }
+            push_split(part.len(), |at, n| gather.push(&part[at..at + n], lkey));
         }
         let total = gather.total();
         let (tx, rx) = oneshot::channel();

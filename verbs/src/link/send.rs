@@ -25,7 +25,11 @@ impl Link {
         let nseg = msg.segments.len();
         let header_len = DataHeader::encoded_len(nseg);
         let eager_len = header_len as u64 + msg.total_len();
-        if eager_len <= self.params.slot_size as u64 {
+        let eager = eager_len <= self.params.slot_size as u64;
+        if msg.has_device() {
+            return self.send_with_device(msg, header_len, eager, cache).await;
+        }
+        if eager {
             return self.send_eager(msg, header_len).await;
         }
         self.send_rendezvous(msg, header_len, cache).await

@@ -92,6 +92,7 @@ impl Link {
             changed: Notify::new(),
             max_sge: dev.max_sge,
             tag,
+            device_paths: Default::default(),
             local_psn: (nonce as u32) & 0xFF_FFFF,
             st: Mutex::new(Locked {
                 qp,

@@ -272,6 +272,13 @@ impl Gather {
         });
     }
 
+    /// Appends `len` bytes (at most 4 GiB - 1) at `addr` in a registration's address space
+    /// (device memory registered with the NIC), under `lkey`.
+    pub(crate) fn push_device(&mut self, addr: u64, len: usize, lkey: u32) {
+        let length = u32::try_from(len).expect("one gather entry is below 4 GiB");
+        self.sges.push(ibv_sge { addr, length, lkey });
+    }
+
     /// The entries' lengths, in order.
     pub(crate) fn lens(&self) -> impl ExactSizeIterator<Item = u64> + '_ {
         self.sges.iter().map(|s| s.length as u64)
