@@ -27,18 +27,31 @@ type SendFuture<'a> = Pin<Box<dyn Future<Output = Result<(), TransportError>> + 
 /// where the transport makes it meaningful ([`peak_is_meaningful`]).
 pub async fn run<T: Transport>(t: &T, size: u64, iters: u64, depth: usize) -> PerfResult<BwRow> {
     let len = usize::try_from(size).map_err(|_| format!("size {size} does not fit in memory"))?;
+    let mut buf = t.alloc_registered(len).map_err(|e| e.to_string())?;
+    fill(&mut buf);
+    run_from(t, size, iters, depth, &[Segment::registered(&buf, 0..len)]).await
+}
+
+/// What every bandwidth test sends: byte i is i mod 256.
+pub fn fill(buf: &mut [u8]) {
+    buf.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+}
+
+/// [`run`] with the message's segments given (`size` bytes in all): from host or GPU memory.
+pub async fn run_from<T: Transport>(
+    t: &T,
+    size: u64,
+    iters: u64,
+    depth: usize,
+    segs: &[Segment<'_>],
+) -> PerfResult<BwRow> {
     if depth == 0 {
         return Err("--tx-depth must be at least 1".into());
     }
     send_control(t, SERVER_ID, Control::BwStart { size, iters }, &[]).await?;
     expect_ready(t).await?;
-    let mut buf = t.alloc_registered(len).map_err(|e| e.to_string())?;
-    buf.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
-    let buf = &buf;
     let meta = Control::BwData.encode();
     let meta = &meta[..];
-    let segs = [Segment::registered(buf, 0..len)];
-    let segs = &segs[..];
     let start = Instant::now();
     let mut in_flight: Vec<SendFuture<'_>> = Vec::with_capacity(depth);
     let mut started = 0u64;

@@ -13,6 +13,8 @@
 
 mod baseline;
 mod bw;
+#[cfg(feature = "cuda")]
+mod bw_gpu;
 mod coll;
 mod compress;
 mod kv;
@@ -165,6 +167,10 @@ struct TestArgs {
     /// Also measure the raw-TCP reference (blocking 1 MiB writes) over the same bytes.
     #[arg(long)]
     baseline: bool,
+    /// `bw`: send each size again from memory on this GPU, right after the host run, and
+    /// print the ratio (needs the `cuda` feature).
+    #[arg(long, value_name = "ORDINAL", num_args = 0..=1, default_missing_value = "0")]
+    gpu: Option<usize>,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -386,6 +392,15 @@ fn run_test(test: Test, args: TestArgs) -> PerfResult<()> {
     if args.baseline && test == Test::Lat {
         return Err("--baseline applies to `bw`".into());
     }
+    if args.gpu.is_some() && test == Test::Lat {
+        return Err("--gpu applies to `bw`".into());
+    }
+    if let Some(ordinal) = args.gpu {
+        if args.host.is_none() && !args.loopback {
+            return Err("--gpu applies to the client (give a host, or --loopback)".into());
+        }
+        gpu_present(ordinal)?;
+    }
     if args.report_gbits && test == Test::Lat {
         return Err("--report_gbits applies to `bw`".into());
     }
@@ -542,6 +557,14 @@ async fn measure(
             }
         );
     }
+    let gpu = match args.gpu {
+        None => None,
+        Some(ordinal) => {
+            let largest = sizes(test, args).into_iter().max().unwrap_or(0);
+            Some((ordinal, gpu_source(ordinal, largest)?))
+        }
+    };
+    let mut gpu_rows = Vec::new();
     // Each row is printed as soon as it is measured, as a table line or one JSON line.
     for size in sizes(test, args) {
         let line = match test {
@@ -551,6 +574,10 @@ async fn measure(
                 if let Some(raw) = raw.as_deref_mut() {
                     let elapsed = raw.stream(size * iters)?;
                     row = row.with_baseline(elapsed.as_secs_f64());
+                }
+                if let Some((ordinal, source)) = &gpu {
+                    let from_gpu = gpu_run(source, t, size, iters, args.tx_depth).await?;
+                    gpu_rows.push(report::GpuBwRow::new(*ordinal, &row, &from_gpu));
                 }
                 if args.json {
                     report::json_line(&context, &row)
@@ -573,5 +600,51 @@ async fn measure(
     if !args.json {
         println!("{}", report::rule());
     }
+    for row in &gpu_rows {
+        if args.json {
+            println!("{}", report::json_line(&context, row));
+        }
+    }
+    if !args.json && !gpu_rows.is_empty() {
+        print!("{}", report::gpu_bw_table(&gpu_rows, unit));
+    }
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+type GpuSource = bw_gpu::GpuSource;
+#[cfg(not(feature = "cuda"))]
+type GpuSource = std::convert::Infallible;
+
+#[cfg(feature = "cuda")]
+fn gpu_source(ordinal: usize, largest: u64) -> PerfResult<GpuSource> {
+    let len = usize::try_from(largest).map_err(|_| format!("size {largest} does not fit"))?;
+    bw_gpu::GpuSource::new(ordinal, len)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_source(_ordinal: usize, _largest: u64) -> PerfResult<GpuSource> {
+    Err(kv::GPU_FEATURE.into())
+}
+
+#[cfg(feature = "cuda")]
+async fn gpu_run(
+    source: &GpuSource,
+    t: &AnyTransport,
+    size: u64,
+    iters: u64,
+    depth: usize,
+) -> PerfResult<report::BwRow> {
+    source.run(t, size, iters, depth).await
+}
+
+#[cfg(not(feature = "cuda"))]
+async fn gpu_run(
+    source: &GpuSource,
+    _t: &AnyTransport,
+    _size: u64,
+    _iters: u64,
+    _depth: usize,
+) -> PerfResult<report::BwRow> {
+    match *source {}
 }

@@ -360,6 +360,80 @@ pub fn rule() -> &'static str {
     RULE
 }
 
+/// One size sent from host memory and then from GPU memory in the same run (`bw --gpu`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GpuBwRow {
+    /// Always `"bw_gpu"` (JSON lines of `bw` rows have no such field).
+    pub row: &'static str,
+    /// The GPU's ordinal.
+    pub gpu: usize,
+    /// Message size.
+    pub bytes: u64,
+    /// Messages sent each way.
+    pub iterations: u64,
+    /// Average from host memory, 2^20 bytes per second.
+    pub host_bw_mib_s: f64,
+    /// Average from GPU memory, 2^20 bytes per second.
+    pub gpu_bw_mib_s: f64,
+    /// Average from host memory, 10^9 bits per second.
+    pub host_bw_gbit_s: f64,
+    /// Average from GPU memory, 10^9 bits per second.
+    pub gpu_bw_gbit_s: f64,
+    /// `gpu_bw / host_bw`.
+    pub gpu_vs_host: f64,
+}
+
+impl GpuBwRow {
+    /// The pair of rows measured for one size.
+    pub fn new(gpu: usize, host: &BwRow, from_gpu: &BwRow) -> Self {
+        GpuBwRow {
+            row: "bw_gpu",
+            gpu,
+            bytes: host.bytes,
+            iterations: host.iterations,
+            host_bw_mib_s: host.bw_avg_mib_s,
+            gpu_bw_mib_s: from_gpu.bw_avg_mib_s,
+            host_bw_gbit_s: host.bw_avg_gbit_s,
+            gpu_bw_gbit_s: from_gpu.bw_avg_gbit_s,
+            gpu_vs_host: from_gpu.bw_avg_mib_s / host.bw_avg_mib_s,
+        }
+    }
+}
+
+/// The `bw --gpu` table: each size's average from host and from GPU memory, and their ratio.
+pub fn gpu_bw_table(rows: &[GpuBwRow], unit: BwUnit) -> String {
+    let label = match unit {
+        BwUnit::MibPerSec => "[MB/sec]",
+        BwUnit::GbitPerSec => "[Gb/sec]",
+    };
+    let gpu = rows.first().map_or(0, |r| r.gpu);
+    let mut out = format!(
+        " From GPU {gpu} memory, right after each size from host memory
+"
+    );
+    out += &format!(
+        " {:<10} {:<13} {:<18} {:<18} {}
+",
+        "#bytes",
+        "#iterations",
+        format!("host BW{label}"),
+        format!("GPU BW{label}"),
+        "GPU/host"
+    );
+    for r in rows {
+        let (host, gpu) = match unit {
+            BwUnit::MibPerSec => (r.host_bw_mib_s, r.gpu_bw_mib_s),
+            BwUnit::GbitPerSec => (r.host_bw_gbit_s, r.gpu_bw_gbit_s),
+        };
+        out += &format!(
+            " {:<10} {:<13} {:<18.2} {:<18.2} {:.3}
+",
+            r.bytes, r.iterations, host, gpu, r.gpu_vs_host
+        );
+    }
+    out + RULE + "\n"
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

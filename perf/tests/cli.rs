@@ -568,3 +568,57 @@ fn a_size_beyond_the_largest_message_is_refused_before_any_output() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("PSNET_MAX_MESSAGE"), "{err}");
 }
+
+#[test]
+fn bandwidth_from_gpu_memory_beside_host_memory_or_why_not() {
+    let out = perf()
+        .args([
+            "bw",
+            "--loopback",
+            "--gpu",
+            "-s",
+            "4M",
+            "-n",
+            "30",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        // No GPU here, or a build without CUDA: the reason, and no rows.
+        let why = if cfg!(feature = "cuda") {
+            "no CUDA device"
+        } else {
+            "cuda feature"
+        };
+        assert!(stderr.contains(why), "{stderr}");
+        assert!(out.stdout.is_empty(), "rows printed before the refusal");
+        eprintln!("bandwidth_from_gpu_memory: skipped: {stderr}");
+        return;
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let gpu_row = text
+        .lines()
+        .map(json)
+        .find(|r| r["row"] == "bw_gpu")
+        .unwrap_or_else(|| panic!("no bw_gpu row in {text}"));
+    assert_eq!(gpu_row["bytes"], 4 << 20);
+    assert!(f64_of(&gpu_row, "gpu_bw_mib_s") > 0.0, "{gpu_row}");
+    let ratio = f64_of(&gpu_row, "gpu_vs_host");
+    let expected = f64_of(&gpu_row, "gpu_bw_mib_s") / f64_of(&gpu_row, "host_bw_mib_s");
+    assert!((ratio - expected).abs() < 1e-9, "{gpu_row}");
+}
+
+#[test]
+fn gpu_is_for_the_bandwidth_client() {
+    let out = perf()
+        .args(["lat", "--loopback", "--gpu"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--gpu applies to `bw`"));
+    let out = perf().args(["bw", "--gpu", "-p", "1"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--gpu applies to the client"));
+}

@@ -29,8 +29,10 @@ use crate::{one_bit, two_bit};
 
 mod kernels;
 pub mod measure;
+mod staging;
 
 pub use kernels::KERNELS_SRC;
+pub use staging::{CudaBytes, CudaStager};
 
 const THREADS_PER_BLOCK: u32 = 256;
 /// Resident blocks per multiprocessor asked for (2048 threads: a full H100 or A100 SM).
