@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use psnet_transport::codec::{FrameHeader, HeaderBuf};
-use psnet_transport::device::{stream_to_sink, ChunkSink, StreamError};
+use psnet_transport::device::{prefetch, ChunkSink, StreamError};
 use psnet_transport::{FrameKind, Limits, NodeId, OutMessage, Segment};
 use smallvec::SmallVec;
 use tokio::io::AsyncWriteExt;
@@ -207,8 +207,10 @@ impl Conn {
 impl Conn {
     /// Writes one frame whose segments include device memory: the header, metadata and host
     /// segments as they are, each device segment through two staging buffers of `chunk` bytes,
-    /// copying chunk k+1 out of the device while chunk k is written. A device error after the
-    /// frame has started closes the connection (the frame cannot be finished).
+    /// copying chunk k+1 out of the device while chunk k is written. Each device segment's
+    /// first chunk is copied before the frame starts, so a region that cannot be read fails
+    /// with the connection intact; a device error after the frame has started closes the
+    /// connection (the frame cannot be finished).
     pub(crate) async fn write_frame_staged(
         &self,
         header: &HeaderBuf,
@@ -220,6 +222,13 @@ impl Conn {
         if self.is_broken() {
             return Err(io::Error::new(io::ErrorKind::BrokenPipe, "connection closed").into());
         }
+        // Every device segment's first chunk before the frame starts: a region that cannot
+        // be read fails the send with the connection intact.
+        let mut ready = Vec::new();
+        for device in segments.iter().filter_map(|s| s.device_bytes()) {
+            ready.push(prefetch(device, chunk).await?);
+        }
+        let mut ready = ready.into_iter();
         let mut sink = SocketSink {
             writer: &mut writer,
             guard: PartialWriteGuard {
@@ -231,10 +240,12 @@ impl Conn {
         sink.write(header).await?;
         sink.write(meta).await?;
         for seg in segments {
-            match (seg.host(), seg.device_bytes()) {
-                (Some(bytes), _) => sink.write(bytes).await?,
-                (None, Some(device)) => stream_to_sink(device, chunk, &mut sink).await?,
-                (None, None) => unreachable!("a segment is host or device memory"),
+            match seg.host() {
+                Some(bytes) => sink.write(bytes).await?,
+                None => match ready.next() {
+                    Some(device) => device.stream_to(&mut sink).await?,
+                    None => unreachable!("one prefetched region per device segment"),
+                },
             }
         }
         sink.guard.done = true;

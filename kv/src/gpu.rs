@@ -7,13 +7,16 @@
 //! With gradient compression on, each part of a push is quantized on the GPU, its residual
 //! kept on the GPU, and only the compressed bytes cross PCIe and the wire. Results are
 //! bit-identical to pushing the same values from host memory: the kernels are bit-exact with
-//! the CPU compressors and the parts are MXNet's. Without compression the gradient is copied
-//! to the host once and pushed as a host push is.
+//! the CPU compressors and the parts are MXNet's. Without compression each part is sent from
+//! the device buffer itself (a device segment, `psnet_transport::device`): the transport
+//! copies it out through page-locked buffers on a stream of its own, chunk k+1 crossing PCIe
+//! while chunk k is written, or lets its NIC read it in place (GPUDirect).
 //!
-//! Values cross PCIe through page-locked host buffers kept per key (allocated on a key's first
-//! use), so copies run at full PCIe speed and the transport sends straight from them.
-//! Work runs on the device's default stream and every call waits for its copies to finish
-//! before it returns; buffers written on another stream are ordered by cudarc's events.
+//! Compressed bytes and pulled values cross PCIe through page-locked host buffers kept per
+//! key (allocated on a key's first use), so copies run at full PCIe speed. Quantizing and
+//! uploads run on the device's default stream, pushes' copies on the stager's; every call
+//! waits for its copies to finish before it returns, and buffers written on another stream
+//! are ordered by cudarc's events.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -21,7 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use psnet_compression::cuda::cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, PinnedHostSlice, ValidAsZeroBits,
 };
-use psnet_compression::cuda::{context, guarded, pinned_zeroed, CudaCompressor};
+use psnet_compression::cuda::{context, guarded, pinned_zeroed, CudaCompressor, CudaStager};
 use psnet_compression::{CompressionError, CompressionParams, Scheme};
 use psnet_transport::Transport;
 
@@ -36,6 +39,8 @@ pub struct GpuKv<'w, T: Transport> {
     ordinal: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// Copies uncompressed pushes out of the device for the transport, chunk by chunk.
+    stager: CudaStager,
     device: Mutex<DeviceState>,
 }
 
@@ -57,7 +62,7 @@ struct Staging {
     packed: Option<PinnedHostSlice<u8>>,
 }
 
-/// A push made ready: its parts (compressed bytes in them when compression is on).
+/// A compressed push made ready: its parts, with their compressed bytes.
 struct Staged {
     parts: Vec<(usize, PreparedPart)>,
 }
@@ -84,6 +89,7 @@ impl<'w, T: Transport> GpuKv<'w, T> {
         Ok(GpuKv {
             worker,
             ordinal,
+            stager: CudaStager::new(ordinal).map_err(gpu_err)?,
             stream: ctx.default_stream(),
             ctx,
             device: Mutex::new(DeviceState::default()),
@@ -99,13 +105,16 @@ impl<'w, T: Transport> GpuKv<'w, T> {
     pub async fn push(&self, key: u64, values: &CudaView<'_, f32>) -> Result<(), KvError> {
         let mut staging = self.take_staging(key, values.len())?;
         let result = async {
-            let staged = self.stage(key, values, false, &mut staging)?;
-            let host = host_of(&staging.values)?;
-            let waits = self.worker.send_pushes(&staged.parts, &[host]).await?;
-            for wait in waits {
-                self.worker.shared.settle(wait).await?;
+            match self.stage(key, values, false, &mut staging)? {
+                None => {
+                    let bytes = self.stager.bytes(values);
+                    self.worker.push_device::<f32>(key, &bytes).await
+                }
+                Some(staged) => {
+                    self.send_compressed(&staged, &staging).await?;
+                    Ok(())
+                }
             }
-            Ok(())
         }
         .await;
         self.put_staging(key, staging);
@@ -142,21 +151,24 @@ impl<'w, T: Transport> GpuKv<'w, T> {
         }
         let mut staging = self.take_staging(key, out.len())?;
         let result = async {
-            let staged = self.stage(key, values, true, &mut staging)?;
-            // Every answer first: a server that restarts gets the staged values again.
-            let mut values = Vec::with_capacity(staged.parts.len());
-            {
-                let host = host_of(&staging.values)?;
-                for wait in self.worker.send_pushes(&staged.parts, &[host]).await? {
-                    values.push(self.worker.shared.settle(wait).await?);
+            match self.stage(key, values, true, &mut staging)? {
+                None => {
+                    let bytes = self.stager.bytes(values);
+                    let host = host_of_mut(&mut staging.values)?;
+                    self.worker
+                        .pushpull_device::<f32>(key, &bytes, host)
+                        .await?;
                 }
-            }
-            // The answers overwrite the staged values: the push has left by now.
-            let host = host_of_mut(&mut staging.values)?;
-            for ((_, pp), value) in staged.parts.iter().zip(values) {
-                let p = pp.part;
-                let from = self.worker.shared.servers[p.server];
-                fill(key, &mut host[p.offset..p.offset + p.len], value, from)?;
+                Some(staged) => {
+                    // Every answer first: a server that restarts gets the pushes again.
+                    let answers = self.send_compressed(&staged, &staging).await?;
+                    let host = host_of_mut(&mut staging.values)?;
+                    for ((_, pp), value) in staged.parts.iter().zip(answers) {
+                        let p = pp.part;
+                        let from = self.worker.shared.servers[p.server];
+                        fill(key, &mut host[p.offset..p.offset + p.len], value, from)?;
+                    }
+                }
             }
             self.upload(&staging.values, out)
         }
@@ -165,15 +177,30 @@ impl<'w, T: Transport> GpuKv<'w, T> {
         result
     }
 
-    /// The parts of a push of `values`: quantized on the device when compression is on,
-    /// else the values copied into `staging`.
+    /// Sends the compressed parts of `staged` and waits for every answer, in the parts' order.
+    async fn send_compressed(
+        &self,
+        staged: &Staged,
+        staging: &Staging,
+    ) -> Result<Vec<Option<bytes::Bytes>>, KvError> {
+        // Every part carries its compressed bytes: the host values are not read.
+        let host = host_of(&staging.values)?;
+        let mut answers = Vec::with_capacity(staged.parts.len());
+        for wait in self.worker.send_pushes(&staged.parts, &[host]).await? {
+            answers.push(self.worker.shared.settle(wait).await?);
+        }
+        Ok(answers)
+    }
+
+    /// The parts of a push of `values`, quantized on the device; None when compression is off
+    /// (the worker then sends the values from the device, [`Worker::push_device`]).
     fn stage(
         &self,
         key: u64,
         values: &CudaView<'_, f32>,
         pull_back: bool,
         staging: &mut Staging,
-    ) -> Result<Staged, KvError> {
+    ) -> Result<Option<Staged>, KvError> {
         let (layout, compression, epoch) = {
             let state = self.worker.shared.state();
             let layout = state
@@ -182,35 +209,15 @@ impl<'w, T: Transport> GpuKv<'w, T> {
             let (compression, epoch) = state.compression();
             (layout, compression, epoch)
         };
-        let flags = |compressed| PushFlags {
+        let Some((scheme, threshold)) = compression else {
+            return Ok(None);
+        };
+        let flags = PushFlags {
             init: false,
-            compressed,
+            compressed: true,
             pull_back,
             retry: None,
             dtype: crate::value::Dtype::F32,
-        };
-        let Some((scheme, threshold)) = compression else {
-            // cudarc records a pinned buffer's event only when it tracks several streams:
-            // wait for the copy here.
-            guarded("copy to host", || {
-                self.stream.memcpy_dtoh(values, &mut staging.values)
-            })
-            .and_then(|()| guarded("synchronize", || self.stream.synchronize()))
-            .map_err(gpu_err)?;
-            let parts = layout
-                .parts
-                .iter()
-                .map(|p| {
-                    let part = PreparedPart {
-                        key,
-                        part: *p,
-                        flags: flags(false),
-                        compressed: None,
-                    };
-                    (0, part)
-                })
-                .collect();
-            return Ok(Staged { parts });
         };
         let packed = self.quantize(key, values, &layout, (scheme, threshold, epoch), staging)?;
         let parts = layout
@@ -221,13 +228,13 @@ impl<'w, T: Transport> GpuKv<'w, T> {
                 let part = PreparedPart {
                     key,
                     part: *p,
-                    flags: flags(true),
+                    flags,
                     compressed: Some(bytes),
                 };
                 (0, part)
             })
             .collect();
-        Ok(Staged { parts })
+        Ok(Some(Staged { parts }))
     }
 
     /// Quantizes every part of `values` on the device into one buffer, copies that to the

@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use psnet_transport::device::copy_all;
 use psnet_transport::{CodecError, Event, NodeId, OutMessage, Segment, Transport, TransportError};
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
@@ -197,13 +198,35 @@ impl<T: Transport> Link<T> {
     /// Sends `msg` with an optional value segment. With `PS_RESEND`, `Ok` means the message
     /// is in the peer's window: it will be delivered exactly once, or the peer given up.
     pub async fn send(&self, to: NodeId, msg: &Msg, value: Option<&[u8]>) -> Result<(), KvError> {
+        self.send_segment(to, msg, value.map(Segment::new)).await
+    }
+
+    /// [`send`](Self::send) with the value as a segment (host or device memory). With
+    /// `PS_RESEND` the value is copied to the host once, as host values are, to send again.
+    pub async fn send_segment(
+        &self,
+        to: NodeId,
+        msg: &Msg,
+        value: Option<Segment<'_>>,
+    ) -> Result<(), KvError> {
         let Some(r) = self.reliable_to(to) else {
-            return wire::send(&*self.inner.t, to, msg, value).await;
+            return wire::send_segment(&*self.inner.t, to, msg, value).await;
         };
         let meta = Bytes::from(msg.encode());
         self.inner
-            .check_limits(to, meta.len(), value.map_or(0, <[u8]>::len))?;
-        let value = value.map(Bytes::copy_from_slice);
+            .check_limits(to, meta.len(), value.map_or(0, |v| v.len()))?;
+        let value = match value {
+            None => None,
+            Some(v) => Some(match (v.host(), v.device_bytes()) {
+                (Some(host), _) => Bytes::copy_from_slice(host),
+                (None, Some(device)) => Bytes::from(
+                    copy_all(device)
+                        .await
+                        .map_err(|source| TransportError::Device { peer: to, source })?,
+                ),
+                (None, None) => Bytes::new(),
+            }),
+        };
         let tx = loop {
             let freed = r.window.notified();
             tokio::pin!(freed);

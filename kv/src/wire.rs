@@ -14,12 +14,23 @@ pub async fn send<T: Transport>(
     msg: &Msg,
     value: Option<&[u8]>,
 ) -> Result<(), KvError> {
+    send_segment(t, to, msg, value.map(Segment::new)).await
+}
+
+/// [`send`] with the value as a segment: host bytes, or device memory the transport copies
+/// out (or lets its NIC read).
+pub async fn send_segment<T: Transport>(
+    t: &T,
+    to: NodeId,
+    msg: &Msg,
+    value: Option<Segment<'_>>,
+) -> Result<(), KvError> {
     let meta = msg.encode();
-    tracing::trace!(to = %describe(to), ?msg, bytes = value.map_or(0, <[u8]>::len), "send");
+    tracing::trace!(to = %describe(to), ?msg, bytes = value.map_or(0, |v| v.len()), "send");
     let seg;
     let segs: &[Segment<'_>] = match value {
         Some(v) => {
-            seg = [Segment::new(v)];
+            seg = [v];
             &seg
         }
         None => &[],

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use psnet_compression::CompressionParams;
-use psnet_transport::{NodeId, Transport};
+use psnet_transport::{NodeId, Segment, Transport};
 use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinHandle;
 
@@ -28,6 +28,8 @@ use crate::reliable::Link;
 use crate::updater::OptimizerSpec;
 use crate::value::{self, Value};
 use crate::wire::Received;
+
+mod device;
 
 /// What one request asks of a server; its id is given when it is sent.
 #[derive(Clone)]
@@ -90,7 +92,7 @@ impl Ask {
 pub(crate) struct Outgoing<'a> {
     to: NodeId,
     ask: Ask,
-    value: Option<&'a [u8]>,
+    value: Option<Segment<'a>>,
 }
 
 /// A request sent and waiting for its answer, with what it takes to send it again if its
@@ -247,7 +249,7 @@ impl<T: Transport> Shared<T> {
         let to = sent.to;
         let (ts, mut rx) = self.state().begin_request(to, sent.ask.asked())?;
         let msg = sent.ask.clone().into_msg(ts);
-        let Err(e) = self.link.send(to, &msg, sent.value).await else {
+        let Err(e) = self.link.send_segment(to, &msg, sent.value).await else {
             return Ok(rx);
         };
         // A server that may rejoin: the request waits for it, and goes again then.
@@ -570,7 +572,9 @@ impl<T: Transport> Worker<T> {
                         flags,
                         n_elems: p.len as u64,
                     },
-                    value: Some(value::as_bytes(&v[p.offset..p.offset + p.len])),
+                    value: Some(Segment::new(value::as_bytes(
+                        &v[p.offset..p.offset + p.len],
+                    ))),
                 })
                 .collect();
             for wait in self.shared.send_all(requests).await? {
@@ -587,9 +591,25 @@ impl<T: Transport> Worker<T> {
         parts: &'a [(usize, PreparedPart)],
         values: &[&'a [V]],
     ) -> Result<Sent<'a>, KvError> {
+        self.send_push_parts(parts, |_, (i, pp)| {
+            let p = pp.part;
+            Segment::new(value::as_bytes(&values[*i][p.offset..p.offset + p.len]))
+        })
+        .await
+    }
+
+    /// [`send_pushes`](Self::send_pushes) with each uncompressed part's value given by
+    /// `value(index of the part, part)`: host bytes or device memory.
+    pub(crate) async fn send_push_parts<'a>(
+        &self,
+        parts: &'a [(usize, PreparedPart)],
+        value: impl Fn(usize, &'a (usize, PreparedPart)) -> Segment<'a>,
+    ) -> Result<Sent<'a>, KvError> {
         let requests = parts
             .iter()
-            .map(|(i, pp)| {
+            .enumerate()
+            .map(|(k, part)| {
+                let pp = &part.1;
                 let p = pp.part;
                 Outgoing {
                     to: self.shared.servers[p.server],
@@ -599,8 +619,8 @@ impl<T: Transport> Worker<T> {
                         n_elems: p.len as u64,
                     },
                     value: Some(match &pp.compressed {
-                        Some(bytes) => &bytes[..],
-                        None => value::as_bytes(&values[*i][p.offset..p.offset + p.len]),
+                        Some(bytes) => Segment::new(bytes),
+                        None => value(k, part),
                     }),
                 }
             })

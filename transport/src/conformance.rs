@@ -457,12 +457,30 @@ pub async fn device_segments_arrive_as_host_bytes<F: TransportFactory>(f: &F) {
 }
 
 /// A device copy that fails fails its send with an error naming the peer and the device; the
-/// peer never receives a partial message, and the pair can go on talking (reconnecting if the
-/// transport had to drop a half-written message).
+/// peer never receives a partial message. A region that cannot be read at all leaves the
+/// connection as it was; after a failure half-way the pair can go on talking (reconnecting if
+/// the transport had to drop a half-written message).
 pub async fn a_failing_device_copy_fails_only_that_send<F: TransportFactory>(f: &F) {
     let a = endpoint(f, 1).await;
     let b = endpoint(f, 2).await;
     link(&*a, &*b).await;
+    // A region that cannot be read at all: the send fails before anything leaves, and the
+    // connection stays.
+    let unreadable = SimulatedDevice::new(pattern(4 << 20, 22), 5).failing_from(0);
+    let segs = [Segment::device(&unreadable)];
+    let err = a
+        .send(b.local_id(), OutMessage::new(b"unreadable", &segs))
+        .await
+        .expect_err("the first copy fails");
+    assert!(err.to_string().contains("GPU 5"), "{err}");
+    send_seq(&*a, b.local_id(), 3, b"still connected").await;
+    let m = next_message(&*b).await;
+    assert_eq!(
+        seq_of(&m),
+        3,
+        "the message after a refused one arrives first"
+    );
+    // A region that fails half-way: the transport may have to drop the connection.
     let broken = SimulatedDevice::new(pattern(4 << 20, 21), 5).failing_from(3 << 20);
     let segs = [Segment::device(&broken)];
     let err = a

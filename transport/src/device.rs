@@ -80,6 +80,62 @@ pub trait DeviceBytes: Send + Sync + fmt::Debug {
     fn copy_to_host<'a>(&'a self, offset: usize, dst: &'a mut [u8]) -> CopyFuture<'a>;
 }
 
+/// Bytes `offset..offset + len` of another region: a part of a device buffer sent as its own
+/// segment (the kv store's parts of a key).
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceSlice<'a> {
+    whole: &'a dyn DeviceBytes,
+    offset: usize,
+    len: usize,
+}
+
+impl<'a> DeviceSlice<'a> {
+    /// Bytes `range` of `whole`; None if the range leaves it.
+    pub fn new(whole: &'a dyn DeviceBytes, range: std::ops::Range<usize>) -> Option<Self> {
+        (range.start <= range.end && range.end <= whole.len()).then_some(DeviceSlice {
+            whole,
+            offset: range.start,
+            len: range.end - range.start,
+        })
+    }
+}
+
+impl DeviceBytes for DeviceSlice<'_> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn ordinal(&self) -> u32 {
+        self.whole.ordinal()
+    }
+
+    fn nic(&self) -> Option<NicRegion> {
+        self.whole.nic().map(|n| NicRegion {
+            key: n.key,
+            addr: n.addr + self.offset as u64,
+        })
+    }
+
+    fn staging(&self, len: usize) -> Result<StagingBuf, DeviceError> {
+        self.whole.staging(len)
+    }
+
+    fn copy_to_host<'b>(&'b self, offset: usize, dst: &'b mut [u8]) -> CopyFuture<'b> {
+        if offset.saturating_add(dst.len()) > self.len {
+            let err = DeviceError {
+                ordinal: self.ordinal(),
+                reason: format!(
+                    "copy of {} bytes at {offset} past the slice's {}",
+                    dst.len(),
+                    self.len
+                ),
+            };
+            return Box::pin(std::future::ready(Err(err)));
+        }
+        self.whole.copy_to_host(self.offset + offset, dst)
+    }
+}
+
 /// How a device segment travels to one peer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DevicePath {
@@ -154,43 +210,84 @@ pub enum StreamError {
 
 /// Writes all of `src` to `sink` through two staging buffers of `chunk` bytes: while chunk k
 /// is written, chunk k+1 is copied out of the device. A device error stops the stream after
-/// the chunks before it were written.
+/// the chunks before it were written. ([`prefetch`] then [`Prefetched::stream_to`].)
 pub async fn stream_to_sink(
     src: &dyn DeviceBytes,
     chunk: usize,
     sink: &mut impl ChunkSink,
 ) -> Result<(), StreamError> {
+    prefetch(src, chunk).await?.stream_to(sink).await
+}
+
+/// A region made ready to stream: its staging buffers taken and its first chunk copied out,
+/// so that a region that cannot be read fails before anything of it is written.
+pub struct Prefetched<'a> {
+    src: &'a dyn DeviceBytes,
+    chunk: usize,
+    cur: Option<StagingBuf>,
+    spare: Option<StagingBuf>,
+}
+
+/// Takes `src`'s staging buffers (`chunk` bytes each) and copies its first chunk out.
+pub async fn prefetch(src: &dyn DeviceBytes, chunk: usize) -> Result<Prefetched<'_>, DeviceError> {
     let total = src.len();
     if total == 0 {
-        return Ok(());
+        return Ok(Prefetched {
+            src,
+            chunk: 0,
+            cur: None,
+            spare: None,
+        });
     }
     let chunk = chunk.clamp(1, total);
     let mut cur = src.staging(chunk)?;
-    let mut spare = if total > chunk {
+    let spare = if total > chunk {
         Some(src.staging(chunk)?)
     } else {
         None
     };
     src.copy_to_host(0, &mut cur[..chunk]).await?;
-    let (mut at, mut len) = (0, chunk);
-    loop {
-        let next_at = at + len;
-        let Some(next) = spare.as_mut().filter(|_| next_at < total) else {
-            sink.write(&cur[..len]).await?;
+    Ok(Prefetched {
+        src,
+        chunk,
+        cur: Some(cur),
+        spare,
+    })
+}
+
+impl Prefetched<'_> {
+    /// Writes the region to `sink`, copying chunk k+1 out while chunk k is written.
+    pub async fn stream_to(self, sink: &mut impl ChunkSink) -> Result<(), StreamError> {
+        let Prefetched {
+            src,
+            chunk,
+            cur,
+            mut spare,
+        } = self;
+        let Some(mut cur) = cur else {
             return Ok(());
         };
-        let next_len = chunk.min(total - next_at);
-        let (written, copied) = join(
-            sink.write(&cur[..len]),
-            src.copy_to_host(next_at, &mut next[..next_len]),
-        )
-        .await;
-        written?;
-        copied?;
-        if let Some(next) = spare.as_mut() {
-            std::mem::swap(&mut cur, next);
+        let total = src.len();
+        let (mut at, mut len) = (0, chunk);
+        loop {
+            let next_at = at + len;
+            let Some(next) = spare.as_mut().filter(|_| next_at < total) else {
+                sink.write(&cur[..len]).await?;
+                return Ok(());
+            };
+            let next_len = chunk.min(total - next_at);
+            let (written, copied) = join(
+                sink.write(&cur[..len]),
+                src.copy_to_host(next_at, &mut next[..next_len]),
+            )
+            .await;
+            written?;
+            copied?;
+            if let Some(next) = spare.as_mut() {
+                std::mem::swap(&mut cur, next);
+            }
+            (at, len) = (next_at, next_len);
         }
-        (at, len) = (next_at, next_len);
     }
 }
 

@@ -334,6 +334,38 @@ impl WorkerState {
         Ok(parts)
     }
 
+    /// The parts of a push of `n_elems` values of `dtype` sent straight from device memory:
+    /// None when gradient compression is on (the values must be quantized where they are read).
+    pub fn prepare_device_push(
+        &mut self,
+        key: u64,
+        n_elems: usize,
+        dtype: Dtype,
+        pull_back: bool,
+    ) -> Result<Option<Vec<PreparedPart>>, KvError> {
+        let layout = self.layout(key, n_elems, dtype)?;
+        if self.compressor.is_some() {
+            return Ok(None);
+        }
+        let parts = layout
+            .parts
+            .iter()
+            .map(|p| PreparedPart {
+                key,
+                part: *p,
+                flags: PushFlags {
+                    init: false,
+                    compressed: false,
+                    pull_back,
+                    retry: None,
+                    dtype,
+                },
+                compressed: None,
+            })
+            .collect();
+        Ok(Some(parts))
+    }
+
     /// The loss that fails a request to `to` at once, if any.
     fn blocking_loss(&self, to: NodeId) -> Option<KvError> {
         self.dead

@@ -197,3 +197,26 @@ proptest! {
         prop_assert_eq!(block_on(copy_all(&src)).expect("copy"), src.bytes());
     }
 }
+
+#[test]
+fn a_slice_copies_its_own_bytes_and_nothing_past_them() {
+    let nic = NicRegion {
+        key: RegionKey(3),
+        addr: 0x1000,
+    };
+    let whole = SimulatedDevice::new(pattern(1000), 4).with_nic(nic);
+    assert!(DeviceSlice::new(&whole, 900..1001).is_none());
+    let part = DeviceSlice::new(&whole, 100..350).expect("inside");
+    assert_eq!(part.len(), 250);
+    assert_eq!(part.ordinal(), 4);
+    assert_eq!(
+        part.nic().map(|n| (n.key, n.addr)),
+        Some((RegionKey(3), 0x1000 + 100))
+    );
+    let mut sink = Collect::new(1, Arc::default());
+    block_on(stream_to_sink(&part, 64, &mut sink)).expect("stream");
+    assert_eq!(sink.out, &whole.bytes()[100..350]);
+    let mut dst = [0u8; 10];
+    let err = block_on(part.copy_to_host(245, &mut dst)).expect_err("past the slice");
+    assert!(err.to_string().contains("past the slice"), "{err}");
+}
