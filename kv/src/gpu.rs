@@ -33,6 +33,10 @@ use crate::proto::msg::PushFlags;
 use crate::proto::worker::{Layout, PreparedPart};
 use crate::worker::{fill, Worker};
 
+mod half;
+
+pub use half::HalfValue;
+
 /// A worker's push and pull of buffers on one GPU.
 pub struct GpuKv<'w, T: Transport> {
     worker: &'w Worker<T>,
@@ -53,6 +57,8 @@ struct DeviceState {
     residuals: HashMap<u64, CudaSlice<f32>>,
     /// Page-locked host buffers, one per key (taken out while a call uses them).
     staging: HashMap<u64, Staging>,
+    /// Page-locked host buffers of half-precision keys' pulls, one per key.
+    half_staging: HashMap<u64, PinnedHostSlice<u8>>,
 }
 
 /// A key's page-locked host buffers.

@@ -196,3 +196,94 @@ async fn without_a_gpu_the_error_says_why() {
     }
     c.finish().await;
 }
+
+/// A worker's final values of an f16 key (one server's) and a bf16 key (sharded), after
+/// rounds of pushpull and push of half values, from host memory or from the GPU.
+async fn half_job(from: From) -> Vec<(Vec<u16>, Vec<u16>)> {
+    use psnet_kv::value::{bf16, f16};
+    const N1: usize = 1003;
+    const N2: usize = 40_001;
+    let c = cluster_with(2, 2, |c| c.bigarray_bound(1000)).await;
+    let results = on_all(&c.workers, move |w| async move {
+        let rank = w.rank();
+        let g16 = |round| -> Vec<f16> {
+            gradient(rank, round, 1, N1)
+                .into_iter()
+                .map(f16::from_f32)
+                .collect()
+        };
+        let gb16 = |round| -> Vec<bf16> {
+            gradient(rank, round, 2, N2)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect()
+        };
+        w.init(&[1], &[&vec![f16::from_f32(0.5); N1]]).await?;
+        w.init(&[2], &[&vec![bf16::from_f32(0.5); N2]]).await?;
+        let mut a = vec![f16::ZERO; N1];
+        let mut b = vec![bf16::ZERO; N2];
+        match from {
+            From::Host => {
+                for round in 0..ROUNDS {
+                    w.pushpull(1, &g16(round), &mut a).await?;
+                    w.push(2, &gb16(round)).await?;
+                }
+                w.pull(2, &mut b).await?;
+            }
+            From::Gpu => {
+                let cuda = |e: String| KvError::Gpu(CompressionError::Cuda(e));
+                let gpu = GpuKv::new(&w, 0)?;
+                let stream = context(0).map_err(KvError::Gpu)?.default_stream();
+                let mut out_a = stream
+                    .alloc_zeros::<f16>(N1)
+                    .map_err(|e| cuda(e.to_string()))?;
+                let mut out_b = stream
+                    .alloc_zeros::<bf16>(N2)
+                    .map_err(|e| cuda(e.to_string()))?;
+                for round in 0..ROUNDS {
+                    let ga = stream
+                        .clone_htod(&g16(round))
+                        .map_err(|e| cuda(e.to_string()))?;
+                    gpu.pushpull_half(1, &ga.slice(..), &mut out_a.slice_mut(..))
+                        .await?;
+                    let gb = stream
+                        .clone_htod(&gb16(round))
+                        .map_err(|e| cuda(e.to_string()))?;
+                    gpu.push_half(2, &gb.slice(..)).await?;
+                }
+                gpu.pull_half(2, &mut out_b.slice_mut(..)).await?;
+                a = stream.clone_dtoh(&out_a).map_err(|e| cuda(e.to_string()))?;
+                b = stream.clone_dtoh(&out_b).map_err(|e| cuda(e.to_string()))?;
+            }
+        }
+        let mut bits: Vec<f32> = a.iter().map(|x| f32::from(x.to_bits())).collect();
+        bits.extend(b.iter().map(|x| f32::from(x.to_bits())));
+        Ok(bits)
+    })
+    .await;
+    c.finish().await;
+    results
+        .into_iter()
+        .map(|r| {
+            let v = r.expect("worker ops");
+            let bits: Vec<u16> = v.iter().map(|&x| x as u16).collect();
+            (bits[..N1].to_vec(), bits[N1..].to_vec())
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_half_pushes_match_host_pushes() {
+    if !gpu_present("gpu_half_pushes_match_host_pushes") {
+        return;
+    }
+    let host = half_job(From::Host).await;
+    let gpu = half_job(From::Gpu).await;
+    assert_eq!(
+        host, gpu,
+        "f16 / bf16 values from the GPU differ from host pushes"
+    );
+    // Moved away from the initial 0.5 (f16 0x3800, bf16 0x3f00).
+    assert!(host[0].0.iter().any(|&x| x != 0x3800));
+    assert!(host[0].1.iter().any(|&x| x != 0x3f00));
+}

@@ -10,3 +10,19 @@ impl VerbsTransport {
         register_gpu(self.device(), range)
     }
 }
+
+impl VerbsTransport {
+    /// Where this transport's NIC reads `region` in place, for a device segment
+    /// (`psnet_transport::device`): a region registered by a direct path (dma-buf or
+    /// nvidia-peermem) is sent zero-copy; None on the staged path, whose registration covers
+    /// a host buffer, not the GPU memory.
+    pub fn nic_region(&self, region: &GpuRegion) -> Option<psnet_transport::device::NicRegion> {
+        region.path().is_direct().then(|| {
+            let tag = u64::from(self.inner.registrar.tag);
+            psnet_transport::device::NicRegion {
+                key: psnet_transport::RegionKey((tag << 32) | u64::from(region.lkey())),
+                addr: region.addr(),
+            }
+        })
+    }
+}
