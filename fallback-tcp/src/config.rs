@@ -34,6 +34,9 @@ pub struct TcpConfig {
     /// Bytes of the shared-memory ring offered to a peer on this host, per direction, once
     /// the first large message goes to it (0: never; the socket carries everything).
     pub shm_ring: usize,
+    /// Bytes per chunk when device memory in a message is staged through host buffers
+    /// (`PSNET_GPU_STAGE_CHUNK`).
+    pub gpu_stage_chunk: usize,
     /// What this node's data travels over, announced in every hello: peers that differ are
     /// refused at the handshake (TCP, unless this transport is RDMA's control channel).
     pub data_path: DataPath,
@@ -59,6 +62,7 @@ impl TcpConfig {
             socket_buffer: None,
             congestion: Congestion::Auto,
             shm_ring: crate::shm::DEFAULT_RING,
+            gpu_stage_chunk: psnet_transport::device::DEFAULT_STAGE_CHUNK,
             data_path: DataPath::Tcp,
             secret: None,
             faults: None,

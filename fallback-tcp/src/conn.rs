@@ -162,17 +162,17 @@ impl Conn {
         if !meta.is_empty() {
             slices.push(IoSlice::new(meta));
         }
-        slices.extend(
-            segments
-                .iter()
-                .filter(|s| !s.is_empty())
-                .filter_map(|s| s.host())
-                .map(IoSlice::new),
-        );
-        debug_assert!(
-            segments.iter().all(|s| s.host().is_some()),
-            "device segments go through write_frame_staged"
-        );
+        for seg in segments.iter().filter(|s| !s.is_empty()) {
+            // Device memory goes through `write_frame_staged`; here it would be written as
+            // nothing under a header announcing its length.
+            let Some(bytes) = seg.host() else {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "a device segment on the host-only write path",
+                ));
+            };
+            slices.push(IoSlice::new(bytes));
+        }
         let mut writer = self.writer.lock().await;
         if self.is_broken() {
             return Err(io::Error::new(

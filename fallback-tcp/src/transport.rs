@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::BytesMut;
 use psnet_transport::codec::{FrameHeader, HeaderBuf};
-use psnet_transport::device::{DevicePath, PathLog, StreamError, DEFAULT_STAGE_CHUNK};
+use psnet_transport::device::{DevicePath, PathLog, StreamError};
 use psnet_transport::{
     Admission, Capabilities, Event, FrameKind, NodeId, OutMessage, Proof, RegisteredBuf, Segment,
     Transport, TransportError,
@@ -373,7 +373,7 @@ impl Transport for TcpTransport {
                     .device_paths
                     .note("tcp", peer, ordinal.ordinal(), DevicePath::Staged);
             }
-            conn.write_frame_staged(&head, msg.meta, msg.segments, DEFAULT_STAGE_CHUNK)
+            conn.write_frame_staged(&head, msg.meta, msg.segments, inner.config.gpu_stage_chunk)
                 .await
                 .map_err(|e| match e {
                     StreamError::Device(source) => TransportError::Device { peer, source },

@@ -109,6 +109,11 @@ impl<'w, T: Transport> GpuKv<'w, T> {
 
     /// Pushes the device buffer `values` for `key` (see [`Worker::push`]).
     pub async fn push(&self, key: u64, values: &CudaView<'_, f32>) -> Result<(), KvError> {
+        if self.worker.shared.state().compression().0.is_none() {
+            // Sent from the device: no host buffer needed.
+            let bytes = self.stager.bytes(values);
+            return self.worker.push_device::<f32>(key, &bytes).await;
+        }
         let mut staging = self.take_staging(key, values.len())?;
         let result = async {
             match self.stage(key, values, false, &mut staging)? {

@@ -400,6 +400,11 @@ fn run_test(test: Test, args: TestArgs) -> PerfResult<()> {
             return Err("--gpu applies to the client (give a host, or --loopback)".into());
         }
         gpu_present(ordinal)?;
+        if args.loopback && psnet::config::env::PSNET_SHM_RING.get().is_none() {
+            // Device messages never take the same-host ring: host messages must not either,
+            // or the ratio compares the ring with the socket. Set before any thread starts.
+            std::env::set_var(psnet::config::env::PSNET_SHM_RING.name, "0");
+        }
     }
     if args.report_gbits && test == Test::Lat {
         return Err("--report_gbits applies to `bw`".into());
@@ -606,7 +611,10 @@ async fn measure(
         }
     }
     if !args.json && !gpu_rows.is_empty() {
-        print!("{}", report::gpu_bw_table(&gpu_rows, unit));
+        let ring = psnet::config::env::PSNET_SHM_RING
+            .get()
+            .unwrap_or_else(|| psnet::config::env::PSNET_SHM_RING.default.to_string());
+        print!("{}", report::gpu_bw_table(&gpu_rows, unit, &ring));
     }
     Ok(())
 }

@@ -401,19 +401,26 @@ impl GpuBwRow {
 }
 
 /// The `bw --gpu` table: each size's average from host and from GPU memory, and their ratio.
-pub fn gpu_bw_table(rows: &[GpuBwRow], unit: BwUnit) -> String {
+/// `ring` is `PSNET_SHM_RING`: device messages never take the same-host ring, so host and GPU
+/// rows compare like with like only at 0 (what `--loopback --gpu` sets when it is unset).
+pub fn gpu_bw_table(rows: &[GpuBwRow], unit: BwUnit, ring: &str) -> String {
     let label = match unit {
         BwUnit::MibPerSec => "[MB/sec]",
         BwUnit::GbitPerSec => "[Gb/sec]",
     };
     let gpu = rows.first().map_or(0, |r| r.gpu);
-    let mut out = format!(
-        " From GPU {gpu} memory, right after each size from host memory
-"
-    );
+    let mut out = format!(" From GPU {gpu} memory, right after each size from host memory\n");
+    out += &if ring.trim() == "0" {
+        " Sockets for both (PSNET_SHM_RING=0); GPU messages staged through page-locked buffers\n"
+            .to_string()
+    } else {
+        format!(
+            " PSNET_SHM_RING={ring}: host messages may take the same-host ring, GPU messages \
+             never do (set PSNET_SHM_RING=0 to compare sockets with sockets)\n"
+        )
+    };
     out += &format!(
-        " {:<10} {:<13} {:<18} {:<18} {}
-",
+        " {:<10} {:<13} {:<18} {:<18} {}\n",
         "#bytes",
         "#iterations",
         format!("host BW{label}"),
@@ -426,8 +433,7 @@ pub fn gpu_bw_table(rows: &[GpuBwRow], unit: BwUnit) -> String {
             BwUnit::GbitPerSec => (r.host_bw_gbit_s, r.gpu_bw_gbit_s),
         };
         out += &format!(
-            " {:<10} {:<13} {:<18.2} {:<18.2} {:.3}
-",
+            " {:<10} {:<13} {:<18.2} {:<18.2} {:.3}\n",
             r.bytes, r.iterations, host, gpu, r.gpu_vs_host
         );
     }
@@ -438,6 +444,20 @@ pub fn gpu_bw_table(rows: &[GpuBwRow], unit: BwUnit) -> String {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn gpu_rows_give_the_ratio_and_say_what_was_compared() {
+        let host = BwRow::new(1 << 20, 100, 0.1, None);
+        let gpu = BwRow::new(1 << 20, 100, 0.125, None);
+        let row = GpuBwRow::new(0, &host, &gpu);
+        assert!((row.gpu_vs_host - 0.8).abs() < 1e-12, "{row:?}");
+        assert_eq!(row.host_bw_mib_s, 1000.0);
+        let table = gpu_bw_table(std::slice::from_ref(&row), BwUnit::MibPerSec, "0");
+        assert!(table.contains("Sockets for both"), "{table}");
+        assert!(table.contains("1000.00") && table.contains("800.00") && table.contains("0.800"));
+        let table = gpu_bw_table(&[row], BwUnit::MibPerSec, "67108864");
+        assert!(table.contains("set PSNET_SHM_RING=0"), "{table}");
+    }
 
     #[test]
     fn bandwidth_units() {

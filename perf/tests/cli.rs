@@ -403,6 +403,18 @@ fn bad_arguments_and_environment_are_reported() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("PSNET_TRANSPORT"));
+
+    let out = perf()
+        .args(["bw", "--loopback", "-s", "1K", "-n", "5"])
+        .env("PSNET_GPU_STAGE_CHUNK", "100")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("PSNET_GPU_STAGE_CHUNK") && err.contains("4096"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -8,11 +8,13 @@
     model = torch.nn.parallel.DistributedDataParallel(model)
 
 The process group runs psnet's collectives (RDMA or TCP, whichever the environment binds) on
-CPU tensors: allreduce, broadcast, allgather, reduce_scatter, reduce, barrier. Rank 0 draws
+CPU and CUDA tensors: allreduce, broadcast, allgather, reduce_scatter, reduce, barrier. A
+CUDA tensor is staged through a page-locked host copy, as gloo stages them, and written back
+when the call ends. Rank 0 draws
 a free port on ``MASTER_ADDR`` (127.0.0.1 if unset) and hands it to the others through
 torch's store, so psnet never competes with the store for ``MASTER_PORT``. Each call
 completes before it returns (its ``Work`` is done at once). float32, float64, float16,
-int32, int64 and uint8 tensors; bfloat16 and CUDA tensors are refused with a clear error.
+int32, int64 and uint8 tensors; bfloat16 tensors are refused with a clear error.
 
 ``compressed_allreduce_hook`` is a DDP communication hook: each bucket is averaged with
 psnet's 2-bit (or 1-bit) allreduce with error feedback (lossy; the residual stays in the
@@ -56,12 +58,43 @@ def _op(reduce_op):
 def _array(t, what):
     """The NumPy array sharing a CPU tensor's memory."""
     if t.device.type != "cpu":
-        raise TypeError(f"psnet {what}: a tensor on {t.device}; the psnet backend takes CPU tensors")
+        raise TypeError(f"psnet {what}: a tensor on {t.device}; stage it with _Staged")
     if t.dtype == torch.bfloat16:
         raise TypeError(f"psnet {what}: bfloat16 tensors are not supported yet")
     if not t.is_contiguous():
         raise ValueError(f"psnet {what}: the tensor is not contiguous")
     return t.detach().numpy()
+
+
+class _Staged:
+    """A tensor as psnet's calls take it: a CPU tensor as it is; a CUDA tensor through a
+    page-locked host copy (as gloo stages CUDA tensors), copied back into the tensor when a
+    call that writes it ends. ``with _Staged(t, what, write=True) as a:`` gives the array."""
+
+    def __init__(self, t, what, write=False):
+        self.t, self.what, self.write = t, what, write
+        self.host = None
+
+    def __enter__(self):
+        if self.t.device.type == "cpu":
+            return _array(self.t, self.what)
+        if self.t.device.type != "cuda":
+            raise TypeError(f"psnet {self.what}: a tensor on {self.t.device}; the psnet backend "
+                            "takes CPU and CUDA tensors")
+        self.host = torch.empty(self.t.shape, dtype=self.t.dtype, pin_memory=True)
+        # A copy to pageable-or-pinned host memory on the current stream, which torch waits
+        # for before it returns: the values are on the host here (strided tensors too).
+        with torch.no_grad():
+            self.host.copy_(self.t)
+        return _array(self.host, self.what)
+
+    def __exit__(self, kind, value, traceback):
+        if self.host is not None and self.write and kind is None:
+            # Under no_grad: a tensor that requires grad (a parameter) is written in place
+            # as on the CPU path, where the array shares its memory.
+            with torch.no_grad():
+                self.t.copy_(self.host)
+        return False
 
 
 def _done(result):
@@ -86,7 +119,8 @@ class ProcessGroupPsnet(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         for t in tensors:
-            self._comm.allreduce(_array(t, "allreduce"), op)
+            with _Staged(t, "allreduce", write=True) as a:
+                self._comm.allreduce(a, op)
         return _done(tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -95,28 +129,29 @@ class ProcessGroupPsnet(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
-            self._comm.broadcast(_array(t, "broadcast"), root)
+            with _Staged(t, "broadcast", write=True) as a:
+                self._comm.broadcast(a, root)
         return _done(tensors)
 
     def reduce(self, tensors, opts=None):
         op, root = _op(opts.reduceOp), opts.rootRank
         for t in tensors:
-            a = _array(t, "reduce")
-            self._comm.reduce(a.copy(), a, op, root)
+            with _Staged(t, "reduce", write=True) as a:
+                self._comm.reduce(a.copy(), a, op, root)
         return _done(tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         for outs, inp in zip(output_tensors, input_tensors):
-            send = _array(inp, "allgather")
-            recv = np.empty(len(outs) * send.size, dtype=send.dtype)
-            self._comm.allgather(send.reshape(-1), recv)
+            with _Staged(inp, "allgather") as send:
+                recv = np.empty(len(outs) * send.size, dtype=send.dtype)
+                self._comm.allgather(send.reshape(-1), recv)
             for r, out in enumerate(outs):
                 out.copy_(torch.from_numpy(recv[r * send.size:(r + 1) * send.size]).view_as(out))
         return _done(output_tensors)
 
     def _allgather_base(self, output, input, opts=None):
-        self._comm.allgather(_array(input, "allgather").reshape(-1),
-                             _array(output, "allgather").reshape(-1))
+        with _Staged(input, "allgather") as send, _Staged(output, "allgather", True) as recv:
+            self._comm.allgather(send.reshape(-1), recv.reshape(-1))
         return _done([output])
 
     # torch 2.x's all_gather_into_tensor; newer torch names it all_gather_single.
@@ -125,14 +160,19 @@ class ProcessGroupPsnet(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         for out, ins in zip(output_tensors, input_tensors):
-            send = np.concatenate([_array(t, "reduce_scatter").reshape(-1) for t in ins])
-            self._comm.reduce_scatter(send, _array(out, "reduce_scatter").reshape(-1), op)
+            parts = []
+            for t in ins:
+                with _Staged(t, "reduce_scatter") as a:
+                    parts.append(a.reshape(-1).copy())
+            with _Staged(out, "reduce_scatter", write=True) as recv:
+                self._comm.reduce_scatter(np.concatenate(parts), recv.reshape(-1), op)
         return _done(output_tensors)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        self._comm.reduce_scatter(_array(input, "reduce_scatter").reshape(-1),
-                                  _array(output, "reduce_scatter").reshape(-1), op)
+        with _Staged(input, "reduce_scatter") as send, \
+                _Staged(output, "reduce_scatter", True) as recv:
+            self._comm.reduce_scatter(send.reshape(-1), recv.reshape(-1), op)
         return _done([output])
 
     # torch 2.x's reduce_scatter_tensor; newer torch names it reduce_scatter_single.
@@ -162,7 +202,7 @@ def _create(store, rank, size, timeout):
     return ProcessGroupPsnet(_psnet.Comm.join_world(rank, size, root), rank, size)
 
 
-dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
 
 
 class CompressionState:
@@ -191,11 +231,12 @@ def compressed_allreduce_hook(state, bucket):
         if residual is None or residual.size != buf.numel():
             residual = np.zeros(buf.numel(), dtype=np.float32)
             state.residuals[index] = residual
-        pg._comm.allreduce_compressed(_array(buf, "compressed allreduce").reshape(-1),
-                                      residual, state.params)
+        with _Staged(buf, "compressed allreduce", write=True) as a:
+            pg._comm.allreduce_compressed(a.reshape(-1), residual, state.params)
         buf.div_(n)
     else:
-        pg._comm.allreduce(_array(buf, "allreduce"), "avg")
+        with _Staged(buf, "allreduce", write=True) as a:
+            pg._comm.allreduce(a, "avg")
     fut = torch.futures.Future()
     fut.set_result(buf)
     return fut

@@ -125,3 +125,32 @@ def test_the_compressed_hook_trains(tmp_path):
     for name in p0.files:
         if name != "losses":
             assert p0[name].tobytes() == p1[name].tobytes(), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: CUDA tensors are not tested")
+def test_cuda_tensors_are_staged_and_written_back(tmp_path):
+    run_ranks(tmp_path, 2, _torchrun_shim + """
+import torch, torch.distributed as dist
+import psnet.torch
+dist.init_process_group("psnet")
+r, n = dist.get_rank(), dist.get_world_size()
+t = torch.full((1000,), float(r + 1), device="cuda")
+dist.all_reduce(t)
+assert t.device.type == "cuda" and t.cpu().tolist() == [3.0] * 1000, t
+b = torch.arange(6, dtype=torch.float16, device="cuda") * (r + 1); dist.broadcast(b, src=1)
+assert b.cpu().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0], b
+flat = torch.empty(2 * n, device="cuda"); dist.all_gather_into_tensor(flat, torch.full((2,), float(r), device="cuda"))
+assert flat.cpu().tolist() == [0.0, 0.0, 1.0, 1.0], flat
+out = torch.empty(2, device="cuda")
+dist.reduce_scatter_tensor(out, torch.arange(4, dtype=torch.float32, device="cuda") + r)
+assert out.cpu().tolist() == [2.0 * r * 2 + 1.0, 2.0 * r * 2 + 3.0], out
+dist.destroy_process_group()
+""", env=torchrun_env(free_port()))
+
+
+def test_a_tensor_on_another_device_is_refused():
+    import psnet.torch as pt
+    t = torch.zeros(2, device="meta")
+    with pytest.raises(TypeError, match="takes CPU and CUDA tensors"):
+        with pt._Staged(t, "allreduce"):
+            pass

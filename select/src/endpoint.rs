@@ -118,6 +118,16 @@ pub fn tcp_config_from_env(bind: SocketAddr) -> Result<TcpConfig, ConfigError> {
     config.inbox_bytes = env::PSNET_INBOX_BYTES.parse_or_default()?;
     config.inflight_bytes = env::PSNET_RECV_INFLIGHT_BYTES.parse_or_default()?;
     config.shm_ring = env::PSNET_SHM_RING.parse_or_default()?;
+    config.gpu_stage_chunk = env::PSNET_GPU_STAGE_CHUNK.parse_or_default()?;
+    if config.gpu_stage_chunk < 4096 {
+        return Err(ConfigError::Invalid {
+            name: env::PSNET_GPU_STAGE_CHUNK.name,
+            value: config.gpu_stage_chunk.to_string(),
+            reason:
+                "at least 4096 bytes: smaller chunks spend their time in the copies' fixed cost"
+                    .into(),
+        });
+    }
     config.socket_buffer = match env::PSNET_TCP_BUFFER.parse_or_default::<usize>()? {
         0 => None,
         n => Some(n),

@@ -39,8 +39,10 @@ pub struct DeviceError {
     pub reason: String,
 }
 
-/// A future of a device copy.
-pub type CopyFuture<'a> = Pin<Box<dyn Future<Output = Result<(), DeviceError>> + Send + 'a>>;
+/// A future of a device copy into a staging buffer, which it owns until the copy is done and
+/// then gives back.
+pub type CopyFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<StagingBuf, DeviceError>> + Send + 'a>>;
 
 /// A host buffer for staging device bytes (page-locked where the implementation can).
 pub type StagingBuf = Box<dyn DerefMut<Target = [u8]> + Send + Sync>;
@@ -75,9 +77,12 @@ pub trait DeviceBytes: Send + Sync + fmt::Debug {
     /// A host buffer of `len` bytes to stage through.
     fn staging(&self, len: usize) -> Result<StagingBuf, DeviceError>;
 
-    /// Copies the region's bytes `offset..offset + dst.len()` into `dst`. Completes once the
-    /// bytes are in `dst`; other work (a socket write) may run while it is pending.
-    fn copy_to_host<'a>(&'a self, offset: usize, dst: &'a mut [u8]) -> CopyFuture<'a>;
+    /// Copies the region's bytes `offset..offset + len` into `buf[..len]` and gives `buf`
+    /// back once they are there; other work (a socket write) may run while it is pending.
+    /// The future owns the buffer: an asynchronous copy can never write memory that was
+    /// freed or handed to someone else, even if the future is dropped or leaked (dropped, it
+    /// waits for the copy; leaked, the buffer is never freed).
+    fn copy_to_host(&self, offset: usize, len: usize, buf: StagingBuf) -> CopyFuture<'_>;
 }
 
 /// Bytes `offset..offset + len` of another region: a part of a device buffer sent as its own
@@ -120,19 +125,18 @@ impl DeviceBytes for DeviceSlice<'_> {
         self.whole.staging(len)
     }
 
-    fn copy_to_host<'b>(&'b self, offset: usize, dst: &'b mut [u8]) -> CopyFuture<'b> {
-        if offset.saturating_add(dst.len()) > self.len {
+    fn copy_to_host(&self, offset: usize, len: usize, buf: StagingBuf) -> CopyFuture<'_> {
+        if offset.saturating_add(len) > self.len {
             let err = DeviceError {
                 ordinal: self.ordinal(),
                 reason: format!(
-                    "copy of {} bytes at {offset} past the slice's {}",
-                    dst.len(),
+                    "copy of {len} bytes at {offset} past the slice's {}",
                     self.len
                 ),
             };
             return Box::pin(std::future::ready(Err(err)));
         }
-        self.whole.copy_to_host(self.offset + offset, dst)
+        self.whole.copy_to_host(self.offset + offset, len, buf)
     }
 }
 
@@ -155,16 +159,6 @@ impl fmt::Display for DevicePath {
             DevicePath::Staged => "staged through host buffers, pipelined in chunks",
             DevicePath::Copied => "copied to host memory, then sent",
         })
-    }
-}
-
-/// The path a device segment takes on a transport: direct only where the transport sends
-/// registered regions without a copy and the region is registered with its NIC.
-pub fn choose_path(zero_copy_registered: bool, region: &dyn DeviceBytes) -> DevicePath {
-    if zero_copy_registered && region.nic().is_some() {
-        DevicePath::Direct
-    } else {
-        DevicePath::Staged
     }
 }
 
@@ -219,83 +213,82 @@ pub async fn stream_to_sink(
     prefetch(src, chunk).await?.stream_to(sink).await
 }
 
-/// A region made ready to stream: its staging buffers taken and its first chunk copied out,
-/// so that a region that cannot be read fails before anything of it is written.
+/// A region made ready to stream: a staging buffer taken and its first chunk copied out, so
+/// that a region that cannot be read fails before anything of it is written.
 pub struct Prefetched<'a> {
     src: &'a dyn DeviceBytes,
     chunk: usize,
-    cur: Option<StagingBuf>,
-    spare: Option<StagingBuf>,
+    first: Option<StagingBuf>,
 }
 
-/// Takes `src`'s staging buffers (`chunk` bytes each) and copies its first chunk out.
+/// Takes a staging buffer of `chunk` bytes for `src` and copies its first chunk out.
 pub async fn prefetch(src: &dyn DeviceBytes, chunk: usize) -> Result<Prefetched<'_>, DeviceError> {
     let total = src.len();
     if total == 0 {
         return Ok(Prefetched {
             src,
             chunk: 0,
-            cur: None,
-            spare: None,
+            first: None,
         });
     }
     let chunk = chunk.clamp(1, total);
-    let mut cur = src.staging(chunk)?;
-    let spare = if total > chunk {
-        Some(src.staging(chunk)?)
-    } else {
-        None
-    };
-    src.copy_to_host(0, &mut cur[..chunk]).await?;
+    let buf = src.staging(chunk)?;
+    let first = src.copy_to_host(0, chunk, buf).await?;
     Ok(Prefetched {
         src,
         chunk,
-        cur: Some(cur),
-        spare,
+        first: Some(first),
     })
 }
 
 impl Prefetched<'_> {
-    /// Writes the region to `sink`, copying chunk k+1 out while chunk k is written.
+    /// Writes the region to `sink`, copying chunk k+1 out while chunk k is written (a second
+    /// staging buffer is taken here, once there is a second chunk).
     pub async fn stream_to(self, sink: &mut impl ChunkSink) -> Result<(), StreamError> {
-        let Prefetched {
-            src,
-            chunk,
-            cur,
-            mut spare,
-        } = self;
-        let Some(mut cur) = cur else {
+        let Prefetched { src, chunk, first } = self;
+        let Some(mut cur) = first else {
             return Ok(());
         };
         let total = src.len();
+        let mut spare = None;
         let (mut at, mut len) = (0, chunk);
         loop {
             let next_at = at + len;
-            let Some(next) = spare.as_mut().filter(|_| next_at < total) else {
+            if next_at >= total {
                 sink.write(&cur[..len]).await?;
                 return Ok(());
-            };
+            }
             let next_len = chunk.min(total - next_at);
+            let next = match spare.take() {
+                Some(buf) => buf,
+                None => src.staging(chunk)?,
+            };
             let (written, copied) = join(
                 sink.write(&cur[..len]),
-                src.copy_to_host(next_at, &mut next[..next_len]),
+                src.copy_to_host(next_at, next_len, next),
             )
             .await;
             written?;
-            copied?;
-            if let Some(next) = spare.as_mut() {
-                std::mem::swap(&mut cur, next);
-            }
+            spare = Some(std::mem::replace(&mut cur, copied?));
             (at, len) = (next_at, next_len);
         }
     }
 }
 
-/// All of `src` in one host vector, copied in chunks of [`DEFAULT_STAGE_CHUNK`].
+/// All of `src` in one host vector, copied through a staging buffer in chunks of
+/// [`DEFAULT_STAGE_CHUNK`].
 pub async fn copy_all(src: &dyn DeviceBytes) -> Result<Vec<u8>, DeviceError> {
-    let mut out = vec![0u8; src.len()];
-    for (i, piece) in out.chunks_mut(DEFAULT_STAGE_CHUNK).enumerate() {
-        src.copy_to_host(i * DEFAULT_STAGE_CHUNK, piece).await?;
+    let total = src.len();
+    let mut out = Vec::with_capacity(total);
+    if total == 0 {
+        return Ok(out);
+    }
+    let chunk = DEFAULT_STAGE_CHUNK.min(total);
+    let mut buf = src.staging(chunk)?;
+    while out.len() < total {
+        let n = chunk.min(total - out.len());
+        buf = src.copy_to_host(out.len(), n, buf).await?;
+        out.extend_from_slice(&buf[..n]);
     }
     Ok(out)
 }
@@ -390,19 +383,19 @@ impl DeviceBytes for SimulatedDevice {
         Ok(Box::new(vec![0u8; len]))
     }
 
-    fn copy_to_host<'a>(&'a self, offset: usize, dst: &'a mut [u8]) -> CopyFuture<'a> {
+    fn copy_to_host(&self, offset: usize, len: usize, mut buf: StagingBuf) -> CopyFuture<'_> {
         Box::pin(async move {
             yield_once().await;
             self.copies.fetch_add(1, Ordering::Relaxed);
             let end = offset
-                .checked_add(dst.len())
-                .filter(|&e| e <= self.bytes.len())
+                .checked_add(len)
+                .filter(|&e| e <= self.bytes.len() && len <= buf.len())
                 .ok_or_else(|| DeviceError {
                     ordinal: self.ordinal,
                     reason: format!(
-                        "copy of {} bytes at {offset} past the region's {}",
-                        dst.len(),
-                        self.bytes.len()
+                        "copy of {len} bytes at {offset} past the region's {} (or the buffer's {})",
+                        self.bytes.len(),
+                        buf.len()
                     ),
                 })?;
             if self.fail_from.is_some_and(|f| end > f) {
@@ -411,8 +404,8 @@ impl DeviceBytes for SimulatedDevice {
                     reason: format!("injected copy failure at byte {offset}"),
                 });
             }
-            dst.copy_from_slice(&self.bytes[offset..end]);
-            Ok(())
+            buf[..len].copy_from_slice(&self.bytes[offset..end]);
+            Ok(buf)
         })
     }
 }

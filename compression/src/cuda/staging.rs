@@ -27,8 +27,11 @@ use psnet_transport::device::{CopyFuture, DeviceBytes, DeviceError, NicRegion, S
 use super::{context, guarded, pinned_zeroed};
 use crate::error::CompressionError;
 
-/// Staging buffers kept for reuse, at most this many.
+/// Staging buffers kept for reuse, at most this many (the largest are kept).
 const POOL_MAX: usize = 4;
+
+/// The smallest staging buffer allocated.
+const MIN_STAGING: usize = 64 << 10;
 
 /// Copies device memory out for transports: a stream of its own and page-locked buffers
 /// kept between messages, on one device.
@@ -85,12 +88,19 @@ impl CudaStager {
     fn take_staging(&self, len: usize) -> Result<Staging, DeviceError> {
         let pooled = {
             let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
-            let at = pool.iter().position(|b| b.len() >= len);
+            // The smallest that fits: the large ones stay for large messages.
+            let at = (0..pool.len())
+                .filter(|&i| pool[i].len() >= len)
+                .min_by_key(|&i| pool[i].len());
             at.map(|i| pool.swap_remove(i))
         };
         let mut buf = match pooled {
             Some(buf) => buf,
-            None => pinned_zeroed::<u8>(&self.ctx, len).map_err(|e| self.error(e))?,
+            None => {
+                // Whole powers of two from 64 KiB: a pool of few sizes serves every message.
+                let size = len.max(MIN_STAGING).next_power_of_two();
+                pinned_zeroed::<u8>(&self.ctx, size).map_err(|e| self.error(e))?
+            }
         };
         let ptr = guarded("pinned host memory", || buf.as_mut_ptr()).map_err(|e| self.error(e))?;
         Ok(Staging {
@@ -132,20 +142,32 @@ impl std::fmt::Debug for CudaBytes<'_> {
 }
 
 impl CudaBytes<'_> {
-    /// The same, registered with the NIC as `nic` (an RDMA transport then lets the NIC read
-    /// it in place). `nic` must cover this view's memory.
-    pub fn with_nic(mut self, nic: NicRegion) -> Self {
-        self.nic = Some(nic);
-        self
+    /// The same, inside a region registered with the NIC: `nic` names the registration and
+    /// its first byte, `region_len` its length (`VerbsTransport::nic_region` and the region's
+    /// length). An RDMA transport then lets the NIC read this view in place. The NIC does not
+    /// follow CUDA streams, so this waits for the work queued before on the stager's stream
+    /// (which waits for the view's tracked writes). An error if the view leaves the region.
+    pub fn with_nic(mut self, nic: NicRegion, region_len: usize) -> Result<Self, DeviceError> {
+        let start = self.ptr;
+        let inside = start >= nic.addr
+            && (start - nic.addr)
+                .checked_add(self.len as u64)
+                .is_some_and(|end| end <= region_len as u64);
+        if !inside {
+            return Err(self.stager.error(format!(
+                "the view at {start:#x} ({} bytes) is not inside the registered region at {:#x} ({region_len} bytes)",
+                self.len, nic.addr
+            )));
+        }
+        guarded("synchronize", || self.stager.stream.synchronize())
+            .map_err(|e| self.stager.error(e))?;
+        self.nic = Some(NicRegion {
+            key: nic.key,
+            addr: start,
+        });
+        Ok(self)
     }
 }
-
-// SAFETY: the struct holds a device address (a number), a shared reference to the stager and
-// cudarc's read marker, which only records an event on the stager's stream when dropped;
-// cudarc's streams and events are usable from any thread (the context is bound per call).
-unsafe impl Send for CudaBytes<'_> {}
-// SAFETY: as above; no method mutates the struct through a shared reference.
-unsafe impl Sync for CudaBytes<'_> {}
 
 impl DeviceBytes for CudaBytes<'_> {
     fn len(&self) -> usize {
@@ -164,69 +186,78 @@ impl DeviceBytes for CudaBytes<'_> {
         Ok(Box::new(self.stager.take_staging(len)?))
     }
 
-    fn copy_to_host<'b>(&'b self, offset: usize, dst: &'b mut [u8]) -> CopyFuture<'b> {
+    fn copy_to_host(&self, offset: usize, len: usize, buf: StagingBuf) -> CopyFuture<'_> {
         Box::pin(CopyOut {
             bytes: self,
             offset,
-            dst,
+            len,
+            buf: Some(buf),
             event: None,
         })
     }
 }
 
-/// One copy out of the device: queued on first poll, done when its event fires. Dropped while
-/// in flight, it waits for the copy (the destination is borrowed only as long as it lives).
+/// One copy out of the device into a buffer it owns: queued on first poll, done when its
+/// event fires, then the buffer is given back. Dropped while in flight, it waits for the copy
+/// before the buffer goes; leaked, the buffer is never freed. Either way the device never
+/// writes memory that someone else owns.
 struct CopyOut<'b> {
     bytes: &'b CudaBytes<'b>,
     offset: usize,
-    dst: &'b mut [u8],
+    len: usize,
+    buf: Option<StagingBuf>,
     event: Option<CudaEvent>,
 }
-
-// SAFETY: the event is only queried or waited on; cudarc's events are usable from any thread.
-unsafe impl Send for CopyOut<'_> {}
 
 impl CopyOut<'_> {
     fn start(&mut self) -> Result<(), DeviceError> {
         let bytes = self.bytes;
         let stager = bytes.stager;
-        let end = self
-            .offset
-            .checked_add(self.dst.len())
-            .filter(|&e| e <= bytes.len)
-            .ok_or_else(|| {
-                stager.error(format!(
-                    "copy of {} bytes at {} past the region's {}",
-                    self.dst.len(),
-                    self.offset,
-                    bytes.len
-                ))
-            })?;
-        debug_assert!(end <= bytes.len);
+        let (offset, len) = (self.offset, self.len);
+        let Some(buf) = self.buf.as_mut() else {
+            return Err(stager.error("copy polled after it completed"));
+        };
+        if offset.checked_add(len).is_none_or(|end| end > bytes.len) || len > buf.len() {
+            return Err(stager.error(format!(
+                "copy of {len} bytes at {offset} past the region's {} (or the buffer's {})",
+                bytes.len,
+                buf.len()
+            )));
+        }
         guarded("binding the context", || stager.ctx.bind_to_thread())
             .map_err(|e| stager.error(e))?;
-        let src = bytes.ptr + self.offset as u64;
+        let src = bytes.ptr + offset as u64;
         let stream = stager.stream.cu_stream();
-        // SAFETY: `src..src + dst.len()` lies inside the view (checked above), which stays
-        // allocated while `CudaBytes` borrows it; `dst` stays borrowed by this future, whose
-        // drop waits for the copy, so the device never writes freed host memory.
+        let dst = &mut buf[..len];
+        // SAFETY: `src..src + len` lies inside the view (checked above), which stays allocated
+        // while `CudaBytes` borrows it. `dst` is inside the buffer this future owns: it is not
+        // freed or handed out before the copy ends (`Drop` waits for it; a leaked future
+        // never frees it).
         guarded("copy to host", || unsafe {
-            result::memcpy_dtoh_async(self.dst, src, stream)
+            result::memcpy_dtoh_async(dst, src, stream)
         })
         .map_err(|e| stager.error(e))?;
-        let event = guarded("recording an event", || stager.stream.record_event(None))
-            .map_err(|e| stager.error(e))?;
-        self.event = Some(event);
-        Ok(())
+        match guarded("recording an event", || stager.stream.record_event(None)) {
+            Ok(event) => {
+                self.event = Some(event);
+                Ok(())
+            }
+            Err(e) => {
+                // No event to wait on: wait for the stream before the buffer can go.
+                let _ = stager.stream.synchronize();
+                Err(stager.error(e))
+            }
+        }
     }
 }
 
 impl Future for CopyOut<'_> {
-    type Output = Result<(), DeviceError>;
+    type Output = Result<StagingBuf, DeviceError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
-        if self.dst.is_empty() {
-            return Poll::Ready(Ok(()));
+        if self.len == 0 {
+            let stager = self.bytes.stager;
+            return Poll::Ready(self.buf.take().ok_or_else(|| stager.error("polled again")));
         }
         if self.event.is_none() {
             if let Err(e) = self.start() {
@@ -240,13 +271,16 @@ impl Future for CopyOut<'_> {
         match unsafe { result::event::query(event.cu_event()) } {
             Ok(()) => {
                 self.event = None;
-                Poll::Ready(Ok(()))
+                let stager = self.bytes.stager;
+                Poll::Ready(self.buf.take().ok_or_else(|| stager.error("polled again")))
             }
             Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_READY => {
                 cx.waker().wake_by_ref();
                 Poll::Pending
             }
             Err(e) => {
+                // The copy failed; wait for the stream before the buffer can go.
+                let _ = event.synchronize();
                 self.event = None;
                 Poll::Ready(Err(self.bytes.stager.error(format!("copy to host: {e}"))))
             }
@@ -257,7 +291,7 @@ impl Future for CopyOut<'_> {
 impl Drop for CopyOut<'_> {
     fn drop(&mut self) {
         if let Some(event) = self.event.take() {
-            // The copy may still write `dst`: wait for it before the borrow ends.
+            // The copy may still write the buffer: wait for it before the buffer goes.
             let _ = event.synchronize();
         }
     }
@@ -299,6 +333,10 @@ impl Drop for Staging {
             let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
             if pool.len() < POOL_MAX {
                 pool.push(buf);
+            } else if let Some(smallest) = (0..pool.len()).min_by_key(|&i| pool[i].len()) {
+                if pool[smallest].len() < buf.len() {
+                    pool[smallest] = buf;
+                }
             }
         }
     }

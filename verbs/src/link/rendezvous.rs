@@ -3,7 +3,7 @@
 //! IMMEDIATE. A message that fits an offered buffer takes the direct path instead
 //! (`direct.rs`); both share the writes posted here.
 
-use psnet_transport::{OutMessage, Segment, TransportError};
+use psnet_transport::{DeviceError, OutMessage, Segment, TransportError};
 use smallvec::SmallVec;
 use tokio::sync::oneshot;
 
@@ -50,7 +50,15 @@ impl Link {
             if let Some(device) = seg.device_bytes() {
                 // Only segments the NIC reads in place get here (`device_send.rs`).
                 let (Some(lkey), Some(nic)) = (direct_lkey(seg, registrar), device.nic()) else {
-                    return Err(lost(peer, "a device segment without a NIC registration"));
+                    return Err(TransportError::Device {
+                        peer,
+                        source: DeviceError {
+                            ordinal: device.ordinal(),
+                            reason: "device memory without this NIC's registration reached \
+                                     the zero-copy path"
+                                .into(),
+                        },
+                    });
                 };
                 push_split(seg.len(), |at, n| {
                     gather.push_device(nic.addr + at as u64, n, lkey)

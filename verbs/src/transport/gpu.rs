@@ -12,10 +12,10 @@ impl VerbsTransport {
 }
 
 impl VerbsTransport {
-    /// Where this transport's NIC reads `region` in place, for a device segment
-    /// (`psnet_transport::device`): a region registered by a direct path (dma-buf or
-    /// nvidia-peermem) is sent zero-copy; None on the staged path, whose registration covers
-    /// a host buffer, not the GPU memory.
+    /// Where this transport's NIC reads `region` in place, for device segments
+    /// (`psnet_transport::device`): the registration's key and the region's first byte. A
+    /// segment of the region's memory that carries it is sent zero-copy. None on the staged
+    /// path, whose registration covers a host buffer, not the GPU memory.
     pub fn nic_region(&self, region: &GpuRegion) -> Option<psnet_transport::device::NicRegion> {
         region.path().is_direct().then(|| {
             let tag = u64::from(self.inner.registrar.tag);
