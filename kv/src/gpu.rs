@@ -73,6 +73,18 @@ struct Staged {
     parts: Vec<(usize, PreparedPart)>,
 }
 
+/// An error unless a pushpull's output has its input's length.
+fn same_len(key: u64, values: usize, out: usize) -> Result<(), KvError> {
+    if out != values {
+        return Err(KvError::SizeMismatch {
+            key,
+            expected: values,
+            got: out,
+        });
+    }
+    Ok(())
+}
+
 fn gpu_err(e: CompressionError) -> KvError {
     KvError::Gpu(e)
 }
@@ -153,13 +165,7 @@ impl<'w, T: Transport> GpuKv<'w, T> {
         values: &CudaView<'_, f32>,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), KvError> {
-        if out.len() != values.len() {
-            return Err(KvError::SizeMismatch {
-                key,
-                expected: values.len(),
-                got: out.len(),
-            });
-        }
+        same_len(key, values.len(), out.len())?;
         let mut staging = self.take_staging(key, out.len())?;
         let result = async {
             match self.stage(key, values, true, &mut staging)? {

@@ -7,13 +7,12 @@
 
 mod common;
 
-use common::next_message;
+use common::{next_message, pair};
 
 use std::time::Duration;
 
 use psnet_transport::device::{NicRegion, SimulatedDevice};
-use psnet_transport::{NodeId, OutMessage, Segment, Transport};
-use psnet_verbs::VerbsTransport;
+use psnet_transport::{OutMessage, Segment, Transport};
 
 const CASE_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -23,28 +22,9 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
-async fn pair() -> Option<(VerbsTransport, VerbsTransport)> {
-    let factory = common::VerbsFactory::from_env();
-    if let Some(why) = psnet_transport::conformance::TransportFactory::skip_reason(&factory) {
-        eprintln!("SKIPPED: {why}");
-        return None;
-    }
-    let config = factory.config();
-    let a = VerbsTransport::bind(NodeId(1), config.clone())
-        .await
-        .expect("endpoint 1");
-    let b = VerbsTransport::bind(NodeId(2), config)
-        .await
-        .expect("endpoint 2");
-    a.connect(b.local_id(), b.listen_addr())
-        .await
-        .expect("connect");
-    Some((a, b))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registered_device_memory_is_read_in_place() {
-    let Some((a, b)) = pair().await else {
+    let Some((a, b)) = pair(0).await else {
         return;
     };
     tokio::time::timeout(CASE_TIMEOUT, async {

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::next_message;
+use common::{next_message, pair};
 
 use std::time::Duration;
 
@@ -19,27 +19,6 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u64).wrapping_mul(131).wrapping_add(seed) as u8)
         .collect()
-}
-
-/// Two connected endpoints with `offer_bytes` of offers each; `None` where no device exists.
-async fn pair(offer_bytes: u64) -> Option<(VerbsTransport, VerbsTransport)> {
-    let factory = common::VerbsFactory::from_env();
-    if let Some(why) = psnet_transport::conformance::TransportFactory::skip_reason(&factory) {
-        eprintln!("SKIPPED: {why}");
-        return None;
-    }
-    let mut config = factory.config();
-    config.offer_bytes = offer_bytes;
-    let a = VerbsTransport::bind(NodeId(1), config.clone())
-        .await
-        .expect("endpoint 1");
-    let b = VerbsTransport::bind(NodeId(2), config)
-        .await
-        .expect("endpoint 2");
-    a.connect(b.local_id(), b.listen_addr())
-        .await
-        .expect("connect");
-    Some((a, b))
 }
 
 /// Sends message `seq`: 8 bytes of metadata (the seq) and the given segments.

@@ -10,7 +10,7 @@ use psnet_compression::cuda::cudarc::driver::{
 use psnet_compression::cuda::{guarded, pinned_zeroed};
 use psnet_transport::Transport;
 
-use super::{gpu_err, GpuKv};
+use super::{gpu_err, same_len, GpuKv};
 use crate::error::KvError;
 use crate::value::{bf16, f16, Value};
 
@@ -63,13 +63,7 @@ impl<T: Transport> GpuKv<'_, T> {
         values: &CudaView<'_, H>,
         out: &mut CudaViewMut<'_, H>,
     ) -> Result<(), KvError> {
-        if out.len() != values.len() {
-            return Err(KvError::SizeMismatch {
-                key,
-                expected: values.len(),
-                got: out.len(),
-            });
-        }
+        same_len(key, values.len(), out.len())?;
         let mut pinned = self.take_half_staging(key, out.len() * std::mem::size_of::<H>())?;
         let result = async {
             let host = halves::<H>(&mut pinned)?;

@@ -74,6 +74,29 @@ impl TransportFactory for VerbsFactory {
     }
 }
 
+/// Two connected endpoints on the device with `offer_bytes` of offers each; `None` (after
+/// printing SKIPPED and why) where no device exists.
+#[allow(dead_code)]
+pub async fn pair(offer_bytes: u64) -> Option<(VerbsTransport, VerbsTransport)> {
+    let factory = VerbsFactory::from_env();
+    if let Some(why) = factory.skip_reason() {
+        eprintln!("SKIPPED: {why}");
+        return None;
+    }
+    let mut config = factory.config();
+    config.offer_bytes = offer_bytes;
+    let a = VerbsTransport::bind(NodeId(1), config.clone())
+        .await
+        .expect("endpoint 1");
+    let b = VerbsTransport::bind(NodeId(2), config)
+        .await
+        .expect("endpoint 2");
+    a.connect(b.local_id(), b.listen_addr())
+        .await
+        .expect("connect");
+    Some((a, b))
+}
+
 /// The next message `t` receives, skipping connection events; a lost peer fails the test.
 #[allow(dead_code)]
 pub async fn next_message(t: &VerbsTransport) -> Incoming {
