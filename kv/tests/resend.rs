@@ -35,10 +35,13 @@ const HEARTBEATS: Option<(Duration, Duration)> =
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_dropped_mid_round_counts_the_push_exactly_once() {
-    // Acknowledgements wait a quarter of the timeout (1 s) for a message to ride on, so the
-    // push below is still unacknowledged when its connection is dropped. No heartbeats: the
-    // push is worker 1's only message meanwhile.
-    let c = cluster(1, 2, 1_000_000, Duration::from_secs(4), None).await;
+    // Acknowledgements wait a quarter of the timeout (2.5 s) for a message to ride on, so the
+    // push below is still unacknowledged when its connection is dropped. With 4 s, a CI run
+    // under full load resent an earlier message on its timeout before the drop; the duplicate
+    // made the server acknowledge at once, the push included, and nothing was left to resend.
+    // No heartbeats: the push is worker 1's only message meanwhile. (The test takes about one
+    // timeout: the answer to the push comes back on the server's resend.)
+    let c = cluster(1, 2, 1_000_000, Duration::from_secs(10), None).await;
     for w in &c.workers {
         assert!(w.debug_resend_stats().is_some(), "PS_RESEND is on");
     }
