@@ -171,6 +171,10 @@ crate::declare_env_vars! {
         "TCP congestion control: auto (connections between processes of one host use cubic, or reno where cubic is not allowed: pacing algorithms such as BBR reorder loopback traffic and retransmit what was never lost; connections to other hosts keep the system's), system (the system's everywhere), or an algorithm's name for every connection (one the kernel refuses fails the connection, naming it).";
     PSNET_SHM_RING = "PSNET_SHM_RING", "67108864",
         "Bytes of shared memory (a sealed anonymous memory file, passed by descriptor) a node offers a peer on the same host, per direction, for large messages; 0: only sockets.";
+    PSNET_SHM_QUEUE = "PSNET_SHM_QUEUE", "1048576",
+        "Bytes of the shared-memory message queue a node offers a peer on the same host when they connect, per direction (a power of two from 4096 to 67108864): every message then goes through it, small ones copied in whole, large ones as descriptors of the ring, so none waits for the kernel's TCP stack; 0, or PSNET_SHM_RING=0: none.";
+    PSNET_SHM_SPIN_US = "PSNET_SHM_SPIN_US", "50",
+        "Microseconds a connection's reader polls the shared-memory queue after its last message before it sleeps on an eventfd (the sender wakes it).";
     PSNET_GPU_STAGE_CHUNK = "PSNET_GPU_STAGE_CHUNK", "1048576",
         "TCP: bytes per chunk when device (GPU) memory in a message is staged through page-locked host buffers; two chunks are in flight, one crossing PCIe while the other is written (at least 4096).";
     PSNET_INBOX_BYTES = "PSNET_INBOX_BYTES", "268435456",

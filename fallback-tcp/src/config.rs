@@ -34,6 +34,12 @@ pub struct TcpConfig {
     /// Bytes of the shared-memory ring offered to a peer on this host, per direction, once
     /// the first large message goes to it (0: never; the socket carries everything).
     pub shm_ring: usize,
+    /// Bytes of the shared-memory message queue offered to a peer on this host when the
+    /// connection opens, per direction (a power of two from 4096 to 64 MiB; 0, or `shm_ring`
+    /// 0: none). Once the peer maps it, every message goes through it.
+    pub shm_queue: usize,
+    /// How long a reader polls the queue after its last message before it sleeps.
+    pub shm_spin: Duration,
     /// Bytes per chunk when device memory in a message is staged through host buffers
     /// (`PSNET_GPU_STAGE_CHUNK`).
     pub gpu_stage_chunk: usize,
@@ -62,6 +68,8 @@ impl TcpConfig {
             socket_buffer: None,
             congestion: Congestion::Auto,
             shm_ring: crate::shm::DEFAULT_RING,
+            shm_queue: crate::shm::queue::DEFAULT_QUEUE,
+            shm_spin: Duration::from_micros(50),
             gpu_stage_chunk: psnet_transport::device::DEFAULT_STAGE_CHUNK,
             data_path: DataPath::Tcp,
             secret: None,

@@ -13,6 +13,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::task::AbortHandle;
 
+use crate::shm::queue::SendQueue;
 use crate::shm::{Control, SendRing};
 
 /// Most buffers one `writev` takes (Linux's IOV_MAX).
@@ -23,7 +24,7 @@ pub(crate) struct Conn {
     /// Whether this side dialled (the simultaneous-connect rule needs to know).
     pub(crate) dialed_by_us: bool,
     /// Tokio's mutex is FIFO, so concurrent senders are served in arrival order.
-    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    pub(crate) writer: tokio::sync::Mutex<Writer>,
     /// A duplicate of the socket, to shut it down from synchronous code while a send may hold
     /// the writer.
     control_socket: std::net::TcpStream,
@@ -34,6 +35,8 @@ pub(crate) struct Conn {
     /// Whether the peer is on this host (loopback, or our own address).
     same_host: bool,
     ring_offered: AtomicBool,
+    /// This side's message queue to the peer, once offered.
+    send_queue: Mutex<Option<Arc<SendQueue>>>,
     /// Frames the control task writes (ring offers and answers, released regions).
     pub(crate) control: Arc<Control>,
     control_task: Mutex<Option<AbortHandle>>,
@@ -50,13 +53,18 @@ impl Conn {
         Conn {
             peer,
             dialed_by_us,
-            writer: tokio::sync::Mutex::new(writer),
+            writer: tokio::sync::Mutex::new(Writer {
+                half: writer,
+                socket_data: 0,
+                queue: None,
+            }),
             control_socket,
             broken: AtomicBool::new(false),
             reader: Mutex::new(None),
             send_ring: Mutex::new(None),
             same_host,
             ring_offered: AtomicBool::new(false),
+            send_queue: Mutex::new(None),
             control: Arc::new(Control::default()),
             control_task: Mutex::new(None),
         }
@@ -104,6 +112,41 @@ impl Conn {
         }
     }
 
+    /// Offers the peer on this host a message queue of `size` bytes of records, when the
+    /// connection opens.
+    pub(crate) fn offer_queue(&self, size: usize) {
+        if size == 0 || !self.same_host {
+            return;
+        }
+        match SendQueue::create(size) {
+            Ok(queue) => {
+                self.control
+                    .push(FrameKind::QueueOffer, queue.offer().to_vec());
+                *self.send_queue.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(queue));
+            }
+            Err(e) => tracing::debug!(peer = %self.peer, error = %e, "no shared-memory queue"),
+        }
+    }
+
+    /// The peer's answer to our queue offer.
+    pub(crate) fn queue_answer(&self, accepted: bool) {
+        let mut slot = self.send_queue.lock().unwrap_or_else(|p| p.into_inner());
+        match (accepted, slot.as_ref()) {
+            (true, Some(queue)) => queue.activate(),
+            _ => *slot = None,
+        }
+    }
+
+    /// The queue, once the peer has mapped it.
+    pub(crate) fn active_queue(&self) -> Option<Arc<SendQueue>> {
+        self.send_queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .filter(|q| q.is_active())
+            .cloned()
+    }
+
     /// The peer released regions of our ring; false if it named one we never handed out.
     pub(crate) fn ring_free(&self, regions: &[(usize, usize)]) -> bool {
         let slot = self.send_ring.lock().unwrap_or_else(|p| p.into_inner());
@@ -115,12 +158,23 @@ impl Conn {
 
     /// Writes one control frame (the control task's only job).
     pub(crate) async fn write_control(&self, kind: FrameKind, body: &[u8]) -> io::Result<()> {
+        let mut writer = self.writer.lock().await;
+        self.write_control_locked(&mut writer, kind, body).await
+    }
+
+    /// `write_control` with the writer already held.
+    pub(crate) async fn write_control_locked(
+        &self,
+        writer: &mut Writer,
+        kind: FrameKind,
+        body: &[u8],
+    ) -> io::Result<()> {
         let msg = OutMessage::new(body, &[]);
         let header = FrameHeader::for_message(kind, &msg, &Limits::default())
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
         let mut head = HeaderBuf::new();
         header.encode_into(&mut head);
-        self.write_frame(&head, body, &[]).await
+        self.write_frame_locked(writer, &head, body, &[]).await
     }
 
     pub(crate) fn is_broken(&self) -> bool {
@@ -150,9 +204,10 @@ impl Conn {
     }
 
     /// Writes one frame (header, metadata, segments) with vectored writes straight from the
-    /// caller's buffers.
-    pub(crate) async fn write_frame(
+    /// caller's buffers; the caller holds the writer.
+    pub(crate) async fn write_frame_locked(
         &self,
+        writer: &mut Writer,
         header: &HeaderBuf,
         meta: &[u8],
         segments: &[Segment<'_>],
@@ -173,7 +228,6 @@ impl Conn {
             };
             slices.push(IoSlice::new(bytes));
         }
-        let mut writer = self.writer.lock().await;
         if self.is_broken() {
             return Err(io::Error::new(
                 io::ErrorKind::BrokenPipe,
@@ -188,7 +242,7 @@ impl Conn {
         let mut rest: &mut [IoSlice<'_>] = &mut slices;
         while !rest.is_empty() {
             let batch = rest.len().min(IOV_MAX);
-            let n = match writer.write_vectored(&rest[..batch]).await {
+            let n = match writer.half.write_vectored(&rest[..batch]).await {
                 Ok(0) => Err(io::Error::new(
                     io::ErrorKind::WriteZero,
                     "socket wrote 0 bytes",
@@ -211,14 +265,17 @@ impl Conn {
     /// first chunk is copied before the frame starts, so a region that cannot be read fails
     /// with the connection intact; a device error after the frame has started closes the
     /// connection (the frame cannot be finished).
+    /// `before_header` runs once every first chunk is copied, just before the frame starts
+    /// (the queue's marker for the frame goes there).
     pub(crate) async fn write_frame_staged(
         &self,
+        writer: &mut Writer,
         header: &HeaderBuf,
         meta: &[u8],
         segments: &[Segment<'_>],
         chunk: usize,
+        before_header: impl AsyncFnOnce() -> io::Result<()>,
     ) -> Result<(), StreamError> {
-        let mut writer = self.writer.lock().await;
         if self.is_broken() {
             return Err(io::Error::new(io::ErrorKind::BrokenPipe, "connection closed").into());
         }
@@ -229,8 +286,9 @@ impl Conn {
             ready.push(prefetch(device, chunk).await?);
         }
         let mut ready = ready.into_iter();
+        before_header().await?;
         let mut sink = SocketSink {
-            writer: &mut writer,
+            writer: &mut writer.half,
             guard: PartialWriteGuard {
                 conn: self,
                 started: false,
@@ -286,4 +344,14 @@ impl Drop for PartialWriteGuard<'_> {
             self.conn.close();
         }
     }
+}
+
+/// The socket's write half and what the send path keeps with it.
+pub(crate) struct Writer {
+    pub(crate) half: OwnedWriteHalf,
+    /// Data frames (`Data`, `ShmData`) written to the socket so far: the queue's first record
+    /// tells the receiver how many of them came before it.
+    pub(crate) socket_data: u64,
+    /// The message queue, once this side has started using it (written its first record).
+    pub(crate) queue: Option<Arc<SendQueue>>,
 }

@@ -20,17 +20,20 @@
 //! flight, resets them periodically and delays sends, on real sockets.
 #![deny(missing_docs)]
 
+mod buffers;
 mod config;
 mod conn;
 mod faults;
 mod handshake;
 mod inbox;
 mod peers;
+mod queued;
 mod reader;
+mod send;
 mod shm;
 mod socket;
 mod transport;
 
 pub use config::{Congestion, TcpConfig};
 pub use faults::{FaultCounts, FaultSpec};
-pub use transport::TcpTransport;
+pub use transport::{SendPaths, TcpTransport};

@@ -1,8 +1,8 @@
 //! The task that reads one connection's frames and queues them for `recv`.
 
-use std::collections::VecDeque;
 use std::io;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use psnet_transport::codec::FrameHeader;
@@ -10,8 +10,11 @@ use psnet_transport::{FrameKind, Incoming, Limits};
 use tokio::io::AsyncReadExt;
 use tokio::net::tcp::OwnedReadHalf;
 
+use crate::buffers::LargeBuffers;
 use crate::conn::Conn;
 use crate::inbox::Inbox;
+use crate::queued::{QueueEnd, QueueLink};
+use crate::shm::queue::RecvQueue;
 use crate::shm::{self, RecvRing};
 
 /// Reads are at least this large, so small messages cost about one syscall per batch.
@@ -22,54 +25,6 @@ const MIN_READ: usize = 64 << 10;
 /// buffer while earlier messages still share it, each made it allocate afresh (a 4-rank ring
 /// allreduce of 256 KiB, 64 KiB messages, took twice as long).
 const LARGE_BODY: usize = 32 << 10;
-/// Large buffers kept per connection, at most. A collective sends a buffer as many messages
-/// at once (a 16 MiB allreduce on 2 ranks: 16 of 1 MiB, all received before the first is
-/// applied); with only 4 kept, most came from fresh allocations (135,000 page faults in a
-/// 2-rank 1-16 MiB sweep, 34,000 with 32 kept; 16 MiB busbw 1.38-1.57 GB/s before,
-/// 1.62-2.08 after).
-const LARGE_POOL: usize = 32;
-/// Bytes of buffers kept per connection, at most: a node with many peers holds at most this
-/// much per peer for reuse.
-const LARGE_POOL_BYTES: usize = 32 << 20;
-
-/// Recycled buffers for large bodies. Each entry owns an allocation that a delivered message
-/// may still share; it is reused only when that message is gone.
-#[derive(Default)]
-struct LargeBuffers {
-    /// Each buffer with the size of its allocation (what is left after a message was split
-    /// off says nothing of it).
-    pool: VecDeque<(BytesMut, usize)>,
-    /// The allocations' sizes in `pool`, added up.
-    bytes: usize,
-}
-
-impl LargeBuffers {
-    /// An empty buffer with room for `len` bytes, and the size of its allocation.
-    fn take(&mut self, len: usize) -> (BytesMut, usize) {
-        match self.pool.iter_mut().position(|(b, _)| b.try_reclaim(len)) {
-            Some(i) => {
-                let (buf, size) = self.pool.remove(i).expect("index from position");
-                self.bytes -= size;
-                (buf, size)
-            }
-            None => (BytesMut::with_capacity(len), len),
-        }
-    }
-
-    /// Keeps `buf` (whose contents were split off), an allocation of `size` bytes, for
-    /// reuse, dropping the oldest buffers beyond the pool's bounds.
-    fn give_back(&mut self, buf: BytesMut, size: usize) {
-        self.bytes += size;
-        self.pool.push_back((buf, size));
-        while self.pool.len() > LARGE_POOL || self.bytes > LARGE_POOL_BYTES {
-            match self.pool.pop_front() {
-                Some((_, old)) => self.bytes -= old,
-                None => break,
-            }
-        }
-    }
-}
-
 /// Why a connection's reader stopped.
 pub(crate) enum ReadEnd {
     /// The peer closed the connection between frames.
@@ -83,13 +38,35 @@ pub(crate) enum ReadEnd {
 }
 
 /// Reads frames until the connection ends. `buf` holds bytes already read by the handshake.
+/// Once the peer's same-host queue is mapped, its messages are delivered too, and everything
+/// it held is delivered before the end is reported.
 pub(crate) async fn read_loop(
+    read: OwnedReadHalf,
+    buf: BytesMut,
+    conn: Arc<Conn>,
+    inbox: &Arc<Inbox>,
+    limits: Limits,
+    inflight: &Inflight,
+    spin: Duration,
+) -> ReadEnd {
+    let mut link = QueueLink::default();
+    let end = read_frames(read, buf, conn, inbox, limits, inflight, spin, &mut link).await;
+    match link.finish().await {
+        Some(QueueEnd::Refused(why)) => ReadEnd::Refused(why),
+        _ => end,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn read_frames(
     mut read: OwnedReadHalf,
     mut buf: BytesMut,
     conn: Arc<Conn>,
-    inbox: &Inbox,
+    inbox: &Arc<Inbox>,
     limits: Limits,
     inflight: &Inflight,
+    spin: Duration,
+    link: &mut QueueLink,
 ) -> ReadEnd {
     let mut large = LargeBuffers::default();
     // The peer's shared-memory ring, once it offered one.
@@ -112,6 +89,10 @@ pub(crate) async fn read_loop(
             }
         };
         buf.advance(header_len);
+        let is_data = matches!(header.kind, FrameKind::Data | FrameKind::ShmData);
+        if is_data && link.is_started() && !link.wait_wanted().await {
+            return ReadEnd::Shutdown;
+        }
         // The header was checked against the limits, so this allocation is bounded.
         let body_len = usize::try_from(header.body_len()).unwrap_or(usize::MAX);
         let body = if body_len >= LARGE_BODY && buf.len() < body_len {
@@ -157,13 +138,37 @@ pub(crate) async fn read_loop(
             FrameKind::ShmOffer => {
                 match RecvRing::fetch(&frame.meta).await {
                     Ok(r) => {
-                        ring = Some(Arc::new(r));
+                        let r = Arc::new(r);
+                        // Before the answer: the queue's ring records follow the acceptance.
+                        let _ = link.ring.set(r.clone());
+                        ring = Some(r);
                         conn.control.push(FrameKind::ShmAccept, Vec::new());
                     }
                     Err(e) => conn
                         .control
                         .push(FrameKind::ShmReject, e.to_string().into_bytes()),
                 }
+                continue;
+            }
+            FrameKind::QueueOffer => {
+                match RecvQueue::fetch(&frame.meta).await {
+                    Ok(queue) if !link.is_started() => {
+                        link.start(queue, conn.clone(), inbox.clone(), limits, spin);
+                        conn.control.push(FrameKind::QueueAccept, Vec::new());
+                    }
+                    Ok(_) => conn
+                        .control
+                        .push(FrameKind::QueueReject, b"a second queue".to_vec()),
+                    Err(e) => {
+                        tracing::debug!(peer = %conn.peer, error = %e, "declined a shared-memory queue");
+                        conn.control
+                            .push(FrameKind::QueueReject, e.to_string().into_bytes())
+                    }
+                }
+                continue;
+            }
+            FrameKind::QueueAccept | FrameKind::QueueReject => {
+                conn.queue_answer(frame.kind == FrameKind::QueueAccept);
                 continue;
             }
             FrameKind::ShmAccept | FrameKind::ShmReject => {
@@ -201,8 +206,16 @@ pub(crate) async fn read_loop(
             segments,
         };
         tracing::trace!(peer = %conn.peer, bytes = body_len, "received message");
-        if !inbox.push_message(msg).await {
-            return ReadEnd::Shutdown;
+        if link.is_started() {
+            // In the order the queue's markers give.
+            if !link.forward(msg) {
+                return ReadEnd::Shutdown;
+            }
+        } else {
+            if !inbox.push_message(msg).await {
+                return ReadEnd::Shutdown;
+            }
+            link.direct += 1;
         }
     }
 }
@@ -297,58 +310,4 @@ async fn fill(read: &mut OwnedReadHalf, buf: &mut BytesMut, len: usize) -> io::R
         }
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A body read into a pooled buffer, split off and dropped, as the reader does.
-    fn cycle(pool: &mut LargeBuffers, len: usize) -> *const u8 {
-        let (mut big, size) = pool.take(len);
-        big.resize(len, 7);
-        let body = big.split().freeze();
-        let at = body.as_ptr();
-        pool.give_back(big, size);
-        drop(body);
-        at
-    }
-
-    #[test]
-    fn a_buffer_whose_message_is_gone_is_reused() {
-        let mut pool = LargeBuffers::default();
-        let first = cycle(&mut pool, 1 << 20);
-        assert_eq!(cycle(&mut pool, 1 << 20), first);
-        assert_eq!(
-            cycle(&mut pool, 512 << 10),
-            first,
-            "a smaller body fits too"
-        );
-        assert_eq!(pool.pool.len(), 1);
-        assert_eq!(pool.bytes, 1 << 20);
-    }
-
-    #[test]
-    fn the_pool_keeps_at_most_its_count_and_its_bytes() {
-        let mut pool = LargeBuffers::default();
-        // Messages still held: every take allocates afresh.
-        let mut held = Vec::new();
-        for _ in 0..LARGE_POOL + 8 {
-            let (mut big, size) = pool.take(64 << 10);
-            big.resize(64 << 10, 1);
-            held.push(big.split().freeze());
-            pool.give_back(big, size);
-            assert!(pool.pool.len() <= LARGE_POOL);
-        }
-        assert_eq!(pool.pool.len(), LARGE_POOL);
-        for _ in 0..8 {
-            let (mut big, size) = pool.take(8 << 20);
-            big.resize(8 << 20, 1);
-            held.push(big.split().freeze());
-            pool.give_back(big, size);
-            assert!(pool.bytes <= LARGE_POOL_BYTES, "{} bytes kept", pool.bytes);
-        }
-        let kept: usize = pool.pool.iter().map(|(_, size)| size).sum();
-        assert_eq!(kept, pool.bytes);
-    }
 }

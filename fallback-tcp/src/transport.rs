@@ -4,11 +4,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::BytesMut;
-use psnet_transport::codec::{FrameHeader, HeaderBuf};
+use psnet_transport::codec::FrameHeader;
 use psnet_transport::device::{DevicePath, PathLog, StreamError};
 use psnet_transport::{
-    Admission, Capabilities, Event, FrameKind, NodeId, OutMessage, Proof, RegisteredBuf, Segment,
-    Transport, TransportError,
+    Admission, Capabilities, Event, FrameKind, NodeId, OutMessage, Proof, RegisteredBuf, Transport,
+    TransportError,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
@@ -20,7 +20,8 @@ use crate::faults::{FaultCounts, Faults, Strike};
 use crate::inbox::Inbox;
 use crate::peers::Peers;
 use crate::reader::{read_loop, Inflight, ReadEnd};
-use crate::shm::{self, SHM_MIN};
+use crate::send::Path;
+use crate::shm::{self, QUEUED_RING_MIN, SHM_MIN};
 
 mod opening;
 
@@ -42,7 +43,7 @@ struct Inner {
     listen_addr: SocketAddr,
     config: TcpConfig,
     peers: Peers,
-    inbox: Inbox,
+    inbox: Arc<Inbox>,
     inflight: Inflight,
     closed: AtomicBool,
     acceptor: Mutex<Option<AbortHandle>>,
@@ -50,6 +51,8 @@ struct Inner {
     faults: Option<Faults>,
     /// The paths device segments took, logged once per peer.
     device_paths: PathLog,
+    /// Messages sent by each path.
+    paths: PathCounts,
 }
 
 impl TcpTransport {
@@ -76,7 +79,7 @@ impl TcpTransport {
             local_id: AtomicU64::new(id.0),
             listen_addr,
             peers: Peers::default(),
-            inbox: Inbox::new(config.inbox_bytes),
+            inbox: Arc::new(Inbox::new(config.inbox_bytes)),
             inflight: Inflight::new(config.inflight_bytes, config.inflight_wait),
             config,
             closed: AtomicBool::new(false),
@@ -84,6 +87,7 @@ impl TcpTransport {
             admission: Mutex::new(None),
             faults,
             device_paths: PathLog::default(),
+            paths: PathCounts::default(),
         });
         let task = tokio::spawn(accept_loop(listener, inner.clone()));
         *inner.acceptor.lock().unwrap_or_else(|p| p.into_inner()) = Some(task.abort_handle());
@@ -96,6 +100,45 @@ impl TcpTransport {
     /// What `PSNET_FAULTS` injected so far (`None` without it).
     pub fn fault_counts(&self) -> Option<FaultCounts> {
         self.inner.faults.as_ref().map(Faults::counts)
+    }
+
+    /// How many messages this transport sent by each path so far.
+    pub fn send_paths(&self) -> SendPaths {
+        self.inner.paths.get()
+    }
+}
+
+/// Messages a [`TcpTransport`] sent, by the path they took.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SendPaths {
+    /// Copied whole into a same-host peer's shared-memory queue.
+    pub queue: u64,
+    /// In a same-host peer's shared-memory ring, described in the queue or on the socket.
+    pub ring: u64,
+    /// Through the socket.
+    pub socket: u64,
+}
+
+#[derive(Default)]
+struct PathCounts([AtomicU64; 3]);
+
+impl PathCounts {
+    fn count(&self, path: Path) {
+        let i = match path {
+            Path::Inline => 0,
+            Path::Ring => 1,
+            Path::Socket => 2,
+        };
+        self.0[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn get(&self) -> SendPaths {
+        let n = |i: usize| self.0[i].load(Ordering::Relaxed);
+        SendPaths {
+            queue: n(0),
+            ring: n(1),
+            socket: n(2),
+        }
     }
 }
 
@@ -198,6 +241,7 @@ impl Inner {
                 &inner.inbox,
                 inner.config.limits,
                 &inner.inflight,
+                inner.config.shm_spin,
             )
             .await;
             inner.connection_ended(&reader_conn, end);
@@ -208,13 +252,21 @@ impl Inner {
             loop {
                 control_conn.control.notify.notified().await;
                 for (kind, body) in control_conn.control.take() {
-                    if control_conn.write_control(kind, &body).await.is_err() {
+                    let written = if kind == FrameKind::ShmFree {
+                        control_conn.send_frees(&body).await
+                    } else {
+                        control_conn.write_control(kind, &body).await
+                    };
+                    if written.is_err() {
                         return;
                     }
                 }
             }
         });
         conn.set_control_task(control.abort_handle());
+        if self.config.shm_ring > 0 {
+            conn.offer_queue(self.config.shm_queue);
+        }
         if self.is_closed() {
             conn.close_and_stop_reader();
             return Ok(false);
@@ -341,49 +393,41 @@ impl Transport for TcpTransport {
                 strike
             }
         };
-        let mut head = HeaderBuf::new();
-        if header.body_len() - u64::from(header.meta_len) >= SHM_MIN as u64 {
+        let mut ring = None;
+        let ring_min = if conn.active_queue().is_some() {
+            QUEUED_RING_MIN
+        } else {
+            SHM_MIN
+        };
+        if header.body_len() - u64::from(header.meta_len) >= ring_min as u64 {
             // The first large message to a peer on this host offers the bulk path; it goes
             // through the socket itself, later ones through the ring once accepted.
             conn.offer_ring(inner.config.shm_ring);
-            if let Some(descriptor) = conn
+            ring = conn
                 .active_ring()
                 .and_then(|ring| ring.put(msg.segments))
-                .map(|(off, _)| shm::descriptor(off, msg.segments))
-            {
-                let segs = [Segment::new(&descriptor)];
-                let out = OutMessage::new(msg.meta, &segs);
-                let header =
-                    FrameHeader::for_message(FrameKind::ShmData, &out, &inner.config.limits)
-                        .map_err(|source| TransportError::Invalid { peer, source })?;
-                header.encode_into(&mut head);
-                conn.write_frame(&head, out.meta, out.segments)
-                    .await
-                    .map_err(lost)?;
-                if strike == Strike::Reset {
-                    conn.close();
-                }
-                return Ok(());
-            }
+                .map(|(off, _)| shm::descriptor(off, msg.segments));
         }
-        header.encode_into(&mut head);
         if msg.has_device() {
             for ordinal in msg.segments.iter().filter_map(|s| s.device_bytes()) {
                 inner
                     .device_paths
                     .note("tcp", peer, ordinal.ordinal(), DevicePath::Staged);
             }
-            conn.write_frame_staged(&head, msg.meta, msg.segments, inner.config.gpu_stage_chunk)
-                .await
-                .map_err(|e| match e {
-                    StreamError::Device(source) => TransportError::Device { peer, source },
-                    StreamError::Io(e) => lost(e),
-                })?;
-        } else {
-            conn.write_frame(&head, msg.meta, msg.segments)
-                .await
-                .map_err(lost)?;
         }
+        let path = conn
+            .send_message(
+                &msg,
+                &inner.config.limits,
+                ring,
+                inner.config.gpu_stage_chunk,
+            )
+            .await
+            .map_err(|e| match e {
+                StreamError::Device(source) => TransportError::Device { peer, source },
+                StreamError::Io(e) => lost(e),
+            })?;
+        inner.paths.count(path);
         if strike == Strike::Reset {
             tracing::info!(%peer, "PSNET_FAULTS: resetting the connection after a message");
             conn.close();

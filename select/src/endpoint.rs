@@ -118,6 +118,17 @@ pub fn tcp_config_from_env(bind: SocketAddr) -> Result<TcpConfig, ConfigError> {
     config.inbox_bytes = env::PSNET_INBOX_BYTES.parse_or_default()?;
     config.inflight_bytes = env::PSNET_RECV_INFLIGHT_BYTES.parse_or_default()?;
     config.shm_ring = env::PSNET_SHM_RING.parse_or_default()?;
+    config.shm_queue = env::PSNET_SHM_QUEUE.parse_or_default()?;
+    if config.shm_queue != 0
+        && !(config.shm_queue.is_power_of_two() && (4096..=64 << 20).contains(&config.shm_queue))
+    {
+        return Err(ConfigError::Invalid {
+            name: env::PSNET_SHM_QUEUE.name,
+            value: config.shm_queue.to_string(),
+            reason: "0, or a power of two from 4096 to 67108864".into(),
+        });
+    }
+    config.shm_spin = Duration::from_micros(env::PSNET_SHM_SPIN_US.parse_or_default()?);
     config.gpu_stage_chunk = env::PSNET_GPU_STAGE_CHUNK.parse_or_default()?;
     if config.gpu_stage_chunk < 4096 {
         return Err(ConfigError::Invalid {

@@ -69,6 +69,14 @@ pub enum FrameKind {
     /// The sender is closing the connection because of what it received; carries why (a
     /// frame over its limits, a malformed frame), so that the peer's error says it.
     Close = 12,
+    /// Same-host message queue: the sender offers a queue and its wake-up eventfd (size,
+    /// cookie, token, socket name, as `ShmOffer`).
+    QueueOffer = 13,
+    /// The receiver mapped the offered queue: from the sender's next message on, every
+    /// message goes through it.
+    QueueAccept = 14,
+    /// The receiver cannot map it; the socket carries everything.
+    QueueReject = 15,
 }
 
 impl FrameKind {
@@ -87,6 +95,9 @@ impl FrameKind {
             10 => Ok(FrameKind::AuthChallenge),
             11 => Ok(FrameKind::AuthProof),
             12 => Ok(FrameKind::Close),
+            13 => Ok(FrameKind::QueueOffer),
+            14 => Ok(FrameKind::QueueAccept),
+            15 => Ok(FrameKind::QueueReject),
             other => Err(CodecError::UnknownKind(other)),
         }
     }

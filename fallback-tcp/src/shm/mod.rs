@@ -17,49 +17,40 @@
 //! All memory mapping and descriptor passing is confined to this module.
 
 use std::collections::VecDeque;
-use std::fs::File;
-use std::io::{self, IoSlice, IoSliceMut, Write};
-use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, OwnedFd};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
+use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use bytes::Bytes;
-use memmap2::{Mmap, MmapMut, MmapOptions};
+use memmap2::{Mmap, MmapMut};
 use psnet_transport::le::{LeReader, LeWriter};
 use psnet_transport::{FrameKind, Limits, Segment};
-use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
-use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags,
-};
 use smallvec::SmallVec;
-use tokio::io::AsyncReadExt;
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
+
+mod handover;
+pub(crate) mod queue;
+mod sys;
+
+use handover::Offer;
 
 /// Messages with at least this many segment bytes go through the ring; smaller ones cross
 /// the socket. 2-rank 128 KiB allreduces (64 KiB messages) ran at 1.21x Open MPI's shared
 /// memory through the ring and 0.74x through the socket, in back-to-back runs; smaller
 /// messages were not tried through the ring.
 pub(crate) const SHM_MIN: usize = 64 << 10;
+/// The same once the peer's message queue is in use: smaller messages are copied into the
+/// queue whole. 4-rank allreduces of 256 and 512 KiB (64 and 128 KiB messages) took 2-3x
+/// less time copied into the queue than through the ring (alternating runs, 2 cores); on 2
+/// ranks the two were even.
+pub(crate) const QUEUED_RING_MIN: usize = 256 << 10;
 /// Default ring size per connection and direction (`PSNET_SHM_RING`).
 pub const DEFAULT_RING: usize = 64 << 20;
 /// Largest ring a peer may offer.
 const MAX_RING: u64 = 16 << 30;
 /// Bytes at the start of a ring holding its cookie.
 const COOKIE: usize = 8;
-/// Bytes of the token that fetches a ring's descriptor.
-const TOKEN: usize = 16;
-/// Longest abstract socket name an offer may carry.
-const MAX_NAME: usize = 64;
-/// How long the handover of a descriptor may take, on either side.
-const HANDOVER: Duration = Duration::from_secs(5);
-/// The seals a ring must carry before it is mapped: its size is fixed for good.
-const REQUIRED_SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -134,23 +125,12 @@ impl Alloc {
 pub(crate) struct SendRing {
     map: Mutex<MmapMut>,
     size: usize,
-    cookie: u64,
-    token: [u8; TOKEN],
-    name: Vec<u8>,
+    /// The offer's body.
+    offer: Vec<u8>,
     alloc: Mutex<Alloc>,
     active: AtomicBool,
     /// The task that hands the descriptor to the peer, until it has or the ring is dropped.
     handover: Mutex<Option<AbortHandle>>,
-}
-
-/// `n` random bytes from the system.
-fn random<const N: usize>() -> io::Result<[u8; N]> {
-    let mut b = [0u8; N];
-    let mut filled = 0;
-    while filled < N {
-        filled += rustix::rand::getrandom(&mut b[filled..], rustix::rand::GetRandomFlags::empty())?;
-    }
-    Ok(b)
 }
 
 impl SendRing {
@@ -164,49 +144,28 @@ impl SendRing {
                 "ring size out of range",
             ));
         }
-        let fd = rustix::fs::memfd_create(
-            "psnet-ring",
-            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
-        )?;
-        rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, size as u64)?;
-        rustix::fs::fcntl_add_seals(&fd, REQUIRED_SEALS | SealFlags::SEAL)?;
-        let file = File::from(fd);
-        // SAFETY: the memory file was just created by this process, sized and sealed against
-        // shrinking above (so every mapped page stays backed), and is written only through
-        // this mapping; the peer maps it read-only.
-        let mut map = unsafe { MmapOptions::new().len(size).map_mut(&file)? };
-        let cookie = u64::from_le_bytes(random::<8>()?);
+        let file = handover::sealed_memfd("psnet-ring", size)?;
+        let mut map = sys::map_own_ring(&file, size)?;
+        let cookie = u64::from_le_bytes(handover::random::<8>()?);
         map[..COOKIE].copy_from_slice(&cookie.to_le_bytes());
-        let token = random::<TOKEN>()?;
-        let name = format!("psnet-ring-{:032x}", u128::from_le_bytes(random::<16>()?)).into_bytes();
-        let listener = UnixListener::bind_addr(&UnixAddr::from_abstract_name(&name)?)?;
-        listener.set_nonblocking(true)?;
-        let listener = tokio::net::UnixListener::from_std(listener)?;
-        let task = tokio::spawn(hand_over(listener, file, token));
+        let (offer, task) = handover::serve(vec![file.into()], size as u64, cookie, "psnet-ring")?;
         Ok(SendRing {
             map: Mutex::new(map),
             size,
-            cookie,
-            token,
-            name,
+            offer: offer.encode(),
             alloc: Mutex::new(Alloc {
                 regions: VecDeque::new(),
                 head: COOKIE,
                 base: COOKIE,
             }),
             active: AtomicBool::new(false),
-            handover: Mutex::new(Some(task.abort_handle())),
+            handover: Mutex::new(Some(task)),
         })
     }
 
-    /// The offer's body: size, cookie, token, then the abstract socket's name.
+    /// The offer's body.
     pub(crate) fn offer(&self) -> Vec<u8> {
-        let mut w = LeWriter::with_capacity(16 + TOKEN + self.name.len());
-        w.u64(self.size as u64)
-            .u64(self.cookie)
-            .bytes(&self.token)
-            .bytes(&self.name);
-        w.into_vec()
+        self.offer.clone()
     }
 
     /// The receiver accepted: the ring may carry messages.
@@ -247,54 +206,6 @@ impl Drop for SendRing {
         if let Some(task) = lock(&self.handover).take() {
             task.abort();
         }
-    }
-}
-
-/// Serves the ring's descriptor once: to the first connection from this user that presents
-/// the token. Anyone else is refused and logged; the task ends after the handover, when the
-/// ring is dropped, or when nobody asked in time.
-async fn hand_over(listener: tokio::net::UnixListener, ring: File, token: [u8; TOKEN]) {
-    let me = rustix::process::getuid();
-    let deadline = tokio::time::Instant::now() + HANDOVER * 2;
-    loop {
-        let Ok(Ok((mut stream, _))) = tokio::time::timeout_at(deadline, listener.accept()).await
-        else {
-            return;
-        };
-        let same_user = stream.peer_cred().is_ok_and(|c| c.uid() == me.as_raw());
-        if !same_user {
-            tracing::warn!("refused a ring request from another user");
-            continue;
-        }
-        let mut got = [0u8; TOKEN];
-        let read = tokio::time::timeout(HANDOVER, stream.read_exact(&mut got)).await;
-        let valid = matches!(read, Ok(Ok(_)))
-            && got.iter().zip(&token).fold(0u8, |a, (x, y)| a | (x ^ y)) == 0;
-        if !valid {
-            tracing::warn!("refused a ring request without the ring's token");
-            continue;
-        }
-        let sent = tokio::time::timeout(
-            HANDOVER,
-            stream.async_io(tokio::io::Interest::WRITABLE, || {
-                let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
-                let mut control = SendAncillaryBuffer::new(&mut space);
-                let fds = [ring.as_fd()];
-                control.push(SendAncillaryMessage::ScmRights(&fds));
-                rustix::net::sendmsg(
-                    &stream,
-                    &[IoSlice::new(&[1])],
-                    &mut control,
-                    SendFlags::empty(),
-                )
-                .map_err(io::Error::from)
-            }),
-        )
-        .await;
-        if !matches!(sent, Ok(Ok(1))) {
-            tracing::debug!(?sent, "ring descriptor not handed over");
-        }
-        return;
     }
 }
 
@@ -369,40 +280,18 @@ impl RecvRing {
     /// shrinking and growing, of the announced size, carrying the announced cookie.
     pub(crate) async fn fetch(offer: &[u8]) -> io::Result<RecvRing> {
         let bad = |why: &str| io::Error::new(io::ErrorKind::InvalidData, why.to_string());
-        if offer.len() < 16 + TOKEN + 1 || offer.len() > 16 + TOKEN + MAX_NAME {
-            return Err(bad("malformed shared-memory offer"));
-        }
-        let mut r = LeReader::new(offer);
-        let malformed = |_| bad("malformed shared-memory offer");
-        let size = r.u64().map_err(malformed)?;
-        let cookie = r.u64().map_err(malformed)?;
-        let token: [u8; TOKEN] = r.array().map_err(malformed)?;
-        let name = r.rest().to_vec();
-        if size > MAX_RING || size <= COOKIE as u64 {
+        let offer = Offer::parse(offer)?;
+        if offer.size > MAX_RING || offer.size <= COOKIE as u64 {
             return Err(bad("shared-memory offer of an unexpected size"));
         }
-        let fetch = tokio::task::spawn_blocking(move || fetch_descriptor(&name, &token));
-        let fd = match tokio::time::timeout(HANDOVER, fetch).await {
-            Ok(Ok(fd)) => fd?,
-            Ok(Err(e)) => return Err(io::Error::other(e)),
-            Err(_) => return Err(bad("the peer did not hand over its ring in time")),
-        };
-        // Anything but a memory file (a regular file, a device) has no seals at all.
-        let seals = rustix::fs::fcntl_get_seals(&fd)
-            .map_err(|_| bad("the ring is not a sealed memory file"))?;
-        if !seals.contains(REQUIRED_SEALS) {
-            return Err(bad("the ring is not sealed against shrinking and growing"));
-        }
-        if rustix::fs::fstat(&fd)?.st_size as u64 != size {
-            return Err(bad("the ring has the wrong size"));
-        }
-        let file = File::from(fd);
-        let size = size as usize;
-        // SAFETY: the descriptor is a memory file sealed against shrinking (checked above), of
-        // exactly `size` bytes, so no mapped page can lose its backing. The peer writes only
-        // regions it has not yet described to us; we read only regions described by a frame
-        // it sent after writing them (the socket write/read orders the two).
-        let map = unsafe { MmapOptions::new().len(size).map(&file)? };
+        let fd = offer
+            .fetch(1)
+            .await?
+            .pop()
+            .expect("one descriptor, counted");
+        let file = handover::check_sealed(fd, offer.size, "ring")?;
+        let (size, cookie) = (offer.size as usize, offer.cookie);
+        let map = sys::map_peer_ring(&file, size)?;
         if map[..COOKIE] != cookie.to_le_bytes() {
             return Err(bad("cookie mismatch"));
         }
@@ -463,41 +352,6 @@ impl RecvRing {
     }
 }
 
-/// Connects to the peer's abstract socket `name`, presents `token` and receives one
-/// descriptor. Blocking, with timeouts: runs on the blocking pool.
-fn fetch_descriptor(name: &[u8], token: &[u8; TOKEN]) -> io::Result<OwnedFd> {
-    let mut stream = UnixStream::connect_addr(&UnixAddr::from_abstract_name(name)?)?;
-    stream.set_read_timeout(Some(HANDOVER))?;
-    stream.set_write_timeout(Some(HANDOVER))?;
-    let peer = rustix::net::sockopt::socket_peercred(&stream)?;
-    if peer.uid != rustix::process::getuid() {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            "the ring's socket belongs to another user",
-        ));
-    }
-    stream.write_all(token)?;
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
-    let mut control = RecvAncillaryBuffer::new(&mut space);
-    let mut byte = [0u8; 1];
-    rustix::net::recvmsg(
-        &stream,
-        &mut [IoSliceMut::new(&mut byte)],
-        &mut control,
-        RecvFlags::CMSG_CLOEXEC,
-    )?;
-    // Any descriptor beyond the first is closed as the iterator drops it.
-    let fd = control
-        .drain()
-        .filter_map(|m| match m {
-            RecvAncillaryMessage::ScmRights(fds) => Some(fds),
-            _ => None,
-        })
-        .flatten()
-        .next();
-    fd.ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no descriptor handed over"))
-}
-
 /// The `ShmData` descriptor for a region holding `segments`.
 pub(crate) fn descriptor(off: usize, segments: &[Segment<'_>]) -> Vec<u8> {
     let mut d = LeWriter::with_capacity(12 + 8 * segments.len());
@@ -523,6 +377,17 @@ pub(crate) fn parse_free(body: &[u8]) -> Option<Vec<(usize, usize)>> {
 
 #[cfg(test)]
 mod tests {
+    use std::fs::File;
+    use std::io::IoSlice;
+    use std::mem::MaybeUninit;
+    use std::os::fd::{AsFd, OwnedFd};
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener};
+
+    use rustix::fs::MemfdFlags;
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+
+    use super::handover::{fetch_descriptors, random, REQUIRED_SEALS, TOKEN};
     use super::*;
 
     #[test]
@@ -750,15 +615,17 @@ mod tests {
         // Without the token: refused, and the real receiver still gets the ring after.
         let wrong = [0u8; TOKEN];
         let n = name.clone();
-        let stolen = tokio::task::spawn_blocking(move || fetch_descriptor(&n, &wrong))
+        let stolen = tokio::task::spawn_blocking(move || fetch_descriptors(&n, &wrong))
             .await
             .unwrap();
         assert!(stolen.is_err(), "handed to a connection without the token");
         let token: [u8; TOKEN] = offer[16..16 + TOKEN].try_into().unwrap();
-        let fd = tokio::task::spawn_blocking(move || fetch_descriptor(&name, &token))
+        let fd = tokio::task::spawn_blocking(move || fetch_descriptors(&name, &token))
             .await
             .unwrap()
-            .expect("the token fetches the ring");
+            .expect("the token fetches the ring")
+            .pop()
+            .unwrap();
         // The sender's seals hold for whoever has the descriptor: no truncation, no growth.
         assert!(rustix::fs::ftruncate(&fd, 0).is_err());
         assert!(rustix::fs::ftruncate(&fd, 2 << 20).is_err());
