@@ -5,8 +5,8 @@
 # Two pairings, like with like:
 #   sockets  psnet with PSNET_SHM_RING=0 (TCP only)
 #            vs  mpirun --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo
-#   shm      psnet's default (a shared-memory ring between same-host peers, for messages of
-#            64 KiB and more; smaller ones still cross the socket)
+#   shm      psnet's default (between same-host peers every message goes through a shared-memory
+#            queue, messages of 256 KiB and more through a shared-memory ring it describes)
 #            vs  mpirun --mca pml ob1 --mca btl self,vader (Open MPI's shared memory)
 # Both sides run the same warmup and timed iterations per size and report the same time: the
 # average iteration, the slowest rank's. psnet: `psnet-perf allreduce --np N --json` (its

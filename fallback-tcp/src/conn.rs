@@ -14,6 +14,7 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::task::AbortHandle;
 
 use crate::shm::queue::SendQueue;
+use crate::shm::releases::ReleaseReader;
 use crate::shm::{Control, SendRing};
 
 /// Most buffers one `writev` takes (Linux's IOV_MAX).
@@ -37,6 +38,8 @@ pub(crate) struct Conn {
     ring_offered: AtomicBool,
     /// This side's message queue to the peer, once offered.
     send_queue: Mutex<Option<Arc<SendQueue>>>,
+    /// Where the peer hands back regions of our ring, once we mapped its queue.
+    releases: Mutex<Option<ReleaseReader>>,
     /// Frames the control task writes (ring offers and answers, released regions).
     pub(crate) control: Arc<Control>,
     control_task: Mutex<Option<AbortHandle>>,
@@ -65,6 +68,7 @@ impl Conn {
             same_host,
             ring_offered: AtomicBool::new(false),
             send_queue: Mutex::new(None),
+            releases: Mutex::new(None),
             control: Arc::new(Control::default()),
             control_task: Mutex::new(None),
         }
@@ -132,7 +136,10 @@ impl Conn {
     pub(crate) fn queue_answer(&self, accepted: bool) {
         let mut slot = self.send_queue.lock().unwrap_or_else(|p| p.into_inner());
         match (accepted, slot.as_ref()) {
-            (true, Some(queue)) => queue.activate(),
+            (true, Some(queue)) => {
+                queue.activate();
+                self.control.release_through(queue.clone());
+            }
             _ => *slot = None,
         }
     }
@@ -145,6 +152,33 @@ impl Conn {
             .as_ref()
             .filter(|q| q.is_active())
             .cloned()
+    }
+
+    /// The peer's queue is mapped: its release area tells which regions of our ring it is
+    /// done with.
+    pub(crate) fn set_releases(&self, reader: ReleaseReader) {
+        *self.releases.lock().unwrap_or_else(|p| p.into_inner()) = Some(reader);
+    }
+
+    /// Frees the regions of our ring the peer released through shared memory (called before
+    /// each allocation in the ring). A broken release area closes the connection.
+    pub(crate) fn collect_releases(&self) {
+        let mut slot = self.releases.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(reader) = slot.as_mut() else {
+            return;
+        };
+        let regions = match reader.collect() {
+            Ok(regions) => regions,
+            Err(why) => {
+                tracing::warn!(peer = %self.peer, %why, "closing the connection");
+                self.close();
+                return;
+            }
+        };
+        if !regions.is_empty() && !self.ring_free(&regions) {
+            tracing::warn!(peer = %self.peer, "the peer released ring regions never handed out: closing the connection");
+            self.close();
+        }
     }
 
     /// The peer released regions of our ring; false if it named one we never handed out.

@@ -9,12 +9,17 @@
 //!   without copying, and reused once the application drops them;
 //! - received messages wait in a queue bounded in bytes; when it is full the connection stops
 //!   reading, and TCP's flow control makes the sender wait (back-pressure, not unbounded memory);
-//! - between processes on one host, large messages (64 KiB and up) travel through a ring of
+//! - between processes on one host, each side offers the other a message queue in shared
+//!   memory when they connect (`PSNET_SHM_QUEUE` bytes): once mapped, every message goes
+//!   through it in send order, small ones copied in whole, and the reader polls it for
+//!   `PSNET_SHM_SPIN_US` after each message before it sleeps on an eventfd, so no message
+//!   waits for the kernel's TCP stack;
+//! - large messages (256 KiB and up with the queue, 64 KiB without) travel through a ring of
 //!   shared memory the sender offers after its first large message (`PSNET_SHM_RING` bytes, 0 to
-//!   disable): one copy instead of two through the kernel, only a descriptor on the socket, in
-//!   order with everything else; a full ring falls back to the socket. The ring is an anonymous
-//!   memory file sealed against resizing, handed over by descriptor (`SCM_RIGHTS`) to the peer
-//!   that presents the offer's token: no file in `/dev/shm`, nothing a name could redirect.
+//!   disable both): one copy instead of two, only a descriptor in the queue or on the socket;
+//!   a full ring falls back to the socket. Ring and queue are anonymous memory files sealed
+//!   against resizing, handed over by descriptor (`SCM_RIGHTS`) to the peer that presents the
+//!   offer's token: no file in `/dev/shm`, nothing a name could redirect.
 //!
 //! For reliability tests, `PSNET_FAULTS` ([`FaultSpec`]) drops connections with a message in
 //! flight, resets them periodically and delays sends, on real sockets.

@@ -225,15 +225,6 @@ impl Delivery {
                 let msg = self.socket_frame().await?;
                 self.deliver(msg).await
             }
-            Record::Free(regions) => {
-                if self.conn.ring_free(&regions) {
-                    Ok(())
-                } else {
-                    Err("a release of ring regions never handed out"
-                        .to_string()
-                        .into())
-                }
-            }
         }
     }
 

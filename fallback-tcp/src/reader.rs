@@ -153,6 +153,7 @@ async fn read_frames(
             FrameKind::QueueOffer => {
                 match RecvQueue::fetch(&frame.meta).await {
                     Ok(queue) if !link.is_started() => {
+                        conn.set_releases(queue.releases());
                         link.start(queue, conn.clone(), inbox.clone(), limits, spin);
                         conn.control.push(FrameKind::QueueAccept, Vec::new());
                     }

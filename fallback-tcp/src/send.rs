@@ -108,31 +108,6 @@ impl Conn {
         Ok(())
     }
 
-    /// Tells the peer which regions of its ring this side is done with (a `ShmFree` body):
-    /// through the queue when there is room, so that the peer's socket stays quiet, else on
-    /// the socket. Never waits for the queue: frees must not wait behind messages.
-    pub(crate) async fn send_frees(&self, body: &[u8]) -> io::Result<()> {
-        let mut writer = self.writer.lock().await;
-        if self.is_broken() {
-            return Err(io::Error::new(
-                io::ErrorKind::BrokenPipe,
-                "connection closed",
-            ));
-        }
-        self.start_queue(&mut writer).await?;
-        if let Some(queue) = &writer.queue {
-            if body.len() <= queue.max_payload()
-                && queue
-                    .push(Kind::Free, &[body], 0)
-                    .map_err(|e| self.broken_queue(e))?
-            {
-                return Ok(());
-            }
-        }
-        self.write_control_locked(&mut writer, FrameKind::ShmFree, body)
-            .await
-    }
-
     /// Copies a small host message into the queue whole; false if it is not small, holds
     /// device memory, or the queue has no room beyond what markers and descriptors keep.
     fn try_inline(&self, queue: &SendQueue, msg: &OutMessage<'_>) -> io::Result<bool> {

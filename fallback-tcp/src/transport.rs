@@ -252,12 +252,7 @@ impl Inner {
             loop {
                 control_conn.control.notify.notified().await;
                 for (kind, body) in control_conn.control.take() {
-                    let written = if kind == FrameKind::ShmFree {
-                        control_conn.send_frees(&body).await
-                    } else {
-                        control_conn.write_control(kind, &body).await
-                    };
-                    if written.is_err() {
+                    if control_conn.write_control(kind, &body).await.is_err() {
                         return;
                     }
                 }
@@ -403,6 +398,7 @@ impl Transport for TcpTransport {
             // The first large message to a peer on this host offers the bulk path; it goes
             // through the socket itself, later ones through the ring once accepted.
             conn.offer_ring(inner.config.shm_ring);
+            conn.collect_releases();
             ring = conn
                 .active_ring()
                 .and_then(|ring| ring.put(msg.segments))

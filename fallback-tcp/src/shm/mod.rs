@@ -31,6 +31,7 @@ use tokio::task::AbortHandle;
 
 mod handover;
 pub(crate) mod queue;
+pub(crate) mod releases;
 mod sys;
 
 use handover::Offer;
@@ -216,6 +217,9 @@ impl Drop for SendRing {
 pub(crate) struct Control {
     frames: Mutex<Vec<(FrameKind, Vec<u8>)>>,
     released: Mutex<Vec<(u64, u64)>>,
+    /// Our queue to the peer, once it mapped it: released regions go straight into its
+    /// release area, with no task woken and no frame written.
+    release_area: std::sync::OnceLock<Arc<queue::SendQueue>>,
     /// Woken when something was queued.
     pub(crate) notify: Notify,
 }
@@ -228,8 +232,21 @@ impl Control {
     }
 
     fn release(&self, off: usize, len: usize) {
+        if let Some(queue) = self.release_area.get() {
+            match queue.push_release(off, len) {
+                Ok(true) => return,
+                // Full: the socket takes it.
+                Ok(false) => {}
+                Err(why) => tracing::warn!(%why, "releasing a ring region through the socket"),
+            }
+        }
         lock(&self.released).push((off as u64, len as u64));
         self.notify.notify_one();
+    }
+
+    /// Our queue is mapped by the peer: releases go through its release area from now on.
+    pub(crate) fn release_through(&self, queue: Arc<queue::SendQueue>) {
+        let _ = self.release_area.set(queue);
     }
 
     /// Everything queued so far, released regions as one `ShmFree` frame.
@@ -237,11 +254,11 @@ impl Control {
         let mut frames = std::mem::take(&mut *lock(&self.frames));
         let released = std::mem::take(&mut *lock(&self.released));
         if !released.is_empty() {
-            let mut body = LeWriter::with_capacity(16 * released.len());
-            for (off, len) in released {
-                body.u64(off).u64(len);
-            }
-            frames.push((FrameKind::ShmFree, body.into_vec()));
+            let regions: Vec<(usize, usize)> = released
+                .into_iter()
+                .map(|(o, l)| (o as usize, l as usize))
+                .collect();
+            frames.push((FrameKind::ShmFree, free_body(&regions)));
         }
         frames
     }
@@ -360,6 +377,15 @@ pub(crate) fn descriptor(off: usize, segments: &[Segment<'_>]) -> Vec<u8> {
         d.u64(s.len() as u64);
     }
     d.into_vec()
+}
+
+/// A `ShmFree` body: (offset, length) pairs.
+pub(crate) fn free_body(regions: &[(usize, usize)]) -> Vec<u8> {
+    let mut body = LeWriter::with_capacity(16 * regions.len());
+    for &(off, len) in regions {
+        body.u64(off as u64).u64(len as u64);
+    }
+    body.into_vec()
 }
 
 /// Parses a `ShmFree` body.

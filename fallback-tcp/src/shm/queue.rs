@@ -14,7 +14,9 @@
 //! 64   head:  bytes the sender has published (only the sender writes it)
 //! 128  tail:  bytes the receiver has consumed (only the receiver writes it)
 //! 192  sleeping: 1 while the receiver waits on the eventfd
-//! 256  records, a circular area of a power-of-two size
+//! 256  released ring regions: head (this side's, written by the queue's owner), 320 tail,
+//!      512 entries (see `releases`)
+//! 64 KiB + 512  records, a circular area of a power-of-two size
 //! ```
 //! A record is an 8-byte header (`kind u32`, `len u32`) and `len` bytes, padded to 8; a
 //! record never wraps (a padding record fills the end of the area instead). Each side checks
@@ -24,7 +26,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use psnet_transport::le::LeReader;
@@ -35,6 +37,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::task::AbortHandle;
 
 use super::handover::{self, Offer};
+use super::releases::{self, ReleaseReader};
 use super::sys::SharedArea;
 use crate::buffers::LargeBuffers;
 
@@ -43,8 +46,10 @@ pub const DEFAULT_QUEUE: usize = 1 << 20;
 /// Smallest and largest record areas a peer may offer.
 const MIN_QUEUE: usize = 4096;
 const MAX_QUEUE: usize = 64 << 20;
-/// Bytes before the records.
-const HEADER: usize = 256;
+/// Bytes of counters at the start.
+const HEADER: usize = 512;
+/// Where the records start, after the counters and the released ring regions.
+const RECORDS: usize = HEADER + releases::BYTES;
 const HEAD: usize = 64;
 const TAIL: usize = 128;
 const SLEEPING: usize = 192;
@@ -68,8 +73,6 @@ pub(crate) enum Kind {
     Ring = 4,
     /// The next message comes through the socket.
     Socket = 5,
-    /// Regions of the receiver's own ring that the sender is done with (a `ShmFree` body).
-    Free = 6,
 }
 
 impl Kind {
@@ -80,7 +83,6 @@ impl Kind {
             3 => Kind::Inline,
             4 => Kind::Ring,
             5 => Kind::Socket,
-            6 => Kind::Free,
             _ => return None,
         })
     }
@@ -107,8 +109,6 @@ pub(crate) enum Record {
     },
     /// The next message is the next data frame on the socket.
     Socket,
-    /// Regions of this side's ring the peer released: (offset, length) pairs.
-    Free(Vec<(usize, usize)>),
 }
 
 fn align8(n: usize) -> usize {
@@ -117,7 +117,7 @@ fn align8(n: usize) -> usize {
 
 /// The record area's size behind a memory file of `total` bytes, if it is a valid one.
 fn area_of(total: u64) -> Option<usize> {
-    let cap = usize::try_from(total).ok()?.checked_sub(HEADER)?;
+    let cap = usize::try_from(total).ok()?.checked_sub(RECORDS)?;
     (cap.is_power_of_two() && (MIN_QUEUE..=MAX_QUEUE).contains(&cap)).then_some(cap)
 }
 
@@ -129,7 +129,7 @@ struct Counters<'a> {
 }
 
 fn counters(area: &SharedArea) -> Counters<'_> {
-    // The area is at least HEADER bytes and page-aligned (checked when it was mapped), so
+    // The area is at least RECORDS bytes and page-aligned (checked when it was mapped), so
     // the counters always exist.
     Counters {
         head: area.u64_at(HEAD).expect("the header is mapped"),
@@ -141,6 +141,8 @@ fn counters(area: &SharedArea) -> Counters<'_> {
 /// The writing side, over a mapped queue of `cap` bytes of records.
 pub(crate) struct Producer {
     area: SharedArea,
+    /// Released regions of the peer's ring published so far (see `releases`).
+    released: u64,
     cap: usize,
     /// What this side published; the copy in shared memory is only for the peer.
     head: u64,
@@ -160,7 +162,12 @@ impl Producer {
         let cap = area_of(area.len() as u64)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "bad queue size"))?;
         let head = counters(&area).head.load(Ordering::Acquire);
-        Ok(Producer { area, cap, head })
+        Ok(Producer {
+            area,
+            released: 0,
+            cap,
+            head,
+        })
     }
 
     /// The largest record payload this queue takes.
@@ -206,7 +213,7 @@ impl Producer {
             at = 0;
         }
         self.write_header(at, kind, len);
-        let mut off = HEADER + at + RECORD_HEADER;
+        let mut off = RECORDS + at + RECORD_HEADER;
         for p in parts {
             let written = self.area.write(off, p);
             debug_assert!(written, "the record was checked to fit");
@@ -220,18 +227,23 @@ impl Producer {
         Ok(Pushed::Done { wake })
     }
 
+    /// Hands a region of the peer's ring back; false if the release area is full.
+    pub(crate) fn push_release(&mut self, off: usize, len: usize) -> Result<bool, String> {
+        releases::push(&self.area, &mut self.released, off, len)
+    }
+
     fn write_header(&self, at: usize, kind: Kind, len: usize) {
         let mut h = [0u8; RECORD_HEADER];
         h[..4].copy_from_slice(&(kind as u32).to_le_bytes());
         h[4..].copy_from_slice(&(len as u32).to_le_bytes());
-        let written = self.area.write(HEADER + at, &h);
+        let written = self.area.write(RECORDS + at, &h);
         debug_assert!(written, "record headers lie in the area");
     }
 }
 
 /// The reading side, over a mapped queue of `cap` bytes of records.
 pub(crate) struct Consumer {
-    area: SharedArea,
+    area: Arc<SharedArea>,
     cap: usize,
     tail: u64,
     /// Buffers that large records are copied into, reused once their message is dropped:
@@ -240,7 +252,7 @@ pub(crate) struct Consumer {
 }
 
 impl Consumer {
-    fn new(area: SharedArea) -> io::Result<Consumer> {
+    fn new(area: Arc<SharedArea>) -> io::Result<Consumer> {
         let cap = area_of(area.len() as u64)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "bad queue size"))?;
         let tail = counters(&area).tail.load(Ordering::Acquire);
@@ -284,7 +296,7 @@ impl Consumer {
             let avail = avail as usize;
             let at = (self.tail % self.cap as u64) as usize;
             let mut h = [0u8; RECORD_HEADER];
-            if avail < RECORD_HEADER || !self.area.read(HEADER + at, &mut h) {
+            if avail < RECORD_HEADER || !self.area.read(RECORDS + at, &mut h) {
                 return Err("a truncated record in the queue".into());
             }
             let kind = u32::from_le_bytes(h[..4].try_into().expect("4 bytes"));
@@ -302,7 +314,7 @@ impl Consumer {
                 self.consume(rec);
                 continue;
             }
-            let from = HEADER + at + RECORD_HEADER;
+            let from = RECORDS + at + RECORD_HEADER;
             let payload = if len >= POOLED {
                 let (mut buf, size) = self.pool.take(len);
                 let copied = self.area.append_to(from, len, &mut buf);
@@ -340,9 +352,6 @@ fn parse(kind: Kind, payload: Bytes, limits: &Limits) -> Result<Record, String> 
         }
         Kind::Socket if payload.is_empty() => Ok(Record::Socket),
         Kind::Socket => Err("a socket marker with a body".into()),
-        Kind::Free => super::parse_free(&payload)
-            .map(Record::Free)
-            .ok_or_else(|| "a malformed free record".to_string()),
         Kind::Ring => {
             let meta_len = LeReader::new(&payload)
                 .u32()
@@ -426,14 +435,14 @@ pub(crate) fn inline_header(meta: &[u8], segments: &[&[u8]]) -> SmallVec<[u8; 64
 
 /// Makes a queue's memory file of `cap` bytes of records and maps it; the cookie is written.
 fn create_file(cap: usize) -> io::Result<(File, SharedArea, u64)> {
-    if area_of((cap + HEADER) as u64).is_none() {
+    if area_of((cap + RECORDS) as u64).is_none() {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!("a shared-memory queue of {cap} bytes (a power of two from {MIN_QUEUE} to {MAX_QUEUE})"),
         ));
     }
-    let file = handover::sealed_memfd("psnet-queue", cap + HEADER)?;
-    let area = SharedArea::map(&file, cap + HEADER)?;
+    let file = handover::sealed_memfd("psnet-queue", cap + RECORDS)?;
+    let area = SharedArea::map(&file, cap + RECORDS)?;
     let cookie = u64::from_le_bytes(handover::random::<8>()?);
     area.write(0, &cookie.to_le_bytes());
     Ok((file, area, cookie))
@@ -459,7 +468,7 @@ impl SendQueue {
         let peer_wake = wake.try_clone()?;
         let (offer, task) = handover::serve(
             vec![file.into(), peer_wake],
-            (cap + HEADER) as u64,
+            (cap + RECORDS) as u64,
             cookie,
             "psnet-queue",
         )?;
@@ -493,6 +502,15 @@ impl SendQueue {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .max_payload()
+    }
+
+    /// Hands a region of the peer's ring back through shared memory; false if the release
+    /// area is full.
+    pub(crate) fn push_release(&self, off: usize, len: usize) -> Result<bool, String> {
+        self.producer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_release(off, len)
     }
 
     /// Appends a record; false if there is no room now. Wakes the receiver if it sleeps.
@@ -559,7 +577,7 @@ impl RecvQueue {
             return Err(bad("the queue's wake-up descriptor is not an eventfd"));
         }
         rustix::fs::fcntl_setfl(&wake, rustix::fs::OFlags::NONBLOCK)?;
-        let area = SharedArea::map(&file, offer.size as usize)?;
+        let area = Arc::new(SharedArea::map(&file, offer.size as usize)?);
         let mut cookie = [0u8; 8];
         if !area.read(0, &mut cookie) || cookie != offer.cookie.to_le_bytes() {
             return Err(bad("cookie mismatch"));
@@ -568,6 +586,11 @@ impl RecvQueue {
             consumer: Consumer::new(area)?,
             wake: super::sys::watch_eventfd(wake)?,
         })
+    }
+
+    /// The reader of the regions of this side's ring that the peer released.
+    pub(crate) fn releases(&self) -> ReleaseReader {
+        ReleaseReader::new(self.consumer.area.clone())
     }
 
     /// Waits until the sender signals the eventfd, and clears it.
@@ -591,7 +614,7 @@ mod tests {
     /// A producer and a consumer over one memory file of `cap` bytes of records.
     fn pair(cap: usize) -> (Producer, Consumer) {
         let (file, area, _) = create_file(cap).unwrap();
-        let other = SharedArea::map(&file, cap + HEADER).unwrap();
+        let other = Arc::new(SharedArea::map(&file, cap + RECORDS).unwrap());
         (Producer::new(area).unwrap(), Consumer::new(other).unwrap())
     }
 
@@ -719,8 +742,8 @@ mod tests {
             p2.write_header(0, Kind::Pad, 0);
             let mut h = kind.to_le_bytes().to_vec();
             h.extend_from_slice(&(body.len() as u32).to_le_bytes());
-            p2.area.write(HEADER, &h);
-            p2.area.write(HEADER + RECORD_HEADER, &body);
+            p2.area.write(RECORDS, &h);
+            p2.area.write(RECORDS + RECORD_HEADER, &body);
             counters(&p2.area).head.store(
                 (RECORD_HEADER + align8(body.len())) as u64,
                 Ordering::SeqCst,
@@ -731,7 +754,7 @@ mod tests {
         let (p3, mut c3) = pair(4096);
         let mut h = (Kind::Ring as u32).to_le_bytes().to_vec();
         h.extend_from_slice(&4000u32.to_le_bytes());
-        p3.area.write(HEADER, &h);
+        p3.area.write(RECORDS, &h);
         counters(&p3.area).head.store(16, Ordering::SeqCst);
         assert!(c3.next(&limits).is_err());
         // The receiver's tail moved past the head: the producer refuses to go on.
@@ -776,7 +799,7 @@ mod tests {
                 junk[at..at + 4].copy_from_slice(&(1 + next() as u32 % 6).to_le_bytes());
                 junk[at + 4..at + 8].copy_from_slice(&(next() as u32 % 300).to_le_bytes());
             }
-            p.area.write(HEADER, &junk);
+            p.area.write(RECORDS, &junk);
             let head = match next() % 3 {
                 0 => next(),
                 _ => next() % 4097,

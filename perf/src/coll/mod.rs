@@ -593,8 +593,11 @@ fn banner(s: &Setup<'_>, c: &CollContext, ranks: &[(i64, String)]) -> String {
     let shm = if c.shm_ring_bytes == 0 {
         "sockets only (PSNET_SHM_RING=0)".to_string()
     } else {
+        let queue = env::PSNET_SHM_QUEUE
+            .parse_or_default::<u64>()
+            .unwrap_or_default();
         format!(
-            "same-host peers through a shared-memory ring of {} bytes per direction (PSNET_SHM_RING)",
+            "same-host peers through a shared-memory queue of {queue} bytes (PSNET_SHM_QUEUE) and ring of {} bytes (PSNET_SHM_RING) per direction",
             c.shm_ring_bytes
         )
     };
