@@ -21,7 +21,8 @@
 # run as root, otherwise named. Builds psnet-perf with `cargo build --release -p psnet-perf`
 # (in $CARGO_TARGET_DIR if set).
 #
-# Settings (environment): RANKS ("2 4"), SMALL_ITERS / SMALL_WARMUP (1000 / 100, the 8-byte
+# Settings (environment): REPEAT (1: how many times each pairing runs, psnet and Open MPI
+# alternating; the tables then give the median of the runs' ratios, and their range), RANKS ("2 4"), SMALL_ITERS / SMALL_WARMUP (1000 / 100, the 8-byte
 # size), MID_ITERS / MID_WARMUP (400 / 40, sizes up to MIDBYTES, 1M), ITERS / WARMUP (50 / 10,
 # the larger sizes), MINBYTES (128K), MAXBYTES (64M), FACTOR (2), KEEP (a directory to keep
 # the raw JSON Lines in).
@@ -37,6 +38,7 @@ MINBYTES=${MINBYTES:-128K}
 MAXBYTES=${MAXBYTES:-64M}
 FACTOR=${FACTOR:-2}
 MIDBYTES=${MIDBYTES:-1M}
+REPEAT=${REPEAT:-1}
 MID_ITERS=${MID_ITERS:-400}
 MID_WARMUP=${MID_WARMUP:-40}
 
@@ -140,6 +142,12 @@ fi
 start=$(date +%s)
 for np in $RANKS; do
     for pairing in sockets shm; do
+        rm -f "$OUT/psnet-$np-$pairing".{jsonl,log} "$OUT/mpi-$np-$pairing".{jsonl,log}
+    done
+done
+for rep in $(seq 1 "$REPEAT"); do
+for np in $RANKS; do
+    for pairing in sockets shm; do
         if [ "$pairing" = sockets ]; then
             psnet_env=(env PSNET_SHM_RING=0)
             mpi=("${MPIRUN[@]}" "${MPI_SOCKETS[@]}")
@@ -147,8 +155,7 @@ for np in $RANKS; do
             psnet_env=(env -u PSNET_SHM_RING)
             mpi=("${MPIRUN[@]}" "${MPI_SHM[@]}")
         fi
-        say "$np ranks, $pairing: psnet"
-        rm -f "$OUT/psnet-$np-$pairing".{jsonl,log} "$OUT/mpi-$np-$pairing".{jsonl,log}
+        say "run $rep of $REPEAT, $np ranks, $pairing: psnet"
         run "psnet-$np-$pairing" "${psnet_env[@]}" "$PERF" allreduce --np "$np" -d float -o sum \
             -b 8 -e 8 -n "$SMALL_ITERS" -w "$SMALL_WARMUP" --json
         for band in "${BANDS[@]}"; do
@@ -156,7 +163,7 @@ for np in $RANKS; do
             run "psnet-$np-$pairing" "${psnet_env[@]}" "$PERF" allreduce --np "$np" -d float \
                 -o sum -b "$lo" -e "$hi" -f "$FACTOR" -n "$n" -w "$w" --json
         done
-        say "$np ranks, $pairing: Open MPI"
+        say "run $rep of $REPEAT, $np ranks, $pairing: Open MPI"
         run "mpi-$np-$pairing" "${mpi[@]}" -np "$np" "$PY" "$MPI_PY" \
             -b 8 -e 8 -n "$SMALL_ITERS" -w "$SMALL_WARMUP"
         for band in "${BANDS[@]}"; do
@@ -165,6 +172,7 @@ for np in $RANKS; do
                 -b "$lo" -e "$hi" -f "$FACTOR" -n "$n" -w "$w"
         done
     done
+done
 done
 elapsed=$(($(date +%s) - start))
 
@@ -175,9 +183,9 @@ echo "# iterations: 8 B: $SMALL_WARMUP warmup + $SMALL_ITERS timed; $MINBYTES..$
 echo "# TCP congestion control: the system's is $(cat /proc/sys/net/ipv4/tcp_congestion_control 2>/dev/null || echo unknown) (Open MPI's sockets use it); psnet's same-host connections: PSNET_TCP_CONGESTION=${PSNET_TCP_CONGESTION:-auto} (auto: cubic, else reno)"
 echo "# sockets: psnet PSNET_SHM_RING=0 vs mpirun ${MPI_SOCKETS[*]}"
 echo "# shm:     psnet default vs mpirun ${MPI_SHM[*]}"
-echo "# measured in ${elapsed} s"
+echo "# measured in ${elapsed} s, each pairing $REPEAT time(s)"
 python3 - "$OUT" "$RANKS" <<'EOF'
-import json, os, sys
+import json, os, statistics, sys
 
 out, ranks = sys.argv[1], sys.argv[2].split()
 pairings = ["sockets", "shm"]
@@ -192,8 +200,19 @@ def rows(name, psnet):
                 continue
             if r.get("wrong", 0):
                 sys.exit(f"{name}: {r['wrong']} wrong elements at {r['bytes']} bytes")
-            by_size[r["bytes"]] = r
+            # Runs append in order: the k-th row of a size is run k.
+            by_size.setdefault(r["bytes"], []).append(r)
     return by_size
+
+
+def median_row(runs):
+    t = statistics.median(r["time_us"] for r in runs)
+    bw = statistics.median(r["busbw_gb_s"] for r in runs)
+    return {"time_us": t, "busbw_gb_s": bw}
+
+
+def ratios(ps, mp, size, key):
+    return [a[key] / b[key] for a, b in zip(ps[size], mp[size])]
 
 
 def human(b):
@@ -209,12 +228,12 @@ for np_ in ranks:
         data[(np_, p)] = (rows(f"psnet-{np_}-{p}", True), rows(f"mpi-{np_}-{p}", False))
 
 print()
-print("# every run (busbw in GB/s, 10^9 bytes/s; time in us)")
+print("# every pairing (busbw in GB/s, 10^9 bytes/s; time in us; the median of the runs)")
 print(f"{'ranks':>5} {'pairing':>8} {'size':>6} {'psnet us':>10} {'ompi us':>10} "
       f"{'psnet busbw':>12} {'ompi busbw':>11}")
 for (np_, p), (ps, mp) in data.items():
     for size in sorted(ps):
-        a, b = ps[size], mp[size]
+        a, b = median_row(ps[size]), median_row(mp[size])
         print(f"{np_:>5} {p:>8} {human(size):>6} {a['time_us']:>10.2f} {b['time_us']:>10.2f} "
               f"{a['busbw_gb_s']:>12.3f} {b['busbw_gb_s']:>11.3f}")
 
@@ -222,19 +241,31 @@ cols = [(np_, p) for np_ in ranks for p in pairings]
 heads = [f"{np_} ranks {p}" for np_, p in cols]
 width = max(len(h) for h in heads) + 2
 print()
-print("# ratio table: psnet busbw / Open MPI busbw (above 1: psnet faster)")
+print("# ratio table: psnet busbw / Open MPI busbw (above 1: psnet faster; the median of the runs' ratios)")
 print(f"{'size':>6}" + "".join(f"{h:>{width}}" for h in heads))
 sizes = sorted({s for ps, _ in data.values() for s in ps if s > 8})
 for size in sizes:
     cells = []
     for c in cols:
         ps, mp = data[c]
-        cells.append(f"{ps[size]['busbw_gb_s'] / mp[size]['busbw_gb_s']:>{width}.2f}")
+        cells.append(f"{statistics.median(ratios(ps, mp, size, 'busbw_gb_s')):>{width}.2f}")
     print(f"{human(size):>6}" + "".join(cells))
 print("# 8-byte time: psnet / Open MPI (above 1: psnet slower)")
 cells = []
 for c in cols:
     ps, mp = data[c]
-    cells.append(f"{ps[8]['time_us'] / mp[8]['time_us']:>{width}.2f}")
+    cells.append(f"{statistics.median(ratios(ps, mp, 8, 'time_us')):>{width}.2f}")
 print(f"{'8':>6}" + "".join(cells))
+if any(len(runs) > 1 for ps, _ in data.values() for runs in ps.values()):
+    print()
+    print("# range of the runs' ratios (lowest-highest)")
+    print(f"{'size':>6}" + "".join(f"{h:>{width}}" for h in heads))
+    for size in [8] + sizes:
+        cells = []
+        for c in cols:
+            ps, mp = data[c]
+            key = "time_us" if size == 8 else "busbw_gb_s"
+            r = ratios(ps, mp, size, key)
+            cells.append(f"{f'{min(r):.2f}-{max(r):.2f}':>{width}}")
+        print(f"{human(size):>6}" + "".join(cells))
 EOF
