@@ -56,6 +56,8 @@ pub struct Communicator<T: Transport> {
     /// This host runs more ranks than it has cores: a waiting call that spins gives its core
     /// away between polls (`sched_yield`), so that the ranks with work get it.
     pub(crate) oversubscribed: bool,
+    /// Every rank listens on this host.
+    pub(crate) all_local: bool,
 }
 
 /// Stops the task reading the transport when the last communicator using it goes.
@@ -119,6 +121,7 @@ impl<T: Transport> Communicator<T> {
             failed: Mutex::new(None),
             history: Mutex::new(VecDeque::new()),
             oversubscribed: false,
+            all_local: size == 1,
         };
         let (id, local_ranks) = crate::join::join(&comm, root).await?;
         comm.comm = id;
@@ -127,6 +130,7 @@ impl<T: Transport> Communicator<T> {
         // instead waits for the kernel to wake it, tens of microseconds per message.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         comm.oversubscribed = local_ranks > cores;
+        comm.all_local = local_ranks == size;
         Ok(comm)
     }
 
@@ -282,6 +286,9 @@ impl<T: Transport> Communicator<T> {
             failed: Mutex::new(None),
             history: Mutex::new(VecDeque::new()),
             oversubscribed: self.oversubscribed,
+            // A subset of ranks all on this host is too; otherwise every member keeps the
+            // parent's answer, so that all of them choose the same algorithms.
+            all_local: self.all_local,
         }))
     }
 }

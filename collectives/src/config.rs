@@ -51,6 +51,9 @@ pub struct Config {
     /// it in 2(n-1) steps: on 4 ranks over TCP the ring was the faster from 128 KiB (busbw
     /// 0.71-1.08 GB/s against doubling's 0.43-0.61 from 128 to 512 KiB), doubling below.
     pub small_bytes: usize,
+    /// The same when every rank is on this host and the transport reaches them through shared
+    /// memory ([`psnet_transport::Capabilities::same_host_shm`]); the larger of the two counts.
+    pub small_shm_bytes: usize,
     /// Large buffers move in pieces of at most this many bytes, each a message of its own, so
     /// that transfers and reductions overlap.
     pub piece_bytes: usize,
@@ -72,6 +75,7 @@ impl Default for Config {
         Config {
             algo: Algo::Auto,
             small_bytes: 64 << 10,
+            small_shm_bytes: 4 << 20,
             piece_bytes: 1 << 20,
             join_timeout: Duration::from_secs(120),
             call_timeout: Some(Duration::from_secs(600)),

@@ -32,11 +32,14 @@ const ROOT_VERDICT: Duration = Duration::from_secs(5);
 fn settings<T: Transport>(comm: &Communicator<T>) -> String {
     let c = &comm.config;
     format!(
-        "PSNET_ALGO={} PSNET_COLL_SMALL={} PSNET_COLL_PIECE={} max_message={}",
+        "PSNET_ALGO={} PSNET_COLL_SMALL={} PSNET_COLL_SMALL_SHM={} PSNET_COLL_PIECE={} \
+         max_message={} same_host_shm={}",
         c.algo,
         c.small_bytes,
+        c.small_shm_bytes,
         c.piece_bytes,
-        comm.transport.capabilities().max_message
+        comm.transport.capabilities().max_message,
+        comm.transport.capabilities().same_host_shm
     )
 }
 

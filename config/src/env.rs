@@ -256,6 +256,8 @@ crate::declare_env_vars! {
         "collectives: allreduce algorithm: auto (pipelined recursive doubling on 2 ranks, and on more up to PSNET_COLL_SMALL bytes; a pipelined ring above), ring or doubling";
     PSNET_COLL_SMALL = "PSNET_COLL_SMALL", "65536",
         "collectives: allreduces of at most this many bytes on more than 2 ranks use recursive doubling (with PSNET_ALGO=auto)";
+    PSNET_COLL_SMALL_SHM = "PSNET_COLL_SMALL_SHM", "4194304",
+        "collectives: the same as PSNET_COLL_SMALL when every rank is on this host and the transport reaches them through shared memory";
     PSNET_COLL_PIECE = "PSNET_COLL_PIECE", "1048576",
         "collectives: large buffers move in pieces of at most this many bytes, so that transfers and reductions overlap";
     PSNET_COLL_JOIN_TIMEOUT = "PSNET_COLL_JOIN_TIMEOUT", "120",

@@ -339,6 +339,7 @@ impl Transport for TcpTransport {
             eager_limit: 0,
             zero_copy_send: true,
             prefers_registered: false,
+            same_host_shm: self.inner.config.shm_ring > 0 && self.inner.config.shm_queue > 0,
         }
     }
 

@@ -203,6 +203,7 @@ impl Transport for MemTransport {
             eager_limit: usize::MAX,
             zero_copy_send: false,
             prefers_registered: false,
+            same_host_shm: false,
         }
     }
 

@@ -32,6 +32,7 @@ fn perf() -> Command {
         "SLURM_NTASKS",
         "PSNET_ALGO",
         "PSNET_COLL_SMALL",
+        "PSNET_COLL_SMALL_SHM",
         "PSNET_COLL_PIECE",
         "PSNET_SHM_RING",
     ] {

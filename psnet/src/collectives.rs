@@ -167,7 +167,7 @@ fn resolve(what: &str, text: &str) -> Result<SocketAddr, CollectiveError> {
         .ok_or_else(|| invalid(format!("{what}: {text:?} resolves to no address")))
 }
 
-/// The settings from `PSNET_ALGO`, `PSNET_COLL_SMALL`, `PSNET_COLL_PIECE`,
+/// The settings from `PSNET_ALGO`, `PSNET_COLL_SMALL`, `PSNET_COLL_SMALL_SHM`, `PSNET_COLL_PIECE`,
 /// `PSNET_COLL_JOIN_TIMEOUT`, `PSNET_COLL_TIMEOUT`, `PSNET_COLL_SPIN_US` and
 /// `PSNET_COLL_AHEAD_BYTES`.
 pub fn config_from_env() -> Result<Config, CollectiveError> {
@@ -187,6 +187,9 @@ pub fn config_from_env() -> Result<Config, CollectiveError> {
             .map_err(bad)?,
         algo: env::PSNET_ALGO.parse_or_default::<Algo>().map_err(bad)?,
         small_bytes: env::PSNET_COLL_SMALL
+            .parse_or_default::<usize>()
+            .map_err(bad)?,
+        small_shm_bytes: env::PSNET_COLL_SMALL_SHM
             .parse_or_default::<usize>()
             .map_err(bad)?,
         piece_bytes: env::PSNET_COLL_PIECE

@@ -18,4 +18,8 @@ pub struct Capabilities {
     /// Sending from a [`crate::RegisteredBuf`] avoids a registration or a copy that a plain slice
     /// would cost.
     pub prefers_registered: bool,
+    /// Peers on this host are reached through shared memory: a message costs copies, not a
+    /// trip through the kernel's network stack, so latency-bound algorithms with fewer steps
+    /// pay off to larger sizes.
+    pub same_host_shm: bool,
 }

@@ -373,6 +373,7 @@ impl Transport for VerbsTransport {
             eager_limit: self.inner.params.slot_size - DataHeader::encoded_len(1),
             zero_copy_send: true,
             prefers_registered: true,
+            same_host_shm: false,
         }
     }
 
