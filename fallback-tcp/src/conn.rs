@@ -17,6 +17,8 @@ use crate::shm::queue::SendQueue;
 use crate::shm::releases::ReleaseReader;
 use crate::shm::{Control, SendRing};
 
+/// How long a connection closed for what it sent may take to be told why.
+const CLOSE_NOTICE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 /// Most buffers one `writev` takes (Linux's IOV_MAX).
 const IOV_MAX: usize = 1024;
 
@@ -209,6 +211,14 @@ impl Conn {
         let mut head = HeaderBuf::new();
         header.encode_into(&mut head);
         self.write_frame_locked(writer, &head, body, &[]).await
+    }
+
+    /// Tells the peer why this side closes the connection (a frame or record that breaks the
+    /// rules), waiting at most `CLOSE_NOTICE_WAIT` for a peer that does not read, then closes.
+    pub(crate) async fn close_with_notice(&self, why: &str) {
+        let say = self.write_control(FrameKind::Close, why.as_bytes());
+        let _ = tokio::time::timeout(CLOSE_NOTICE_WAIT, say).await;
+        self.close();
     }
 
     pub(crate) fn is_broken(&self) -> bool {

@@ -15,13 +15,16 @@ use crate::shm::queue::{Record, RecvQueue};
 use crate::shm::RecvRing;
 
 /// Why the queue's task stopped.
+#[derive(Clone, Debug)]
 pub(crate) enum QueueEnd {
     /// The socket ended and everything the queue held was delivered.
     Drained,
     /// The peer broke the queue's rules.
     Refused(String),
-    /// The inbox is closed, or waiting on the eventfd failed.
-    Stopped,
+    /// Waiting on the queue's eventfd failed.
+    Failed(String),
+    /// The inbox is closed: the transport is shutting down.
+    Shutdown,
 }
 
 /// What the socket reader keeps of a connection's queue.
@@ -37,6 +40,8 @@ pub(crate) struct QueueLink {
     pub(crate) direct: u64,
     /// The peer's ring, for the queue's ring records; set before the ring is accepted.
     pub(crate) ring: Arc<OnceLock<Arc<RecvRing>>>,
+    /// Why the queue's task closed the connection, set before it closes it.
+    closed_because: Arc<OnceLock<QueueEnd>>,
 }
 
 impl Default for QueueLink {
@@ -47,7 +52,17 @@ impl Default for QueueLink {
             task: None,
             direct: 0,
             ring: Arc::default(),
+            closed_because: Arc::default(),
         }
+    }
+}
+
+/// Closes the semaphore the socket reader waits on.
+struct CloseOnDrop(Arc<Semaphore>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.close();
     }
 }
 
@@ -89,11 +104,27 @@ impl QueueLink {
             spin,
         };
         self.frames = Some(tx);
+        let closed_because = self.closed_because.clone();
         self.task = Some(AbortOnDrop(tokio::spawn(async move {
-            let wanted = task.wanted.clone();
+            // However the task ends (a panic included), a socket reader waiting to hand over
+            // a frame must not wait for nobody.
+            let _wanted = CloseOnDrop(task.wanted.clone());
+            let conn = task.conn.clone();
             let end = task.run().await;
-            // A socket reader waiting to hand over a frame must not wait for nobody.
-            wanted.close();
+            // The connection cannot go on without its queue: the peer is told why, as for a
+            // bad frame on the socket, and both sides see the loss. The reason is kept first:
+            // the socket reader, seeing the connection closed, stops this task.
+            match &end {
+                QueueEnd::Refused(why) => {
+                    let _ = closed_because.set(end.clone());
+                    conn.close_with_notice(why).await;
+                }
+                QueueEnd::Failed(_) => {
+                    let _ = closed_because.set(end.clone());
+                    conn.close();
+                }
+                QueueEnd::Drained | QueueEnd::Shutdown => {}
+            }
             end
         })));
     }
@@ -123,13 +154,21 @@ impl QueueLink {
         }
     }
 
+    /// This side closed the connection: stops the queue's task, and says why if the task
+    /// itself closed it (None otherwise).
+    pub(crate) fn stop(mut self) -> Option<QueueEnd> {
+        self.frames = None;
+        drop(self.task.take());
+        self.closed_because.get().cloned()
+    }
+
     /// The socket has ended: lets the queue's task deliver what the queue still holds, and
     /// says why it stopped (None if the queue was never used).
     pub(crate) async fn finish(mut self) -> Option<QueueEnd> {
         self.frames = None;
         let mut task = self.task.take()?;
         let end = (&mut task.0).await;
-        Some(end.unwrap_or(QueueEnd::Stopped))
+        Some(end.unwrap_or_else(|e| QueueEnd::Failed(format!("the queue's task ended: {e}"))))
     }
 }
 
@@ -273,7 +312,7 @@ impl Delivery {
             return Ok(());
         }
         let woke = tokio::select! {
-            woke = self.queue.wait() => woke.is_ok(),
+            woke = self.queue.wait() => woke,
             msg = self.frames.recv() => {
                 match msg {
                     Some(msg) => {
@@ -282,16 +321,16 @@ impl Delivery {
                     }
                     None => self.frames_open = false,
                 }
-                true
+                Ok(())
             }
         };
         self.queue.consumer.wake();
         *idle_since = None;
-        if woke {
-            Ok(())
-        } else {
-            Err(Stop::End(QueueEnd::Stopped))
-        }
+        woke.map_err(|e| {
+            Stop::End(QueueEnd::Failed(format!(
+                "waiting on the queue's eventfd: {e}"
+            )))
+        })
     }
 
     /// The next data frame from the socket, in order.
@@ -328,7 +367,7 @@ impl Delivery {
         if self.inbox.push_message(msg).await {
             Ok(())
         } else {
-            Err(Stop::End(QueueEnd::Stopped))
+            Err(Stop::End(QueueEnd::Shutdown))
         }
     }
 }

@@ -50,9 +50,35 @@ pub(crate) async fn read_loop(
     spin: Duration,
 ) -> ReadEnd {
     let mut link = QueueLink::default();
-    let end = read_frames(read, buf, conn, inbox, limits, inflight, spin, &mut link).await;
-    match link.finish().await {
+    let end = read_frames(
+        read,
+        buf,
+        conn.clone(),
+        inbox,
+        limits,
+        inflight,
+        spin,
+        &mut link,
+    )
+    .await;
+    if link.is_started() {
+        match &end {
+            ReadEnd::Refused(why) => conn.close_with_notice(why).await,
+            ReadEnd::Failed(_) => conn.close(),
+            ReadEnd::Closed | ReadEnd::Shutdown => {}
+        }
+    }
+    // What the peer sent before it closed is delivered, as TCP delivers what came before
+    // its FIN; a connection this side closed (`disconnect`, a refusal, a failed write) takes
+    // nothing more, as a socket shut down here reads nothing more.
+    let queue_end = if conn.is_broken() {
+        link.stop()
+    } else {
+        link.finish().await
+    };
+    match queue_end {
         Some(QueueEnd::Refused(why)) => ReadEnd::Refused(why),
+        Some(QueueEnd::Failed(why)) => ReadEnd::Failed(why),
         _ => end,
     }
 }

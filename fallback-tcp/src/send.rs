@@ -80,12 +80,21 @@ impl Conn {
             None => Ok(()),
         };
         if out.has_device() {
+            // The frame's first write follows the marker with no wait between (the staged
+            // writer marks the frame started before it awaits).
             self.write_frame_staged(&mut writer, &head, out.meta, out.segments, chunk, marker)
                 .await?;
         } else {
             marker().await?;
+            // Once the marker is published the frame must follow: a send dropped before its
+            // first byte left would leave the marker to claim the next frame.
+            let mut unfinished = CloseUnlessFinished {
+                conn: self,
+                finished: false,
+            };
             self.write_frame_locked(&mut writer, &head, out.meta, out.segments)
                 .await?;
+            unfinished.finished = true;
         }
         writer.socket_data += 1;
         Ok(if ring.is_some() {
@@ -117,7 +126,9 @@ impl Conn {
         };
         let bytes: usize = host.iter().map(|s| s.len()).sum();
         let header = inline_header(msg.meta, &host);
-        if bytes >= QUEUED_RING_MIN || header.len() + msg.meta.len() + bytes > queue.max_payload() {
+        if bytes >= queued_ring_min(queue)
+            || header.len() + msg.meta.len() + bytes > queue.max_payload()
+        {
             return Ok(false);
         }
         let mut parts: SmallVec<[&[u8]; 6]> = SmallVec::new();
@@ -169,5 +180,28 @@ impl Conn {
             io::ErrorKind::InvalidData,
             format!("shared-memory queue: {why}"),
         )
+    }
+}
+
+/// The size from which messages go through the ring once the queue is in use: up to it they
+/// are copied into the queue, so it stays below the largest record the queue takes.
+pub(crate) fn queued_ring_min(queue: &SendQueue) -> usize {
+    QUEUED_RING_MIN.min(queue.max_payload().saturating_sub(INLINE_SLACK))
+}
+
+/// Room left in the largest record for an inline message's lengths and metadata.
+const INLINE_SLACK: usize = 4096;
+
+/// Closes the connection when dropped before `finished` is set.
+struct CloseUnlessFinished<'a> {
+    conn: &'a Conn,
+    finished: bool,
+}
+
+impl Drop for CloseUnlessFinished<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.conn.close();
+        }
     }
 }

@@ -21,14 +21,11 @@ use crate::inbox::Inbox;
 use crate::peers::Peers;
 use crate::reader::{read_loop, Inflight, ReadEnd};
 use crate::send::Path;
-use crate::shm::{self, QUEUED_RING_MIN, SHM_MIN};
+use crate::shm::{self, SHM_MIN};
 
 mod opening;
 
 use opening::{accept_loop, Side};
-
-/// How long a connection closed for what it sent may take to be told why.
-const CLOSE_NOTICE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The TCP implementation of [`Transport`].
 ///
@@ -289,11 +286,7 @@ impl Inner {
                 // one): its error then says so instead of "closed by the peer". Bounded: a
                 // peer that does not read is not waited for.
                 let (conn, notice) = (conn.clone(), why.clone());
-                tokio::spawn(async move {
-                    let say = conn.write_control(FrameKind::Close, notice.as_bytes());
-                    let _ = tokio::time::timeout(CLOSE_NOTICE_WAIT, say).await;
-                    conn.close();
-                });
+                tokio::spawn(async move { conn.close_with_notice(&notice).await });
                 why
             }
         };
@@ -390,11 +383,9 @@ impl Transport for TcpTransport {
             }
         };
         let mut ring = None;
-        let ring_min = if conn.active_queue().is_some() {
-            QUEUED_RING_MIN
-        } else {
-            SHM_MIN
-        };
+        let ring_min = conn
+            .active_queue()
+            .map_or(SHM_MIN, |q| crate::send::queued_ring_min(&q));
         if header.body_len() - u64::from(header.meta_len) >= ring_min as u64 {
             // The first large message to a peer on this host offers the bulk path; it goes
             // through the socket itself, later ones through the ring once accepted.

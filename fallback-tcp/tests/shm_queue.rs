@@ -117,27 +117,7 @@ async fn every_path_delivers_in_the_order_sent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_departed_peer_s_queued_messages_arrive_before_its_loss() {
     let (a, b) = pair(TcpConfig::default()).await;
-    // Wait until the queue is in use.
-    a.send(NodeId(2), OutMessage::new(b"hi", &[]))
-        .await
-        .unwrap();
-    next_message(&b).await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let before = a.send_paths().queue;
-        a.send(NodeId(2), OutMessage::new(b"probe", &[]))
-            .await
-            .unwrap();
-        next_message(&b).await;
-        if a.send_paths().queue > before {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the queue was never used"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_for_the_queue(&a, &b).await;
     for i in 0..2000u32 {
         a.send(NodeId(2), OutMessage::new(&i.to_le_bytes(), &[]))
             .await
@@ -177,4 +157,68 @@ async fn without_the_ring_only_sockets_carry_messages() {
     }
     let paths = a.send_paths();
     assert_eq!((paths.queue, paths.ring, paths.socket), (0, 0, 50));
+}
+
+/// Sends probes until one goes through the queue.
+async fn wait_for_the_queue(a: &TcpTransport, b: &TcpTransport) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let before = a.send_paths().queue;
+        a.send(NodeId(2), OutMessage::new(b"probe", &[]))
+            .await
+            .unwrap();
+        next_message(b).await;
+        if a.send_paths().queue > before {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the queue was never used"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn next_loss(t: &TcpTransport) -> (NodeId, String) {
+    timeout(LIMIT, async {
+        loop {
+            if let Event::PeerLost { peer, reason } = t.recv().await.unwrap() {
+                return (peer, reason);
+            }
+        }
+    })
+    .await
+    .expect("the loss is reported")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_message_over_the_receiver_s_limits_ends_the_connection_on_both_sides() {
+    // As over the socket: the receiver refuses, says why, and both sides lose the peer.
+    let a = TcpTransport::bind(NodeId(1), TcpConfig::default())
+        .await
+        .unwrap();
+    let strict = TcpConfig {
+        limits: psnet_transport::Limits {
+            max_message: 50_000,
+            ..psnet_transport::Limits::default()
+        },
+        ..TcpConfig::default()
+    };
+    let b = TcpTransport::bind(NodeId(2), strict).await.unwrap();
+    a.connect(NodeId(2), b.listen_addr()).await.unwrap();
+    wait_for_the_queue(&a, &b).await;
+    let big = vec![5u8; 60_000];
+    // The send itself succeeds: the message is in the queue before the receiver looks.
+    a.send(NodeId(2), OutMessage::new(b"", &[Segment::new(&big)]))
+        .await
+        .unwrap();
+    let (peer, why) = next_loss(&b).await;
+    assert_eq!(peer, NodeId(1));
+    assert!(why.contains("PSNET_MAX_MESSAGE"), "{why}");
+    let (peer, why) = next_loss(&a).await;
+    assert_eq!(peer, NodeId(2));
+    assert!(
+        why.contains("PSNET_MAX_MESSAGE"),
+        "the sender is told why: {why}"
+    );
 }

@@ -739,7 +739,6 @@ mod tests {
         ];
         for (kind, body) in cases {
             let (p2, mut c2) = pair(4096);
-            p2.write_header(0, Kind::Pad, 0);
             let mut h = kind.to_le_bytes().to_vec();
             h.extend_from_slice(&(body.len() as u32).to_le_bytes());
             p2.area.write(RECORDS, &h);
@@ -862,7 +861,11 @@ mod tests {
                         let (m, cv) = &*woken;
                         let mut g = m.lock().unwrap();
                         while *g == seen_wakes {
-                            g = cv.wait(g).unwrap();
+                            let (next, waited) = cv
+                                .wait_timeout(g, std::time::Duration::from_secs(20))
+                                .unwrap();
+                            assert!(!waited.timed_out(), "a wake-up was lost");
+                            g = next;
                         }
                         seen_wakes = *g;
                         c.wake();
