@@ -92,8 +92,11 @@ impl Conn {
         }
         match SendRing::create(size) {
             Ok(ring) => {
-                self.control.push(FrameKind::ShmOffer, ring.offer());
+                // In its slot before the offer leaves: the answer can come back (and find the
+                // slot) before this thread runs again.
+                let offer = ring.offer();
                 *self.send_ring.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ring));
+                self.control.push(FrameKind::ShmOffer, offer);
             }
             Err(e) => tracing::debug!(peer = %self.peer, error = %e, "no shared-memory ring"),
         }
@@ -126,9 +129,10 @@ impl Conn {
         }
         match SendQueue::create(size) {
             Ok(queue) => {
-                self.control
-                    .push(FrameKind::QueueOffer, queue.offer().to_vec());
+                // In its slot before the offer leaves, as for the ring.
+                let offer = queue.offer().to_vec();
                 *self.send_queue.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(queue));
+                self.control.push(FrameKind::QueueOffer, offer);
             }
             Err(e) => tracing::debug!(peer = %self.peer, error = %e, "no shared-memory queue"),
         }

@@ -12,7 +12,7 @@ use smallvec::SmallVec;
 
 use crate::conn::{Conn, Writer};
 use crate::shm::queue::{inline_header, Kind, SendQueue};
-use crate::shm::QUEUED_RING_MIN;
+use crate::shm::{QUEUED_RING_MIN, SHM_MIN};
 
 /// How long a sender whose queue is full polls before it sleeps between polls.
 const FULL_SPIN: Duration = Duration::from_micros(200);
@@ -186,7 +186,9 @@ impl Conn {
 /// The size from which messages go through the ring once the queue is in use: up to it they
 /// are copied into the queue, so it stays below the largest record the queue takes.
 pub(crate) fn queued_ring_min(queue: &SendQueue) -> usize {
-    QUEUED_RING_MIN.min(queue.max_payload().saturating_sub(INLINE_SLACK))
+    QUEUED_RING_MIN
+        .min(queue.max_payload().saturating_sub(INLINE_SLACK))
+        .max(SHM_MIN)
 }
 
 /// Room left in the largest record for an inline message's lengths and metadata.

@@ -105,6 +105,25 @@ impl TcpTransport {
     }
 }
 
+/// A ring region holding a message not yet sent: freed if the send fails or is dropped
+/// first, so that one abandoned send cannot pin the ring for the rest of the connection (the
+/// ring frees from its oldest region). Once the descriptor may have reached the peer, the
+/// connection is closed (see `send_message`) or the send returned.
+struct UnsentRegion {
+    ring: Arc<shm::SendRing>,
+    off: usize,
+    len: usize,
+    sent: bool,
+}
+
+impl Drop for UnsentRegion {
+    fn drop(&mut self) {
+        if !self.sent {
+            self.ring.free(self.off, self.len);
+        }
+    }
+}
+
 /// Messages a [`TcpTransport`] sent, by the path they took.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SendPaths {
@@ -383,6 +402,7 @@ impl Transport for TcpTransport {
             }
         };
         let mut ring = None;
+        let mut region = None;
         let ring_min = conn
             .active_queue()
             .map_or(SHM_MIN, |q| crate::send::queued_ring_min(&q));
@@ -391,10 +411,18 @@ impl Transport for TcpTransport {
             // through the socket itself, later ones through the ring once accepted.
             conn.offer_ring(inner.config.shm_ring);
             conn.collect_releases();
-            ring = conn
+            if let Some((send_ring, (off, len))) = conn
                 .active_ring()
-                .and_then(|ring| ring.put(msg.segments))
-                .map(|(off, _)| shm::descriptor(off, msg.segments));
+                .and_then(|r| r.put(msg.segments).map(|at| (r, at)))
+            {
+                ring = Some(shm::descriptor(off, msg.segments));
+                region = Some(UnsentRegion {
+                    ring: send_ring,
+                    off,
+                    len,
+                    sent: false,
+                });
+            }
         }
         if msg.has_device() {
             for ordinal in msg.segments.iter().filter_map(|s| s.device_bytes()) {
@@ -415,6 +443,10 @@ impl Transport for TcpTransport {
                 StreamError::Device(source) => TransportError::Device { peer, source },
                 StreamError::Io(e) => lost(e),
             })?;
+        // Sent: the peer releases it. (Dropped or failed before that, the guard frees it.)
+        if let Some(region) = region.as_mut() {
+            region.sent = true;
+        }
         inner.paths.count(path);
         if strike == Strike::Reset {
             tracing::info!(%peer, "PSNET_FAULTS: resetting the connection after a message");

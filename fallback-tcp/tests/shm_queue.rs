@@ -222,3 +222,90 @@ async fn a_queued_message_over_the_receiver_s_limits_ends_the_connection_on_both
         "the sender is told why: {why}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_send_dropped_before_it_left_gives_its_ring_region_back() {
+    // A 2 MiB ring holds one 1 MiB message at a time: a region kept by a send that never left
+    // would send every later one through the socket.
+    let a = std::sync::Arc::new(
+        TcpTransport::bind(
+            NodeId(1),
+            TcpConfig {
+                shm_ring: 2 << 20,
+                shm_queue: 4096,
+                ..TcpConfig::default()
+            },
+        )
+        .await
+        .unwrap(),
+    );
+    let b = TcpTransport::bind(
+        NodeId(2),
+        TcpConfig {
+            inbox_bytes: 64 << 10,
+            ..TcpConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    a.connect(NodeId(2), b.listen_addr()).await.unwrap();
+    wait_for_the_queue(&a, &b).await;
+    let big = vec![3u8; 1 << 20];
+    let send_big = |a: std::sync::Arc<TcpTransport>, big: Vec<u8>| async move {
+        a.send(NodeId(2), OutMessage::new(b"B", &[Segment::new(&big)]))
+            .await
+    };
+    // The first large message offers the ring; send until one has gone through it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while a.send_paths().ring == 0 {
+        send_big(a.clone(), big.clone()).await.unwrap();
+        next_message(&b).await;
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the ring was never used: {:?}",
+            a.send_paths()
+        );
+    }
+    // b stops reading: its inbox fills, then a's queue; a sender then waits for room
+    // holding the connection's writer.
+    let small = vec![1u8; 600];
+    let filler = {
+        let a = a.clone();
+        tokio::spawn(async move {
+            for _ in 0..400 {
+                a.send(NodeId(2), OutMessage::new(b"s", &[Segment::new(&small)]))
+                    .await
+                    .unwrap();
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!filler.is_finished(), "the queue never filled");
+    // This send takes its ring region, then waits for the writer; it is dropped there.
+    let dropped = timeout(Duration::from_millis(200), send_big(a.clone(), big.clone())).await;
+    assert!(
+        dropped.is_err(),
+        "the large send went out while the queue was full"
+    );
+    // b reads everything; then every 1 MiB message still fits the ring.
+    let reader = async {
+        for _ in 0..400 {
+            let m = next_message(&b).await;
+            assert_eq!(&m.meta[..], b"s");
+        }
+    };
+    reader.await;
+    filler.await.unwrap();
+    let before = a.send_paths();
+    for _ in 0..6 {
+        send_big(a.clone(), big.clone()).await.unwrap();
+        let m = next_message(&b).await;
+        assert_eq!(m.segments[0].len(), 1 << 20);
+    }
+    let after = a.send_paths();
+    assert_eq!(
+        (after.ring - before.ring, after.socket - before.socket),
+        (6, 0),
+        "{before:?} -> {after:?}"
+    );
+}
