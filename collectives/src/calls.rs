@@ -71,12 +71,11 @@ impl<T: Transport> Communicator<T> {
         let (rank, n, size) = (self.rank, self.size(), E::DTYPE.size());
         let bytes = count * size;
         let shm_local = self.all_local && self.transport.capabilities().same_host_shm;
-        let doubling = uses_doubling(&self.config, n, bytes, shm_local);
         let piece = self.piece_elems(E::DTYPE);
-        let plan = if doubling {
-            plan::doubling_allreduce(rank, n, count, size, piece)
-        } else {
-            plan::ring_allreduce(rank, n, count, size, piece)
+        let plan = match allreduce_algo(&self.config, n, bytes, shm_local) {
+            Algo::Doubling => plan::doubling_allreduce(rank, n, count, size, piece),
+            Algo::Halving => plan::halving_allreduce(rank, n, count, size, piece),
+            Algo::Ring | Algo::Auto => plan::ring_allreduce(rank, n, count, size, piece),
         };
         Ok((self.call_of::<E>(Coll::Allreduce, op, count, 0), plan))
     }
@@ -373,25 +372,25 @@ impl<T: Transport> Communicator<T> {
     }
 }
 
-/// Whether an allreduce of `bytes` on `n` ranks uses recursive doubling rather than the ring.
+/// The algorithm of an allreduce of `bytes` on `n` ranks (never [`Algo::Auto`]).
 ///
 /// On two ranks doubling is one exchange where the ring takes two steps for the same bytes;
 /// on more, it moves log2(n) whole buffers where the ring moves two, in 2(n - 1)
 /// latency-bound steps: doubling wins up to a size (`small_bytes`), the ring above. Through
 /// shared memory (`shm_local`: every rank on this host, reached that way) a step costs copies
 /// but no kernel: 4-rank allreduces on one host took 0.4-0.6x the ring's time with doubling
-/// from 128 KiB to 2 MiB, and as long at 4 MiB (alternating runs, 2 cores), hence
-/// `small_shm_bytes` there.
-fn uses_doubling(config: &crate::Config, n: usize, bytes: usize, shm_local: bool) -> bool {
+/// from 128 KiB to 2 MiB, but 1.1-2.5x at 4 MiB (alternating runs, 2 cores), hence
+/// `small_shm_bytes` (2 MiB) there.
+fn allreduce_algo(config: &crate::Config, n: usize, bytes: usize, shm_local: bool) -> Algo {
     let small = if shm_local {
         config.small_bytes.max(config.small_shm_bytes)
     } else {
         config.small_bytes
     };
     match config.algo {
-        Algo::Doubling => true,
-        Algo::Ring => false,
-        Algo::Auto => n == 2 || bytes <= small,
+        Algo::Auto if n == 2 || bytes <= small => Algo::Doubling,
+        Algo::Auto => Algo::Ring,
+        chosen => chosen,
     }
 }
 
@@ -401,23 +400,22 @@ mod tests {
 
     #[test]
     fn shared_memory_takes_doubling_to_larger_sizes() {
+        let doubling =
+            |c: &crate::Config, n, bytes, shm| allreduce_algo(c, n, bytes, shm) == Algo::Doubling;
         let c = crate::Config::default();
-        assert!(uses_doubling(&c, 2, 1 << 30, false), "2 ranks always");
-        assert!(uses_doubling(&c, 4, 64 << 10, false));
+        assert!(doubling(&c, 2, 1 << 30, false), "2 ranks always");
+        assert!(doubling(&c, 4, 64 << 10, false));
+        assert!(!doubling(&c, 4, 1 << 20, false), "the ring over sockets");
         assert!(
-            !uses_doubling(&c, 4, 1 << 20, false),
-            "the ring over sockets"
-        );
-        assert!(
-            uses_doubling(&c, 4, 1 << 20, true),
+            doubling(&c, 4, 1 << 20, true),
             "doubling through shared memory"
         );
-        assert!(uses_doubling(&c, 4, 4 << 20, true));
-        assert!(!uses_doubling(&c, 4, (4 << 20) + 4, true));
+        assert!(doubling(&c, 4, 2 << 20, true));
+        assert!(!doubling(&c, 4, (2 << 20) + 4, true));
         let ring = crate::Config {
             algo: Algo::Ring,
             ..crate::Config::default()
         };
-        assert!(!uses_doubling(&ring, 4, 8, true), "PSNET_ALGO wins");
+        assert!(!doubling(&ring, 4, 8, true), "PSNET_ALGO wins");
     }
 }

@@ -17,6 +17,9 @@ pub enum Algo {
     /// Always recursive doubling: log2(n) exchanges of the whole buffer, latency-optimal for
     /// small ones.
     Doubling,
+    /// Always recursive halving and doubling (Rabenseifner's): the ring's bytes in
+    /// 2 log2(n) steps instead of 2(n - 1).
+    Halving,
 }
 
 impl FromStr for Algo {
@@ -26,7 +29,10 @@ impl FromStr for Algo {
             "" | "auto" => Ok(Algo::Auto),
             "ring" => Ok(Algo::Ring),
             "doubling" | "rd" | "recursive_doubling" => Ok(Algo::Doubling),
-            _ => Err(format!("unknown algorithm {s:?} (auto, ring, doubling)")),
+            "halving" | "rhd" | "rabenseifner" => Ok(Algo::Halving),
+            _ => Err(format!(
+                "unknown algorithm {s:?} (auto, ring, doubling, halving)"
+            )),
         }
     }
 }
@@ -37,6 +43,7 @@ impl fmt::Display for Algo {
             Algo::Auto => "auto",
             Algo::Ring => "ring",
             Algo::Doubling => "doubling",
+            Algo::Halving => "halving",
         })
     }
 }
@@ -75,7 +82,7 @@ impl Default for Config {
         Config {
             algo: Algo::Auto,
             small_bytes: 64 << 10,
-            small_shm_bytes: 4 << 20,
+            small_shm_bytes: 2 << 20,
             piece_bytes: 1 << 20,
             join_timeout: Duration::from_secs(120),
             call_timeout: Some(Duration::from_secs(600)),

@@ -155,9 +155,9 @@ fn every_collective_on_one_to_nine_ranks() {
 }
 
 #[test]
-fn ring_and_doubling_in_small_pieces_agree() {
+fn ring_doubling_and_halving_in_small_pieces_agree() {
     let rt = runtime();
-    for algo in [Algo::Ring, Algo::Doubling] {
+    for algo in [Algo::Ring, Algo::Doubling, Algo::Halving] {
         for n in [2, 3, 5, 8] {
             let config = Config {
                 algo,
@@ -240,6 +240,7 @@ fn float_results_are_the_same_bits_on_every_rank() {
         for (n, count, algo) in [
             (5, 3000, Algo::Ring),
             (6, 300, Algo::Doubling),
+            (7, 5000, Algo::Halving),
             (7, 10_001, Algo::Auto),
         ] {
             let net = delayed(n as u64);

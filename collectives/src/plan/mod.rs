@@ -8,7 +8,7 @@
 //! messages, so a large buffer is pipelined: piece 2 of a ring step travels while piece 1 of
 //! the next step is being reduced.
 //!
-//! The builders (`ring.rs`, `tree.rs`, `doubling.rs`, `barrier.rs`) fix every reduction's
+//! The builders (`ring.rs`, `tree.rs`, `doubling.rs`, `halving.rs`, `barrier.rs`) fix every reduction's
 //! order, so the same inputs give the same bits run to run.
 
 use std::collections::{HashMap, VecDeque};
@@ -21,11 +21,13 @@ use crate::element::Order;
 
 mod barrier;
 mod doubling;
+mod halving;
 mod ring;
 mod tree;
 
 pub(crate) use barrier::barrier;
 pub(crate) use doubling::doubling_allreduce;
+pub(crate) use halving::halving_allreduce;
 pub(crate) use ring::{ring_allgather, ring_allreduce, ring_reduce_scatter};
 pub(crate) use tree::{tree_broadcast, tree_reduce};
 

@@ -51,6 +51,19 @@ proptest! {
     }
 
     #[test]
+    fn halving_allreduce_reduces(n in 1usize..=9, count in 0usize..200, piece in 1usize..40,
+                                 op in 0usize..4, seed: u64) {
+        let op = OPS[op];
+        let mut bufs = inputs(n, count, seed);
+        let want = reference(op, &bufs, 0..count);
+        let plans = (0..n).map(|r| halving_allreduce(r, n, count, 8, piece)).collect();
+        sim::run(plans, &mut bufs, op, seed);
+        for b in &bufs {
+            prop_assert_eq!(b, &want);
+        }
+    }
+
+    #[test]
     fn doubling_allreduce_reduces(n in 1usize..=9, count in 0usize..120, piece in 1usize..40,
                                   op in 0usize..4, seed: u64) {
         let op = OPS[op];
@@ -133,7 +146,7 @@ proptest! {
     /// so must every run, whatever order the messages took.
     #[test]
     fn float_allreduce_gives_the_same_bits_everywhere_and_every_time(
-        n in 1usize..=9, count in 0usize..120, piece in 1usize..20, ring: bool,
+        n in 1usize..=9, count in 0usize..120, piece in 1usize..20, algo in 0usize..3,
         seed: u64, other_seed: u64,
     ) {
         let mut rng = fastrand::Rng::with_seed(seed);
@@ -141,10 +154,10 @@ proptest! {
             (0..n).map(|_| (0..count).map(|_| rng.f32() * 1e3 - 500.0).collect()).collect();
         let plans = |n: usize| -> Vec<Plan> {
             (0..n)
-                .map(|r| if ring {
-                    ring_allreduce(r, n, count, 4, piece)
-                } else {
-                    doubling_allreduce(r, n, count, 4, piece)
+                .map(|r| match algo {
+                    0 => ring_allreduce(r, n, count, 4, piece),
+                    1 => doubling_allreduce(r, n, count, 4, piece),
+                    _ => halving_allreduce(r, n, count, 4, piece),
                 })
                 .collect()
         };

@@ -310,6 +310,18 @@ fn run(coll: Collective, args: &CollArgs) -> Result<(), Failure> {
         comm.barrier()
             .await
             .map_err(|e| rank_failure(Some(rank), e))?;
+        // Which paths this rank's messages took: a same-host run that fell back to its
+        // sockets shows here, not only in its times.
+        if let AnyTransport::Tcp(tcp) = comm.transport().as_ref() {
+            let paths = tcp.send_paths();
+            tracing::info!(
+                rank,
+                queue = paths.queue,
+                ring = paths.ring,
+                socket = paths.socket,
+                "messages sent by path"
+            );
+        }
         // Every rank knows the sum; rank 0 alone reports it, so that the failure is one.
         if wrong > 0 && rank == 0 {
             return Err(Failure::new(
