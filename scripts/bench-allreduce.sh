@@ -154,7 +154,7 @@ for np in $RANKS; do
             psnet_env=(env PS_VERBOSE=1 PSNET_SHM_RING=0)
             mpi=("${MPIRUN[@]}" "${MPI_SOCKETS[@]}")
         else
-            psnet_env=(env PS_VERBOSE=1 -u PSNET_SHM_RING)
+            psnet_env=(env -u PSNET_SHM_RING PS_VERBOSE=1)
             mpi=("${MPIRUN[@]}" "${MPI_SHM[@]}")
         fi
         say "run $rep of $REPEAT, $np ranks, $pairing: psnet"
