@@ -1,4 +1,4 @@
-"""Collectives among the job's ranks, on NumPy arrays (and CPU torch tensors).
+"""Collectives among the job's ranks, on NumPy arrays and torch tensors (CPU and CUDA).
 
 ``psnet.init()`` joins every rank of the job. Rank, size and the root address come from
 psnet's ``PSNET_RANK`` / ``PSNET_WORLD_SIZE`` / ``PSNET_ROOT_ADDR``, torchrun's ``RANK`` /
@@ -8,7 +8,10 @@ psnet's ``PSNET_RANK`` / ``PSNET_WORLD_SIZE`` / ``PSNET_ROOT_ADDR``, torchrun's 
 ``allreduce``, ``broadcast`` and ``reduce`` work in place, as ``torch.distributed`` does, and
 also return the result, as Horovod's calls do; their arrays must be C-contiguous and writable
 (anything else is a ``ValueError``, never a silent copy). ``allgather`` and
-``reduce_scatter`` return new arrays (or fill ``out``).
+``reduce_scatter`` return new arrays, tensors on the input's device for a tensor (or fill
+``out``). A CUDA tensor goes through a host copy made for the call, and the result is copied
+back into it when the call ends (as gloo stages CUDA tensors); a CPU tensor's memory is used
+as it is.
 Element types: float32, float64, float16, int32, int64, uint8; operations ``'sum'``,
 ``'prod'``, ``'min'``, ``'max'``, and ``'avg'`` for floats. Reductions are deterministic:
 the same inputs give the same bits on every rank, run after run. A rank that dies, or ranks
@@ -18,7 +21,7 @@ that disagree about a call, raise on every rank (``PeerLostError``, ``Collective
 import numpy as np
 
 from . import _psnet
-from ._arrays import as_array, readable, writable
+from ._arrays import as_array, is_tensor, readable, staged, writable
 
 _comm = None
 
@@ -62,35 +65,40 @@ def allreduce(tensor, op="sum", out=None):
     """Reduces ``tensor`` across the ranks with ``op``. In place, unless ``out`` is given
     (then ``tensor`` is unchanged and ``out`` gets the result). Returns the result."""
     comm = _get()
-    if out is None:
-        target = writable(tensor, "allreduce")
-    else:
-        target = writable(out, "allreduce out")
-        np.copyto(target, as_array(tensor, "allreduce"), casting="no")
-    comm.allreduce(target, op)
+    with staged():
+        if out is None:
+            target = writable(tensor, "allreduce")
+        else:
+            target = writable(out, "allreduce out")
+            np.copyto(target, as_array(tensor, "allreduce"), casting="no")
+        comm.allreduce(target, op)
     return out if out is not None else tensor
 
 
 def broadcast(tensor, root=0):
     """Every rank's ``tensor`` ends with ``root``'s, in place. Returns it."""
-    _get().broadcast(writable(tensor, "broadcast"), root)
+    comm = _get()
+    with staged():
+        comm.broadcast(writable(tensor, "broadcast"), root)
     return tensor
 
 
 def allgather(tensor, out=None):
     """Every rank's ``tensor`` (each of the same shape) concatenated along the first axis in
-    rank order, as a new array (or written into ``out``)."""
+    rank order, as a new array (a tensor on ``tensor``'s device for a torch tensor), or
+    written into ``out``."""
     comm = _get()
-    send = readable(tensor, "allgather")
-    shape = (comm.size * send.shape[0],) + send.shape[1:] if send.ndim else (comm.size,)
-    if out is None:
-        out = np.empty(shape, dtype=send.dtype)
-    recv = writable(out, "allgather out")
-    if recv.size != comm.size * send.size:
-        raise ValueError(
-            f"allgather out: {recv.size} elements where {comm.size} x {send.size} are needed"
-        )
-    comm.allgather(send, recv)
+    with staged():
+        send = readable(tensor, "allgather")
+        shape = (comm.size * send.shape[0],) + send.shape[1:] if send.ndim else (comm.size,)
+        if out is None:
+            out = _new_like(tensor, shape, send.dtype)
+        recv = writable(out, "allgather out")
+        if recv.size != comm.size * send.size:
+            raise ValueError(
+                f"allgather out: {recv.size} elements where {comm.size} x {send.size} are needed"
+            )
+        comm.allgather(send, recv)
     return out
 
 
@@ -98,17 +106,18 @@ def reduce_scatter(tensor, op="sum", out=None):
     """Reduces ``tensor`` across the ranks and returns this rank's block of the result: the
     first axis split into ``size()`` equal blocks (its length must divide)."""
     comm = _get()
-    send = readable(tensor, "reduce_scatter")
-    n = comm.size
-    if send.ndim == 0 or send.shape[0] % n:
-        raise ValueError(
-            f"reduce_scatter: the first axis ({send.shape[0] if send.ndim else 'none'}) does not "
-            f"split into {n} equal blocks"
-        )
-    shape = (send.shape[0] // n,) + send.shape[1:]
-    if out is None:
-        out = np.empty(shape, dtype=send.dtype)
-    comm.reduce_scatter(send, writable(out, "reduce_scatter out"), op)
+    with staged():
+        send = readable(tensor, "reduce_scatter")
+        n = comm.size
+        if send.ndim == 0 or send.shape[0] % n:
+            raise ValueError(
+                f"reduce_scatter: the first axis ({send.shape[0] if send.ndim else 'none'}) "
+                f"does not split into {n} equal blocks"
+            )
+        shape = (send.shape[0] // n,) + send.shape[1:]
+        if out is None:
+            out = _new_like(tensor, shape, send.dtype)
+        comm.reduce_scatter(send, writable(out, "reduce_scatter out"), op)
     return out
 
 
@@ -116,9 +125,18 @@ def reduce(tensor, op="sum", root=0):
     """Reduces ``tensor`` across the ranks into ``root``'s ``tensor`` (in place there; the
     other ranks' are unchanged). Returns ``tensor``."""
     comm = _get()
-    target = writable(tensor, "reduce")
-    comm.reduce(target.copy(), target, op, root)
+    with staged():
+        target = writable(tensor, "reduce")
+        comm.reduce(target.copy(), target, op, root)
     return tensor
+
+
+def _new_like(tensor, shape, dtype):
+    """A result of ``shape``: a tensor on ``tensor``'s device if it is a torch tensor, else a
+    NumPy array."""
+    if is_tensor(tensor):
+        return tensor.new_empty(shape)
+    return np.empty(shape, dtype=dtype)
 
 
 def barrier():

@@ -9,11 +9,12 @@ Types, as MXNet names them:
   arithmetic (sums in worker-rank order).
 - ``'dist_async'`` / ``'dist_async_device'``: every push updates at once.
 
-The ``_device`` forms are accepted for MXNet scripts and behave as their plain forms: psnet's
-Python package takes CPU arrays.
+The ``_device`` forms are accepted for MXNet scripts and behave as their plain forms.
 
 Keys are ints or strs (not both in one store); values are float32 or float16 NumPy arrays
-(or CPU torch tensors), pushed and pulled in place without copying when C-contiguous.
+or torch tensors, pushed and pulled in place without copying when C-contiguous and on the
+CPU. A CUDA tensor goes through a host copy made for the call (a pulled value is copied back
+into it when the call ends).
 ``row_sparse_pull`` is not provided (psnet has no sparse values).
 
 A dist store needs a job: run the script under ``psnet-launch -n W -s S python3 train.py``
@@ -28,7 +29,7 @@ import numpy as np
 
 from . import _psnet
 from . import optimizer as _optimizer
-from ._arrays import as_array, readable, writable
+from ._arrays import as_array, readable, staged, writable
 
 _TYPES = ("local", "dist_sync", "dist_async", "dist_sync_device", "dist_async_device")
 _worker = None
@@ -130,10 +131,11 @@ class KVStore:
         self._ints[k] = i
         return i
 
-    def _items(self, key, value, what):
+    def _items(self, key, value, what, write=False):
         """(name, [arrays]) per key: a key with a value or a list of values (one per device),
         or a list of keys with one such entry each. A key named twice gets the values of
-        both, as MXNet groups them."""
+        both, as MXNet groups them. ``write``: the arrays are written (CUDA tensors' host
+        copies go back at the end of the call)."""
         if isinstance(key, (list, tuple)):
             if not isinstance(value, (list, tuple)) or len(value) != len(key):
                 raise ValueError(f"{what}: {len(key)} keys need a list of {len(key)} values")
@@ -147,12 +149,12 @@ class KVStore:
             vs = list(v) if isinstance(v, (list, tuple)) else [v]
             if not vs:
                 raise ValueError(f"{what}: key {k!r} has no value")
-            merged.setdefault(k, []).extend(as_array(x, f"{what} {k!r}") for x in vs)
+            merged.setdefault(k, []).extend(as_array(x, f"{what} {k!r}", write) for x in vs)
         return list(merged.items())
 
-    def _pairs(self, key, value, what):
+    def _pairs(self, key, value, what, write=False):
         """(name, int key, [arrays]) per key (see _items)."""
-        return [(k, self._key(k), arrays) for k, arrays in self._items(key, value, what)]
+        return [(k, self._key(k), arrays) for k, arrays in self._items(key, value, what, write)]
 
     def _check_shape(self, name, array, what):
         size = self._sizes.get(name)
@@ -188,6 +190,10 @@ class KVStore:
     # --- MXNet's calls ---------------------------------------------------------------------
     def init(self, key, value):
         """Initializes keys (rank 0's values count; every worker waits for the others)."""
+        with staged():
+            self._init(key, value)
+
+    def _init(self, key, value):
         items = self._items(key, value, "init")
         for name, arrays in items:
             self._check_dtype(arrays[0], "init")
@@ -206,6 +212,10 @@ class KVStore:
     def push(self, key, value, priority=0):
         """Pushes values (a list per key is summed first, as MXNet sums devices' values)."""
         del priority
+        with staged():
+            self._push(key, value)
+
+    def _push(self, key, value):
         if self._worker is not None and type(value) is np.ndarray:
             k = self._key(key)
             size = self._sizes.get(key)
@@ -225,6 +235,10 @@ class KVStore:
         del priority, ignore_sparse
         if out is None:
             raise ValueError("pull: out is required (the arrays to pull into)")
+        with staged():
+            self._pull(key, out)
+
+    def _pull(self, key, out):
         if self._worker is not None and type(out) is np.ndarray:
             k = self._key(key)
             size = self._sizes.get(key)
@@ -232,7 +246,7 @@ class KVStore:
                     and out.flags.c_contiguous and out.flags.writeable):
                 self._worker.pull([k], [out])
                 return
-        pairs = self._pairs(key, out, "pull")
+        pairs = self._pairs(key, out, "pull", write=True)
         for name, _, arrays in pairs:
             for a in arrays:
                 self._check_dtype(a, "pull out")
@@ -251,6 +265,10 @@ class KVStore:
     def pushpull(self, key, value, out=None, priority=0):
         """Pushes ``value`` and pulls the result into ``out`` (``value`` itself if None)."""
         del priority
+        with staged():
+            self._pushpull(key, value, out)
+
+    def _pushpull(self, key, value, out):
         if (self._worker is not None and type(value) is np.ndarray
                 and (out is None or type(out) is np.ndarray)):
             # One key, one array: the per-step call of a training loop, kept short.
@@ -265,7 +283,7 @@ class KVStore:
                 return
         pairs = [(n, k, self._merged(n, a, "pushpull"))
                  for n, k, a in self._pairs(key, value, "pushpull")]
-        outs = self._pairs(key, value if out is None else out, "pushpull out")
+        outs = self._pairs(key, value if out is None else out, "pushpull out", write=True)
         for (name, _, merged), (_, _, arrays) in zip(pairs, outs):
             for a in arrays:
                 self._check_shape(name, a, "pushpull out")

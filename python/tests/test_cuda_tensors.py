@@ -1,0 +1,179 @@
+"""CUDA tensors in psnet.allreduce (and the other collectives) and psnet.kvstore: staged
+through a host copy made for the call and copied back when the call wrote them. Without a GPU
+a stand-in tensor that reports device 'cuda' and refuses to be read as host memory checks the
+staging; with one, real CUDA tensors run too."""
+
+import textwrap
+
+import numpy as np
+import pytest
+
+from conftest import launch, run_ranks
+
+torch = pytest.importorskip("torch", reason="torch is not installed: CUDA tensors are not tested")
+
+# A stand-in for a CUDA tensor: psnet must copy it to the host (cpu) and back (copy_), never
+# read its memory as the host's (numpy).
+FAKE = """
+import torch
+
+class FakeCuda:
+    class device:
+        type = "cuda"
+
+    def __init__(self, t):
+        self.t = t
+        self.copied_back = 0
+
+    def numpy(self):
+        raise AssertionError("a CUDA tensor's memory read as the host's")
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self.t.clone()
+
+    def copy_(self, src):
+        self.t.copy_(src)
+        self.copied_back += 1
+        return self
+
+    def new_empty(self, shape):
+        return FakeCuda(torch.empty(shape, dtype=self.t.dtype))
+"""
+
+COLLECTIVES = FAKE + """
+import sys
+import numpy as np
+import psnet
+
+out = sys.argv[1]
+psnet.init()
+r, n = psnet.rank(), psnet.size()
+res = {}
+x = FakeCuda(torch.arange(1000, dtype=torch.float32) * (r + 1))
+assert psnet.allreduce(x) is x and x.copied_back == 1
+res["sum"] = x.t.numpy()
+src = FakeCuda(torch.full((7,), float(r + 1)))
+dst = FakeCuda(torch.zeros(7))
+psnet.allreduce(src, op="max", out=dst)
+assert src.copied_back == 0 and dst.copied_back == 1, "only the written tensor goes back"
+res["src"], res["max"] = src.t.numpy(), dst.t.numpy()
+b = FakeCuda(torch.arange(5, dtype=torch.float64) * (r + 1))
+psnet.broadcast(b, root=n - 1)
+res["bcast"] = b.t.numpy()
+g = psnet.allgather(FakeCuda(torch.full((2,), r, dtype=torch.int32)))
+assert isinstance(g, FakeCuda), "a tensor's result is a tensor on its device"
+res["gather"] = g.t.numpy()
+s = psnet.reduce_scatter(FakeCuda(torch.arange(2 * n, dtype=torch.int64) + r))
+res["scatter"] = s.t.numpy()
+red = FakeCuda(torch.full((3,), float(r + 1)))
+psnet.reduce(red, root=0)
+res["reduce"] = red.t.numpy()
+# A CPU tensor is used in place, as before.
+c = torch.full((4,), float(r + 1))
+psnet.allreduce(c)
+res["cpu"] = c.numpy()
+# An error inside the call writes nothing back.
+bad = FakeCuda(torch.zeros(3, dtype=torch.bfloat16))
+try:
+    psnet.allreduce(bad)
+except TypeError:
+    pass
+assert bad.copied_back == 0
+psnet.barrier()
+np.savez(f"{out}/rank{r}.npz", **res)
+"""
+
+
+def test_collectives_stage_cuda_tensors_and_write_back_what_they_wrote(tmp_path):
+    n = 3
+    out, _ = run_ranks(tmp_path, n, COLLECTIVES)
+    tri = sum(range(1, n + 1))
+    for r in range(n):
+        got = np.load(out / f"rank{r}.npz")
+        np.testing.assert_array_equal(got["sum"], np.arange(1000, dtype=np.float32) * tri)
+        np.testing.assert_array_equal(got["src"], np.full(7, r + 1.0, dtype=np.float32))
+        np.testing.assert_array_equal(got["max"], np.full(7, float(n), dtype=np.float32))
+        np.testing.assert_array_equal(got["bcast"], np.arange(5, dtype=np.float64) * n)
+        np.testing.assert_array_equal(got["gather"], np.repeat(np.arange(n, dtype=np.int32), 2))
+        block = (np.arange(2 * n) * n + sum(range(n)))[2 * r:2 * r + 2]
+        np.testing.assert_array_equal(got["scatter"], block)
+        want = np.full(3, float(tri) if r == 0 else r + 1.0, dtype=np.float32)
+        np.testing.assert_array_equal(got["reduce"], want)
+        np.testing.assert_array_equal(got["cpu"], np.full(4, float(tri), dtype=np.float32))
+
+
+def test_kvstore_stages_cuda_tensors(tmp_path):
+    body = FAKE + textwrap.dedent("""
+        import sys, numpy as np, psnet
+        out = sys.argv[1]
+        kv = psnet.kvstore.create('dist_sync_device')
+        r = kv.rank
+        kv.init(['w', 'h'], [FakeCuda(torch.zeros(6)), FakeCuda(torch.zeros(4, dtype=torch.float16))])
+        g = FakeCuda(torch.full((6,), float(r + 1)))
+        kv.push('w', g)
+        assert g.copied_back == 0, "a pushed value is only read"
+        w = [FakeCuda(torch.empty(6)), FakeCuda(torch.empty(6))]
+        kv.pull('w', out=w)
+        assert [a.copied_back for a in w] == [1, 1]
+        h = FakeCuda(torch.full((4,), 2.0 * (r + 1), dtype=torch.float16))
+        kv.pushpull('h', h)  # out=None: in place, as in MXNet
+        assert h.copied_back == 1
+        np.savez(f"{out}/worker{r}.npz", w0=w[0].t.numpy(), w1=w[1].t.numpy(), h=h.t.numpy())
+    """)
+    _, _, out = launch(tmp_path, 2, 1, body)
+    for r in range(2):
+        got = np.load(out / f"worker{r}.npz")
+        np.testing.assert_array_equal(got["w0"], np.full(6, 3.0, dtype=np.float32))
+        np.testing.assert_array_equal(got["w1"], np.full(6, 3.0, dtype=np.float32))
+        assert got["h"].dtype == np.float16
+        np.testing.assert_array_equal(got["h"], np.full(4, 6.0, dtype=np.float16))
+
+
+def test_a_local_store_pulls_into_a_cuda_tensor_and_other_devices_are_refused():
+    import psnet
+
+    namespace = {}
+    exec(FAKE, namespace)
+    fake = namespace["FakeCuda"]
+    kv = psnet.kvstore.create("local")
+    kv.init(3, fake(torch.full((2, 2), 5.0)))
+    kv.push(3, [fake(torch.ones(2, 2)), fake(torch.ones(2, 2))])
+    dst = fake(torch.zeros(2, 2))
+    kv.pull(3, out=dst)
+    assert dst.copied_back == 1
+    assert dst.t.tolist() == [[2.0, 2.0], [2.0, 2.0]]
+    with pytest.raises(TypeError, match="meta"):
+        kv.pull(3, out=torch.zeros(2, 2, device="meta"))
+    # Outside a call's staging a CUDA tensor is not taken as host memory.
+    from psnet._arrays import as_array
+
+    with pytest.raises(TypeError, match="CUDA"):
+        as_array(fake(torch.zeros(2)), "x")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: real CUDA tensors are not tested")
+def test_real_cuda_tensors(tmp_path):
+    job = """
+import sys
+import numpy as np
+import torch
+import psnet
+
+out = sys.argv[1]
+psnet.init()
+r, n = psnet.rank(), psnet.size()
+x = torch.arange(1000, dtype=torch.float32, device="cuda") * (r + 1)
+psnet.allreduce(x)
+assert x.device.type == "cuda"
+g = psnet.allgather(torch.full((2,), float(r), device="cuda"))
+assert g.device.type == "cuda"
+np.savez(f"{out}/rank{r}.npz", sum=x.cpu().numpy(), gather=g.cpu().numpy())
+"""
+    out, _ = run_ranks(tmp_path, 2, job)
+    for r in range(2):
+        got = np.load(out / f"rank{r}.npz")
+        np.testing.assert_array_equal(got["sum"], np.arange(1000, dtype=np.float32) * 3)
+        np.testing.assert_array_equal(got["gather"], np.array([0, 0, 1, 1], dtype=np.float32))
