@@ -106,7 +106,8 @@ async fn oversize_lengths_are_refused_before_allocating() {
     let mut raw = raw_peer(&t, 9).await;
     // One segment announced at 1 TiB: must be refused from the header alone.
     let mut header = Vec::new();
-    header.extend_from_slice(b"PN\x01\x00");
+    header.extend_from_slice(b"PN");
+    header.extend_from_slice(&[codec::VERSION, 0]);
     header.extend_from_slice(&1u16.to_le_bytes());
     header.extend_from_slice(&0u16.to_le_bytes());
     header.extend_from_slice(&0u32.to_le_bytes());

@@ -428,7 +428,8 @@ async fn oversize_frames_are_refused_by_the_servers_listener() {
     let mut raw = tokio::net::TcpStream::connect(job.rogue.addr_of(s))
         .await
         .unwrap();
-    let mut header = b"PN\x01\x00".to_vec();
+    let mut header = b"PN".to_vec();
+    header.extend_from_slice(&[psnet_transport::codec::VERSION, 0]);
     header.extend_from_slice(&1u16.to_le_bytes());
     header.extend_from_slice(&0u16.to_le_bytes());
     header.extend_from_slice(&0u32.to_le_bytes());

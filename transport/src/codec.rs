@@ -28,8 +28,10 @@ use crate::node::NodeId;
 
 /// The two magic bytes that open every frame.
 pub const MAGIC: [u8; 2] = *b"PN";
-/// The wire version this build speaks.
-pub const VERSION: u8 = 1;
+/// The wire version this build speaks: a peer speaking another is refused at its first frame
+/// with an error naming both. 2: the same-host queue's frames (`QueueOffer` and its answers);
+/// a build without them would fail on them later, mid-connection.
+pub const VERSION: u8 = 2;
 /// Size of the fixed prefix.
 pub const PREFIX_LEN: usize = 12;
 /// Bytes per segment length.

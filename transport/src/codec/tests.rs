@@ -16,7 +16,7 @@ fn frame_bytes(meta: &[u8], segs: &[Vec<u8>]) -> Vec<u8> {
 fn layout_is_little_endian_and_versioned() {
     let bytes = frame_bytes(b"m", &[vec![7, 8], vec![]]);
     assert_eq!(&bytes[..2], b"PN");
-    assert_eq!(bytes[2], 1);
+    assert_eq!(bytes[2], 2, "wire version 2");
     assert_eq!(bytes[3], 0);
     assert_eq!(&bytes[4..6], &[2, 0]);
     assert_eq!(&bytes[6..8], &[0, 0]);
