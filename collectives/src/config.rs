@@ -7,6 +7,7 @@ use std::time::Duration;
 
 /// Which allreduce algorithm to run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Algo {
     /// Pipelined recursive doubling on 2 ranks, and on more up to [`Config::small_bytes`]; a
     /// pipelined ring above.

@@ -2,28 +2,33 @@
 shares their memory (no copy), and CUDA torch tensors through a host copy made for the call
 (inside ``staged()``), copied back into the tensor when the call wrote it."""
 
-import contextlib
 import contextvars
 
 import numpy as np
 
-# The host copies of the current call's CUDA tensors that it writes: (tensor, host copy).
+# The current call's stage (see ``staged``), or None outside psnet's calls.
 _STAGE = contextvars.ContextVar("psnet_stage", default=None)
 
 
-@contextlib.contextmanager
-def staged():
-    """A call that may take CUDA tensors: within it ``as_array`` copies them to the host, and
-    when it ends without an error the copies of those it wrote go back into the tensors (on
-    the tensors' current stream, as ``Tensor.copy_`` orders it)."""
-    back = []
-    token = _STAGE.set(back)
-    try:
-        yield
-    finally:
-        _STAGE.reset(token)
-    for tensor, host in back:
-        tensor.detach().copy_(host)
+class staged:
+    """A call that may take CUDA tensors: within it ``as_array`` copies them to host memory,
+    and when it ends without an error the copies of those it wrote go back into the tensors
+    (on the tensors' current stream, as ``Tensor.copy_`` orders it). An error writes nothing
+    back. A class rather than a generator: it wraps every call, NumPy's included."""
+
+    __slots__ = ("back", "token")
+
+    def __enter__(self):
+        self.back = []
+        self.token = _STAGE.set(self.back)
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        _STAGE.reset(self.token)
+        if kind is None:
+            for tensor, host in self.back:
+                tensor.detach().copy_(host)
+        return False
 
 
 def is_tensor(x):
@@ -31,24 +36,43 @@ def is_tensor(x):
     return getattr(x, "device", None) is not None and hasattr(x, "numpy")
 
 
-def as_array(x, what, write=False):
+def _check_dtype(x, what):
+    if str(getattr(x, "dtype", "")) == "torch.bfloat16":
+        raise TypeError(f"{what}: bfloat16 tensors are not supported yet")
+
+
+def as_array(x, what, write=False, read=True):
     """The NumPy array for ``x``: an ndarray itself, a CPU torch tensor's memory, or (within
-    ``staged()``) a host copy of a CUDA tensor, copied back at the end if ``write``."""
+    ``staged()``) a host copy of a CUDA tensor, copied back at the end if ``write``. With
+    ``read`` false the call only writes it: the host copy is not filled from the device."""
     if isinstance(x, np.ndarray):
         return x
     if is_tensor(x):
+        _check_dtype(x, what)
         device = x.device
         kind = getattr(device, "type", "cpu")
         if kind == "cpu":
             return x.detach().numpy()
         back = _STAGE.get()
-        if kind != "cuda" or back is None:
+        if kind != "cuda":
             raise TypeError(
                 f"{what}: a tensor on {device}; psnet's Python package takes CPU and CUDA "
                 "tensors"
             )
-        # A contiguous host copy, which torch has finished when it returns.
-        host = x.detach().cpu().contiguous()
+        if back is None:
+            raise TypeError(f"{what}: a CUDA tensor outside a psnet call (internal error)")
+        if write and not x.is_contiguous():
+            # As on the CPU, an output is written in place or refused, never through a
+            # silent copy (an overlapping one could not even be written back).
+            raise ValueError(
+                f"{what}: the tensor is not contiguous, so it cannot be written in place "
+                "(.contiguous() makes a copy that is; pass it and use the result)"
+            )
+        if read:
+            # A contiguous host copy, which torch has finished when it returns.
+            host = x.detach().cpu().contiguous()
+        else:
+            host = x.new_empty(x.shape, device="cpu")
         if write:
             back.append((x, host))
         return host.numpy()
@@ -57,10 +81,11 @@ def as_array(x, what, write=False):
     )
 
 
-def writable(x, what):
-    """``x`` as an array psnet can write in place (for a CUDA tensor, a host copy written back
-    when the call ends), or a clear error."""
-    a = as_array(x, what, write=True)
+def writable(x, what, read=True, back=True):
+    """``x`` as an array psnet can write in place, or a clear error. For a CUDA tensor, a host
+    copy (filled from the device if ``read``) that goes back into it when the call ends if
+    ``back`` (false where this rank leaves it unchanged)."""
+    a = as_array(x, what, write=back, read=read)
     if not a.flags.c_contiguous:
         raise ValueError(
             f"{what}: the array is not C-contiguous, so it cannot be written in place "

@@ -69,7 +69,7 @@ def allreduce(tensor, op="sum", out=None):
         if out is None:
             target = writable(tensor, "allreduce")
         else:
-            target = writable(out, "allreduce out")
+            target = writable(out, "allreduce out", read=False)
             np.copyto(target, as_array(tensor, "allreduce"), casting="no")
         comm.allreduce(target, op)
     return out if out is not None else tensor
@@ -79,7 +79,8 @@ def broadcast(tensor, root=0):
     """Every rank's ``tensor`` ends with ``root``'s, in place. Returns it."""
     comm = _get()
     with staged():
-        comm.broadcast(writable(tensor, "broadcast"), root)
+        root_here = comm.rank == root
+        comm.broadcast(writable(tensor, "broadcast", read=root_here, back=not root_here), root)
     return tensor
 
 
@@ -93,7 +94,7 @@ def allgather(tensor, out=None):
         shape = (comm.size * send.shape[0],) + send.shape[1:] if send.ndim else (comm.size,)
         if out is None:
             out = _new_like(tensor, shape, send.dtype)
-        recv = writable(out, "allgather out")
+        recv = writable(out, "allgather out", read=False)
         if recv.size != comm.size * send.size:
             raise ValueError(
                 f"allgather out: {recv.size} elements where {comm.size} x {send.size} are needed"
@@ -117,7 +118,7 @@ def reduce_scatter(tensor, op="sum", out=None):
         shape = (send.shape[0] // n,) + send.shape[1:]
         if out is None:
             out = _new_like(tensor, shape, send.dtype)
-        comm.reduce_scatter(send, writable(out, "reduce_scatter out"), op)
+        comm.reduce_scatter(send, writable(out, "reduce_scatter out", read=False), op)
     return out
 
 
@@ -126,7 +127,7 @@ def reduce(tensor, op="sum", root=0):
     other ranks' are unchanged). Returns ``tensor``."""
     comm = _get()
     with staged():
-        target = writable(tensor, "reduce")
+        target = writable(tensor, "reduce", back=comm.rank == root)
         comm.reduce(target.copy(), target, op, root)
     return tensor
 

@@ -149,7 +149,10 @@ class KVStore:
             vs = list(v) if isinstance(v, (list, tuple)) else [v]
             if not vs:
                 raise ValueError(f"{what}: key {k!r} has no value")
-            merged.setdefault(k, []).extend(as_array(x, f"{what} {k!r}", write) for x in vs)
+            # Written outputs are only written: their host copies start empty.
+            merged.setdefault(k, []).extend(
+                as_array(x, f"{what} {k!r}", write, read=not write) for x in vs
+            )
         return list(merged.items())
 
     def _pairs(self, key, value, what, write=False):

@@ -24,6 +24,18 @@ class FakeCuda:
     def __init__(self, t):
         self.t = t
         self.copied_back = 0
+        self.read = 0
+
+    @property
+    def dtype(self):
+        return self.t.dtype
+
+    @property
+    def shape(self):
+        return self.t.shape
+
+    def is_contiguous(self):
+        return self.t.is_contiguous()
 
     def numpy(self):
         raise AssertionError("a CUDA tensor's memory read as the host's")
@@ -32,6 +44,7 @@ class FakeCuda:
         return self
 
     def cpu(self):
+        self.read += 1
         return self.t.clone()
 
     def copy_(self, src):
@@ -39,8 +52,9 @@ class FakeCuda:
         self.copied_back += 1
         return self
 
-    def new_empty(self, shape):
-        return FakeCuda(torch.empty(shape, dtype=self.t.dtype))
+    def new_empty(self, shape, device=None):
+        t = torch.empty(shape, dtype=self.t.dtype)
+        return t if device == "cpu" else FakeCuda(t)
 """
 
 COLLECTIVES = FAKE + """
@@ -59,29 +73,59 @@ src = FakeCuda(torch.full((7,), float(r + 1)))
 dst = FakeCuda(torch.zeros(7))
 psnet.allreduce(src, op="max", out=dst)
 assert src.copied_back == 0 and dst.copied_back == 1, "only the written tensor goes back"
+assert dst.read == 0, "an output only written is not read from the device"
 res["src"], res["max"] = src.t.numpy(), dst.t.numpy()
+same = FakeCuda(torch.full((3,), float(r)))
+psnet.allreduce(same, out=same)
+res["same"] = same.t.numpy()
 b = FakeCuda(torch.arange(5, dtype=torch.float64) * (r + 1))
 psnet.broadcast(b, root=n - 1)
+assert b.copied_back == (0 if r == n - 1 else 1), "the root's tensor is left alone"
 res["bcast"] = b.t.numpy()
 g = psnet.allgather(FakeCuda(torch.full((2,), r, dtype=torch.int32)))
 assert isinstance(g, FakeCuda), "a tensor's result is a tensor on its device"
 res["gather"] = g.t.numpy()
+g2 = FakeCuda(torch.zeros(2 * n, dtype=torch.int32))
+psnet.allgather(FakeCuda(torch.full((2,), r, dtype=torch.int32)), out=g2)
+assert g2.copied_back == 1 and g2.read == 0
+res["gather_out"] = g2.t.numpy()
 s = psnet.reduce_scatter(FakeCuda(torch.arange(2 * n, dtype=torch.int64) + r))
 res["scatter"] = s.t.numpy()
+s2 = FakeCuda(torch.zeros(2, dtype=torch.int64))
+psnet.reduce_scatter(FakeCuda(torch.arange(2 * n, dtype=torch.int64) + r), out=s2)
+res["scatter_out"] = s2.t.numpy()
 red = FakeCuda(torch.full((3,), float(r + 1)))
 psnet.reduce(red, root=0)
+assert red.copied_back == (1 if r == 0 else 0), "only the root's tensor changes"
 res["reduce"] = red.t.numpy()
-# A CPU tensor is used in place, as before.
+# A CPU tensor is used in place, as before; its allgather is a CPU tensor.
 c = torch.full((4,), float(r + 1))
 psnet.allreduce(c)
 res["cpu"] = c.numpy()
-# An error inside the call writes nothing back.
-bad = FakeCuda(torch.zeros(3, dtype=torch.bfloat16))
+cg = psnet.allgather(torch.full((1,), float(r)))
+assert isinstance(cg, torch.Tensor) and cg.device.type == "cpu"
+res["cpu_gather"] = cg.numpy()
+# An error after an output was staged writes nothing back (and leaves the communicator
+# usable: it is refused before anything is sent).
+small = FakeCuda(torch.full((1,), -1, dtype=torch.int32))
 try:
-    psnet.allreduce(bad)
-except TypeError:
+    psnet.allgather(FakeCuda(torch.full((2,), r, dtype=torch.int32)), out=small)
+    raise AssertionError("an output of the wrong size was taken")
+except ValueError:
     pass
-assert bad.copied_back == 0
+assert small.copied_back == 0 and small.t.tolist() == [-1]
+# An output that is not contiguous is refused, as on the CPU.
+strided = FakeCuda(torch.zeros(4, 2).t())
+try:
+    psnet.allreduce(strided)
+    raise AssertionError("a strided output was taken")
+except ValueError as e:
+    assert "contiguous" in str(e)
+try:
+    psnet.allreduce(FakeCuda(torch.zeros(3, dtype=torch.bfloat16)))
+    raise AssertionError("a bfloat16 tensor was taken")
+except TypeError as e:
+    assert "bfloat16" in str(e)
 psnet.barrier()
 np.savez(f"{out}/rank{r}.npz", **res)
 """
@@ -96,10 +140,14 @@ def test_collectives_stage_cuda_tensors_and_write_back_what_they_wrote(tmp_path)
         np.testing.assert_array_equal(got["sum"], np.arange(1000, dtype=np.float32) * tri)
         np.testing.assert_array_equal(got["src"], np.full(7, r + 1.0, dtype=np.float32))
         np.testing.assert_array_equal(got["max"], np.full(7, float(n), dtype=np.float32))
+        np.testing.assert_array_equal(got["same"], np.full(3, float(sum(range(n))), dtype=np.float32))
+        np.testing.assert_array_equal(got["cpu_gather"], np.arange(n, dtype=np.float32))
         np.testing.assert_array_equal(got["bcast"], np.arange(5, dtype=np.float64) * n)
         np.testing.assert_array_equal(got["gather"], np.repeat(np.arange(n, dtype=np.int32), 2))
+        np.testing.assert_array_equal(got["gather_out"], got["gather"])
         block = (np.arange(2 * n) * n + sum(range(n)))[2 * r:2 * r + 2]
         np.testing.assert_array_equal(got["scatter"], block)
+        np.testing.assert_array_equal(got["scatter_out"], block)
         want = np.full(3, float(tri) if r == 0 else r + 1.0, dtype=np.float32)
         np.testing.assert_array_equal(got["reduce"], want)
         np.testing.assert_array_equal(got["cpu"], np.full(4, float(tri), dtype=np.float32))
@@ -117,11 +165,15 @@ def test_kvstore_stages_cuda_tensors(tmp_path):
         assert g.copied_back == 0, "a pushed value is only read"
         w = [FakeCuda(torch.empty(6)), FakeCuda(torch.empty(6))]
         kv.pull('w', out=w)
-        assert [a.copied_back for a in w] == [1, 1]
+        assert [a.copied_back for a in w] == [1, 1] and [a.read for a in w] == [0, 0]
         h = FakeCuda(torch.full((4,), 2.0 * (r + 1), dtype=torch.float16))
         kv.pushpull('h', h)  # out=None: in place, as in MXNet
         assert h.copied_back == 1
-        np.savez(f"{out}/worker{r}.npz", w0=w[0].t.numpy(), w1=w[1].t.numpy(), h=h.t.numpy())
+        o = FakeCuda(torch.zeros(6))
+        kv.pushpull('w', FakeCuda(torch.full((6,), 10.0 * (r + 1))), out=o)
+        assert o.copied_back == 1 and o.read == 0
+        np.savez(f"{out}/worker{r}.npz", w0=w[0].t.numpy(), w1=w[1].t.numpy(), h=h.t.numpy(),
+                 o=o.t.numpy())
     """)
     _, _, out = launch(tmp_path, 2, 1, body)
     for r in range(2):
@@ -130,6 +182,7 @@ def test_kvstore_stages_cuda_tensors(tmp_path):
         np.testing.assert_array_equal(got["w1"], np.full(6, 3.0, dtype=np.float32))
         assert got["h"].dtype == np.float16
         np.testing.assert_array_equal(got["h"], np.full(4, 6.0, dtype=np.float16))
+        np.testing.assert_array_equal(got["o"], np.full(6, 30.0, dtype=np.float32))
 
 
 def test_a_local_store_pulls_into_a_cuda_tensor_and_other_devices_are_refused():
@@ -150,7 +203,7 @@ def test_a_local_store_pulls_into_a_cuda_tensor_and_other_devices_are_refused():
     # Outside a call's staging a CUDA tensor is not taken as host memory.
     from psnet._arrays import as_array
 
-    with pytest.raises(TypeError, match="CUDA"):
+    with pytest.raises(TypeError, match="outside a psnet call"):
         as_array(fake(torch.zeros(2)), "x")
 
 

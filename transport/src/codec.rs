@@ -1,4 +1,4 @@
-//! The wire format of psnet messages, version 1. Plain functions over byte slices: no I/O.
+//! The wire format of psnet messages, version 2. Plain functions over byte slices: no I/O.
 //!
 //! A frame is a fixed 12-byte prefix, one little-endian `u64` length per segment, the metadata
 //! block, then the segments back to back:
@@ -6,8 +6,9 @@
 //! ```text
 //! offset  size  field
 //! 0       2     magic "PN"
-//! 2       1     version (1)
-//! 3       1     kind (0 data, 1 hello, 2 hello-ack, 3 hello-reject, 4..8 shared memory)
+//! 2       1     version (2)
+//! 3       1     kind (0 data, 1 hello, 2 hello-ack, 3 hello-reject, 4..8 shared memory,
+//!               9..11 authentication, 12 close, 13..15 the same-host queue)
 //! 4       2     segment count n (u16 LE)
 //! 6       2     reserved, must be 0
 //! 8       4     metadata length (u32 LE)
