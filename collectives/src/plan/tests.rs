@@ -34,46 +34,44 @@ fn reference(op: ReduceOp, bufs: &[Vec<i64>], range: Range<usize>) -> Vec<i64> {
         .collect()
 }
 
+/// Runs an allreduce plan builder over `n` ranks and checks every rank ends with the reference.
+fn check_allreduce(
+    build: fn(usize, usize, usize, usize, usize) -> Plan,
+    n: usize,
+    count: usize,
+    piece: usize,
+    op: ReduceOp,
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let mut bufs = inputs(n, count, seed);
+    let want = reference(op, &bufs, 0..count);
+    let plans = (0..n).map(|r| build(r, n, count, 8, piece)).collect();
+    sim::run(plans, &mut bufs, op, seed);
+    for b in &bufs {
+        prop_assert_eq!(b, &want);
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(400))]
 
     #[test]
     fn ring_allreduce_reduces(n in 1usize..=9, count in 0usize..200, piece in 1usize..40,
                               op in 0usize..4, seed: u64) {
-        let op = OPS[op];
-        let mut bufs = inputs(n, count, seed);
-        let want = reference(op, &bufs, 0..count);
-        let plans = (0..n).map(|r| ring_allreduce(r, n, count, 8, piece)).collect();
-        sim::run(plans, &mut bufs, op, seed);
-        for b in &bufs {
-            prop_assert_eq!(b, &want);
-        }
+        check_allreduce(ring_allreduce, n, count, piece, OPS[op], seed)?;
     }
 
     #[test]
     fn halving_allreduce_reduces(n in 1usize..=9, count in 0usize..200, piece in 1usize..40,
                                  op in 0usize..4, seed: u64) {
-        let op = OPS[op];
-        let mut bufs = inputs(n, count, seed);
-        let want = reference(op, &bufs, 0..count);
-        let plans = (0..n).map(|r| halving_allreduce(r, n, count, 8, piece)).collect();
-        sim::run(plans, &mut bufs, op, seed);
-        for b in &bufs {
-            prop_assert_eq!(b, &want);
-        }
+        check_allreduce(halving_allreduce, n, count, piece, OPS[op], seed)?;
     }
 
     #[test]
     fn doubling_allreduce_reduces(n in 1usize..=9, count in 0usize..120, piece in 1usize..40,
                                   op in 0usize..4, seed: u64) {
-        let op = OPS[op];
-        let mut bufs = inputs(n, count, seed);
-        let want = reference(op, &bufs, 0..count);
-        let plans = (0..n).map(|r| doubling_allreduce(r, n, count, 8, piece)).collect();
-        sim::run(plans, &mut bufs, op, seed);
-        for b in &bufs {
-            prop_assert_eq!(b, &want);
-        }
+        check_allreduce(doubling_allreduce, n, count, piece, OPS[op], seed)?;
     }
 
     #[test]
