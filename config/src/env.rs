@@ -252,6 +252,8 @@ crate::declare_env_vars! {
     WORLD_SIZE = "WORLD_SIZE", "", "torchrun's number of processes (as PSNET_WORLD_SIZE)";
     MASTER_ADDR = "MASTER_ADDR", "", "torchrun's rendezvous host (collectives: rank 0's address)";
     MASTER_PORT = "MASTER_PORT", "", "torchrun's rendezvous port (collectives: rank 0's port)";
+    PSNET_BIND = "PSNET_BIND", "auto",
+        "psnet-perf --np: binds each rank it starts to a CPU: auto (one CPU each when the ranks are no more than the CPUs it may use, as mpirun binds 2 ranks to cores; none when more), core (one CPU each, round robin when more ranks than CPUs) or none";
     PSNET_ALGO = "PSNET_ALGO", "auto",
         "collectives: allreduce algorithm: auto (pipelined recursive doubling on 2 ranks, and on more up to PSNET_COLL_SMALL bytes; a pipelined ring above), ring, doubling or halving (recursive halving and doubling)";
     PSNET_COLL_SMALL = "PSNET_COLL_SMALL", "65536",

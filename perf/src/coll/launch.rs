@@ -4,7 +4,8 @@
 //! `PSNET_RANK` / `PSNET_WORLD_SIZE` and the meeting point by `PSNET_ROOT_ADDR` (a free port
 //! on 127.0.0.1 unless the variable is set already). Rank 0's output is this process's;
 //! the other ranks' stdout goes nowhere (only rank 0 prints results), their stderr comes
-//! through. If a rank fails, the others are stopped and the failure names the rank.
+//! through. If a rank fails, the others are stopped and the failure names the rank. Each rank
+//! starts bound to a CPU as `PSNET_BIND` says (`bind.rs`).
 //!
 //! No rank outlives this process: each child asks the kernel for SIGKILL when its parent
 //! ends (`PR_SET_PDEATHSIG`, armed by the child itself first thing, then checked against the
@@ -74,8 +75,9 @@ pub fn run_ranks(np: usize) -> Result<(), Failure> {
         Some(format!("127.0.0.1:{port}"))
     };
     let parent = std::process::id().to_string();
+    let cpus = super::bind::rank_cpus(np).map_err(fail)?;
     let mut ranks = Ranks(Vec::with_capacity(np));
-    for rank in 0..np {
+    for (rank, cpu) in cpus.into_iter().enumerate() {
         let mut cmd = Command::new(&exe);
         cmd.args(&args)
             .arg(NP_PARENT)
@@ -89,8 +91,8 @@ pub fn run_ranks(np: usize) -> Result<(), Failure> {
         if rank != 0 {
             cmd.stdout(Stdio::null());
         }
-        let child = cmd
-            .spawn()
+        let child = super::bind::start_on(cpu, || cmd.spawn())
+            .map_err(fail)?
             .map_err(|e| fail(format!("cannot start rank {rank} ({}): {e}", exe.display())))?;
         ranks.0.push(Some(child));
     }

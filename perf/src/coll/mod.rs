@@ -15,6 +15,7 @@
 //! copied into the receive buffer (on the root only, for broadcast) and the call runs there,
 //! as psnet's own out-of-place allreduce does; the copy is timed.
 
+mod bind;
 mod check;
 mod launch;
 mod table;
@@ -568,34 +569,55 @@ async fn bench<E: Sample>(
     Ok(wrong_total)
 }
 
-/// Every rank's pid and host, gathered (nccl-tests lists its ranks above the table).
+/// A rank as the banner lists it.
+struct RankInfo {
+    pid: i64,
+    host: String,
+    /// The CPUs it may run on, as ranges.
+    cpus: String,
+}
+
+/// Every rank's pid, host and CPUs, gathered (nccl-tests lists its ranks above the table).
 async fn describe_ranks(
     comm: &Communicator<AnyTransport>,
-) -> Result<Vec<(i64, String)>, CollectiveError> {
-    const HOST: usize = 64;
+) -> Result<Vec<RankInfo>, CollectiveError> {
     let n = comm.size();
     let mut pids = vec![0i64; n];
     comm.allgather(&[i64::from(std::process::id())], &mut pids)
         .await?;
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let mut mine = [0u8; HOST];
-    let host = host.trim().as_bytes();
-    let len = host.len().min(HOST);
-    mine[..len].copy_from_slice(&host[..len]);
-    let mut hosts = vec![0u8; HOST * n];
-    comm.allgather(&mine, &mut hosts).await?;
+    let hosts = gather_text(comm, host.trim()).await?;
+    let cpus = gather_text(comm, &bind::describe_own()).await?;
     Ok(pids
         .into_iter()
-        .zip(hosts.chunks(HOST))
-        .map(|(pid, h)| {
-            let end = h.iter().position(|&b| b == 0).unwrap_or(h.len());
-            (pid, String::from_utf8_lossy(&h[..end]).into_owned())
+        .zip(hosts)
+        .zip(cpus)
+        .map(|((pid, host), cpus)| RankInfo { pid, host, cpus })
+        .collect())
+}
+
+/// Every rank's `text`, cut to 64 bytes.
+async fn gather_text(
+    comm: &Communicator<AnyTransport>,
+    text: &str,
+) -> Result<Vec<String>, CollectiveError> {
+    const WIDTH: usize = 64;
+    let mut mine = [0u8; WIDTH];
+    let len = text.len().min(WIDTH);
+    mine[..len].copy_from_slice(&text.as_bytes()[..len]);
+    let mut all = vec![0u8; WIDTH * comm.size()];
+    comm.allgather(&mine, &mut all).await?;
+    Ok(all
+        .chunks(WIDTH)
+        .map(|t| {
+            let end = t.iter().position(|&b| b == 0).unwrap_or(t.len());
+            String::from_utf8_lossy(&t[..end]).into_owned()
         })
         .collect())
 }
 
 /// The `#` lines above the table.
-fn banner(s: &Setup<'_>, c: &CollContext, ranks: &[(i64, String)]) -> String {
+fn banner(s: &Setup<'_>, c: &CollContext, ranks: &[RankInfo]) -> String {
     let a = s.args;
     let step = if a.stepfactor > 1 {
         format!("{}(factor)", a.stepfactor)
@@ -644,8 +666,8 @@ fn banner(s: &Setup<'_>, c: &CollContext, ranks: &[(i64, String)]) -> String {
         "#".to_string(),
         "# Using ranks".to_string(),
     ];
-    for (r, (pid, host)) in ranks.iter().enumerate() {
-        lines.push(format!("#  Rank {r:>2} Pid {pid:>7} on {host}"));
+    for (r, RankInfo { pid, host, cpus }) in ranks.iter().enumerate() {
+        lines.push(format!("#  Rank {r:>2} Pid {pid:>7} on {host} cpus {cpus}"));
     }
     lines.push("#".to_string());
     lines.join("\n")
