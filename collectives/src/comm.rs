@@ -123,14 +123,26 @@ impl<T: Transport> Communicator<T> {
             oversubscribed: false,
             all_local: size == 1,
         };
-        let (id, local_ranks) = crate::join::join(&comm, root).await?;
+        let (id, local) = crate::join::join(&comm, root).await?;
         comm.comm = id;
-        // Ranks that outnumber the host's cores spin too, but give their core away between
-        // polls, as Open MPI's yield_when_idle does when oversubscribed: a rank that slept
-        // instead waits for the kernel to wake it, tens of microseconds per message.
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        comm.oversubscribed = local_ranks > cores;
-        comm.all_local = local_ranks == size;
+        comm.all_local = local.len() == size;
+        // Ranks that outnumber the CPUs they may use between them spin too, but give their
+        // CPU away between polls, as Open MPI's yield_when_idle does when oversubscribed: a
+        // rank that slept instead waits for the kernel to wake it, tens of microseconds per
+        // message. Every rank's CPUs are gathered (the communicator's first call, on every
+        // rank): ranks bound one to a CPU each see one CPU but do not share it.
+        if size > 1 {
+            let mut masks = vec![0u8; crate::cpus::MASK_BYTES * size];
+            comm.allgather(&crate::cpus::own_mask(), &mut masks).await?;
+            let cpus = crate::cpus::union_size(&masks, &local);
+            comm.oversubscribed = local.len() > cpus;
+            tracing::info!(
+                ranks_here = local.len(),
+                cpus,
+                oversubscribed = comm.oversubscribed,
+                "collectives: ranks on this host and the CPUs they may use between them"
+            );
+        }
         Ok(comm)
     }
 

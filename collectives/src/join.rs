@@ -43,15 +43,15 @@ fn settings<T: Transport>(comm: &Communicator<T>) -> String {
     )
 }
 
-/// Forms the communicator; returns its id and how many ranks (this one included) listen on
+/// Forms the communicator; returns its id and the ranks (this one included) that listen on
 /// this rank's host.
 pub(crate) async fn join<T: Transport>(
     comm: &Communicator<T>,
     root: SocketAddr,
-) -> Result<(u32, usize), CollectiveError> {
+) -> Result<(u32, Vec<usize>), CollectiveError> {
     let size = comm.members.len();
     if size == 1 {
-        return Ok((new_id(), 1));
+        return Ok((new_id(), vec![0]));
     }
     let deadline = Instant::now() + comm.config.join_timeout;
     let (id, secret, table) = if comm.rank == 0 {
@@ -106,7 +106,8 @@ pub(crate) async fn join<T: Transport>(
         .set_admission(Arc::new(Members::checking(comm.members.clone(), secret)));
     comm.mailbox.lock().joining.clear();
     let here = comm.transport.listen_addr().ip();
-    Ok((id, table.iter().filter(|a| a.ip() == here).count()))
+    let local = (0..size).filter(|&r| table[r].ip() == here).collect();
+    Ok((id, local))
 }
 
 /// A communicator id for a new job: random, never 0 (the id joining itself uses).

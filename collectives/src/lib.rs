@@ -22,6 +22,7 @@ mod calls;
 mod comm;
 mod compressed;
 mod config;
+mod cpus;
 mod drive;
 mod element;
 mod error;

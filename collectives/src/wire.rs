@@ -154,18 +154,18 @@ impl Header {
         let kind = r.u8().map_err(truncated)?;
         let kind = *KINDS
             .get(kind as usize)
-            .ok_or(format!("unknown message kind {kind}"))?;
+            .ok_or_else(|| format!("unknown message kind {kind}"))?;
         let comm = r.u32().map_err(truncated)?;
         let seq = r.u64().map_err(truncated)?;
         let tag = r.u64().map_err(truncated)?;
         let coll = r.u8().map_err(truncated)?;
         let coll = *COLLS
             .get(coll as usize)
-            .ok_or(format!("unknown collective {coll}"))?;
+            .ok_or_else(|| format!("unknown collective {coll}"))?;
         let dtype = r.u8().map_err(truncated)?;
-        let dtype = DType::from_code(dtype).ok_or(format!("unknown data type {dtype}"))?;
+        let dtype = DType::from_code(dtype).ok_or_else(|| format!("unknown data type {dtype}"))?;
         let op = r.u8().map_err(truncated)?;
-        let op = ReduceOp::from_code(op).ok_or(format!("unknown reduction {op}"))?;
+        let op = ReduceOp::from_code(op).ok_or_else(|| format!("unknown reduction {op}"))?;
         let _pad = r.u8().map_err(truncated)?;
         let count = r.u64().map_err(truncated)?;
         let root = r.u32().map_err(truncated)?;
