@@ -27,7 +27,10 @@
 # size), MID_ITERS / MID_WARMUP (400 / 40, sizes up to MIDBYTES, 1M), ITERS / WARMUP (50 / 10,
 # the larger sizes), MINBYTES (128K), MAXBYTES (64M), FACTOR (2), KEEP (a directory to keep
 # the raw JSON Lines in, and psnet's logs: PS_VERBOSE=1, so each rank's count of messages by
-# path, queue, ring or socket, is there).
+# path, queue, ring or socket, is there), PAIR_BY (size: each size measured by psnet and Open
+# MPI back to back, which side goes first alternating by run; run: all of psnet's sizes, then
+# all of Open MPI's, as before 2026-11-26). psnet's ranks are bound to CPUs as mpirun binds
+# Open MPI's (PSNET_BIND, psnet-perf's default).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -41,6 +44,8 @@ MAXBYTES=${MAXBYTES:-64M}
 FACTOR=${FACTOR:-2}
 MIDBYTES=${MIDBYTES:-1M}
 REPEAT=${REPEAT:-1}
+PAIR_BY=${PAIR_BY:-size}
+case $PAIR_BY in size | run) ;; *) echo "bench-allreduce: PAIR_BY=$PAIR_BY: size or run" >&2; exit 2 ;; esac
 MID_ITERS=${MID_ITERS:-400}
 MID_WARMUP=${MID_WARMUP:-40}
 
@@ -141,12 +146,31 @@ else
     BANDS+=("$min $max $ITERS $WARMUP")
 fi
 
+# Every size on its own, "size size iterations warmup", for PAIR_BY=size.
+SIZES=()
+for band in "${BANDS[@]}"; do
+    read -r lo hi n w <<<"$band"
+    for ((size = lo; size <= hi; size *= FACTOR)); do
+        SIZES+=("$size $size $n $w")
+    done
+done
+
 start=$(date +%s)
 for np in $RANKS; do
     for pairing in sockets shm; do
         rm -f "$OUT/psnet-$np-$pairing".{jsonl,log} "$OUT/mpi-$np-$pairing".{jsonl,log}
     done
 done
+# psnet_at / mpi_at LO HI ITERS WARMUP: one side's measurement of the sizes LO..HI.
+psnet_at() {
+    run "psnet-$np-$pairing" "${psnet_env[@]}" "$PERF" allreduce --np "$np" -d float -o sum \
+        -b "$1" -e "$2" -f "$FACTOR" -n "$3" -w "$4" --json
+}
+mpi_at() {
+    run "mpi-$np-$pairing" "${mpi[@]}" -np "$np" "$PY" "$MPI_PY" \
+        -b "$1" -e "$2" -f "$FACTOR" -n "$3" -w "$4"
+}
+
 for rep in $(seq 1 "$REPEAT"); do
 for np in $RANKS; do
     for pairing in sockets shm; do
@@ -157,21 +181,27 @@ for np in $RANKS; do
             psnet_env=(env -u PSNET_SHM_RING PS_VERBOSE=1)
             mpi=("${MPIRUN[@]}" "${MPI_SHM[@]}")
         fi
-        say "run $rep of $REPEAT, $np ranks, $pairing: psnet"
-        run "psnet-$np-$pairing" "${psnet_env[@]}" "$PERF" allreduce --np "$np" -d float -o sum \
-            -b 8 -e 8 -n "$SMALL_ITERS" -w "$SMALL_WARMUP" --json
-        for band in "${BANDS[@]}"; do
-            read -r lo hi n w <<<"$band"
-            run "psnet-$np-$pairing" "${psnet_env[@]}" "$PERF" allreduce --np "$np" -d float \
-                -o sum -b "$lo" -e "$hi" -f "$FACTOR" -n "$n" -w "$w" --json
-        done
-        say "run $rep of $REPEAT, $np ranks, $pairing: Open MPI"
-        run "mpi-$np-$pairing" "${mpi[@]}" -np "$np" "$PY" "$MPI_PY" \
-            -b 8 -e 8 -n "$SMALL_ITERS" -w "$SMALL_WARMUP"
-        for band in "${BANDS[@]}"; do
-            read -r lo hi n w <<<"$band"
-            run "mpi-$np-$pairing" "${mpi[@]}" -np "$np" "$PY" "$MPI_PY" \
-                -b "$lo" -e "$hi" -f "$FACTOR" -n "$n" -w "$w"
+        if [ "$PAIR_BY" = run ]; then
+            say "run $rep of $REPEAT, $np ranks, $pairing: psnet"
+            psnet_at 8 8 "$SMALL_ITERS" "$SMALL_WARMUP"
+            for band in "${BANDS[@]}"; do psnet_at $band; done
+            say "run $rep of $REPEAT, $np ranks, $pairing: Open MPI"
+            mpi_at 8 8 "$SMALL_ITERS" "$SMALL_WARMUP"
+            for band in "${BANDS[@]}"; do mpi_at $band; done
+            continue
+        fi
+        # Size by size, the two sides back to back, the first side alternating by run: a
+        # stall of the host that lasts seconds then tends to hit both sides of a size.
+        say "run $rep of $REPEAT, $np ranks, $pairing: psnet and Open MPI, size by size"
+        for spec in "8 8 $SMALL_ITERS $SMALL_WARMUP" "${SIZES[@]}"; do
+            read -r lo hi n w <<<"$spec"
+            if [ $((rep % 2)) = 1 ]; then
+                psnet_at "$lo" "$hi" "$n" "$w"
+                mpi_at "$lo" "$hi" "$n" "$w"
+            else
+                mpi_at "$lo" "$hi" "$n" "$w"
+                psnet_at "$lo" "$hi" "$n" "$w"
+            fi
         done
     done
 done
@@ -185,7 +215,7 @@ echo "# iterations: 8 B: $SMALL_WARMUP warmup + $SMALL_ITERS timed; $MINBYTES..$
 echo "# TCP congestion control: the system's is $(cat /proc/sys/net/ipv4/tcp_congestion_control 2>/dev/null || echo unknown) (Open MPI's sockets use it); psnet's same-host connections: PSNET_TCP_CONGESTION=${PSNET_TCP_CONGESTION:-auto} (auto: cubic, else reno)"
 echo "# sockets: psnet PSNET_SHM_RING=0 vs mpirun ${MPI_SOCKETS[*]}"
 echo "# shm:     psnet default vs mpirun ${MPI_SHM[*]}"
-echo "# measured in ${elapsed} s, each pairing $REPEAT time(s)"
+echo "# measured in ${elapsed} s, each pairing $REPEAT time(s), paired by $PAIR_BY"
 python3 - "$OUT" "$RANKS" <<'EOF'
 import json, os, statistics, sys
 
