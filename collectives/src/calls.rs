@@ -438,8 +438,11 @@ mod tests {
             |c: &crate::Config, n, bytes, shm| allreduce_algo(c, n, bytes, shm) == Algo::Doubling;
         let c = crate::Config::default();
         assert!(doubling(&c, 2, 1 << 30, false), "2 ranks always");
-        assert!(doubling(&c, 4, 64 << 10, false));
-        assert!(!doubling(&c, 4, 1 << 20, false), "the ring over sockets");
+        assert!(doubling(&c, 4, 256 << 10, false));
+        assert!(
+            !doubling(&c, 4, (256 << 10) + 4, false),
+            "the ring over sockets"
+        );
         assert!(
             doubling(&c, 4, 1 << 20, true),
             "doubling through shared memory"

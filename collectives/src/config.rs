@@ -56,8 +56,10 @@ pub struct Config {
     pub algo: Algo,
     /// Allreduces of at most this many bytes on more than 2 ranks use recursive doubling (with
     /// [`Algo::Auto`]). Doubling sends the whole buffer log2(n) times, the ring 2(n-1)/n of
-    /// it in 2(n-1) steps: on 4 ranks over TCP the ring was the faster from 128 KiB (busbw
-    /// 0.71-1.08 GB/s against doubling's 0.43-0.61 from 128 to 512 KiB), doubling below.
+    /// it in 2(n-1) steps. 4 ranks over TCP on one 2-core host, 6 alternating runs (medians):
+    /// doubling 252 / 394 us at 128 / 256 KiB against the ring's 422 / 550, the ring 744 /
+    /// 1,173 us at 512 KiB / 1 MiB against doubling's 1,012 / 2,637. (An earlier 64 KiB came
+    /// from runs that had the ring faster from 128 KiB.)
     pub small_bytes: usize,
     /// The same when every rank is on this host and the transport reaches them through shared
     /// memory ([`psnet_transport::Capabilities::same_host_shm`]); the larger of the two counts.
@@ -82,7 +84,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             algo: Algo::Auto,
-            small_bytes: 64 << 10,
+            small_bytes: 256 << 10,
             small_shm_bytes: 2 << 20,
             piece_bytes: 1 << 20,
             join_timeout: Duration::from_secs(120),

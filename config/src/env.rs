@@ -256,7 +256,7 @@ crate::declare_env_vars! {
         "psnet-perf --np: binds each rank it starts to a CPU: auto (one CPU each when the ranks are no more than the CPUs it may use, as mpirun binds 2 ranks to cores; none when more), core (one CPU each, round robin when more ranks than CPUs) or none";
     PSNET_ALGO = "PSNET_ALGO", "auto",
         "collectives: allreduce algorithm: auto (pipelined recursive doubling on 2 ranks, and on more up to PSNET_COLL_SMALL bytes; a pipelined ring above), ring, doubling or halving (recursive halving and doubling)";
-    PSNET_COLL_SMALL = "PSNET_COLL_SMALL", "65536",
+    PSNET_COLL_SMALL = "PSNET_COLL_SMALL", "262144",
         "collectives: allreduces of at most this many bytes on more than 2 ranks use recursive doubling (with PSNET_ALGO=auto)";
     PSNET_COLL_SMALL_SHM = "PSNET_COLL_SMALL_SHM", "2097152",
         "collectives: the same as PSNET_COLL_SMALL when every rank is on this host and the transport reaches them through shared memory";
