@@ -12,7 +12,9 @@ use psnet_transport::le::{LeReader, LeWriter};
 use crate::element::{DType, ReduceOp};
 
 const MAGIC: u16 = 0x4c43;
-const VERSION: u8 = 1;
+/// 2: forming a communicator ends with an allgather of the ranks' CPU masks (`cpus.rs`), a
+/// call that ranks of version 1 do not make.
+const VERSION: u8 = 2;
 /// Bytes of a header.
 pub(crate) const HEADER_LEN: usize = 40;
 
@@ -226,5 +228,17 @@ mod tests {
         fn garbage_is_an_error_not_a_panic(bytes in proptest::collection::vec(any::<u8>(), 0..60)) {
             let _ = Header::decode(&bytes);
         }
+    }
+
+    #[test]
+    fn a_header_of_another_version_is_refused_naming_both() {
+        let mut bytes = control(Kind::Hello, 7).encode();
+        assert_eq!(bytes[2], 2, "the version byte");
+        bytes[2] = 1;
+        let err = Header::decode(&bytes).unwrap_err();
+        assert!(
+            err.contains("version 2") && err.contains("version 1)"),
+            "{err}"
+        );
     }
 }
