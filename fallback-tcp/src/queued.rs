@@ -230,6 +230,8 @@ impl Delivery {
                     return Err("a second start record in the queue".to_string().into());
                 }
                 self.started = true;
+                // From here on frames are asked for at their markers only.
+                self.revoke();
                 let owed = before.checked_sub(self.delivered_unmarked).ok_or_else(|| {
                     format!(
                         "the queue's start counts {before} earlier messages, {} arrived",
@@ -367,7 +369,21 @@ impl Delivery {
         self.outstanding = self.outstanding.saturating_sub(1);
     }
 
+    /// Takes back a frame asked for and not yet taken by the socket reader. Asked for while
+    /// idle before the queue started, it would otherwise stay good while this task waits for
+    /// room in the inbox, and the reader would read one more frame, however large, on top of
+    /// the one waiting (a 256 MiB send completed into a stalled receiver, 2 runs in 25).
+    fn revoke(&mut self) {
+        if self.outstanding > 0 {
+            if let Ok(permit) = self.wanted.try_acquire() {
+                permit.forget();
+                self.outstanding -= 1;
+            }
+        }
+    }
+
     async fn deliver(&mut self, msg: Incoming) -> Result<(), Stop> {
+        self.revoke();
         tracing::trace!(peer = %self.conn.peer, "received message through the queue");
         if self.inbox.push_message(msg).await {
             Ok(())
