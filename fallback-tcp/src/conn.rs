@@ -9,7 +9,7 @@ use psnet_transport::codec::{FrameHeader, HeaderBuf};
 use psnet_transport::device::{prefetch, ChunkSink, StreamError};
 use psnet_transport::{FrameKind, Limits, NodeId, OutMessage, Segment};
 use smallvec::SmallVec;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::task::AbortHandle;
 
@@ -19,6 +19,9 @@ use crate::shm::{Control, SendRing};
 
 /// How long a connection closed for what it sent may take to be told why.
 const CLOSE_NOTICE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+/// How long a closed connection keeps reading (and dropping) what the peer still sends, at
+/// most, waiting for it to close its side.
+const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 /// Most buffers one `writev` takes (Linux's IOV_MAX).
 const IOV_MAX: usize = 1024;
 
@@ -246,9 +249,67 @@ impl Conn {
     /// Stops the reader task too (transport shutdown).
     pub(crate) fn close_and_stop_reader(&self) {
         self.close();
+        self.stop_reader();
+    }
+
+    fn stop_reader(&self) {
         if let Some(h) = self.reader.lock().unwrap_or_else(|p| p.into_inner()).take() {
             h.abort();
         }
+    }
+
+    /// Starts closing the connection without losing what was sent: later writes fail, what
+    /// the kernel holds goes out followed by the FIN, and the read side stays open. Shutting
+    /// the read side too would make the kernel answer anything the peer still sends (a ring
+    /// release, a credit) with a reset, which throws away what it had not yet delivered.
+    pub(crate) fn begin_graceful_close(&self) {
+        self.broken.store(true, Ordering::Release);
+        let _ = self.control_socket.shutdown(Shutdown::Write);
+        if let Some(h) = self
+            .control_task
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            h.abort();
+        }
+    }
+
+    /// Whether the peer's kernel has acknowledged everything written, the FIN included (or
+    /// the connection is gone, so that waiting longer is pointless).
+    pub(crate) fn all_acknowledged(&self) -> bool {
+        if matches!(self.control_socket.take_error(), Ok(Some(_)) | Err(_)) {
+            return true;
+        }
+        crate::sys::unacknowledged_bytes(&self.control_socket).map_or(true, |n| n == 0)
+    }
+
+    /// Ends a graceful close: stops the reader and, inside a runtime, reads and drops what the
+    /// peer still sends until it closes its side (at most `DRAIN_LIMIT`), so that the last
+    /// descriptor closes on an empty receive queue and the peer sees an orderly end, not a
+    /// reset.
+    pub(crate) fn finish_graceful_close(&self) {
+        self.stop_reader();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let Ok(dup) = self.control_socket.try_clone() else {
+            return;
+        };
+        runtime.spawn(async move {
+            let Ok(mut stream) = tokio::net::TcpStream::from_std(dup) else {
+                return;
+            };
+            let mut scratch = vec![0u8; 64 * 1024];
+            let drain = async {
+                while let Ok(n) = stream.read(&mut scratch).await {
+                    if n == 0 {
+                        break;
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(DRAIN_LIMIT, drain).await;
+        });
     }
 
     /// Writes one frame (header, metadata, segments) with vectored writes straight from the

@@ -37,6 +37,7 @@ mod reader;
 mod send;
 mod shm;
 mod socket;
+mod sys;
 mod transport;
 
 pub use config::{Congestion, TcpConfig};

@@ -27,6 +27,9 @@ mod opening;
 
 use opening::{accept_loop, Side};
 
+/// How long `shutdown` waits, at most, for the peers' kernels to acknowledge what was sent.
+const SHUTDOWN_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The TCP implementation of [`Transport`].
 ///
 /// Listens from [`TcpTransport::bind`] on; dropping it (or calling
@@ -206,8 +209,26 @@ impl Inner {
         {
             h.abort();
         }
-        for conn in self.peers.drain() {
-            conn.close_and_stop_reader();
+        let conns = self.peers.drain();
+        for conn in &conns {
+            conn.begin_graceful_close();
+        }
+        // Blocking, but bounded: a process that exits right after shutting down must not take
+        // its last messages with it (closing with anything unread makes the kernel reset the
+        // connection and drop what it still holds). Acknowledgements come from the peers'
+        // kernels, not their applications, so this is quick unless a peer stopped reading.
+        let deadline = std::time::Instant::now() + SHUTDOWN_LINGER;
+        let mut pause = std::time::Duration::from_micros(20);
+        while !conns.iter().all(|c| c.all_acknowledged()) {
+            if std::time::Instant::now() >= deadline {
+                tracing::debug!(id = %self.local(), "shutting down with sent data unacknowledged");
+                break;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(std::time::Duration::from_millis(5));
+        }
+        for conn in &conns {
+            conn.finish_graceful_close();
         }
         self.inbox.close();
         tracing::debug!(id = %self.local(), "tcp transport shut down");

@@ -50,6 +50,7 @@ macro_rules! conformance_tests {
             disconnect_then_reconnect_reports_no_loss,
             registered_buffers,
             shutdown_closes_everything,
+            last_messages_before_shutdown_arrive_before_the_loss,
             admission_refuses_unproven_claims,
             redial_of_a_gone_peer_fails_at_once,
             device_segments_arrive_as_host_bytes,
@@ -528,6 +529,45 @@ pub async fn shutdown_closes_everything<F: TransportFactory>(f: &F) {
         .await
         .is_err());
     assert_eq!(next_loss(&*b).await, NodeId(1));
+}
+
+/// Messages whose `send` completed before the sender shut down all arrive, in order, before
+/// the receiver learns of the loss: a node's last word (a job's shutdown order) is never
+/// overtaken by its own disconnection. Several rounds, since the race is one of timing.
+pub async fn last_messages_before_shutdown_arrive_before_the_loss<F: TransportFactory>(f: &F) {
+    const ROUNDS: u64 = 8;
+    let sizes = [0usize, 8, 100, 4096, 70_000, 1 << 20, 16];
+    for round in 0..ROUNDS {
+        let a = endpoint(f, 1 + 2 * round).await;
+        let b = endpoint(f, 2 + 2 * round).await;
+        link(&*b, &*a).await;
+        for (i, &size) in sizes.iter().enumerate() {
+            send_seq(&*b, a.local_id(), i as u64, &pattern(size, i as u64)).await;
+        }
+        b.shutdown();
+        drop(b);
+        for (i, &size) in sizes.iter().enumerate() {
+            let m = loop {
+                match a.recv().await.expect("recv") {
+                    Event::Message(m) => break m,
+                    Event::PeerConnected { .. } => continue,
+                    Event::PeerLost { peer, reason } => panic!(
+                        "round {round}: {peer} reported lost ({reason}) before its message #{i} of {} arrived",
+                        sizes.len()
+                    ),
+                }
+            };
+            assert_eq!(seq_of(&m), i as u64, "round {round}: out of order");
+            let payload = m.segments.first().map(|s| &s[..]).unwrap_or_default();
+            assert_eq!(
+                payload,
+                &pattern(size, i as u64)[..],
+                "round {round}: payload #{i}"
+            );
+        }
+        assert_eq!(next_loss(&*a).await, NodeId(2 + 2 * round));
+        a.shutdown();
+    }
 }
 
 /// Nodes 1 to 3, node n proving its id with `[n; 16]`.

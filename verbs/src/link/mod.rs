@@ -337,6 +337,19 @@ impl Link {
         failed
     }
 
+    /// Whether this side has work requests that have not completed yet (sends and writes
+    /// posted, or decided and waiting for room in the send queue), on a link not failed.
+    /// A completed send has reached the peer's receive queue.
+    pub fn has_unfinished_sends(&self) -> bool {
+        let st = self.lock();
+        st.failed.is_none()
+            && (st.sq_free < self.params.sq_depth(self.max_sge)
+                || !st.wrs.is_empty()
+                || !st.write_backlog.is_empty()
+                || !st.cts_backlog.is_empty()
+                || !st.offer_backlog.is_empty())
+    }
+
     /// The transport tag in registration keys handed out by this transport.
     pub fn tag(&self) -> u32 {
         self.tag

@@ -53,6 +53,9 @@ use connect::{control_loop, listen_cm, CmState};
 use device_events::device_event_loop;
 use progress::poll_loop;
 
+/// How long `shutdown` waits, at most, for posted sends to complete.
+const SHUTDOWN_LINGER: Duration = Duration::from_secs(1);
+
 struct Inbox {
     tx: mpsc::UnboundedSender<(Event, usize)>,
     rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<(Event, usize)>>,
@@ -309,6 +312,10 @@ impl Inner {
     /// Removes `peer`'s link (if it is `only_id`, when given); returns it and whether a
     /// `PeerConnected` was reported for it.
     fn remove_link(&self, peer: NodeId, only_id: Option<u32>, reason: &str) -> Option<bool> {
+        // The loss is reported out of band (rdma_cm, the control connection), possibly before
+        // the poller has handled the peer's last messages: deliver what the completion queue
+        // holds first, so that they come before the loss, as they were sent.
+        self.drain_completions();
         let current = lock(&self.links).remove(peer, only_id)?;
         current.link().fail(reason);
         lock(&self.by_id).remove(&current.link().id);
@@ -321,6 +328,7 @@ impl Inner {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
+        self.linger();
         let _ = self.stop.send(true);
         self.tcp.shutdown();
         let peers: Vec<NodeId> = lock(&self.links).peers();
@@ -334,6 +342,28 @@ impl Inner {
             reason: "transport shut down".into(),
         });
         self.links_changed.notify_waiters();
+    }
+
+    /// Waits, at most `SHUTDOWN_LINGER`, for the sends already handed to the queue pairs to
+    /// complete: disconnecting moves a queue pair to the error state, which would flush what
+    /// it had not yet sent (a job's last message, a process about to exit). Polls the
+    /// completion queue itself, so it needs no other task to run.
+    fn linger(&self) {
+        let deadline = Instant::now() + SHUTDOWN_LINGER;
+        let mut pause = Duration::from_micros(10);
+        loop {
+            self.drain_completions();
+            let links: Vec<Arc<Link>> = lock(&self.by_id).values().cloned().collect();
+            if !links.iter().any(|l| l.has_unfinished_sends()) {
+                return;
+            }
+            if Instant::now() >= deadline {
+                tracing::debug!(local = %self.tcp.local_id(), "shutting down with sends unfinished");
+                return;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(2));
+        }
     }
 
     fn fail_link(&self, link: &Link, reason: String) {

@@ -19,7 +19,7 @@ const SPIN_POLLS: u32 = 64;
 impl Inner {
     /// Handles every completion waiting in the queue; returns how many there were. Waits for
     /// a concurrent poll to finish, so that nothing queued before the call is left behind.
-    fn drain_completions(&self) -> usize {
+    pub(super) fn drain_completions(&self) -> usize {
         let _polling = lock(&self.poll_gate);
         self.drain_polled()
     }
