@@ -93,6 +93,11 @@ pub trait Transport: Send + Sync + 'static {
     fn alloc_registered(&self, len: usize) -> Result<RegisteredBuf, TransportError>;
 
     /// Stops listening and closes every connection; later calls fail with
-    /// [`TransportError::Closed`].
+    /// [`TransportError::Closed`]. Messages whose `send` completed before the call still
+    /// reach their peers, in order, before those peers see this node lost: a job's last
+    /// word (the scheduler's shutdown order) is never overtaken by its own disconnection.
+    /// To keep that promise for a process that exits right after, the call may block for a
+    /// bounded time (a second at most in psnet's transports) while the peers' side
+    /// acknowledges what was sent.
     fn shutdown(&self);
 }
