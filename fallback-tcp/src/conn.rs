@@ -35,6 +35,8 @@ pub(crate) struct Conn {
     /// the writer.
     control_socket: std::net::TcpStream,
     broken: AtomicBool,
+    /// A graceful close began (transport shutdown): the read side stays open.
+    graceful: AtomicBool,
     reader: Mutex<Option<AbortHandle>>,
     /// This side's ring for large messages to the peer, once offered.
     send_ring: Mutex<Option<Arc<SendRing>>>,
@@ -68,6 +70,7 @@ impl Conn {
             }),
             control_socket,
             broken: AtomicBool::new(false),
+            graceful: AtomicBool::new(false),
             reader: Mutex::new(None),
             send_ring: Mutex::new(None),
             same_host,
@@ -235,7 +238,16 @@ impl Conn {
     /// Shuts the socket down both ways: pending and later writes fail, the reader sees the end.
     pub(crate) fn close(&self) {
         self.broken.store(true, Ordering::Release);
-        let _ = self.control_socket.shutdown(Shutdown::Both);
+        // Once a graceful close began, the read side stays open whatever fails next (a write
+        // cut short by it, the reader's end): a socket shut for reading is reset by the kernel
+        // as soon as the peer sends anything, and the reset drops what the peer has not yet
+        // acknowledged.
+        let how = if self.graceful.load(Ordering::Acquire) {
+            Shutdown::Write
+        } else {
+            Shutdown::Both
+        };
+        let _ = self.control_socket.shutdown(how);
         if let Some(h) = self
             .control_task
             .lock()
@@ -263,6 +275,7 @@ impl Conn {
     /// the read side too would make the kernel answer anything the peer still sends (a ring
     /// release, a credit) with a reset, which throws away what it had not yet delivered.
     pub(crate) fn begin_graceful_close(&self) {
+        self.graceful.store(true, Ordering::Release);
         self.broken.store(true, Ordering::Release);
         let _ = self.control_socket.shutdown(Shutdown::Write);
         if let Some(h) = self

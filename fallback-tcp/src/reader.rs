@@ -61,6 +61,10 @@ pub(crate) async fn read_loop(
         &mut link,
     )
     .await;
+    // Whether this side closed the connection (`disconnect`, a refusal, a failed write)
+    // before the socket ended; a socket that failed under the peer (cut inside a frame by
+    // its shutdown, reset) is the peer's end.
+    let closed_here = conn.is_broken();
     if link.is_started() {
         match &end {
             ReadEnd::Refused(why) => conn.close_with_notice(why).await,
@@ -69,9 +73,10 @@ pub(crate) async fn read_loop(
         }
     }
     // What the peer sent before it closed is delivered, as TCP delivers what came before
-    // its FIN; a connection this side closed (`disconnect`, a refusal, a failed write) takes
-    // nothing more, as a socket shut down here reads nothing more.
-    let queue_end = if conn.is_broken() {
+    // its FIN, also when its last frame was cut short (the queue's records before that frame
+    // were complete sends); a connection this side closed or refused takes nothing more, as a
+    // socket shut down here reads nothing more.
+    let queue_end = if closed_here || matches!(end, ReadEnd::Refused(_)) {
         link.stop()
     } else {
         link.finish().await

@@ -219,7 +219,14 @@ impl Inner {
         // kernels, not their applications, so this is quick unless a peer stopped reading.
         let deadline = std::time::Instant::now() + SHUTDOWN_LINGER;
         let mut pause = std::time::Duration::from_micros(20);
-        while !conns.iter().all(|c| c.all_acknowledged()) {
+        // A connection is asked until it answers yes once: the check reads (and so clears)
+        // the socket's pending error, and a reset one would answer no again.
+        let mut waiting: Vec<&Arc<Conn>> = conns.iter().collect();
+        loop {
+            waiting.retain(|c| !c.all_acknowledged());
+            if waiting.is_empty() {
+                break;
+            }
             if std::time::Instant::now() >= deadline {
                 tracing::debug!(id = %self.local(), "shutting down with sent data unacknowledged");
                 break;

@@ -97,7 +97,8 @@ pub trait Transport: Send + Sync + 'static {
     /// reach their peers, in order, before those peers see this node lost: a job's last
     /// word (the scheduler's shutdown order) is never overtaken by its own disconnection.
     /// To keep that promise for a process that exits right after, the call may block for a
-    /// bounded time (a second at most in psnet's transports) while the peers' side
-    /// acknowledges what was sent.
+    /// bounded time while the peers' side acknowledges what was sent (at most a second over
+    /// TCP; two over RDMA, whose control connections are TCP's), the full time only when a
+    /// peer stopped reading.
     fn shutdown(&self);
 }

@@ -339,15 +339,14 @@ impl Link {
 
     /// Whether this side has work requests that have not completed yet (sends and writes
     /// posted, or decided and waiting for room in the send queue), on a link not failed.
-    /// A completed send has reached the peer's receive queue.
+    /// A completed send has reached the peer's receive queue. Grants and offers still to
+    /// send do not count: they answer the peer's sends, and wait for credits it may withhold.
     pub fn has_unfinished_sends(&self) -> bool {
         let st = self.lock();
         st.failed.is_none()
             && (st.sq_free < self.params.sq_depth(self.max_sge)
                 || !st.wrs.is_empty()
-                || !st.write_backlog.is_empty()
-                || !st.cts_backlog.is_empty()
-                || !st.offer_backlog.is_empty())
+                || !st.write_backlog.is_empty())
     }
 
     /// The transport tag in registration keys handed out by this transport.
