@@ -276,16 +276,7 @@ impl Conn {
     /// release, a credit) with a reset, which throws away what it had not yet delivered.
     pub(crate) fn begin_graceful_close(&self) {
         self.graceful.store(true, Ordering::Release);
-        self.broken.store(true, Ordering::Release);
-        let _ = self.control_socket.shutdown(Shutdown::Write);
-        if let Some(h) = self
-            .control_task
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
-            h.abort();
-        }
+        self.close();
     }
 
     /// Whether the peer's kernel has acknowledged everything written, the FIN included (or

@@ -13,6 +13,12 @@ impl Link {
         let mut progress = Progress::default();
         let mut st = self.lock();
         if st.failed.is_some() {
+            // Messages received whole before the link failed (an error completion in the same
+            // batch as the peer's last messages) are still the peer's: delivered before its
+            // loss, as TCP delivers what came before a reset.
+            while let Some(msg) = st.order.pop_ready() {
+                progress.delivered.push(msg);
+            }
             return progress;
         }
         let result = (|| -> Result<(), VerbsError> {
