@@ -235,7 +235,8 @@ impl Conn {
         self.broken.load(Ordering::Acquire)
     }
 
-    /// Shuts the socket down both ways: pending and later writes fail, the reader sees the end.
+    /// Shuts the socket down both ways (only for writing once a graceful close began):
+    /// pending and later writes fail, the reader sees the end.
     pub(crate) fn close(&self) {
         self.broken.store(true, Ordering::Release);
         // Once a graceful close began, the read side stays open whatever fails next (a write
