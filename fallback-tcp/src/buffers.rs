@@ -28,8 +28,13 @@ pub(crate) struct LargeBuffers {
 
 impl LargeBuffers {
     /// An empty buffer with room for `len` bytes, and the size of its allocation.
+    ///
+    /// The most recently returned free buffer, which is likeliest still in cache: the pool
+    /// fills to many buffers while a peer runs ahead, and taking the oldest made every receive
+    /// of a steady 2-rank 2 MiB allreduce write lines of a buffer evicted since (MRU: 534-595
+    /// us in place against 560-819 us, 1,000 iterations, 8 alternating runs).
     pub(crate) fn take(&mut self, len: usize) -> (BytesMut, usize) {
-        match self.pool.iter_mut().position(|(b, _)| b.try_reclaim(len)) {
+        match self.pool.iter_mut().rposition(|(b, _)| b.try_reclaim(len)) {
             Some(i) => {
                 let (buf, size) = self.pool.remove(i).expect("index from position");
                 self.bytes -= size;
@@ -80,6 +85,25 @@ mod tests {
         );
         assert_eq!(pool.pool.len(), 1);
         assert_eq!(pool.bytes, 1 << 20);
+    }
+
+    #[test]
+    fn the_buffer_freed_last_is_reused_first() {
+        let mut pool = LargeBuffers::default();
+        let take = |pool: &mut LargeBuffers| {
+            let (mut big, size) = pool.take(1 << 20);
+            big.resize(1 << 20, 3);
+            let body = big.split().freeze();
+            pool.give_back(big, size);
+            body
+        };
+        let older = take(&mut pool);
+        let newer = take(&mut pool);
+        let newer_at = newer.as_ptr();
+        assert_ne!(older.as_ptr(), newer_at);
+        drop(older);
+        drop(newer);
+        assert_eq!(take(&mut pool).as_ptr(), newer_at);
     }
 
     #[test]
