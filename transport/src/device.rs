@@ -148,7 +148,7 @@ pub enum DevicePath {
     /// Copied to host buffers in chunks, each written while the next is copied.
     Staged,
     /// Copied to the host whole, then sent as host bytes (a transport that writes messages in
-    /// one piece: the in-memory transport, RDMA's eager and staged paths).
+    /// one piece: the in-memory transport, RDMA's eager path).
     Copied,
 }
 

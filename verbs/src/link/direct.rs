@@ -25,7 +25,7 @@ impl Link {
         total: u64,
     ) -> Result<Option<u32>, VerbsError> {
         let gather = &pending.as_ref().expect("posted once").0;
-        let wrs = write_groups(gather, self.max_sge as usize).len() as u32;
+        let wrs = write_groups(gather, 0..gather.len(), self.max_sge as usize).len() as u32;
         // The writes, then the direct message (one credit, one send buffer).
         if st.sq_free < wrs + 1 || st.free_slots.is_empty() || st.credits.available() < 2 {
             return Ok(None);

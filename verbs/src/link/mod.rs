@@ -7,10 +7,10 @@
 //!
 //! The parts: `setup.rs` brings a queue pair up (INIT, then RTR and RTS from the peer's
 //! [`QpInfo`] or from rdma_cm's attributes); `send.rs` posts small messages and picks a send
-//! path: `eager.rs` (copied into a pre-posted buffer), `device_send.rs` (GPU memory: read by the NIC
-//! where it is registered with it, else copied out first), `rendezvous.rs` (request-to-send,
-//! clear-to-send, RDMA WRITE WITH IMMEDIATE), `direct.rs` (written into a buffer the peer
-//! offered); `recv.rs` handles completions and received messages; `pump.rs` does the work
+//! path: `eager.rs` (copied into a pre-posted buffer), `device_send.rs` (GPU memory: read by
+//! the NIC where it is registered with it, else staged through host memory chunk by chunk),
+//! `rendezvous.rs` (request-to-send, clear-to-send, RDMA WRITE WITH IMMEDIATE, in batches as a
+//! staged send's chunks land), `direct.rs` (written into a buffer the peer offered); `recv.rs` handles completions and received messages; `pump.rs` does the work
 //! completions left behind (reposts, deferred requests, offers, credits).
 //!
 //! None of them touches the queue pair: the protocol state ([`State`]) only records the work
@@ -86,7 +86,17 @@ struct OutRndv {
     total: u64,
     // Registrations made for this send; dropped (deregistered) when it completes.
     _regs: Vec<Arc<MemoryRegion>>,
-    wrs: u32,
+    /// Gather entries whose bytes are in place: all of them, except while a staged send
+    /// (device memory copied out chunk by chunk) is still copying; the entries are written in
+    /// order, so this is a prefix.
+    ready: usize,
+    /// Gather entries already posted as writes (a prefix of the ready ones).
+    posted: usize,
+    /// Bytes of the destination those writes cover: where the next batch starts.
+    written: u64,
+    /// Work requests of each batch of writes posted and not completed, in posting order (the
+    /// last of a batch is signalled, and a queue pair completes in order).
+    batches: VecDeque<u32>,
     cts: Option<Cts>,
     /// The immediate ending the writes (the rendezvous' seq); `None` for a write into an
     /// offered buffer, which a direct message follows instead.

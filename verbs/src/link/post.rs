@@ -6,7 +6,6 @@ use smallvec::SmallVec;
 
 use super::{wr_id, Link, Locked, Slot, WrKind, INLINE_INDEX};
 use crate::error::VerbsError;
-use crate::proto::wire::Cts;
 
 /// Bytes of an inline send kept in the request itself (larger inline limits spill to the heap).
 const INLINE_KEPT: usize = 128;
@@ -21,12 +20,14 @@ pub(crate) enum WorkRequest {
     /// Send `bytes` inline: copied into the work request when posted. Their send buffer was
     /// free again as soon as they were copied here.
     SendInline(SmallVec<[u8; INLINE_KEPT]>),
-    /// The RDMA writes of large send `seq` (its gather list is in `State::out`): one per
-    /// `(first, end, bytes)` group, into `to`, the last carrying `imm` if given.
+    /// A batch of the RDMA writes of large send `seq` (its gather list is in `State::out`):
+    /// one per `(first, end, bytes)` group, into the peer's memory from `addr` on under
+    /// `rkey`; the last is signalled, and carries `imm` if given.
     Writes {
         seq: u32,
         groups: SmallVec<[(usize, usize, u64); 4]>,
-        to: Cts,
+        rkey: u32,
+        addr: u64,
         imm: Option<u32>,
     },
 }
@@ -61,7 +62,8 @@ impl Link {
                 WorkRequest::Writes {
                     seq,
                     groups,
-                    to,
+                    rkey,
+                    addr,
                     imm,
                 } => match state.out.get(&seq) {
                     // The entries point into the sender's borrowed segments (kept alive by the
@@ -72,8 +74,8 @@ impl Link {
                             wr_id(self.id, WrKind::Write, seq),
                             &out.gather,
                             &groups,
-                            to.rkey,
-                            to.addr,
+                            rkey,
+                            addr,
                             imm,
                         )
                         .map_err(|e| VerbsError::os("ibv_post_send", "post RDMA write", &e)),

@@ -47,10 +47,16 @@ impl Link {
                 st.sq_free += 1;
             }
             WrKind::Write => {
-                if let Some(mut out) = st.out.remove(&index) {
-                    st.sq_free += out.wrs;
-                    if let Some(done) = out.done.take() {
-                        let _ = done.send(Ok(()));
+                let st = &mut *st;
+                if let Some(out) = st.out.get_mut(&index) {
+                    st.sq_free += out.batches.pop_front().unwrap_or(0);
+                    // Done once its last batch, the one with every entry, has completed.
+                    if out.batches.is_empty() && out.posted == out.gather.len() {
+                        if let Some(mut out) = st.out.remove(&index) {
+                            if let Some(done) = out.done.take() {
+                                let _ = done.send(Ok(()));
+                            }
+                        }
                     }
                 }
             }
@@ -239,7 +245,10 @@ impl Link {
             .inbound
             .remove(&seq)
             .ok_or_else(|| VerbsError::Protocol(format!("write for unknown rendezvous {seq}")))?;
-        if inbound.total <= u32::MAX as u64 && byte_len as u64 != inbound.total {
+        // The write carrying the immediate reports its own bytes: all of them when the message
+        // went in one write, the last batch's when it went in several (a staged send writes
+        // each chunk as it is copied out of the device).
+        if byte_len as u64 > inbound.total {
             return Err(VerbsError::Protocol(format!(
                 "rendezvous {seq}: {byte_len} bytes written, {} expected",
                 inbound.total

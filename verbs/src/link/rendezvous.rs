@@ -3,7 +3,11 @@
 //! IMMEDIATE. A message that fits an offered buffer takes the direct path instead
 //! (`direct.rs`); both share the writes posted here.
 
+use std::collections::VecDeque;
+use std::sync::Arc;
+
 use psnet_transport::{DeviceError, OutMessage, Segment, TransportError};
+use sideway::ibverbs::memory_region::MemoryRegion;
 use smallvec::SmallVec;
 use tokio::sync::oneshot;
 
@@ -28,6 +32,50 @@ fn push_split(len: usize, mut push: impl FnMut(usize, usize)) {
     }
 }
 
+/// Where a segment's bytes come from in a large send.
+pub(super) enum Part<'b> {
+    /// The segment itself: host memory, or device memory the NIC reads in place.
+    Own,
+    /// A host buffer the segment's device bytes are copied into, chunk by chunk (a staged
+    /// send): registered here, and written in entries of `chunk` bytes as they land.
+    Staged { host: &'b [u8], chunk: usize },
+}
+
+/// A large send's gather list and the registrations made for it.
+pub(super) struct LargeSend {
+    gather: Gather,
+    regs: Vec<Arc<MemoryRegion>>,
+    /// For each of the message's segments, the gather entry its bytes start at.
+    starts: SmallVec<[usize; 4]>,
+    /// Entries in place when the send starts: all, or a staged send's up to its first chunk
+    /// not yet copied.
+    ready: usize,
+}
+
+impl LargeSend {
+    /// Entries in the gather list.
+    pub(super) fn entries(&self) -> usize {
+        self.gather.len()
+    }
+
+    /// The gather entry segment `index` of the message starts at.
+    pub(super) fn start_of(&self, index: usize) -> usize {
+        self.starts.get(index).copied().unwrap_or(self.gather.len())
+    }
+
+    /// Marks the first `ready` entries in place before the send starts.
+    pub(super) fn set_ready(&mut self, ready: usize) {
+        self.ready = ready.min(self.gather.len());
+    }
+}
+
+/// A large send whose request went out: the peer may read this side's memory from now on.
+pub(super) struct Started<'a> {
+    seq: u32,
+    rx: oneshot::Receiver<Result<(), VerbsError>>,
+    guard: AbandonGuard<'a>,
+}
+
 impl Link {
     /// Sends `msg` by rendezvous (or directly into an offered buffer); completes when the
     /// peer's buffer holds its bytes.
@@ -37,14 +85,50 @@ impl Link {
         header_len: usize,
         registrar: &Registrar,
     ) -> Result<(), TransportError> {
+        let parts: SmallVec<[Part<'_>; 4]> = msg.segments.iter().map(|_| Part::Own).collect();
+        let large = self.gather_parts(&msg, header_len, &parts, registrar)?;
+        let started = self.start_large(&msg, header_len, large, true).await?;
+        self.finish_large(started).await
+    }
+
+    /// The gather list of `msg` (its metadata when that does not fit the request, then its
+    /// segments, each from where `parts` says), registering what needs it. Entry `i` of a
+    /// staged part starts at byte `i * chunk` of it.
+    pub(super) fn gather_parts(
+        &self,
+        msg: &OutMessage<'_>,
+        header_len: usize,
+        parts: &[Part<'_>],
+        registrar: &Registrar,
+    ) -> Result<LargeSend, TransportError> {
         let peer = self.peer;
         let meta_inline = header_len + msg.meta.len() <= self.params.slot_size;
         let mut gather = Gather::default();
         let mut regs = Vec::new();
+        let mut starts = SmallVec::new();
         // The metadata when it does not fit the request, then every segment.
         let meta_part = (!meta_inline).then_some(Segment::new(msg.meta));
-        for seg in meta_part.iter().chain(msg.segments) {
+        let own = Part::Own;
+        let segments = meta_part.iter().map(|seg| (seg, &own, false)).chain(
+            msg.segments
+                .iter()
+                .zip(parts)
+                .map(|(seg, part)| (seg, part, true)),
+        );
+        for (seg, part, counted) in segments {
+            if counted {
+                starts.push(gather.len());
+            }
             if seg.is_empty() {
+                continue;
+            }
+            if let Part::Staged { host, chunk } = part {
+                let mr = registrar.register(host).map_err(|e| e.into_lost(peer))?;
+                let lkey = mr.lkey();
+                regs.push(mr);
+                for piece in host.chunks((*chunk).max(1)) {
+                    gather.push(piece, lkey);
+                }
                 continue;
             }
             if let Some(device) = seg.device_bytes() {
@@ -77,15 +161,38 @@ impl Link {
             };
             push_split(part.len(), |at, n| gather.push(&part[at..at + n], lkey));
         }
-        let total = gather.total();
+        let ready = gather.len();
+        Ok(LargeSend {
+            gather,
+            regs,
+            starts,
+            ready,
+        })
+    }
+
+    /// Sends the request-to-send of `msg`, whose bytes `large` gathers, or, if `may_direct`
+    /// and an offered buffer fits, writes it there at once. From here the peer may read this
+    /// side's memory: the caller must keep it until [`Link::finish_large`] returns.
+    pub(super) async fn start_large(
+        &self,
+        msg: &OutMessage<'_>,
+        header_len: usize,
+        large: LargeSend,
+        may_direct: bool,
+    ) -> Result<Started<'_>, TransportError> {
+        let meta_inline = header_len + msg.meta.len() <= self.params.slot_size;
+        let total = large.gather.total();
+        let ready = large.ready;
         let (tx, rx) = oneshot::channel();
         let mut done = Some(tx);
-        let mut pending = Some((gather, regs));
+        let mut pending = Some((large.gather, large.regs));
         let seq = self
             .wait_for(|st| {
-                let offer = meta_inline.then(|| st.offers.fitting(total)).flatten();
+                let offer = (meta_inline && may_direct)
+                    .then(|| st.offers.fitting(total))
+                    .flatten();
                 if let Some(offer) = offer {
-                    return self.post_direct(st, &msg, offer, &mut pending, &mut done, total);
+                    return self.post_direct(st, msg, offer, &mut pending, &mut done, total);
                 }
                 // One credit for the request, one for the write-with-immediate that ends it.
                 if st.sq_free == 0 || st.free_slots.is_empty() || st.credits.available() < 3 {
@@ -121,50 +228,86 @@ impl Link {
                 );
                 let tracked = track_send(st, &mut pending, &mut done, total, None);
                 debug_assert_eq!(tracked, seq);
+                if let Some(out) = st.out.get_mut(&seq) {
+                    out.ready = ready;
+                }
                 st.stats.sent_rendezvous += 1;
                 Ok(Some(seq))
             })
             .await?;
-        // From here the peer may write-read our memory: if this future is dropped before the
+        // From here the peer may write-read our memory: if the send is dropped before the
         // write completes, the link must go (the borrowed bytes are about to be freed).
-        let guard = AbandonGuard {
-            link: self,
+        Ok(Started {
             seq,
-            armed: true,
+            rx,
+            guard: AbandonGuard {
+                link: self,
+                seq,
+                armed: true,
+            },
+        })
+    }
+
+    /// Marks the first `ready` entries of started send `started` in place (a staged send's
+    /// chunks, as they land), and writes them if the peer's clear-to-send came.
+    pub(super) fn large_ready(&self, started: &Started<'_>, ready: usize) {
+        let mut st = self.lock();
+        let st = &mut *st;
+        let Some(out) = st.out.get_mut(&started.seq) else {
+            return;
         };
+        out.ready = ready.clamp(out.ready, out.gather.len());
+        if out.cts.is_some() && !self.post_writes(st, started.seq) {
+            // No queue room now: completions will make some (`pump`).
+            st.write_backlog.push_back(started.seq);
+        }
+    }
+
+    /// Waits until the peer's buffer holds every byte of started send `started`.
+    pub(super) async fn finish_large(&self, started: Started<'_>) -> Result<(), TransportError> {
+        let Started { rx, mut guard, .. } = started;
         let result = rx.await;
-        let mut guard = guard;
         guard.armed = false;
         match result {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(e.into_lost(peer)),
+            Ok(Err(e)) => Err(e.into_lost(self.peer)),
             Err(_) => Err(lost(
-                peer,
+                self.peer,
                 self.failure().unwrap_or_else(|| "link closed".into()),
             )),
         }
     }
 
-    /// Decides the RDMA writes of large send `seq`; false if the send queue lacks room.
+    /// Decides the RDMA writes of large send `seq` whose entries are in place and not yet
+    /// written (all of them but for a staged send still copying); false if the send queue
+    /// lacks room.
     pub(super) fn post_writes(&self, st: &mut State, seq: u32) -> bool {
         let max_sge = self.max_sge as usize;
         let Some(out) = st.out.get_mut(&seq) else {
             return true;
         };
+        if out.posted == out.ready {
+            return true;
+        }
         let to = out.cts.expect("writes follow a clear-to-send or an offer");
-        let imm = out.imm;
-        let groups = write_groups(&out.gather, max_sge);
+        let groups = write_groups(&out.gather, out.posted..out.ready, max_sge);
         let wrs = groups.len() as u32;
         if st.sq_free < wrs {
             return false;
         }
-        out.wrs = wrs;
+        // The immediate ends the last batch only: the peer takes the message once it lands.
+        let last = out.ready == out.gather.len();
+        let addr = to.addr + out.written;
+        out.written += groups.iter().map(|g| g.2).sum::<u64>();
+        out.posted = out.ready;
+        out.batches.push_back(wrs);
         st.sq_free -= wrs;
         st.wrs.push(WorkRequest::Writes {
             seq,
             groups,
-            to,
-            imm,
+            rkey: to.rkey,
+            addr,
+            imm: if last { out.imm } else { None },
         });
         true
     }
@@ -201,13 +344,17 @@ pub(super) fn track_send(
     let seq = st.next_seq;
     st.next_seq = (seq + 1) & SEQ_MASK;
     let (gather, regs) = pending.take().expect("tracked once");
+    let ready = gather.len();
     st.out.insert(
         seq,
         OutRndv {
             gather,
             total,
             _regs: regs,
-            wrs: 0,
+            ready,
+            posted: 0,
+            written: 0,
+            batches: VecDeque::new(),
             imm: to.is_none().then_some(seq),
             cts: to,
             done: done.take(),
@@ -216,14 +363,21 @@ pub(super) fn track_send(
     seq
 }
 
-/// Groups a gather list's entries into RDMA writes of at most `max_sge` entries and
+/// Groups gather entries `entries` into RDMA writes of at most `max_sge` entries and
 /// [`MAX_WR_BYTES`] each: `(first, end, bytes)` per write.
-pub(super) fn write_groups(gather: &Gather, max_sge: usize) -> SmallVec<[(usize, usize, u64); 4]> {
+pub(super) fn write_groups(
+    gather: &Gather,
+    entries: std::ops::Range<usize>,
+    max_sge: usize,
+) -> SmallVec<[(usize, usize, u64); 4]> {
     let mut groups = SmallVec::new();
-    let (mut start, mut bytes) = (0usize, 0u64);
-    let lens = gather.lens();
-    let entries = lens.len();
-    for (i, len) in lens.enumerate() {
+    let (mut start, mut bytes) = (entries.start, 0u64);
+    let lens = gather
+        .lens()
+        .enumerate()
+        .skip(entries.start)
+        .take(entries.len());
+    for (i, len) in lens {
         if i > start && (i - start == max_sge.max(1) || bytes + len > MAX_WR_BYTES) {
             groups.push((start, i, bytes));
             start = i;
@@ -231,6 +385,46 @@ pub(super) fn write_groups(gather: &Gather, max_sge: usize) -> SmallVec<[(usize,
         }
         bytes += len;
     }
-    groups.push((start, entries, bytes));
+    groups.push((start, entries.end, bytes));
     groups
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gather(lens: &[u64]) -> Gather {
+        let mut g = Gather::default();
+        for (i, &len) in lens.iter().enumerate() {
+            // Addresses only: nothing is posted.
+            g.push_device(0x1000 * (i as u64 + 1), len as usize, 7);
+        }
+        g
+    }
+
+    #[test]
+    fn groups_cover_exactly_the_entries_asked_for() {
+        let g = gather(&[5, 7, 9, 11, 13]);
+        assert_eq!(
+            write_groups(&g, 0..5, 2).as_slice(),
+            &[(0, 2, 12), (2, 4, 20), (4, 5, 13)]
+        );
+        // A staged send's later batch: entries 1..5 only, grouped from entry 1.
+        assert_eq!(
+            write_groups(&g, 1..5, 2).as_slice(),
+            &[(1, 3, 16), (3, 5, 24)]
+        );
+        assert_eq!(write_groups(&g, 3..4, 30).as_slice(), &[(3, 4, 11)]);
+    }
+
+    #[test]
+    fn a_group_stays_within_the_bytes_one_write_may_carry() {
+        let half = MAX_WR_BYTES / 2 + 1;
+        let g = gather(&[half, half, 10, half]);
+        assert_eq!(
+            write_groups(&g, 0..4, 30).as_slice(),
+            &[(0, 1, half), (1, 3, half + 10), (3, 4, half)]
+        );
+        assert_eq!(write_groups(&g, 2..4, 30).as_slice(), &[(2, 4, 10 + half)]);
+    }
 }

@@ -279,6 +279,11 @@ impl Gather {
         self.sges.push(ibv_sge { addr, length, lkey });
     }
 
+    /// Entries in the list.
+    pub(crate) fn len(&self) -> usize {
+        self.sges.len()
+    }
+
     /// The entries' lengths, in order.
     pub(crate) fn lens(&self) -> impl ExactSizeIterator<Item = u64> + '_ {
         self.sges.iter().map(|s| s.length as u64)

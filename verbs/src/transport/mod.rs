@@ -366,6 +366,15 @@ impl Inner {
         }
     }
 
+    /// Lets link `id` to `peer`, which failed, go: the peer is told by the end of the control
+    /// connection, and this side's application by a `PeerLost` (once per link).
+    fn forget_link(&self, peer: NodeId, id: u32, reason: String) {
+        if self.remove_link(peer, Some(id), &reason) == Some(true) {
+            self.drop_control(peer);
+            self.inbox.push_event(Event::PeerLost { peer, reason });
+        }
+    }
+
     fn fail_link(&self, link: &Link, reason: String) {
         if link.fail(&reason) {
             tracing::warn!(peer = %link.peer, %reason, "RDMA link failed");
@@ -425,7 +434,16 @@ impl Transport for VerbsTransport {
             .get(peer)
             .map(|c| c.link().clone())
             .ok_or(TransportError::NotConnected { peer })?;
-        link.send(msg, &self.inner.registrar).await
+        let sent = link.send(msg, &self.inner.registrar).await;
+        if sent.is_err() {
+            // A link that failed under this send (a staged copy that stopped half-way, a
+            // refused post) goes at once, as those the poller finds failed do: a `connect`
+            // right after this error makes a new one rather than finding this one.
+            if let Some(reason) = link.failure() {
+                self.inner.forget_link(peer, link.id, reason);
+            }
+        }
+        sent
     }
 
     async fn recv(&self) -> Result<Event, TransportError> {

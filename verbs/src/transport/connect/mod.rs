@@ -228,12 +228,7 @@ pub(super) async fn control_loop(
                     }
                 }
             }
-            Some((peer, id, reason)) = failures.recv() => {
-                if inner.remove_link(peer, Some(id), &reason) == Some(true) {
-                    inner.drop_control(peer);
-                    inner.inbox.push_event(Event::PeerLost { peer, reason });
-                }
-            }
+            Some((peer, id, reason)) = failures.recv() => inner.forget_link(peer, id, reason),
             _ = stop.changed() => return,
         }
     }
