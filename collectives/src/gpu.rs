@@ -102,7 +102,9 @@ impl<T: Transport> Communicator<T> {
                 guarded("copy to host", || stream.memcpy_dtoh(&src, host)).map_err(gpu_err)?;
             } else {
                 // cudarc copies as many elements as the destination holds: a shorter last
-                // chunk goes into a plain slice of its length (a copy cudarc waits for).
+                // chunk goes into a plain slice of its length. That slice is still
+                // page-locked memory, so the copy is as asynchronous as the others and the
+                // event recorded after it marks its end too.
                 let dst = guarded("pinned memory", || host.as_mut_slice()).map_err(gpu_err)?;
                 guarded("copy to host", || {
                     stream.memcpy_dtoh(&src, &mut dst[..range.len()])
@@ -117,8 +119,9 @@ impl<T: Transport> Communicator<T> {
                 let values = guarded("pinned memory", || host.as_mut_slice()).map_err(gpu_err)?;
                 let values = &mut values[..range.len()];
                 self.allreduce(values, op).await?;
-                // A plain host slice as the source: cudarc waits for this copy before it
-                // returns, so the chunk is free for the next call.
+                // Queued, not waited for: the source is page-locked, so the driver copies it
+                // asynchronously on the stage's stream while the next chunk is reduced. The
+                // chunk goes back to the pool only after the stream is synchronized below.
                 guarded("copy to device", || {
                     stream.memcpy_htod(&*values, &mut buf.slice_mut(range.clone()))
                 })
