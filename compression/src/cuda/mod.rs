@@ -119,23 +119,36 @@ fn cuda_err(what: &str) -> impl Fn(String) -> CompressionError + '_ {
     move |e| CompressionError::Cuda(format!("{what}: {e}"))
 }
 
+/// Whether NVRTC can be loaded (it needs no GPU: the kernels compile without one).
+fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen libnvrtc under its usual names; calls none of it.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Compiles the kernels for `arch` (NVRTC's default when `None`) with the options their
+/// bit-exactness rests on: no fused multiply-add, no flushing of denormals to zero, IEEE
+/// division and square root. NVRTC must be present ([`nvrtc_present`]).
+fn compile_kernels(arch: Option<&'static str>) -> Result<Ptx, String> {
+    let opts = CompileOptions {
+        ftz: Some(false),
+        fmad: Some(false),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        arch,
+        name: Some("psnet_compression.cu".into()),
+        ..Default::default()
+    };
+    guard(|| compile_ptx_with_opts(KERNELS_SRC, opts)).map_err(|e| format!("NVRTC: {e}"))
+}
+
 /// The kernels compiled once per process.
 fn ptx() -> Result<Ptx, CompressionError> {
     static PTX: OnceLock<Result<Ptx, String>> = OnceLock::new();
     PTX.get_or_init(|| {
-        // SAFETY: only tries to dlopen libnvrtc under its usual names; calls none of it.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        if !nvrtc_present() {
             return Err("libnvrtc (the CUDA runtime compiler) was not found".into());
         }
-        let opts = CompileOptions {
-            ftz: Some(false),
-            fmad: Some(false),
-            prec_div: Some(true),
-            prec_sqrt: Some(true),
-            name: Some("psnet_compression.cu".into()),
-            ..Default::default()
-        };
-        guard(|| compile_ptx_with_opts(KERNELS_SRC, opts)).map_err(|e| format!("NVRTC: {e}"))
+        compile_kernels(None)
     })
     .clone()
     .map_err(CompressionError::NoCudaDevice)
@@ -418,5 +431,113 @@ impl CudaCompressor {
     ) -> Result<(), CompressionError> {
         guard(|| self.stream.memcpy_dtoh(dev, host)).map_err(cuda_err("copy to host"))?;
         guard(|| self.stream.synchronize()).map_err(cuda_err("synchronize"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Set where NVRTC was installed for the check (CI): its absence is then a failure.
+    const REQUIRE_NVRTC: psnet_config::env::EnvVar = psnet_config::env::EnvVar {
+        name: "PSNET_REQUIRE_NVRTC",
+        default: "",
+        description: "tests: fail instead of skipping the kernel compile check without NVRTC",
+    };
+
+    /// Each kernel with the byte widths of the arguments `quantize_view` and
+    /// `dequantize_view` push, in order: pointers and lengths 8, thresholds (`f32`) and `add`
+    /// (`i32`) 4. A kernel whose parameters differ would read garbage on a GPU.
+    const ENTRIES: [(&str, &[usize]); 4] = [
+        ("psnet_quantize_2bit", &[8, 8, 8, 8, 8, 4, 4]),
+        ("psnet_quantize_1bit", &[8, 8, 8, 8, 8, 4]),
+        ("psnet_dequantize_2bit", &[8, 8, 8, 4, 4, 4]),
+        ("psnet_dequantize_1bit", &[8, 8, 8, 4]),
+    ];
+
+    /// The byte widths of the parameters of PTX entry `name` (`.param .u64 name_param_0`...).
+    fn entry_params(ptx: &str, name: &str) -> Option<Vec<usize>> {
+        let start = ptx.find(&format!(".entry {name}("))?;
+        let rest = &ptx[start..];
+        let list = &rest[..rest.find(')')?];
+        Some(
+            list.split(".param")
+                .skip(1)
+                .map(|p| {
+                    let ty = p.split_whitespace().next().unwrap_or("");
+                    match ty.trim_start_matches('.') {
+                        "u8" | "s8" | "b8" => 1,
+                        "u16" | "s16" | "b16" | "f16" => 2,
+                        "u32" | "s32" | "b32" | "f32" => 4,
+                        "u64" | "s64" | "b64" | "f64" => 8,
+                        _ => 0,
+                    }
+                })
+                .collect(),
+        )
+    }
+
+    /// The instructions of `ptx` that break bit-exactness with the CPU path: a multiply fused
+    /// into an add (`fma`, or `mad` on floats) or a flush of denormals to zero (`.ftz`).
+    fn inexact_instructions(ptx: &str) -> Vec<String> {
+        ptx.lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with('.') && !l.starts_with("//"))
+            .filter_map(|l| l.split_whitespace().find(|w| !w.starts_with('@')))
+            .filter(|inst| {
+                let float = inst.ends_with(".f32") || inst.ends_with(".f64");
+                inst.starts_with("fma.")
+                    || (inst.starts_with("mad") && float)
+                    || inst.contains(".ftz")
+            })
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// NVRTC needs no GPU, so the kernels, which otherwise only a GPU machine would compile,
+    /// are compiled here for NVRTC's default target and for the A100's and H100's, and the
+    /// PTX checked: every kernel is there with the parameters the launches pass, and no
+    /// instruction fuses a multiply into an add or flushes denormals, which would break
+    /// bit-exactness with the CPU path. Skipped, saying why, without libnvrtc (`scripts/nvrtc.sh`
+    /// installs one from PyPI); `PSNET_REQUIRE_NVRTC=1` makes that a failure (CI sets it).
+    #[test]
+    fn the_kernels_compile_with_the_launches_parameters_and_no_fused_or_flushed_arithmetic() {
+        if !nvrtc_present() {
+            assert!(
+                !REQUIRE_NVRTC.is_set(),
+                "PSNET_REQUIRE_NVRTC is set, but libnvrtc was not found (LD_LIBRARY_PATH)"
+            );
+            eprintln!("kernel compile check skipped: libnvrtc was not found (scripts/nvrtc.sh)");
+            return;
+        }
+        for arch in [None, Some("compute_80"), Some("compute_90")] {
+            let ptx = compile_kernels(arch)
+                .unwrap_or_else(|e| panic!("compiling for {arch:?}: {e}"))
+                .to_src();
+            for (name, widths) in ENTRIES {
+                let params = entry_params(&ptx, name)
+                    .unwrap_or_else(|| panic!("{arch:?}: no entry {name} in the PTX"));
+                assert_eq!(params, widths, "{arch:?}: parameters of {name}");
+            }
+            let inexact = inexact_instructions(&ptx);
+            assert!(inexact.is_empty(), "{arch:?}: {inexact:?}");
+        }
+        // The check itself sees both when they are there: a multiply-add compiled with
+        // contraction and flushing allowed.
+        let probe = "extern \"C\" __global__ void probe(float* x) { x[0] = x[1] * x[2] + x[3]; }";
+        let opts = CompileOptions {
+            ftz: Some(true),
+            fmad: Some(true),
+            ..Default::default()
+        };
+        let ptx = guard(|| compile_ptx_with_opts(probe, opts))
+            .expect("the probe compiles")
+            .to_src();
+        let inexact = inexact_instructions(&ptx);
+        assert!(
+            inexact.iter().any(|i| i.starts_with("fma."))
+                && inexact.iter().any(|i| i.contains(".ftz")),
+            "the probe's fused, flushing multiply-add was not seen: {inexact:?}"
+        );
     }
 }
