@@ -477,6 +477,14 @@ mod tests {
         )
     }
 
+    /// The PTX of entry `name`, up to the next entry.
+    fn entry_body<'p>(ptx: &'p str, name: &str) -> &'p str {
+        let start = ptx.find(&format!(".entry {name}(")).unwrap_or(ptx.len());
+        let rest = &ptx[start..];
+        let end = rest[1..].find(".entry ").map_or(rest.len(), |e| e + 1);
+        &rest[..end]
+    }
+
     /// The instructions of `ptx` that break bit-exactness with the CPU path: a multiply fused
     /// into an add (`fma`, or `mad` on floats) or a flush of denormals to zero (`.ftz`).
     fn inexact_instructions(ptx: &str) -> Vec<String> {
@@ -496,8 +504,8 @@ mod tests {
 
     /// NVRTC needs no GPU, so the kernels, which otherwise only a GPU machine would compile,
     /// are compiled here for NVRTC's default target and for the A100's and H100's, and the
-    /// PTX checked: every kernel is there with the parameters the launches pass, and no
-    /// instruction fuses a multiply into an add or flushes denormals, which would break
+    /// PTX checked: every kernel is there with the parameters the launches pass, its vector
+    /// path moves 16 bytes per access, and no instruction fuses a multiply into an add or flushes denormals, which would break
     /// bit-exactness with the CPU path. Skipped, saying why, without libnvrtc (`scripts/nvrtc.sh`
     /// installs one from PyPI); `PSNET_REQUIRE_NVRTC=1` makes that a failure (CI sets it).
     #[test]
@@ -518,6 +526,19 @@ mod tests {
                 let params = entry_params(&ptx, name)
                     .unwrap_or_else(|| panic!("{arch:?}: no entry {name} in the PTX"));
                 assert_eq!(params, widths, "{arch:?}: parameters of {name}");
+                // The vector path moves a float4 per thread: one 16-byte access, not four.
+                let body = entry_body(&ptx, name);
+                assert!(
+                    body.contains("st.global.v4.f32"),
+                    "{arch:?}: {name} has no 16-byte stores"
+                );
+                if name.contains("quantize_") && !name.contains("dequantize") {
+                    assert!(
+                        body.contains("ld.global.nc.v4.f32"),
+                        "{arch:?}: {name} does not read the gradient 16 bytes at a time \
+                         through the read-only path"
+                    );
+                }
             }
             let inexact = inexact_instructions(&ptx);
             assert!(inexact.is_empty(), "{arch:?}: {inexact:?}");
