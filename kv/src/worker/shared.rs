@@ -1,0 +1,281 @@
+//! What every call of a worker shares: its state behind one lock, its links to the nodes, and
+//! the requests in flight: sending them (to all servers at once), redialing a server that
+//! was lost, and settling each request with its answer.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use psnet_transport::{NodeId, Segment, Transport};
+use tokio::sync::{oneshot, Notify};
+
+use crate::error::KvError;
+use crate::proto::admission::JobAdmission;
+use crate::proto::ids::describe;
+use crate::proto::msg::{CommandKind, Msg, NodeInfo, PushFlags};
+use crate::proto::worker::{Asked, Reply, WorkerState};
+use crate::reliable::Link;
+
+/// What one request asks of a server; its id is given when it is sent.
+#[derive(Clone)]
+pub(crate) enum Ask {
+    Push {
+        key: u64,
+        flags: PushFlags,
+        n_elems: u64,
+    },
+    Pull {
+        key: u64,
+        n_elems: u64,
+    },
+    Command {
+        kind: CommandKind,
+        body: String,
+    },
+}
+
+impl Ask {
+    /// What the worker's state keeps of it.
+    pub(crate) fn asked(&self) -> Asked {
+        match self {
+            Ask::Push { key, flags, .. } => Asked::Push {
+                key: *key,
+                init: flags.init,
+            },
+            _ => Asked::Other,
+        }
+    }
+
+    /// The same request, to send again to a restarted server (a push with its place
+    /// among this worker's pushes of the key).
+    pub(crate) fn again(mut self, retry: Option<u64>) -> Self {
+        if let Ask::Push { flags, .. } = &mut self {
+            flags.retry = retry;
+        }
+        self
+    }
+
+    pub(crate) fn into_msg(self, ts: u64) -> Msg {
+        match self {
+            Ask::Push {
+                key,
+                flags,
+                n_elems,
+            } => Msg::Push {
+                ts,
+                key,
+                flags,
+                n_elems,
+            },
+            Ask::Pull { key, n_elems } => Msg::Pull { ts, key, n_elems },
+            Ask::Command { kind, body } => Msg::Command { ts, kind, body },
+        }
+    }
+}
+
+/// One request of a call, with the bytes it carries (borrowed from the caller).
+pub(crate) struct Outgoing<'a> {
+    pub(crate) to: NodeId,
+    pub(crate) ask: Ask,
+    pub(crate) value: Option<Segment<'a>>,
+}
+
+/// A request sent and waiting for its answer, with what it takes to send it again if its
+/// server restarts first.
+pub(crate) struct Wait<'a> {
+    sent: Outgoing<'a>,
+    rx: oneshot::Receiver<Reply>,
+}
+
+/// A call's requests, sent, and the receivers of their answers in the same order: its
+/// [`Wait`]s, made one at a time as the call takes the answers (a call of many keys holds
+/// no second copy of its requests).
+pub(crate) struct Sent<'a> {
+    requests: Vec<Outgoing<'a>>,
+    answers: Vec<oneshot::Receiver<Reply>>,
+}
+
+impl<'a> IntoIterator for Sent<'a> {
+    type Item = Wait<'a>;
+    type IntoIter = std::iter::Map<
+        std::iter::Zip<
+            std::vec::IntoIter<Outgoing<'a>>,
+            std::vec::IntoIter<oneshot::Receiver<Reply>>,
+        >,
+        fn((Outgoing<'a>, oneshot::Receiver<Reply>)) -> Wait<'a>,
+    >;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.requests
+            .into_iter()
+            .zip(self.answers)
+            .map(|(sent, rx)| Wait { sent, rx })
+    }
+}
+
+/// Dials of a rejoined server before its requests are sent anyway (and fail): 10 ms, then
+/// twice as long each time, about 1.3 s in all.
+pub(crate) const REDIALS: u32 = 8;
+
+/// How long a failed send waits for the receiver to report the peer's loss with its cause.
+pub(crate) const LOSS_GRACE: std::time::Duration = std::time::Duration::from_millis(250);
+
+pub(crate) struct Shared<T: Transport> {
+    pub(crate) link: Arc<Link<T>>,
+    /// Learns a rejoined server's new token.
+    pub(crate) admission: Arc<JobAdmission>,
+    /// Fixed at join: read without the lock.
+    pub(crate) rank: u32,
+    pub(crate) servers: Vec<NodeId>,
+    pub(crate) num_workers: u32,
+    pub(crate) state: Mutex<WorkerState>,
+    /// `PSNET_KV_SERIAL_SENDS`: one request after another, for benchmarks.
+    pub(crate) serial_sends: bool,
+    /// Woken when the job ends or the scheduler is lost (`finalize` waits for it).
+    pub(crate) ended: Notify,
+}
+
+impl<T: Transport> Shared<T> {
+    pub(crate) fn state(&self) -> MutexGuard<'_, WorkerState> {
+        // The state is only changed by its own methods, none of which panics half-way: a
+        // poisoned lock still guards a consistent state.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sends `Leaving` messages, all at once and bounded by [`LOSS_GRACE`]: a peer that does
+    /// not read is not waited for.
+    pub(crate) async fn tell(&self, messages: Vec<(NodeId, Msg)>) {
+        if messages.is_empty() {
+            return;
+        }
+        let sends = messages
+            .iter()
+            .map(|(to, msg)| self.link.send(*to, msg, None));
+        let _ = tokio::time::timeout(LOSS_GRACE, futures_util::future::join_all(sends)).await;
+    }
+
+    /// A server rejoined (`Rejoined` from the scheduler): accept its new token, redial it at
+    /// its new address, then let the state have the event, which sends again what waited on
+    /// it. A server that cannot be dialled fails those requests when they are sent.
+    pub(crate) async fn reconnect(&self, node: &NodeInfo) {
+        self.admission.learn(std::slice::from_ref(node));
+        self.link.rejoined(node);
+        let t = self.link.transport();
+        t.disconnect(node.id);
+        let mut pause = std::time::Duration::from_millis(10);
+        for attempt in 1..=REDIALS {
+            match t.connect(node.id, node.addr).await {
+                Ok(()) => return,
+                Err(e) if attempt == REDIALS => {
+                    tracing::warn!(node = %describe(node.id), addr = %node.addr, error = %e,
+                        "cannot dial the rejoined server");
+                }
+                Err(_) => {
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+            }
+        }
+    }
+
+    /// Hands one received event to the state.
+    pub(crate) fn handle(&self, event: crate::wire::Received) {
+        let ended = {
+            let mut state = self.state();
+            state.handle_received(event, crate::clock::now());
+            state.is_shutdown() || state.scheduler_lost().is_some()
+        };
+        if ended {
+            self.ended.notify_one();
+        }
+    }
+
+    /// Sends a call's requests: to each server in the call's order, to all servers at once.
+    /// (A large send completes only once its bytes are out, after its RDMA WRITE on verbs: one
+    /// server after another would serialize the parts of a sharded key.) The receivers come
+    /// back in the requests' order.
+    pub(crate) async fn send_all<'a>(
+        &self,
+        requests: Vec<Outgoing<'a>>,
+    ) -> Result<Sent<'a>, KvError> {
+        if self.serial_sends {
+            let mut answers = Vec::with_capacity(requests.len());
+            for r in &requests {
+                answers.push(self.request(r).await?);
+            }
+            return Ok(Sent { requests, answers });
+        }
+        let mut by_server: Vec<(NodeId, Vec<usize>)> = Vec::new();
+        for (i, r) in requests.iter().enumerate() {
+            match by_server.iter_mut().find(|(to, _)| *to == r.to) {
+                Some((_, queue)) => queue.push(i),
+                None => by_server.push((r.to, vec![i])),
+            }
+        }
+        let requests_ref = &requests;
+        let sends = by_server.into_iter().map(|(_, queue)| async move {
+            let mut sent = Vec::with_capacity(queue.len());
+            for i in queue {
+                sent.push((i, self.request(&requests_ref[i]).await?));
+            }
+            Ok::<_, KvError>(sent)
+        });
+        let mut slots: Vec<Option<oneshot::Receiver<Reply>>> =
+            (0..requests.len()).map(|_| None).collect();
+        for sent in futures_util::future::join_all(sends).await {
+            for (i, rx) in sent? {
+                slots[i] = Some(rx);
+            }
+        }
+        // Every slot is filled: each request was sent, or the call failed above.
+        let answers = slots.into_iter().flatten().collect();
+        Ok(Sent { requests, answers })
+    }
+
+    /// Registers a request and sends it; the receiver yields the answer.
+    pub(crate) async fn request(
+        &self,
+        sent: &Outgoing<'_>,
+    ) -> Result<oneshot::Receiver<Reply>, KvError> {
+        let to = sent.to;
+        let (ts, mut rx) = self.state().begin_request(to, sent.ask.asked())?;
+        let msg = sent.ask.clone().into_msg(ts);
+        let Err(e) = self.link.send_segment(to, &msg, sent.value).await else {
+            return Ok(rx);
+        };
+        // A server that may rejoin: the request waits for it, and goes again then.
+        if self.state().is_recovering(to) {
+            return Ok(rx);
+        }
+        // The peer's loss, with its cause (a `Leaving` or the scheduler's word), may be on
+        // its way through the receiver: an error naming the cause beats "not connected". So
+        // may the news that the server is lost but may rejoin, or has already.
+        if let Ok(Ok(reply)) = tokio::time::timeout(LOSS_GRACE, &mut rx).await {
+            let (tx, ready) = oneshot::channel();
+            let _ = tx.send(reply);
+            return Ok(ready);
+        }
+        if self.state().is_recovering(to) {
+            return Ok(rx);
+        }
+        Err(self.state().abandon_request(ts, to).unwrap_or(e))
+    }
+
+    /// The answer to a request; one whose server restarted before answering is sent again
+    /// (as often as that happens: the scheduler ends the wait when a server does not come
+    /// back within `PSNET_RECOVERY_TIMEOUT`).
+    pub(crate) async fn settle(&self, wait: Wait<'_>) -> Reply {
+        let Wait { mut sent, mut rx } = wait;
+        loop {
+            match rx.await.unwrap_or(Err(KvError::Shutdown)) {
+                Err(KvError::Rejoined { node, retry }) => {
+                    tracing::debug!(%node, ?retry, "sending a request again");
+                    sent = Outgoing {
+                        ask: sent.ask.again(retry),
+                        ..sent
+                    };
+                    rx = self.request(&sent).await?;
+                }
+                reply => return reply,
+            }
+        }
+    }
+}
