@@ -52,6 +52,9 @@ pub const DEFAULT_RING: usize = 64 << 20;
 const MAX_RING: u64 = 16 << 30;
 /// Bytes at the start of a ring holding its cookie.
 const COOKIE: usize = 8;
+/// A message's largest segment goes into the ring at the same offset from a multiple of this
+/// as it has in the sender's memory (see `SendRing::put`).
+const RING_ALIGN: usize = 64;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -67,31 +70,36 @@ struct Alloc {
 }
 
 impl Alloc {
-    /// A contiguous region of `len` bytes in a ring of `size`, if there is room.
-    fn alloc(&mut self, len: usize, size: usize) -> Option<usize> {
-        if len == 0 || self.base + len > size {
+    /// A contiguous region of `len` bytes in a ring of `size`, if there is room; with
+    /// `phase`, one that starts `phase` bytes past a multiple of [`RING_ALIGN`] (see `put`).
+    fn alloc(&mut self, len: usize, size: usize, phase: Option<usize>) -> Option<usize> {
+        let at = |x: usize| match phase {
+            Some(p) => x + (p % RING_ALIGN + RING_ALIGN - x % RING_ALIGN) % RING_ALIGN,
+            None => x,
+        };
+        if len == 0 || at(self.base) + len > size {
             return None;
         }
         let off = match self.regions.front() {
-            None => self.base,
+            None => at(self.base),
             // Back to the start as soon as the oldest live region leaves room there, rather
             // than at the end of the ring: the live regions then stay on the few pages used
             // last (in cache, already faulted in) instead of sweeping the whole ring. A
             // steady stream of 256 KiB messages otherwise met fresh pages on every one of a
             // 64 MiB ring's first 256 uses, and cold ones after.
             Some(&(tail, _, _)) if self.head > tail => {
-                if self.base + len < tail {
-                    self.base
-                } else if self.head + len <= size {
-                    self.head
+                if at(self.base) + len < tail {
+                    at(self.base)
+                } else if at(self.head) + len <= size {
+                    at(self.head)
                 } else {
                     return None;
                 }
             }
             // Wrapped: free space runs from head up to the oldest live region.
             Some(&(tail, _, _)) => {
-                if self.head + len < tail {
-                    self.head
+                if at(self.head) + len < tail {
+                    at(self.head)
                 } else {
                     return None;
                 }
@@ -186,7 +194,22 @@ impl SendRing {
         let host: Option<SmallVec<[&[u8]; 4]>> = segments.iter().map(Segment::host).collect();
         let host = host?;
         let total: usize = host.iter().map(|b| b.len()).sum();
-        let off = lock(&self.alloc).alloc(total, self.size)?;
+        // The largest segment lands at its own address's offset from a cache line, so that
+        // the copy in (and the receiver's copy out, into memory usually placed like the
+        // sender's) moves between equally aligned addresses: on AMD EPYC `rep movsb`, which
+        // glibc's memcpy uses below 1 MiB there, ran 2-3x slower between addresses 8 bytes
+        // apart from that (2-rank ring allreduces of 2 MiB in 256 KiB pieces: 230 us against
+        // 525-668 us, alternating runs).
+        let (prefix, largest) = host
+            .iter()
+            .scan(0usize, |at, b| {
+                let start = *at;
+                *at += b.len();
+                Some((start, *b))
+            })
+            .max_by_key(|(_, b)| b.len())?;
+        let phase = (largest.as_ptr() as usize).wrapping_sub(prefix) % RING_ALIGN;
+        let off = lock(&self.alloc).alloc(total, self.size, Some(phase))?;
         let mut map = lock(&self.map);
         let mut at = off;
         for bytes in host {
@@ -419,32 +442,32 @@ mod tests {
     #[test]
     fn ring_allocation_wraps_and_frees_out_of_order() {
         let mut a = Alloc::default();
-        assert_eq!(a.alloc(40, 100), Some(0));
-        assert_eq!(a.alloc(40, 100), Some(40));
+        assert_eq!(a.alloc(40, 100, None), Some(0));
+        assert_eq!(a.alloc(40, 100, None), Some(40));
         assert_eq!(
-            a.alloc(40, 100),
+            a.alloc(40, 100, None),
             None,
             "only 20 left at the end, 0 at the start"
         );
         assert!(a.free(40, 40));
         assert_eq!(
-            a.alloc(30, 100),
+            a.alloc(30, 100, None),
             None,
             "the oldest region still blocks the start"
         );
         assert!(a.free(0, 40));
-        assert_eq!(a.alloc(30, 100), Some(0), "empty ring restarts at 0");
-        assert_eq!(a.alloc(60, 100), Some(30));
+        assert_eq!(a.alloc(30, 100, None), Some(0), "empty ring restarts at 0");
+        assert_eq!(a.alloc(60, 100, None), Some(30));
         assert!(a.free(0, 30));
         assert_eq!(
-            a.alloc(20, 100),
+            a.alloc(20, 100, None),
             Some(0),
             "wraps before the live region at 30"
         );
-        assert_eq!(a.alloc(10, 100), None, "head would meet the tail");
+        assert_eq!(a.alloc(10, 100, None), None, "head would meet the tail");
         assert!(!a.free(5, 5), "unknown region");
-        assert_eq!(a.alloc(0, 100), None);
-        assert_eq!(a.alloc(101, 100), None);
+        assert_eq!(a.alloc(0, 100, None), None);
+        assert_eq!(a.alloc(101, 100, None), None);
     }
 
     #[test]
@@ -461,7 +484,7 @@ mod tests {
         let mut live = VecDeque::new();
         let mut highest = 0;
         for _ in 0..10_000 {
-            let off = a.alloc(len, size).expect("room");
+            let off = a.alloc(len, size, Some(8)).expect("room");
             highest = highest.max(off + len);
             live.push_back(off);
             if live.len() > 2 {
@@ -493,8 +516,13 @@ mod tests {
         for _ in 0..20_000 {
             if next() % 3 != 0 {
                 let len = 1 + (next() % 900) as usize;
-                if let Some(off) = a.alloc(len, size) {
+                let phase = (next() % 70) as usize;
+                let phase = (phase < RING_ALIGN).then_some(phase);
+                if let Some(off) = a.alloc(len, size, phase) {
                     assert!(off >= 8 && off + len <= size);
+                    if let Some(p) = phase {
+                        assert_eq!(off % RING_ALIGN, p, "{off} is not at phase {p}");
+                    }
                     for &(o, l) in &live {
                         assert!(off + len <= o || o + l <= off, "{off}+{len} meets {o}+{l}");
                     }
@@ -505,6 +533,26 @@ mod tests {
                 let (o, l) = live.swap_remove(i);
                 assert!(a.free(o, l));
             }
+        }
+    }
+
+    #[tokio::test]
+    async fn the_largest_segment_lands_as_aligned_as_in_the_senders_memory() {
+        let send = SendRing::create(1 << 20).expect("memfd ring");
+        let header = [7u8; 5];
+        let data = vec![3u8; 100_000];
+        for skip in 0..2 * RING_ALIGN {
+            let body = &data[skip..];
+            let segs = [Segment::new(&header), Segment::new(body)];
+            let (off, total) = send.put(&segs).expect("room");
+            assert_eq!(total, header.len() + body.len());
+            assert_eq!(
+                (off + header.len()) % RING_ALIGN,
+                body.as_ptr() as usize % RING_ALIGN,
+                "skip {skip}: the body is at ring offset {}",
+                off + header.len()
+            );
+            assert!(send.free(off, total));
         }
     }
 
