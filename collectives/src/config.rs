@@ -85,7 +85,7 @@ impl Default for Config {
         Config {
             algo: Algo::Auto,
             small_bytes: 256 << 10,
-            small_shm_bytes: 2 << 20,
+            small_shm_bytes: 1 << 20,
             piece_bytes: 1 << 20,
             join_timeout: Duration::from_secs(120),
             call_timeout: Some(Duration::from_secs(600)),

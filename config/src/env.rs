@@ -258,7 +258,7 @@ crate::declare_env_vars! {
         "collectives: allreduce algorithm: auto (pipelined recursive doubling on 2 ranks, and on more up to PSNET_COLL_SMALL bytes; a pipelined ring above), ring, doubling or halving (recursive halving and doubling)";
     PSNET_COLL_SMALL = "PSNET_COLL_SMALL", "262144",
         "collectives: allreduces of at most this many bytes on more than 2 ranks use recursive doubling (with PSNET_ALGO=auto)";
-    PSNET_COLL_SMALL_SHM = "PSNET_COLL_SMALL_SHM", "2097152",
+    PSNET_COLL_SMALL_SHM = "PSNET_COLL_SMALL_SHM", "1048576",
         "collectives: the same as PSNET_COLL_SMALL when every rank is on this host and the transport reaches them through shared memory";
     PSNET_COLL_PIECE = "PSNET_COLL_PIECE", "1048576",
         "collectives: large buffers move in pieces of at most this many bytes, so that transfers and reductions overlap";

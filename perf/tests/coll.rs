@@ -222,7 +222,7 @@ fn every_collective_reports_no_wrong_elements() {
             sizes: &[8, 64, 512, 4096, 32768],
             factor: 1.0,
         },
-        // Recursive doubling up to PSNET_COLL_SMALL_SHM (2 MiB), the pipelined ring past it,
+        // Recursive doubling up to PSNET_COLL_SMALL_SHM (1 MiB), the pipelined ring past it,
         // pieces of 1 MiB and the shared-memory ring (messages of 256 KiB and more); bfloat16
         // averages.
         Case {
