@@ -449,7 +449,10 @@ mod tests {
             "doubling through shared memory"
         );
         assert!(!doubling(&c, 4, (1 << 20) + 4, true));
-        assert!(!doubling(&c, 4, 2 << 20, true), "the ring from just above 1 MiB");
+        assert!(
+            !doubling(&c, 4, 2 << 20, true),
+            "the ring from just above 1 MiB"
+        );
         let ring = crate::Config {
             algo: Algo::Ring,
             ..crate::Config::default()

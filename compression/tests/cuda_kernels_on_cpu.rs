@@ -79,31 +79,38 @@ fn launch(kernel: Kernel, grid: (u32, u32), misalign: u32, n: usize) -> Launch {
     }
 }
 
-#[test]
-fn two_bit_quantize_matches_the_model_on_every_grid_and_alignment() {
-    if !available("two_bit_quantize_matches_the_model") {
-        return;
-    }
-    let t = 0.5;
+/// A quantize kernel's case: the kernel, its threshold, the scale of its values (and of the
+/// seed they start from), the misalignments to try and MXNet's model of it.
+struct Quantize {
+    kernel: Kernel,
+    threshold: f32,
+    scale: f32,
+    seed: u64,
+    misaligns: [u32; 2],
+    model: fn(&[f32], &mut [f32], f32) -> Vec<u8>,
+}
+
+/// Three rounds of `q` for every length, grid and misalignment: the second starts from the
+/// residual the first left; the last from a zero residual, which it puts on the thresholds.
+/// The output starts stale: the kernel writes every byte, the padding as zeros.
+fn quantize_matches_the_model(q: Quantize) {
+    let t = q.threshold;
     for n in lengths() {
         for (g, &grid) in GRIDS.iter().enumerate() {
-            for misalign in [0, 1] {
-                let what = format!("2-bit quantize n={n} grid={grid:?} misalign={misalign}");
-                let mut l = launch(Kernel::Quantize2, grid, misalign, n);
+            for misalign in q.misaligns {
+                let what = format!("{:?} n={n} grid={grid:?} misalign={misalign}", q.kernel);
+                let mut l = launch(q.kernel, grid, misalign, n);
                 (l.a, l.b) = (t, -t);
-                l.residual = values(n, 7 + g as u64, t);
+                l.residual = values(n, q.seed + g as u64, q.scale);
                 let mut model_residual = l.residual.clone();
-                // The second round starts from the residual the first left; the last from a
-                // zero residual, which it puts on the thresholds.
                 for round in 0..3 {
-                    l.grad = values(n, 100 + round, t);
+                    l.grad = values(n, 100 * q.seed + round, q.scale);
                     if round == 2 {
                         l.residual = vec![0.0; n];
                         model_residual = vec![0.0; n];
                         l.grad = edges(n, t);
                     }
-                    let want = mxnet_quantize_2bit(&l.grad, &mut model_residual, t);
-                    // Stale bytes: the kernel writes every byte, the padding as zeros.
+                    let want = (q.model)(&l.grad, &mut model_residual, t);
                     l.bytes = vec![0xEE; want.len()];
                     let got = run(&l);
                     assert_bytes_eq(&got.bytes, &want, &format!("{what} round {round}"));
@@ -116,36 +123,33 @@ fn two_bit_quantize_matches_the_model_on_every_grid_and_alignment() {
 }
 
 #[test]
+fn two_bit_quantize_matches_the_model_on_every_grid_and_alignment() {
+    if !available("two_bit_quantize_matches_the_model") {
+        return;
+    }
+    quantize_matches_the_model(Quantize {
+        kernel: Kernel::Quantize2,
+        threshold: 0.5,
+        scale: 0.5,
+        seed: 7,
+        misaligns: [0, 1],
+        model: mxnet_quantize_2bit,
+    });
+}
+
+#[test]
 fn one_bit_quantize_matches_the_model_with_its_warp_shuffle() {
     if !available("one_bit_quantize_matches_the_model") {
         return;
     }
-    let t = 0.25;
-    for n in lengths() {
-        for (g, &grid) in GRIDS.iter().enumerate() {
-            for misalign in [0, 3] {
-                let what = format!("1-bit quantize n={n} grid={grid:?} misalign={misalign}");
-                let mut l = launch(Kernel::Quantize1, grid, misalign, n);
-                l.a = t;
-                l.residual = values(n, 11 + g as u64, 1.0);
-                let mut model_residual = l.residual.clone();
-                for round in 0..3 {
-                    l.grad = values(n, 200 + round, 1.0);
-                    if round == 2 {
-                        l.residual = vec![0.0; n];
-                        model_residual = vec![0.0; n];
-                        l.grad = edges(n, t);
-                    }
-                    let want = mxnet_quantize_1bit(&l.grad, &mut model_residual, t);
-                    l.bytes = vec![0xEE; want.len()];
-                    let got = run(&l);
-                    assert_bytes_eq(&got.bytes, &want, &format!("{what} round {round}"));
-                    assert_bits_eq(&got.residual, &model_residual, &what);
-                    l.residual = got.residual;
-                }
-            }
-        }
-    }
+    quantize_matches_the_model(Quantize {
+        kernel: Kernel::Quantize1,
+        threshold: 0.25,
+        scale: 1.0,
+        seed: 11,
+        misaligns: [0, 3],
+        model: mxnet_quantize_1bit,
+    });
 }
 
 /// Compressed bytes with every code in every position.
