@@ -1,7 +1,9 @@
 //! Allreduce throughput from GPU memory against the same allreduce from host memory, in one
-//! run: two ranks in this process over TCP on 127.0.0.1 (sockets only), f32 sum.
+//! run: two ranks in this process over TCP on 127.0.0.1 (sockets only), f32 sum. The GPU
+//! buffers are reduced both ways: staged to the host and reduced there (`GpuStage::new`), and
+//! sent from device memory and reduced on the device (`GpuStage::reducing_on_device`).
 //! `cargo run --release -p psnet-collectives --features cuda --example gpu_allreduce`
-//! Prints one JSON object per size: busbw of each and their ratio.
+//! Prints one JSON object per size: busbw of each and their ratios to the host's.
 
 #[cfg(feature = "cuda")]
 #[tokio::main(flavor = "multi_thread", worker_threads = 4)]
@@ -36,21 +38,25 @@ async fn main() {
     )
     .await
     .expect("join");
-    let stages: Vec<GpuStage<f32>> = (0..n).map(|_| GpuStage::new(0, 8 << 20).unwrap()).collect();
+    let staged: Vec<GpuStage<f32>> = (0..n).map(|_| GpuStage::new(0, 8 << 20).unwrap()).collect();
+    let on_device: Vec<GpuStage<f32>> = (0..n)
+        .map(|_| GpuStage::reducing_on_device(0).unwrap())
+        .collect();
     for bytes in [4usize << 20, 64 << 20, 256 << 20] {
         let len = bytes / 4;
         let iters = if bytes > 64 << 20 { 5 } else { 10 };
         let mut host: Vec<Vec<f32>> = (0..n).map(|_| vec![1.0f32; len]).collect();
-        let mut device: Vec<_> = stages
+        let mut device: Vec<_> = staged
             .iter()
             .map(|s| s.stream().clone_htod(&host[0]).unwrap())
             .collect();
-        // Warm up both, then alternate.
+        // Warm up each, then run them in turn.
         macro_rules! time {
-            ($gpu:expr) => {{
+            ($stages:expr) => {{
                 let start = Instant::now();
                 for _ in 0..iters {
-                    if $gpu {
+                    if let Some(stages) = $stages {
+                        let stages: &Vec<GpuStage<f32>> = stages;
                         try_join_all(comms.iter().zip(stages.iter().zip(device.iter_mut())).map(
                             |(c, (s, d))| async move {
                                 c.allreduce_device(s, &mut d.as_view_mut(), ReduceOp::Sum)
@@ -73,15 +79,25 @@ async fn main() {
                 start.elapsed().as_secs_f64() / iters as f64
             }};
         }
-        let _warm = time!(false);
-        let _warm = time!(true);
-        let (h, g) = (time!(false), time!(true));
+        let host_only: Option<&Vec<GpuStage<f32>>> = None;
+        let _warm = (
+            time!(host_only),
+            time!(Some(&staged)),
+            time!(Some(&on_device)),
+        );
+        let (h, g, d) = (
+            time!(host_only),
+            time!(Some(&staged)),
+            time!(Some(&on_device)),
+        );
         let busbw = |t: f64| bytes as f64 / t / 1e9 * 2.0 * (n as f64 - 1.0) / n as f64;
         println!(
-            "{{\"bytes\": {bytes}, \"ranks\": {n}, \"host_busbw_gb_s\": {:.3}, \"gpu_busbw_gb_s\": {:.3}, \"gpu_over_host\": {:.3}}}",
+            "{{\"bytes\": {bytes}, \"ranks\": {n}, \"host_busbw_gb_s\": {:.3}, \"gpu_busbw_gb_s\": {:.3}, \"gpu_over_host\": {:.3}, \"gpu_reduced_on_device_busbw_gb_s\": {:.3}, \"gpu_reduced_on_device_over_host\": {:.3}}}",
             busbw(h),
             busbw(g),
-            h / g
+            h / g,
+            busbw(d),
+            h / d
         );
     }
 }

@@ -14,6 +14,7 @@ use crate::element::{DType, Element};
 use crate::error::CollectiveError;
 use crate::mailbox::{self, Mailbox};
 use crate::order::Order;
+use crate::pieces::{HostPieces, Pieces};
 use crate::plan::Plan;
 use crate::wire::{Call, HEADER_LEN};
 
@@ -216,16 +217,34 @@ impl<T: Transport> Communicator<T> {
     /// refused (`prepared` an error) fails in its turn like any other.
     pub(crate) async fn run<E: Element>(
         &self,
-        mut ticket: Ticket<'_, T>,
+        ticket: Ticket<'_, T>,
         prepared: Result<(Call, Plan), CollectiveError>,
         buf: &mut [E],
+    ) -> Result<(), CollectiveError> {
+        self.run_with(ticket, prepared, |plan| Ok(HostPieces::new(buf, plan)))
+            .await
+    }
+
+    /// [`run`](Self::run) over the pieces `split` makes of the call's buffer for its plan
+    /// (a GPU buffer's, say).
+    pub(crate) async fn run_with<P: Pieces>(
+        &self,
+        mut ticket: Ticket<'_, T>,
+        prepared: Result<(Call, Plan), CollectiveError>,
+        split: impl FnOnce(&Plan) -> Result<P, CollectiveError>,
     ) -> Result<(), CollectiveError> {
         self.order.wait_turn(ticket.seq).await;
         let result = match (self.failure(), prepared) {
             (Some(earlier), _) => Err(earlier),
             (None, Err(refused)) => Err(refused),
             (None, Ok((call, plan))) => {
-                let result = crate::drive::drive(self, ticket.seq, call, plan, buf).await;
+                let result = match split(&plan) {
+                    Ok(pieces) => crate::drive::drive(self, ticket.seq, call, plan, pieces).await,
+                    Err(e) => {
+                        crate::drive::finish_call(self, ticket.seq);
+                        Err(e)
+                    }
+                };
                 let mut history = self.history.lock().unwrap_or_else(|p| p.into_inner());
                 history.push_back((ticket.seq, call));
                 if history.len() > HISTORY {

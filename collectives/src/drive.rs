@@ -3,9 +3,8 @@
 //! it releases — until the plan is done, a rank it waits for is lost or disagrees, or the
 //! call's time is up.
 //!
-//! Each piece of the buffer sits behind its own lock, so a send can borrow one piece (the
-//! transport reads the caller's memory until the send completes) while another is being
-//! reduced into; the plan's order makes the two never meet on one piece.
+//! The buffer is a [`Pieces`]: host memory, or a GPU buffer whose pieces are sent from and
+//! reduced into on the device.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,13 +13,12 @@ use futures_util::future::BoxFuture;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use futures_util::FutureExt;
 use psnet_transport::{NodeId, OutMessage, Segment, Transport, TransportError};
-use tokio::sync::RwLock;
 use tokio::time::Instant;
 
 use crate::comm::Communicator;
-use crate::element::{copy_bytes, reduce_bytes, Element};
 use crate::error::CollectiveError;
-use crate::plan::{Action, Plan};
+use crate::pieces::{Outgoing, Pieces, Sent};
+use crate::plan::Plan;
 use crate::wire::{self, Call, Header, Kind};
 
 /// A spinning wait reads the clock once every this many polls (see `run_plan`). 2-rank same-host
@@ -37,16 +35,13 @@ const SETTLE: Duration = Duration::from_secs(1);
 /// How long a failed send waits for the peer's connection to end before it is blamed.
 const BLAME_WAIT: Duration = Duration::from_millis(500);
 
-type Sent = (usize, usize, Result<(), TransportError>);
-
-pub(crate) async fn drive<T: Transport, E: Element>(
+pub(crate) async fn drive<T: Transport, P: Pieces>(
     comm: &Communicator<T>,
     seq: u64,
     call: Call,
     mut plan: Plan,
-    buf: &mut [E],
+    pieces: P,
 ) -> Result<(), CollectiveError> {
-    let pieces = split_pieces(buf, &plan);
     let mut sends: FuturesUnordered<BoxFuture<'_, Sent>> = FuturesUnordered::new();
     let result = run_plan(comm, seq, call, &mut plan, &pieces, &mut sends).await;
     if result.is_err() && !sends.is_empty() {
@@ -57,12 +52,12 @@ pub(crate) async fn drive<T: Transport, E: Element>(
     result
 }
 
-async fn run_plan<'p, T: Transport, E: Element + 'p>(
+async fn run_plan<'p, T: Transport, P: Pieces>(
     comm: &'p Communicator<T>,
     seq: u64,
     call: Call,
     plan: &mut Plan,
-    pieces: &'p [RwLock<&mut [E]>],
+    pieces: &'p P,
     sends: &mut FuturesUnordered<BoxFuture<'p, Sent>>,
 ) -> Result<(), CollectiveError> {
     let deadline = comm.config.call_timeout.map(|t| Instant::now() + t);
@@ -73,9 +68,6 @@ async fn run_plan<'p, T: Transport, E: Element + 'p>(
         let mut progress = false;
         while let Some(req) = plan.poll_send() {
             progress = true;
-            let piece = pieces[req.piece].try_read().map_err(|_| {
-                CollectiveError::Invalid("internal: a piece sent while being written".into())
-            })?;
             let header = Header {
                 kind: Kind::Data,
                 comm: comm.comm,
@@ -84,17 +76,13 @@ async fn run_plan<'p, T: Transport, E: Element + 'p>(
                 call,
             }
             .encode();
-            let to = comm.members[req.to];
-            let transport = &comm.transport;
-            sends.push(
-                async move {
-                    let bytes: &[u8] = bytemuck::cast_slice(&piece[..]);
-                    let segment = [Segment::from(bytes)];
-                    let result = transport.send(to, OutMessage::new(&header, &segment)).await;
-                    (req.op, req.to, result)
-                }
-                .boxed(),
-            );
+            let out = Outgoing {
+                op: req.op,
+                rank: req.to,
+                to: comm.members[req.to],
+                header,
+            };
+            sends.push(pieces.send(&*comm.transport, out, req.piece)?);
         }
         // Sends that completed meanwhile (polled here too, so they progress while we reduce).
         while let Some(Some((op, to, result))) = sends.next().now_or_never() {
@@ -129,14 +117,7 @@ async fn run_plan<'p, T: Transport, E: Element + 'p>(
         }
         while let Some(apply) = plan.poll_apply() {
             progress = true;
-            let mut piece = pieces[apply.piece].try_write().map_err(|_| {
-                CollectiveError::Invalid("internal: a piece written while being sent".into())
-            })?;
-            match apply.action {
-                Action::Copy => copy_bytes(&mut piece, &apply.data),
-                Action::Reduce(order) => reduce_bytes(call.op, order, &mut piece, &apply.data),
-            }
-            drop(piece);
+            pieces.apply(apply.piece, apply.action, call.op, &apply.data)?;
             plan.handle_applied(apply.op);
         }
         if plan.is_done() {
@@ -226,20 +207,8 @@ fn take_mail<T: Transport>(
 }
 
 /// Call `seq` is over: whatever arrives for it from now on shows a rank that made another call.
-fn finish_call<T: Transport>(comm: &Communicator<T>, seq: u64) {
+pub(crate) fn finish_call<T: Transport>(comm: &Communicator<T>, seq: u64) {
     comm.mailbox.lock().finish_call(comm.comm, seq);
-}
-
-/// The buffer split into the plan's pieces, each behind its own lock.
-fn split_pieces<'a, E: Element>(buf: &'a mut [E], plan: &Plan) -> Vec<RwLock<&'a mut [E]>> {
-    let mut rest = buf;
-    let mut pieces = Vec::with_capacity(plan.pieces().len());
-    for range in plan.pieces() {
-        let (piece, tail) = rest.split_at_mut(range.len());
-        pieces.push(RwLock::new(piece));
-        rest = tail;
-    }
-    pieces
 }
 
 fn rank_of<T: Transport>(comm: &Communicator<T>, node: NodeId) -> Option<usize> {

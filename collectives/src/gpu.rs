@@ -1,4 +1,15 @@
-//! Allreduce of GPU buffers (feature `cuda`), staged through page-locked host memory in a
+//! Allreduce of GPU buffers (feature `cuda`), two ways.
+//!
+//! **Reduced on the device** ([`GpuStage::reducing_on_device`]): the call runs the plan a
+//! host buffer of the same length would (the same pieces, the same order of reductions), but
+//! every piece is sent straight from device memory (the transport stages it through
+//! page-locked buffers, chunk k+1 crossing PCIe while chunk k is written, or lets a GPUDirect
+//! NIC read it) and every piece received is copied to the device and combined there by a
+//! kernel that performs the host path's operation element for element. The buffer ends with
+//! the bits a host allreduce of the same values gives (NaNs made by arithmetic aside: the
+//! GPU's are canonical), and the CPU does no arithmetic.
+//!
+//! **Reduced on the host** ([`GpuStage::new`]): staged through page-locked host memory in a
 //! pipeline of chunks: every chunk's copy to the host is queued at once on the stage's own
 //! stream, and each chunk is reduced across the ranks as soon as its copy has landed, while
 //! the later chunks are still copying; its result is copied back before the next chunk's
@@ -9,16 +20,25 @@
 
 use std::sync::{Arc, Mutex};
 
+use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
+use half::{bf16, f16};
 use psnet_compression::cuda::cudarc::driver::{
     CudaContext, CudaStream, CudaViewMut, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
 };
-use psnet_compression::cuda::{context, guarded, pinned_zeroed};
+use psnet_compression::cuda::{
+    context, guarded, pinned_zeroed, split_view_mut, Combine, CudaReducer, CudaStager,
+    DeviceElement,
+};
 use psnet_compression::CompressionError;
-use psnet_transport::Transport;
+use psnet_transport::{OutMessage, Segment, Transport};
+use tokio::sync::RwLock;
 
 use crate::comm::Communicator;
-use crate::element::{Element, ReduceOp};
+use crate::element::{DType, Element, ReduceOp};
 use crate::error::CollectiveError;
+use crate::pieces::{busy, Outgoing, Pieces, Sent};
+use crate::plan::{Action, Plan};
 
 fn gpu_err(e: CompressionError) -> CollectiveError {
     CollectiveError::Invalid(format!("GPU: {e}"))
@@ -31,6 +51,15 @@ pub struct GpuStage<E: DeviceRepr> {
     stream: Arc<CudaStream>,
     chunk: usize,
     pool: Mutex<Vec<PinnedHostSlice<E>>>,
+    /// Set when allreduces reduce on the device.
+    on_device: Option<OnDevice>,
+}
+
+/// What reducing on the device takes: a stream that copies pieces out for the transport,
+/// and one that copies received pieces in and combines them.
+struct OnDevice {
+    stager: CudaStager,
+    reducer: CudaReducer,
 }
 
 impl<E: Element + DeviceRepr + ValidAsZeroBits> GpuStage<E> {
@@ -45,7 +74,30 @@ impl<E: Element + DeviceRepr + ValidAsZeroBits> GpuStage<E> {
             stream,
             chunk: (chunk_bytes / std::mem::size_of::<E>()).max(1),
             pool: Mutex::new(Vec::new()),
+            on_device: None,
         })
+    }
+
+    /// A stage on device `ordinal` whose allreduces reduce on the device (see the module's
+    /// documentation). Fails, saying why, without a CUDA driver, device or NVRTC (the
+    /// kernels are compiled at run time).
+    pub fn reducing_on_device(ordinal: usize) -> Result<Self, CollectiveError> {
+        let mut stage = Self::new(ordinal, psnet_transport::device::DEFAULT_STAGE_CHUNK)?;
+        stage.on_device = Some(OnDevice {
+            stager: CudaStager::new(ordinal).map_err(gpu_err)?,
+            reducer: CudaReducer::new(ordinal).map_err(gpu_err)?,
+        });
+        tracing::info!(
+            device = ordinal,
+            dtype = %E::DTYPE,
+            "GPU allreduces: pieces sent from device memory and reduced on the device"
+        );
+        Ok(stage)
+    }
+
+    /// Whether this stage's allreduces reduce on the device.
+    pub fn reduces_on_device(&self) -> bool {
+        self.on_device.is_some()
     }
 
     /// The stage's stream: the copies run on it, after what was queued there before.
@@ -75,18 +127,24 @@ impl<E: Element + DeviceRepr + ValidAsZeroBits> GpuStage<E> {
 }
 
 impl<T: Transport> Communicator<T> {
-    /// Reduces the GPU buffer `buf` across all ranks with `op`, staged by `stage` in chunks
-    /// (see the module's documentation); every rank ends with the same bits, those of host
-    /// allreduces of the same chunks. Every rank must use the same chunk size. Work queued on
-    /// other streams must be finished (or ordered before the stage's stream) first. Unlike the
-    /// host calls, its chunks take their places in the order of calls when it first runs (is
-    /// first polled), not when it is made.
+    /// Reduces the GPU buffer `buf` across all ranks with `op` (see the module's
+    /// documentation). With a stage [reducing on the device](GpuStage::reducing_on_device),
+    /// every rank ends with the bits a host allreduce of the same values gives, and every rank
+    /// must reduce on the device too. Otherwise the stage reduces chunk by chunk on the host:
+    /// every rank ends with the bits of host allreduces of the same chunks, and every rank
+    /// must use the same chunk size. Work queued on other streams must be finished (or
+    /// ordered before the stage's streams) first. Unlike the host calls, it takes its place
+    /// (its chunks take theirs) in the order of calls when it first runs (is first polled),
+    /// not when it is made.
     pub async fn allreduce_device<E: Element + DeviceRepr + ValidAsZeroBits>(
         &self,
         stage: &GpuStage<E>,
         buf: &mut CudaViewMut<'_, E>,
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
+        if let Some(on_device) = &stage.on_device {
+            return self.allreduce_on_device(on_device, buf, op).await;
+        }
         let len = buf.len();
         let ranges: Vec<std::ops::Range<usize>> = (0..len)
             .step_by(stage.chunk)
@@ -133,5 +191,121 @@ impl<T: Transport> Communicator<T> {
         let synced = guarded("synchronize", || stream.synchronize()).map_err(gpu_err);
         stage.give_back(chunks);
         result.and(synced)
+    }
+
+    /// [`allreduce_device`](Self::allreduce_device) reducing on the device: one call, run by
+    /// the plan a host buffer of the same length would get.
+    async fn allreduce_on_device<E: Element + DeviceRepr>(
+        &self,
+        on_device: &OnDevice,
+        buf: &mut CudaViewMut<'_, E>,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        let ticket = self.ticket();
+        let kind = device_element(E::DTYPE);
+        let prepared = self.prepare_allreduce::<E>(buf.len(), op);
+        let whole = buf.slice_mut(..);
+        let split = |plan: &Plan| {
+            let views =
+                split_view_mut(whole, plan.pieces().iter().map(|r| r.len())).map_err(gpu_err)?;
+            Ok(DevicePieces {
+                pieces: views.into_iter().map(RwLock::new).collect(),
+                on_device,
+                kind,
+            })
+        };
+        self.run_with(ticket, prepared, split).await?;
+        if op == ReduceOp::Avg {
+            let divisor = divisor_bits(E::DTYPE, self.size());
+            on_device
+                .reducer
+                .divide(kind, buf, divisor)
+                .map_err(gpu_err)?;
+        }
+        Ok(())
+    }
+}
+
+/// The reduction kernels' name for an element type.
+fn device_element(dtype: DType) -> DeviceElement {
+    match dtype {
+        DType::F32 => DeviceElement::F32,
+        DType::F64 => DeviceElement::F64,
+        DType::F16 => DeviceElement::F16,
+        DType::BF16 => DeviceElement::BF16,
+        DType::I32 => DeviceElement::I32,
+        DType::I64 => DeviceElement::I64,
+        DType::U8 => DeviceElement::U8,
+    }
+}
+
+/// The bits of `n` in `dtype`, as the host path's average divides by it
+/// ([`Element::div_count`]); zero for integers, whose averages are refused before.
+fn divisor_bits(dtype: DType, n: usize) -> u64 {
+    match dtype {
+        DType::F32 => u64::from((n as f32).to_bits()),
+        DType::F64 => (n as f64).to_bits(),
+        DType::F16 => u64::from(f16::from_f64(n as f64).to_bits()),
+        DType::BF16 => u64::from(bf16::from_f64(n as f64).to_bits()),
+        DType::I32 | DType::I64 | DType::U8 => 0,
+    }
+}
+
+/// A GPU buffer's pieces: sent from device memory, reduced into on the device.
+struct DevicePieces<'b, 's, E> {
+    pieces: Vec<RwLock<CudaViewMut<'b, E>>>,
+    on_device: &'s OnDevice,
+    kind: DeviceElement,
+}
+
+impl<E: Element + DeviceRepr> Pieces for DevicePieces<'_, '_, E> {
+    fn send<'a, T: Transport>(
+        &'a self,
+        transport: &'a T,
+        out: Outgoing,
+        piece: usize,
+    ) -> Result<BoxFuture<'a, Sent>, CollectiveError> {
+        let piece = self.pieces[piece]
+            .try_read()
+            .map_err(|_| busy("sent while being written"))?;
+        let stager = &self.on_device.stager;
+        Ok(async move {
+            let view = piece.as_view();
+            let bytes = stager.bytes(&view);
+            let segment = [Segment::device(&bytes)];
+            let result = transport
+                .send(out.to, OutMessage::new(&out.header, &segment))
+                .await;
+            (out.op, out.rank, result)
+        }
+        .boxed())
+    }
+
+    fn apply(
+        &self,
+        piece: usize,
+        action: Action,
+        op: ReduceOp,
+        data: &[u8],
+    ) -> Result<(), CollectiveError> {
+        let mut piece = self.pieces[piece]
+            .try_write()
+            .map_err(|_| busy("written while being sent"))?;
+        let (combine, remote_first) = match action {
+            Action::Copy => (Combine::Copy, false),
+            Action::Reduce(order) => (
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => Combine::Sum,
+                    ReduceOp::Prod => Combine::Prod,
+                    ReduceOp::Min => Combine::Min,
+                    ReduceOp::Max => Combine::Max,
+                },
+                order == crate::element::Order::RemoteFirst,
+            ),
+        };
+        self.on_device
+            .reducer
+            .apply(self.kind, combine, remote_first, &mut piece, data)
+            .map_err(gpu_err)
     }
 }

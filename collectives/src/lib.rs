@@ -32,6 +32,7 @@ mod join;
 mod mailbox;
 mod order;
 mod owned;
+mod pieces;
 mod plan;
 mod wire;
 

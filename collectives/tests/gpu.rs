@@ -1,12 +1,14 @@
 //! Allreduce of GPU buffers (feature `cuda`): three ranks on the in-memory network, each
 //! reducing a buffer on the GPU through `GpuStage` in small chunks; the results must be the
-//! bits the same chunks reduced from host buffers give. Without a GPU the test says why it skipped.
+//! bits the same chunks reduced from host buffers give; and reducing on the device, the bits a
+//! host allreduce of the whole buffers gives, for several types and operations. Without a GPU
+//! the tests say why they skipped.
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
 
 use futures_util::future::try_join_all;
-use psnet_collectives::{node_of, Communicator, Config, GpuStage, ReduceOp};
+use psnet_collectives::{bf16, f16, node_of, Communicator, Config, GpuStage, ReduceOp};
 use psnet_compression::cuda::device_count;
 use psnet_memnet::{MemNet, MemTransport};
 use psnet_transport::Transport;
@@ -83,5 +85,90 @@ async fn gpu_buffers_reduce_to_the_bits_of_host_buffers() {
                 .all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "{op}: rank {r} differs from the host allreduce");
         }
+    }
+}
+
+/// Runs `op` over `values` (one buffer per rank) on the host and, from GPU buffers reduced
+/// on the device, on a fresh world; every rank's bits must be the host's.
+async fn device_matches_host<E>(op: ReduceOp, values: Vec<Vec<E>>)
+where
+    E: psnet_collectives::Element
+        + psnet_compression::cuda::cudarc::driver::DeviceRepr
+        + psnet_compression::cuda::cudarc::driver::ValidAsZeroBits,
+{
+    let n = values.len();
+    let net = MemNet::reliable();
+    let comms = world(&net, n).await;
+    let mut host = values.clone();
+    try_join_all(
+        comms
+            .iter()
+            .zip(host.iter_mut())
+            .map(|(c, b)| c.allreduce(b, op)),
+    )
+    .await
+    .expect("host allreduce");
+
+    let net = MemNet::reliable();
+    let comms = world(&net, n).await;
+    let stages: Vec<GpuStage<E>> = (0..n)
+        .map(|_| GpuStage::reducing_on_device(0).expect("a stage"))
+        .collect();
+    assert!(stages.iter().all(GpuStage::reduces_on_device));
+    let mut device: Vec<_> = stages
+        .iter()
+        .zip(&values)
+        .map(|(s, v)| s.stream().clone_htod(v).expect("upload"))
+        .collect();
+    try_join_all(
+        comms
+            .iter()
+            .zip(stages.iter().zip(device.iter_mut()))
+            .map(
+                |(c, (s, d))| async move { c.allreduce_device(s, &mut d.as_view_mut(), op).await },
+            ),
+    )
+    .await
+    .expect("GPU allreduce");
+    let len = values[0].len();
+    for (r, (d, s)) in device.iter().zip(&stages).enumerate() {
+        let back = s.stream().clone_dtoh(d).expect("download");
+        let same = bytemuck::cast_slice::<E, u8>(&back) == bytemuck::cast_slice::<E, u8>(&host[r]);
+        assert!(
+            same,
+            "{op} of {len} {}: rank {r} differs from the host allreduce",
+            E::DTYPE
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn gpu_buffers_reduced_on_the_device_have_the_bits_of_host_buffers() {
+    if let Err(e) = device_count() {
+        eprintln!("gpu_buffers_reduced_on_the_device_have_the_bits_of_host_buffers: skipped: {e}");
+        return;
+    }
+    // Recursive doubling (small) and the pipelined ring (large, several pieces per block).
+    for len in [1_000, 1_000_003] {
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Prod] {
+            device_matches_host(op, (0..3).map(|r| values(r, len)).collect()).await;
+        }
+        let halves = (0..3)
+            .map(|r| values(r, len).into_iter().map(f16::from_f32).collect())
+            .collect();
+        device_matches_host::<f16>(ReduceOp::Sum, halves).await;
+        let halves = (0..3)
+            .map(|r| values(r, len).into_iter().map(bf16::from_f32).collect())
+            .collect();
+        device_matches_host::<bf16>(ReduceOp::Avg, halves).await;
+        let ints = (0..3)
+            .map(|r| {
+                values(r, len)
+                    .into_iter()
+                    .map(|v| (v * 1e9) as i32)
+                    .collect()
+            })
+            .collect();
+        device_matches_host::<i32>(ReduceOp::Sum, ints).await;
     }
 }

@@ -29,14 +29,18 @@ use crate::{one_bit, two_bit};
 
 mod kernels;
 pub mod measure;
+mod reduce;
+mod reduce_kernels;
 mod staging;
 
 pub use kernels::KERNELS_SRC;
+pub use reduce::{split_view_mut, Combine, CudaReducer, DeviceElement};
+pub use reduce_kernels::REDUCE_KERNELS_SRC;
 pub use staging::{CudaBytes, CudaStager};
 
-const THREADS_PER_BLOCK: u32 = 256;
+pub(crate) const THREADS_PER_BLOCK: u32 = 256;
 /// Resident blocks per multiprocessor asked for (2048 threads: a full H100 or A100 SM).
-const BLOCKS_PER_SM: u32 = 8;
+pub(crate) const BLOCKS_PER_SM: u32 = 8;
 /// Elements each thread handles per loop turn (one `float4`).
 const ELEMS_PER_THREAD: u64 = 4;
 
@@ -125,33 +129,44 @@ fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// Compiles the kernels for `arch` (NVRTC's default when `None`) with the options their
-/// bit-exactness rests on: no fused multiply-add, no flushing of denormals to zero, IEEE
-/// division and square root. NVRTC must be present ([`nvrtc_present`]).
-fn compile_kernels(arch: Option<&'static str>) -> Result<Ptx, String> {
+/// Compiles `src` (named `name` in NVRTC's messages) for `arch` (NVRTC's default when
+/// `None`) with the options the kernels' bit-exactness rests on: no fused multiply-add, no
+/// flushing of denormals to zero, IEEE division and square root. NVRTC must be present
+/// ([`nvrtc_present`]).
+fn compile_source(src: &str, name: &str, arch: Option<&'static str>) -> Result<Ptx, String> {
     let opts = CompileOptions {
         ftz: Some(false),
         fmad: Some(false),
         prec_div: Some(true),
         prec_sqrt: Some(true),
         arch,
-        name: Some("psnet_compression.cu".into()),
+        name: Some(name.into()),
         ..Default::default()
     };
-    guard(|| compile_ptx_with_opts(KERNELS_SRC, opts)).map_err(|e| format!("NVRTC: {e}"))
+    guard(|| compile_ptx_with_opts(src, opts)).map_err(|e| format!("NVRTC: {e}"))
+}
+
+/// `src` compiled once per process into `cell`; [`CompressionError::NoCudaDevice`] without
+/// NVRTC.
+fn ptx_once(
+    cell: &'static OnceLock<Result<Ptx, String>>,
+    src: &str,
+    name: &str,
+) -> Result<Ptx, CompressionError> {
+    cell.get_or_init(|| {
+        if !nvrtc_present() {
+            return Err("libnvrtc (the CUDA runtime compiler) was not found".into());
+        }
+        compile_source(src, name, None)
+    })
+    .clone()
+    .map_err(CompressionError::NoCudaDevice)
 }
 
 /// The kernels compiled once per process.
 fn ptx() -> Result<Ptx, CompressionError> {
     static PTX: OnceLock<Result<Ptx, String>> = OnceLock::new();
-    PTX.get_or_init(|| {
-        if !nvrtc_present() {
-            return Err("libnvrtc (the CUDA runtime compiler) was not found".into());
-        }
-        compile_kernels(None)
-    })
-    .clone()
-    .map_err(CompressionError::NoCudaDevice)
+    ptx_once(&PTX, KERNELS_SRC, "psnet_compression.cu")
 }
 
 /// Quantize / dequantize on device buffers, bit-compatible with the CPU compressors.
@@ -435,11 +450,11 @@ impl CudaCompressor {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Set where NVRTC was installed for the check (CI): its absence is then a failure.
-    const REQUIRE_NVRTC: psnet_config::env::EnvVar = psnet_config::env::EnvVar {
+    pub(crate) const REQUIRE_NVRTC: psnet_config::env::EnvVar = psnet_config::env::EnvVar {
         name: "PSNET_REQUIRE_NVRTC",
         default: "",
         description: "tests: fail instead of skipping the kernel compile check without NVRTC",
@@ -456,7 +471,7 @@ mod tests {
     ];
 
     /// The byte widths of the parameters of PTX entry `name` (`.param .u64 name_param_0`...).
-    fn entry_params(ptx: &str, name: &str) -> Option<Vec<usize>> {
+    pub(crate) fn entry_params(ptx: &str, name: &str) -> Option<Vec<usize>> {
         let start = ptx.find(&format!(".entry {name}("))?;
         let rest = &ptx[start..];
         let list = &rest[..rest.find(')')?];
@@ -487,7 +502,7 @@ mod tests {
 
     /// The instructions of `ptx` that break bit-exactness with the CPU path: a multiply fused
     /// into an add (`fma`, or `mad` on floats) or a flush of denormals to zero (`.ftz`).
-    fn inexact_instructions(ptx: &str) -> Vec<String> {
+    pub(crate) fn inexact_instructions(ptx: &str) -> Vec<String> {
         ptx.lines()
             .map(str::trim)
             .filter(|l| !l.is_empty() && !l.starts_with('.') && !l.starts_with("//"))
@@ -519,7 +534,7 @@ mod tests {
             return;
         }
         for arch in [None, Some("compute_80"), Some("compute_90")] {
-            let ptx = compile_kernels(arch)
+            let ptx = compile_source(KERNELS_SRC, "psnet_compression.cu", arch)
                 .unwrap_or_else(|e| panic!("compiling for {arch:?}: {e}"))
                 .to_src();
             for (name, widths) in ENTRIES {

@@ -16,6 +16,9 @@ use std::sync::OnceLock;
 
 use psnet_compression::cuda::KERNELS_SRC;
 
+#[path = "cxx.rs"]
+mod cxx;
+
 /// What the kernels use of CUDA, for a C++ compiler.
 const PRELUDE: &str = r#"
 #include <pthread.h>
@@ -223,63 +226,11 @@ pub struct Result {
     pub out: Vec<f32>,
 }
 
-/// The C++ compiler to use first, as make and cc-rs read it.
-const CXX: psnet_config::env::EnvVar = psnet_config::env::EnvVar {
-    name: "CXX",
-    default: "c++",
-    description: "tests: the C++ compiler that builds the kernels' CPU emulation",
-};
-
 /// The emulator's executable, built once per test process; `Err` says why it cannot be
 /// (no C++ compiler).
 fn emulator() -> &'static std::result::Result<PathBuf, String> {
     static EXE: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
-    EXE.get_or_init(|| {
-        // Built under target/ (cargo's scratch folder for integration tests) under a name of
-        // this process's own, then renamed into place: runs at once do not collide.
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-        let pid = std::process::id();
-        let src = dir.join(format!("kernel-emu-{pid}.cpp"));
-        std::fs::write(&src, format!("{PRELUDE}\n{KERNELS_SRC}\n{DRIVER}"))
-            .map_err(|e| format!("{}: {e}", src.display()))?;
-        let built = dir.join(format!("kernel-emu-{pid}"));
-        let exe = dir.join("kernel-emu");
-        let compilers: Vec<String> = CXX
-            .get()
-            .into_iter()
-            .chain(["c++", "clang++", "g++"].map(String::from))
-            .collect();
-        let mut tried = Vec::new();
-        for cxx in &compilers {
-            let out = Command::new(cxx)
-                .args(["-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math"])
-                .args([
-                    "-fno-strict-aliasing",
-                    "-fno-exceptions",
-                    "-fno-rtti",
-                    "-pthread",
-                ])
-                .arg("-o")
-                .arg(&built)
-                .arg(&src)
-                .output();
-            match out {
-                Ok(o) if o.status.success() => {
-                    let _ = std::fs::remove_file(&src);
-                    std::fs::rename(&built, &exe).map_err(|e| format!("{}: {e}", exe.display()))?;
-                    return Ok(exe);
-                }
-                // A compiler that ran and refused the source is a finding, not a skip.
-                Ok(o) => panic!(
-                    "{cxx} could not compile the kernels with the emulation:\n{}",
-                    String::from_utf8_lossy(&o.stderr)
-                ),
-                Err(e) => tried.push(format!("{cxx}: {e}")),
-            }
-        }
-        let _ = std::fs::remove_file(&src);
-        Err(format!("no C++ compiler ({})", tried.join("; ")))
-    })
+    EXE.get_or_init(|| cxx::build("kernel-emu", &format!("{PRELUDE}\n{KERNELS_SRC}\n{DRIVER}")))
 }
 
 /// Whether the emulator can run here; prints why not (`test` names the skipped test).
