@@ -13,7 +13,8 @@
 //! while chunk k is written, or lets its NIC read it in place (GPUDirect).
 //!
 //! Compressed bytes and pulled values cross PCIe through page-locked host buffers kept per
-//! key (allocated on a key's first use), so copies run at full PCIe speed. Quantizing and
+//! key (allocated on a key's first use), so copies run at full PCIe speed. A pull copies each
+//! server's part to the device as soon as it arrives, while the other parts are awaited. Quantizing and
 //! uploads run on the device's default stream, pushes' copies on the stager's; every call
 //! waits for its copies to finish before it returns, and buffers written on another stream
 //! are ordered by cudarc's events.
@@ -31,7 +32,7 @@ use psnet_transport::Transport;
 use crate::error::KvError;
 use crate::proto::msg::PushFlags;
 use crate::proto::worker::{Layout, PreparedPart};
-use crate::worker::{fill, Worker};
+use crate::worker::{fill, Ask, Outgoing, Worker};
 
 mod half;
 
@@ -144,17 +145,63 @@ impl<'w, T: Transport> GpuKv<'w, T> {
         result
     }
 
-    /// Pulls `key` into the device buffer `out` (see [`Worker::pull`]).
+    /// Pulls `key` into the device buffer `out` (see [`Worker::pull`]). Each server's part
+    /// is copied to the device as soon as it arrives (from page-locked memory, so the copy
+    /// runs while the next part is awaited); the call returns once every copy is done.
     pub async fn pull(&self, key: u64, out: &mut CudaViewMut<'_, f32>) -> Result<(), KvError> {
         let mut staging = self.take_staging(key, out.len())?;
-        let result = async {
-            let host = host_of_mut(&mut staging.values)?;
-            self.worker.pull(key, host).await?;
-            self.upload(&staging.values, out)
-        }
-        .await;
+        let result = self.pull_parts(key, &mut staging, out).await;
+        // Also after a failure: no copy may still read the buffer when it is reused.
+        let synced = guarded("synchronize", || self.stream.synchronize()).map_err(gpu_err);
         self.put_staging(key, staging);
-        result
+        result.and(synced)
+    }
+
+    /// Asks every server for its part of `key` and queues each part's copy to `out` as it
+    /// lands in `staging` (the caller waits for the copies).
+    async fn pull_parts(
+        &self,
+        key: u64,
+        staging: &mut Staging,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), KvError> {
+        let shared = &self.worker.shared;
+        let layout = shared
+            .state()
+            .layout(key, out.len(), crate::value::Dtype::F32)?
+            .clone();
+        let requests = layout
+            .parts
+            .iter()
+            .map(|p| Outgoing {
+                to: shared.servers[p.server],
+                ask: Ask::Pull {
+                    key,
+                    n_elems: p.len as u64,
+                },
+                value: None,
+            })
+            .collect();
+        let waits = shared.send_all(requests).await?;
+        let host = host_of_mut(&mut staging.values)?;
+        for (p, wait) in layout.parts.iter().zip(waits) {
+            let value = shared.settle(wait).await?;
+            let range = p.offset..p.offset + p.len;
+            fill(
+                key,
+                &mut host[range.clone()],
+                value,
+                shared.servers[p.server],
+            )?;
+            // Page-locked source: queued, not waited for. Each part's range is written once,
+            // before its copy is queued.
+            guarded("copy to device", || {
+                self.stream
+                    .memcpy_htod(&host[range.clone()], &mut out.slice_mut(range.clone()))
+            })
+            .map_err(gpu_err)?;
+        }
+        Ok(())
     }
 
     /// Pushes `values` and pulls the updated value into `out`, in one exchange per server
