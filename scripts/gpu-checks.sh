@@ -40,7 +40,7 @@ say() { echo "gpu-checks: $*" >&2; }
 # --- the checks ----------------------------------------------------------------------------
 # name | what it runs (relative to .gpu-checks/) — each test binary runs its tests one at a
 # time, with their output shown, so that a test's "skipped" line reaches the log.
-CHECK_NAMES=(env compression-kernels compression-segments kv-gpu collectives-gpu
+CHECK_NAMES=(env compression-kernels compression-segments compression-borrowed kv-gpu collectives-gpu
     compress-bench bw-bench kv-bench allreduce-example python-cuda)
 
 check_cmd() {
@@ -49,6 +49,7 @@ check_cmd() {
     env) echo "describe_env" ;;
     compression-kernels) echo "bin/test-compression-cuda $t" ;;
     compression-segments) echo "bin/test-compression-cuda_segments $t" ;;
+    compression-borrowed) echo "bin/test-compression-cuda_borrowed $t" ;;
     kv-gpu) echo "bin/test-kv-gpu $t" ;;
     collectives-gpu) echo "bin/test-collectives-gpu $t" ;;
     # The kernel table: every kernel beside a device-to-device copy, 2^26 and 2^28 elements.
@@ -86,7 +87,8 @@ build() {
     mkdir -p "$STAGE/bin" "$STAGE/wheels"
     grep -qx '/.gpu-checks/' .git/info/exclude 2>/dev/null || echo '/.gpu-checks/' >>.git/info/exclude
     local pkg test exe
-    for spec in psnet-compression:cuda psnet-compression:cuda_segments psnet-kv:gpu \
+    for spec in psnet-compression:cuda psnet-compression:cuda_segments \
+        psnet-compression:cuda_borrowed psnet-kv:gpu \
         psnet-collectives:gpu; do
         pkg=${spec%%:*} test=${spec#*:}
         say "building $pkg's test $test (release, cuda)"

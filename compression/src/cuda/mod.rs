@@ -27,12 +27,14 @@ use crate::error::{CompressionError, ParamsError};
 use crate::params::CompressionParams;
 use crate::{one_bit, two_bit};
 
+mod borrowed;
 mod kernels;
 pub mod measure;
 mod reduce;
 mod reduce_kernels;
 mod staging;
 
+pub use borrowed::BorrowedDevice;
 pub use kernels::KERNELS_SRC;
 pub use reduce::{split_view_mut, Combine, CudaReducer, DeviceElement};
 pub use reduce_kernels::REDUCE_KERNELS_SRC;
