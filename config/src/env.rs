@@ -270,6 +270,8 @@ crate::declare_env_vars! {
         "collectives: microseconds a call waiting for other ranks polls before it sleeps (0: sleep at once); with more ranks on the host than cores it yields its core (sched_yield) between polls";
     PSNET_COLL_AHEAD_BYTES = "PSNET_COLL_AHEAD_BYTES", "1073741824",
         "collectives: bytes that may arrive for calls this rank has not made yet (other ranks running ahead, as a broadcast's root may); more fails the communicator";
+    PSNET_CUDA_TENSORS = "PSNET_CUDA_TENSORS", "device",
+        "Python: how allreduce takes contiguous CUDA tensors: device (sent from GPU memory and reduced on the GPU by psnet's kernels) or staged (copied to host memory for the call and back)";
     // Read by `psnet-launch --role-from-env` under mpirun or srun (set by them, not by users).
     OMPI_COMM_WORLD_RANK = "OMPI_COMM_WORLD_RANK", "",
         "Open MPI's rank of this process (psnet-launch --role-from-env: 0 scheduler, then servers, then workers)";

@@ -1,10 +1,16 @@
 """Arrays as psnet takes them: NumPy arrays, CPU torch tensors through the NumPy array that
 shares their memory (no copy), and CUDA torch tensors through a host copy made for the call
-(inside ``staged()``), copied back into the tensor when the call wrote it."""
+(inside ``staged()``), copied back into the tensor when the call wrote it; or, for an
+allreduce of a contiguous CUDA tensor, by device pointer (``on_gpu``), reduced on its GPU."""
 
 import contextvars
 
 import numpy as np
+
+from . import _psnet
+
+# Element types psnet reduces on the GPU, by torch's names.
+_GPU_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8")
 
 # The current call's stage (see ``staged``), or None outside psnet's calls.
 _STAGE = contextvars.ContextVar("psnet_stage", default=None)
@@ -34,6 +40,24 @@ class staged:
 def is_tensor(x):
     """Whether ``x`` is a torch tensor (or looks like one: a device and ``numpy``)."""
     return getattr(x, "device", None) is not None and hasattr(x, "numpy")
+
+
+def on_gpu(x):
+    """For a contiguous CUDA torch tensor that psnet may reduce where it lies
+    (``PSNET_CUDA_TENSORS=device``, the default): its ``(pointer, elements, dtype, device)``,
+    once the work queued on torch's current stream of its device has finished (psnet's own
+    streams do not follow torch's). None for anything else, which is staged."""
+    if not is_tensor(x) or getattr(x.device, "type", None) != "cuda":
+        return None
+    if not hasattr(x, "data_ptr") or _psnet.cuda_tensors() != "device":
+        return None
+    dtype = str(x.dtype).split(".")[-1]
+    if dtype not in _GPU_DTYPES or not x.is_contiguous():
+        return None
+    import torch
+
+    torch.cuda.current_stream(x.device).synchronize()
+    return (x.data_ptr(), x.numel(), dtype, x.device.index)
 
 
 def _check_dtype(x, what):

@@ -9,10 +9,13 @@ psnet's ``PSNET_RANK`` / ``PSNET_WORLD_SIZE`` / ``PSNET_ROOT_ADDR``, torchrun's 
 also return the result, as Horovod's calls do; their arrays must be C-contiguous and writable
 (anything else is a ``ValueError``, never a silent copy). ``allgather`` and
 ``reduce_scatter`` return new arrays, tensors on the input's device for a tensor (or fill
-``out``). A CUDA tensor goes through a host copy made for the call, and the result is copied
-back into it when the call ends (as gloo stages CUDA tensors); a CPU tensor's memory is used
-as it is.
-Element types: float32, float64, float16, int32, int64, uint8; operations ``'sum'``,
+``out``). ``allreduce`` of a contiguous CUDA tensor in place runs on its GPU: pieces are sent
+from device memory and reduced into the tensor by psnet's kernels, to the bits the same
+values give on the CPU (``PSNET_CUDA_TENSORS=staged`` stages it instead). Other CUDA tensors
+go through a host copy made for the call, and the result is copied back into them when the
+call ends (as gloo stages CUDA tensors); a CPU tensor's memory is used as it is.
+Element types: float32, float64, float16, int32, int64, uint8 (and bfloat16 for CUDA
+tensors reduced on their GPU); operations ``'sum'``,
 ``'prod'``, ``'min'``, ``'max'``, and ``'avg'`` for floats. Reductions are deterministic:
 the same inputs give the same bits on every rank, run after run. A rank that dies, or ranks
 that disagree about a call, raise on every rank (``PeerLostError``, ``CollectiveError``).
@@ -21,7 +24,7 @@ that disagree about a call, raise on every rank (``PeerLostError``, ``Collective
 import numpy as np
 
 from . import _psnet
-from ._arrays import as_array, is_tensor, readable, staged, writable
+from ._arrays import as_array, is_tensor, on_gpu, readable, staged, writable
 
 _comm = None
 
@@ -65,6 +68,11 @@ def allreduce(tensor, op="sum", out=None):
     """Reduces ``tensor`` across the ranks with ``op``. In place, unless ``out`` is given
     (then ``tensor`` is unchanged and ``out`` gets the result). Returns the result."""
     comm = _get()
+    if out is None:
+        gpu = on_gpu(tensor)
+        if gpu is not None:
+            _psnet.allreduce_cuda(comm, *gpu, op)
+            return tensor
     with staged():
         if out is None:
             target = writable(tensor, "allreduce")

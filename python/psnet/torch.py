@@ -8,13 +8,16 @@
     model = torch.nn.parallel.DistributedDataParallel(model)
 
 The process group runs psnet's collectives (RDMA or TCP, whichever the environment binds) on
-CPU and CUDA tensors: allreduce, broadcast, allgather, reduce_scatter, reduce, barrier. A
-CUDA tensor is staged through a page-locked host copy, as gloo stages them, and written back
-when the call ends. Rank 0 draws
+CPU and CUDA tensors: allreduce, broadcast, allgather, reduce_scatter, reduce, barrier. An
+allreduce of a contiguous CUDA tensor (DDP's buckets) runs on its GPU: pieces sent from device
+memory, reduced into the tensor by psnet's kernels, bfloat16 included
+(``PSNET_CUDA_TENSORS=staged`` stages it instead). Other CUDA tensors are staged through a
+page-locked host copy, as gloo stages them, and written back when the call ends. Rank 0 draws
 a free port on ``MASTER_ADDR`` (127.0.0.1 if unset) and hands it to the others through
 torch's store, so psnet never competes with the store for ``MASTER_PORT``. Each call
 completes before it returns (its ``Work`` is done at once). float32, float64, float16,
-int32, int64 and uint8 tensors; bfloat16 tensors are refused with a clear error.
+int32, int64 and uint8 tensors; bfloat16 tensors other than those reduced on the GPU are
+refused with a clear error.
 
 ``compressed_allreduce_hook`` is a DDP communication hook: each bucket is averaged with
 psnet's 2-bit (or 1-bit) allreduce with error feedback (lossy; the residual stays in the
@@ -34,6 +37,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from . import _psnet
+from ._arrays import on_gpu
 
 BACKEND = "psnet"
 
@@ -119,6 +123,10 @@ class ProcessGroupPsnet(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         for t in tensors:
+            gpu = on_gpu(t)
+            if gpu is not None:
+                _psnet.allreduce_cuda(self._comm, *gpu, op)
+                continue
             with _Staged(t, "allreduce", write=True) as a:
                 self._comm.allreduce(a, op)
         return _done(tensors)

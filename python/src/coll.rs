@@ -50,7 +50,9 @@ macro_rules! with_element {
 #[pyclass(module = "psnet._psnet", frozen)]
 pub(crate) struct Comm {
     runtime: tokio::runtime::Runtime,
-    comm: Arc<Communicator<AnyTransport>>,
+    pub(crate) comm: Arc<Communicator<AnyTransport>>,
+    /// The GPU stages of `allreduce_cuda`.
+    pub(crate) gpu: crate::cuda::Stages,
 }
 
 fn op_of(op: &str) -> PyResult<ReduceOp> {
@@ -67,7 +69,7 @@ fn elements(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
 }
 
 impl Comm {
-    fn run(
+    pub(crate) fn run(
         &self,
         py: Python<'_>,
         call: impl std::future::Future<Output = Result<(), psnet_collectives::CollectiveError>> + Send,
@@ -208,6 +210,7 @@ impl Comm {
         Ok(Comm {
             runtime,
             comm: Arc::new(comm),
+            gpu: crate::cuda::Stages::default(),
         })
     }
 
@@ -239,6 +242,7 @@ impl Comm {
         Ok(Comm {
             runtime,
             comm: Arc::new(comm),
+            gpu: crate::cuda::Stages::default(),
         })
     }
 

@@ -10,18 +10,21 @@
 //! - [`kv::Updater`]: psnet's server optimizers (MXNet 1.9.1's arithmetic), for the `local`
 //!   kvstore;
 //! - [`coll::Comm`]: a collectives communicator joined from psnet's, torchrun's, mpirun's or
-//!   Slurm's variables, reducing NumPy arrays in place.
+//!   Slurm's variables, reducing NumPy arrays in place;
+//! - [`cuda::allreduce_cuda`]: a CUDA tensor reduced in place on its GPU, by device pointer
+//!   (the crate's only `unsafe`, in that module).
 //!
 //! Every call that waits on the network releases the GIL, and checks for signals every
 //! [`wait::SIGNAL_CHECK`]: Ctrl-C raises `KeyboardInterrupt` and abandons the call (the
 //! operation is dropped, so nothing touches the caller's array afterwards). Errors are
 //! Python exceptions carrying psnet's message ([`error`]).
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 use pyo3::prelude::*;
 
 mod arrays;
 mod coll;
+mod cuda;
 mod error;
 mod kv;
 mod wait;
@@ -39,6 +42,8 @@ fn _psnet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<coll::Comm>()?;
     m.add_function(wrap_pyfunction!(kv::run_role, m)?)?;
     m.add_function(wrap_pyfunction!(kv::role, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::allreduce_cuda, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_tensors, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -207,25 +207,72 @@ def test_a_local_store_pulls_into_a_cuda_tensor_and_other_devices_are_refused():
         as_array(fake(torch.zeros(2)), "x")
 
 
+def test_how_cuda_tensors_are_taken_comes_from_psnet_cuda_tensors(monkeypatch):
+    from psnet import _psnet
+    from psnet._arrays import on_gpu
+
+    monkeypatch.delenv("PSNET_CUDA_TENSORS", raising=False)
+    assert _psnet.cuda_tensors() == "device"
+    monkeypatch.setenv("PSNET_CUDA_TENSORS", "staged")
+    assert _psnet.cuda_tensors() == "staged"
+    monkeypatch.setenv("PSNET_CUDA_TENSORS", "gpu")
+    with pytest.raises(ValueError, match="PSNET_CUDA_TENSORS=\"gpu\": expected device or staged"):
+        _psnet.cuda_tensors()
+    monkeypatch.setenv("PSNET_CUDA_TENSORS", "device")
+    # Host memory, and CUDA stand-ins without a device pointer, are staged (not taken by
+    # pointer); the variable is not even read for them.
+    assert on_gpu(torch.zeros(3)) is None
+    assert on_gpu(np.zeros(3)) is None
+    namespace = {}
+    exec(FAKE, namespace)
+    assert on_gpu(namespace["FakeCuda"](torch.zeros(3))) is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: real CUDA tensors are not tested")
-def test_real_cuda_tensors(tmp_path):
+@pytest.mark.parametrize("mode", ["device", "staged"])
+def test_real_cuda_tensors(tmp_path, mode):
     job = """
 import sys
 import numpy as np
 import torch
 import psnet
+from psnet._arrays import on_gpu
 
 out = sys.argv[1]
 psnet.init()
 r, n = psnet.rank(), psnet.size()
 x = torch.arange(1000, dtype=torch.float32, device="cuda") * (r + 1)
+assert (on_gpu(x) is not None) == (sys.argv[2] == "device")
 psnet.allreduce(x)
 assert x.device.type == "cuda"
 g = psnet.allgather(torch.full((2,), float(r), device="cuda"))
 assert g.device.type == "cuda"
-np.savez(f"{out}/rank{r}.npz", sum=x.cpu().numpy(), gather=g.cpu().numpy())
+res = dict(sum=x.cpu().numpy(), gather=g.cpu().numpy())
+if sys.argv[2] == "device":
+    # Values whose sums round, in every type the GPU reduces: the bits of the same
+    # allreduce of CPU tensors. 3 million elements: several pieces per ring block.
+    inputs = [torch.rand(3_000_001, generator=torch.Generator().manual_seed(k)) * 2 - 1
+              for k in range(n)]
+    base = inputs[r]
+    for dtype, op in [(torch.float32, "sum"), (torch.float16, "sum"), (torch.float64, "max"),
+                      (torch.int32, "sum"), (torch.uint8, "min")]:
+        ints = dtype in (torch.int32, torch.uint8)
+        cpu = (base * 1e6).long().to(dtype) if ints else base.to(dtype)
+        gpu = cpu.cuda()
+        psnet.allreduce(gpu, op)
+        psnet.allreduce(cpu, op)
+        assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8)), (dtype, op)
+    # NumPy has no bfloat16, so no CPU allreduce either: on 2 ranks each element is one sum,
+    # widened to float32 and rounded back, then halved the same way (the host path's steps).
+    gpu = base.bfloat16().cuda()
+    psnet.allreduce(gpu, "avg")
+    want = (inputs[0].bfloat16().float() + inputs[1].bfloat16().float()).bfloat16()
+    want = (want.float() / 2.0).bfloat16()
+    assert torch.equal(gpu.cpu().view(torch.int16), want.view(torch.int16)), "bfloat16 avg"
+np.savez(f"{out}/rank{r}.npz", **res)
 """
-    out, _ = run_ranks(tmp_path, 2, job)
+    out, _ = run_ranks(tmp_path, 2, job.replace("sys.argv[2]", repr(mode)),
+                       env={"PSNET_CUDA_TENSORS": mode})
     for r in range(2):
         got = np.load(out / f"rank{r}.npz")
         np.testing.assert_array_equal(got["sum"], np.arange(1000, dtype=np.float32) * 3)

@@ -132,7 +132,10 @@ def test_the_compressed_hook_trains(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: CUDA tensors are not tested")
-def test_cuda_tensors_are_staged_and_written_back(tmp_path):
+@pytest.mark.parametrize("mode", ["device", "staged"])
+def test_cuda_tensors_are_reduced_on_the_gpu_or_staged_and_written_back(tmp_path, mode):
+    env = torchrun_env(free_port())
+    env["PSNET_CUDA_TENSORS"] = mode
     run_ranks(tmp_path, 2, _torchrun_shim + """
 import torch, torch.distributed as dist
 import psnet.torch
@@ -141,6 +144,11 @@ r, n = dist.get_rank(), dist.get_world_size()
 t = torch.full((1000,), float(r + 1), device="cuda")
 dist.all_reduce(t)
 assert t.device.type == "cuda" and t.cpu().tolist() == [3.0] * 1000, t
+if MODE == "device":
+    # DDP's buckets: bfloat16 too, reduced on the GPU (staging refuses it).
+    h = torch.full((4096,), 0.5 * (r + 1), dtype=torch.bfloat16, device="cuda")
+    dist.all_reduce(h, op=dist.ReduceOp.AVG)
+    assert h.float().cpu().tolist() == [0.75] * 4096, h
 b = torch.arange(6, dtype=torch.float16, device="cuda") * (r + 1); dist.broadcast(b, src=1)
 assert b.cpu().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0], b
 flat = torch.empty(2 * n, device="cuda"); dist.all_gather_into_tensor(flat, torch.full((2,), float(r), device="cuda"))
@@ -149,7 +157,7 @@ out = torch.empty(2, device="cuda")
 dist.reduce_scatter_tensor(out, torch.arange(4, dtype=torch.float32, device="cuda") + r)
 assert out.cpu().tolist() == [2.0 * r * 2 + 1.0, 2.0 * r * 2 + 3.0], out
 dist.destroy_process_group()
-""", env=torchrun_env(free_port()))
+""".replace("MODE", repr(mode)), env=env)
 
 
 def test_a_tensor_on_another_device_is_refused():
