@@ -28,7 +28,7 @@ use psnet_compression::cuda::cudarc::driver::{
 };
 use psnet_compression::cuda::{
     context, guarded, pinned_zeroed, split_view_mut, Combine, CudaReducer, CudaStager,
-    DeviceElement,
+    DeviceElement, WaitOnDrop,
 };
 use psnet_compression::CompressionError;
 use psnet_transport::{OutMessage, Segment, Transport};
@@ -152,6 +152,9 @@ impl<T: Transport> Communicator<T> {
             .collect();
         let mut chunks = stage.take(ranges.len())?;
         let stream = &stage.stream;
+        // Dropped half-way, the call waits for the copies queued so far before the chunks
+        // are freed and `buf` is its owner's again.
+        let _wait = WaitOnDrop(stream.clone());
         // Every copy to the host queued now; an event marks each one's end.
         let mut landed = Vec::with_capacity(ranges.len());
         for (range, host) in ranges.iter().zip(chunks.iter_mut()) {

@@ -1,6 +1,6 @@
 //! Device memory borrowed by raw pointer (feature `cuda`): a view of it reads and writes the
 //! owner's memory, dropping the borrow leaves the memory allocated and as written, and ranges
-//! the driver does not know as that device's memory are refused saying why. Without a GPU the
+//! whose ends the driver does not know as that device's memory are refused saying why. Without a GPU the
 //! tests say why they skipped; the refusals' logic is unit-tested with fakes (`borrowed.rs`).
 #![cfg(feature = "cuda")]
 
@@ -66,8 +66,10 @@ fn a_borrowed_range_reads_and_writes_the_owners_memory_and_is_never_freed() {
         assert!(err.to_string().contains(why), "{ptr:#x}+{len}: {err}");
     };
     refused(base + 2, 4, "not aligned");
-    refused(base + 400, 4000, "leave their allocation");
+    // The last byte a terabyte past the allocation, where nothing is mapped.
+    refused(base + 400, 1 << 38, "last byte");
     let on_host = values.as_ptr() as u64;
-    refused(on_host, 4, "");
+    refused(on_host, 4, "first byte");
     refused(1 << 12, 4, "");
+    refused(u64::MAX - 7, 4, "end of the address space");
 }

@@ -25,7 +25,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use psnet_compression::cuda::cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, PinnedHostSlice, ValidAsZeroBits,
 };
-use psnet_compression::cuda::{context, guarded, pinned_zeroed, CudaCompressor, CudaStager};
+use psnet_compression::cuda::{
+    context, guarded, pinned_zeroed, CudaCompressor, CudaStager, WaitOnDrop,
+};
 use psnet_compression::{CompressionError, CompressionParams, Scheme};
 use psnet_transport::Transport;
 
@@ -150,6 +152,9 @@ impl<'w, T: Transport> GpuKv<'w, T> {
     /// runs while the next part is awaited); the call returns once every copy is done.
     pub async fn pull(&self, key: u64, out: &mut CudaViewMut<'_, f32>) -> Result<(), KvError> {
         let mut staging = self.take_staging(key, out.len())?;
+        // Dropped half-way, the call waits for the copies queued so far before `staging`
+        // goes and `out` is its owner's again.
+        let _wait = WaitOnDrop(self.stream.clone());
         let result = self.pull_parts(key, &mut staging, out).await;
         // Also after a failure: no copy may still read the buffer when it is reused.
         let synced = guarded("synchronize", || self.stream.synchronize()).map_err(gpu_err);

@@ -60,6 +60,20 @@ def on_gpu(x):
     return (x.data_ptr(), x.numel(), dtype, x.device.index)
 
 
+def allreduce_on_gpu(comm, x, op):
+    """Reduces ``x`` in place on its GPU if psnet takes it there (see ``on_gpu``); False if
+    the caller must stage it (not a CUDA tensor psnet reduces there, or, logged once, this
+    process cannot: the other ranks reduce with it either way). Runs with ``x``'s device
+    current, as torch's is again afterwards."""
+    gpu = on_gpu(x)
+    if gpu is None:
+        return False
+    import torch
+
+    with torch.cuda.device(x.device):
+        return _psnet.allreduce_cuda(comm, *gpu, op)
+
+
 def _check_dtype(x, what):
     if str(getattr(x, "dtype", "")) == "torch.bfloat16":
         raise TypeError(f"{what}: bfloat16 tensors are not supported yet")

@@ -24,7 +24,7 @@ that disagree about a call, raise on every rank (``PeerLostError``, ``Collective
 import numpy as np
 
 from . import _psnet
-from ._arrays import as_array, is_tensor, on_gpu, readable, staged, writable
+from ._arrays import allreduce_on_gpu, as_array, is_tensor, readable, staged, writable
 
 _comm = None
 
@@ -68,11 +68,8 @@ def allreduce(tensor, op="sum", out=None):
     """Reduces ``tensor`` across the ranks with ``op``. In place, unless ``out`` is given
     (then ``tensor`` is unchanged and ``out`` gets the result). Returns the result."""
     comm = _get()
-    if out is None:
-        gpu = on_gpu(tensor)
-        if gpu is not None:
-            _psnet.allreduce_cuda(comm, *gpu, op)
-            return tensor
+    if out is None and allreduce_on_gpu(comm, tensor, op):
+        return tensor
     with staged():
         if out is None:
             target = writable(tensor, "allreduce")

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from . import _psnet
-from ._arrays import on_gpu
+from ._arrays import allreduce_on_gpu
 
 BACKEND = "psnet"
 
@@ -123,9 +123,7 @@ class ProcessGroupPsnet(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         for t in tensors:
-            gpu = on_gpu(t)
-            if gpu is not None:
-                _psnet.allreduce_cuda(self._comm, *gpu, op)
+            if allreduce_on_gpu(self._comm, t, op):
                 continue
             with _Staged(t, "allreduce", write=True) as a:
                 self._comm.allreduce(a, op)

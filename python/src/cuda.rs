@@ -63,6 +63,9 @@ pub(crate) fn cuda_tensors() -> PyResult<&'static str> {
 }
 
 impl Comm {
+    /// Reduces on the GPU; `false` (with a warning) when this rank cannot take the tensor
+    /// there, so that the caller stages it instead. Both run the same plan with the same
+    /// messages, so ranks that differ in this still reduce together, to the same bits.
     fn allreduce_cuda_t<E>(
         &self,
         py: Python<'_>,
@@ -70,28 +73,51 @@ impl Comm {
         numel: usize,
         device: usize,
         op: psnet_collectives::ReduceOp,
-    ) -> PyResult<()>
+    ) -> PyResult<bool>
     where
         E: Element + DeviceRepr + ValidAsZeroBits,
     {
-        let stage = self.gpu.get::<E>(device).map_err(crate::error::coll)?;
+        let stage = match self.gpu.get::<E>(device) {
+            Ok(stage) => stage,
+            Err(e) => return Ok(staged_instead(&e.to_string())),
+        };
         // SAFETY: the Python caller passes a live, contiguous CUDA tensor's `data_ptr()`,
         // `numel()` and device index, keeps the tensor referenced for the whole call (the
         // frame holds it), and has synchronized torch's current stream, so nothing queued
-        // there still touches it; `BorrowedDevice::new` checks with the driver that the
-        // range is that device's memory inside one allocation and aligned for `E`.
-        let mut memory = unsafe { BorrowedDevice::<E>::new(device, ptr, numel) }
-            .map_err(|e| crate::error::CollectiveError::new_err(format!("allreduce: {e}")))?;
+        // there still touches it; `BorrowedDevice::new` checks with the driver that both ends
+        // of the range are that device's memory and that it is aligned for `E`.
+        let mut memory = match unsafe { BorrowedDevice::<E>::new(device, ptr, numel) } {
+            Ok(memory) => memory,
+            Err(e) => return Ok(staged_instead(&e.to_string())),
+        };
         let comm = self.comm.clone();
         self.run(py, async move {
             comm.allreduce_device(&stage, &mut memory.view_mut(), op)
                 .await
-        })
+        })?;
+        Ok(true)
     }
 }
 
+/// Says (once per process as a warning, then at debug level) why a CUDA tensor is staged
+/// instead of reduced on its GPU; returns `false`.
+fn staged_instead(why: &str) -> bool {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::debug!(reason = why, "CUDA tensor staged through host memory");
+    } else {
+        tracing::warn!(
+            reason = why,
+            "CUDA tensors are staged through host memory: psnet cannot reduce them on the GPU here"
+        );
+    }
+    false
+}
+
 /// Reduces a contiguous CUDA tensor in place on its GPU (`dtype`: torch's name without
-/// `torch.`; `op`: sum, prod, min, max, avg).
+/// `torch.`; `op`: sum, prod, min, max, avg). Returns `False`, having logged why, when this
+/// process cannot (no NVRTC, say): the caller then stages the tensor, and the ranks still
+/// reduce together.
 #[pyfunction]
 pub(crate) fn allreduce_cuda(
     py: Python<'_>,
@@ -101,7 +127,7 @@ pub(crate) fn allreduce_cuda(
     dtype: &str,
     device: usize,
     op: &str,
-) -> PyResult<()> {
+) -> PyResult<bool> {
     let op: psnet_collectives::ReduceOp = op.parse().map_err(PyValueError::new_err)?;
     let float = matches!(dtype, "float32" | "float64" | "float16" | "bfloat16");
     if op == psnet_collectives::ReduceOp::Avg && !float {

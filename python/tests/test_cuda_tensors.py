@@ -249,6 +249,12 @@ g = psnet.allgather(torch.full((2,), float(r), device="cuda"))
 assert g.device.type == "cuda"
 res = dict(sum=x.cpu().numpy(), gather=g.cpu().numpy())
 if sys.argv[2] == "device":
+    # Taken on the GPU, not staged because this process could not (which only logs).
+    from psnet._arrays import allreduce_on_gpu
+    from psnet.collectives import _get
+    y = torch.ones(10, device="cuda")
+    assert allreduce_on_gpu(_get(), y, "sum"), "staged: see the warning above"
+    assert y.cpu().tolist() == [float(n)] * 10
     # Values whose sums round, in every type the GPU reduces: the bits of the same
     # allreduce of CPU tensors. 3 million elements: several pieces per ring block.
     inputs = [torch.rand(3_000_001, generator=torch.Generator().manual_seed(k)) * 2 - 1

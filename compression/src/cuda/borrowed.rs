@@ -1,8 +1,8 @@
 //! Device memory that psnet does not own: a raw device pointer, a length and a device, as
 //! frameworks hand them out (`tensor.data_ptr()` in PyTorch, `__cuda_array_interface__`).
 //! [`BorrowedDevice`] gives it the cudarc views that kv's `GpuKv` and the
-//! collectives take, checks first that the driver knows the range as memory of that device,
-//! and never frees it.
+//! collectives take, checks first that the driver knows both ends of the range as memory of
+//! that device, and never frees it.
 
 use std::sync::Arc;
 
@@ -12,25 +12,25 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaView, CudaViewMut, DeviceRepr};
 use super::{context, guarded};
 use crate::error::CompressionError;
 
-/// What the driver says of a pointer: the facts [`check_range`] rests on.
+/// What the driver says of one address: the facts [`check_range`] rests on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct PointerFacts {
     /// `CU_MEMORYTYPE_*` (2: device memory).
     pub memory_type: u32,
     /// The device holding it.
     pub ordinal: i64,
-    /// The allocation containing the pointer: its first byte and its size.
-    pub base: u64,
-    pub size: u64,
 }
 
-/// Whether `bytes` bytes at `ptr` are device memory of device `ordinal` inside one
-/// allocation, aligned to `align`; the reason why not otherwise.
+/// Whether `bytes` bytes at `ptr` (`first` and `last`: the facts of its first and last byte)
+/// are device memory of device `ordinal`, aligned to `align`; the reason why not otherwise.
+/// Both ends are asked about rather than the allocation's extent: PyTorch's expandable
+/// segments map one tensor's range from several physical allocations, and the driver reports
+/// the extent of one of them only.
 pub(crate) fn check_range(
-    facts: &PointerFacts,
+    first: &PointerFacts,
+    last: Option<&PointerFacts>,
     ordinal: usize,
     ptr: u64,
-    bytes: u64,
     align: u64,
 ) -> Result<(), String> {
     if ptr % align != 0 {
@@ -38,36 +38,30 @@ pub(crate) fn check_range(
             "{ptr:#x} is not aligned to the element's {align} bytes"
         ));
     }
-    if facts.memory_type != CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-        return Err(format!(
-            "{ptr:#x} is not device memory (CUDA memory type {})",
-            facts.memory_type
-        ));
+    for (facts, which) in [(Some(first), "first"), (last, "last")] {
+        let Some(facts) = facts else { continue };
+        if facts.memory_type != CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            return Err(format!(
+                "the {which} byte of the range at {ptr:#x} is not device memory (CUDA memory type {})",
+                facts.memory_type
+            ));
+        }
+        if facts.ordinal != ordinal as i64 {
+            return Err(format!(
+                "the {which} byte of the range at {ptr:#x} is memory of device {}, not of device {ordinal}",
+                facts.ordinal
+            ));
+        }
     }
-    if facts.ordinal != ordinal as i64 {
-        return Err(format!(
-            "{ptr:#x} is memory of device {}, not of device {ordinal}",
-            facts.ordinal
-        ));
-    }
-    let end = ptr.checked_add(bytes);
-    let alloc_end = facts.base.checked_add(facts.size);
-    match (end, alloc_end) {
-        (Some(end), Some(alloc_end)) if ptr >= facts.base && end <= alloc_end => Ok(()),
-        _ => Err(format!(
-            "{bytes} bytes at {ptr:#x} leave their allocation ({} bytes at {:#x})",
-            facts.size, facts.base
-        )),
-    }
+    Ok(())
 }
 
-/// What the driver knows of `ptr` (the context must be current).
-fn pointer_facts(ptr: u64) -> Result<PointerFacts, String> {
+/// What the driver knows of `addr`, the range's `which` (first or last) byte (the context
+/// must be current).
+fn pointer_facts(addr: u64, which: &str) -> Result<PointerFacts, String> {
     let mut memory_type = 0u32;
     let mut ordinal = 0i32;
-    let mut base = 0u64;
-    let mut size = 0usize;
-    let queries: [(CUpointer_attribute, *mut std::ffi::c_void); 4] = [
+    let queries: [(CUpointer_attribute, *mut std::ffi::c_void); 2] = [
         (
             CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
             (&mut memory_type as *mut u32).cast(),
@@ -76,24 +70,18 @@ fn pointer_facts(ptr: u64) -> Result<PointerFacts, String> {
             CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
             (&mut ordinal as *mut i32).cast(),
         ),
-        (
-            CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-            (&mut base as *mut u64).cast(),
-        ),
-        (
-            CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-            (&mut size as *mut usize).cast(),
-        ),
     ];
     for (attribute, data) in queries {
         // SAFETY: each destination is a live local of the attribute's type (CUmemorytype and
-        // the ordinal are 32-bit, the start a CUdeviceptr, the size a size_t); the driver
-        // library is loaded (a context exists) and only reads `ptr`'s bookkeeping.
-        let rc = unsafe { cudarc::driver::sys::cuPointerGetAttribute(data, attribute, ptr) };
+        // the ordinal are 32-bit); the driver library is loaded (a context exists) and only
+        // reads `addr`'s bookkeeping.
+        let rc = unsafe { cudarc::driver::sys::cuPointerGetAttribute(data, attribute, addr) };
         match rc {
             CUresult::CUDA_SUCCESS => {}
             CUresult::CUDA_ERROR_INVALID_VALUE => {
-                return Err(format!("{ptr:#x} is not memory the CUDA driver knows"))
+                return Err(format!(
+                    "the {which} byte, {addr:#x}, is not memory the CUDA driver knows"
+                ))
             }
             other => return Err(format!("cuPointerGetAttribute({attribute:?}): {other:?}")),
         }
@@ -101,8 +89,6 @@ fn pointer_facts(ptr: u64) -> Result<PointerFacts, String> {
     Ok(PointerFacts {
         memory_type,
         ordinal: i64::from(ordinal),
-        base,
-        size: size as u64,
     })
 }
 
@@ -126,8 +112,8 @@ impl<T> std::fmt::Debug for BorrowedDevice<T> {
 
 impl<T: DeviceRepr> BorrowedDevice<T> {
     /// `len` elements of `T` at device address `ptr` on device `ordinal`. Checks with the
-    /// driver that the range is device memory of that device inside one allocation and
-    /// aligned for `T`, and fails saying why if not (or without a driver or device).
+    /// driver that the range's first and last bytes are device memory of that device and that
+    /// it is aligned for `T`, and fails saying why if not (or without a driver or device).
     ///
     /// # Safety
     /// The allocation must stay allocated, and hold values valid for `T`, until this is
@@ -136,23 +122,30 @@ impl<T: DeviceRepr> BorrowedDevice<T> {
     /// PyTorch: synchronize the tensor's current stream).
     pub unsafe fn new(ordinal: usize, ptr: u64, len: usize) -> Result<Self, CompressionError> {
         let ctx: Arc<CudaContext> = context(ordinal)?;
-        let bytes = (len as u64)
+        let last = (len as u64)
             .checked_mul(std::mem::size_of::<T>() as u64)
-            .ok_or_else(|| CompressionError::Cuda(format!("{len} elements overflow")))?;
+            .and_then(|bytes| (bytes - 1).checked_add(ptr))
+            .ok_or_else(|| {
+                CompressionError::Cuda(format!(
+                    "borrowing device memory: {len} elements at {ptr:#x} pass the end of the address space"
+                ))
+            });
         if len > 0 {
+            let last = last?;
             guarded("binding the context", || ctx.bind_to_thread())?;
-            pointer_facts(ptr)
-                .and_then(|facts| {
-                    let align = std::mem::align_of::<T>() as u64;
-                    check_range(&facts, ordinal, ptr, bytes, align)
+            let align = std::mem::align_of::<T>() as u64;
+            pointer_facts(ptr, "first")
+                .and_then(|first| {
+                    let last = pointer_facts(last, "last")?;
+                    check_range(&first, Some(&last), ordinal, ptr, align)
                 })
                 .map_err(|why| CompressionError::Cuda(format!("borrowing device memory: {why}")))?;
         }
         let stream = ctx.default_stream();
         let slice = guarded("borrowing device memory", || {
-            // SAFETY: the range is device memory of this device inside one allocation
-            // (checked above, or empty), and the caller keeps it allocated, valid and
-            // unshared while this lives; the slice is leaked, never dropped, so cudarc never
+            // SAFETY: the range's ends are device memory of this device (checked above, or
+            // it is empty), and the caller keeps it allocated, valid and unshared while this
+            // lives; the slice is leaked, never dropped, so cudarc never
             // frees it.
             Ok::<_, String>(unsafe { stream.upgrade_device_ptr::<T>(ptr, len) })
         })?;
@@ -210,38 +203,38 @@ impl<T> Drop for BorrowedDevice<T> {
 mod tests {
     use super::*;
 
-    fn facts() -> PointerFacts {
-        PointerFacts {
-            memory_type: CUmemorytype::CU_MEMORYTYPE_DEVICE as u32,
-            ordinal: 1,
-            base: 0x7f00_0000_0000,
-            size: 4096,
-        }
-    }
+    const DEVICE: PointerFacts = PointerFacts {
+        memory_type: CUmemorytype::CU_MEMORYTYPE_DEVICE as u32,
+        ordinal: 1,
+    };
 
     #[test]
-    fn a_range_inside_one_allocation_of_the_device_is_accepted() {
-        let f = facts();
-        assert_eq!(check_range(&f, 1, f.base, 4096, 4), Ok(()));
-        assert_eq!(check_range(&f, 1, f.base + 64, 4032, 4), Ok(()));
-        assert_eq!(check_range(&f, 1, f.base + 4096, 0, 4), Ok(()));
+    fn a_range_of_the_devices_memory_is_accepted() {
+        assert_eq!(
+            check_range(&DEVICE, Some(&DEVICE), 1, 0x7f00_0000_0040, 4),
+            Ok(())
+        );
+        assert_eq!(check_range(&DEVICE, None, 1, 0x7f00_0000_0040, 8), Ok(()));
     }
 
     #[test]
     fn ranges_that_are_not_the_devices_memory_are_refused_saying_why() {
-        let f = facts();
-        let err = |facts: &PointerFacts, ordinal, ptr, bytes, align| {
-            check_range(facts, ordinal, ptr, bytes, align).unwrap_err()
+        let err = |first: &PointerFacts, last: &PointerFacts, ordinal, ptr, align| {
+            check_range(first, Some(last), ordinal, ptr, align).unwrap_err()
         };
-        assert!(err(&f, 1, f.base + 2, 8, 4).contains("not aligned"));
-        assert!(err(&f, 0, f.base, 8, 4).contains("of device 1, not of device 0"));
+        assert!(err(&DEVICE, &DEVICE, 1, 0x1002, 4).contains("not aligned"));
+        assert!(err(&DEVICE, &DEVICE, 0, 0x1000, 4).contains("of device 1, not of device 0"));
         let host = PointerFacts {
             memory_type: CUmemorytype::CU_MEMORYTYPE_HOST as u32,
-            ..f
+            ..DEVICE
         };
-        assert!(err(&host, 1, f.base, 8, 4).contains("not device memory"));
-        assert!(err(&f, 1, f.base + 4092, 8, 4).contains("leave their allocation"));
-        assert!(err(&f, 1, f.base - 4, 8, 4).contains("leave their allocation"));
-        assert!(err(&f, 1, u64::MAX - 3, 8, 4).contains("leave their allocation"));
+        assert!(err(&host, &DEVICE, 1, 0x1000, 4).contains("first byte"));
+        assert!(err(&DEVICE, &host, 1, 0x1000, 4)
+            .contains("last byte of the range at 0x1000 is not device memory"));
+        let other = PointerFacts {
+            ordinal: 2,
+            ..DEVICE
+        };
+        assert!(err(&DEVICE, &other, 1, 0x1000, 4).contains("last byte"));
     }
 }

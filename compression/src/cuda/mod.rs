@@ -14,7 +14,7 @@
 //! NaN residuals are NaN on both but may differ in their bits.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr,
@@ -38,7 +38,7 @@ pub use borrowed::BorrowedDevice;
 pub use kernels::KERNELS_SRC;
 pub use reduce::{split_view_mut, Combine, CudaReducer, DeviceElement};
 pub use reduce_kernels::REDUCE_KERNELS_SRC;
-pub use staging::{CudaBytes, CudaStager};
+pub use staging::{CudaBytes, CudaStager, WaitOnDrop};
 
 pub(crate) const THREADS_PER_BLOCK: u32 = 256;
 /// Resident blocks per multiprocessor asked for (2048 threads: a full H100 or A100 SM).
@@ -78,8 +78,8 @@ pub fn guarded<T, E: std::fmt::Display>(
     guard(f).map_err(cuda_err(what))
 }
 
-/// The primary context of device `ordinal`, or [`CompressionError::NoCudaDevice`] saying why
-/// there is none; never panics.
+/// The primary context of device `ordinal` (the same value on every call), or
+/// [`CompressionError::NoCudaDevice`] saying why there is none; never panics.
 pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, CompressionError> {
     let count = device_count()?;
     if ordinal >= count {
@@ -87,7 +87,21 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, CompressionError> {
             "device {ordinal} requested but only {count} present"
         )));
     }
-    guarded("creating the context", || CudaContext::new(ordinal))
+    // One per device for the whole process: cudarc keeps its per-context state (how many
+    // streams exist, so whether buffers carry events that order streams; errors raised in
+    // destructors) in each `CudaContext` value, and its first stream synchronizes the whole
+    // device. Every part of psnet (compressors, stagers, reducers, borrowed memory) shares it.
+    static CONTEXTS: Mutex<Vec<Option<Arc<CudaContext>>>> = Mutex::new(Vec::new());
+    let mut contexts = CONTEXTS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(Some(ctx)) = contexts.get(ordinal) {
+        return Ok(ctx.clone());
+    }
+    let ctx = guarded("creating the context", || CudaContext::new(ordinal))?;
+    if contexts.len() <= ordinal {
+        contexts.resize(ordinal + 1, None);
+    }
+    contexts[ordinal] = Some(ctx.clone());
+    Ok(ctx)
 }
 
 /// `len` zeroed elements of page-locked host memory on `ctx`, for copies to and from the

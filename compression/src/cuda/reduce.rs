@@ -11,7 +11,8 @@
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, CudaViewMut, DeviceRepr, DeviceSlice, LaunchConfig,
+    PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -204,6 +205,10 @@ impl CudaReducer {
         let Some(scratch) = scratch.as_mut() else {
             unreachable!("allocated just above")
         };
+        // Work queued before on the buffer's own stream (where its owner writes it) first.
+        guarded("ordering after the buffer's stream", || {
+            self.stream.join(dst.stream())
+        })?;
         let mut landing = scratch.slice_mut(..src.len());
         guarded("copy to device", || {
             self.stream.memcpy_htod(src, &mut landing)
@@ -244,6 +249,9 @@ impl CudaReducer {
         if len == 0 {
             return Ok(());
         }
+        guarded("ordering after the buffer's stream", || {
+            self.stream.join(dst.stream())
+        })?;
         let mut launch = self.stream.launch_builder(function);
         launch.arg(dst).arg(&len);
         // The divisor is passed as the kernel's parameter type takes it.

@@ -19,8 +19,8 @@ use std::task::{Context as TaskContext, Poll};
 
 use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{
-    result, CudaContext, CudaEvent, CudaStream, CudaView, DevicePtr, DeviceRepr, PinnedHostSlice,
-    SyncOnDrop,
+    result, CudaContext, CudaEvent, CudaStream, CudaView, DevicePtr, DeviceRepr, DeviceSlice,
+    PinnedHostSlice, SyncOnDrop,
 };
 use psnet_transport::device::{CopyFuture, DeviceBytes, DeviceError, NicRegion, StagingBuf};
 
@@ -74,12 +74,22 @@ impl CudaStager {
     /// [`CudaBytes`] is dropped.
     pub fn bytes<'a, T: DeviceRepr>(&'a self, view: &'a CudaView<'a, T>) -> CudaBytes<'a> {
         let len = view.len() * std::mem::size_of::<T>();
+        // Work queued before on the view's own stream (where its owner usually writes it)
+        // comes first, whether or not cudarc tracks the buffer with events (it does not for
+        // buffers made before the context had a second stream). A failure here fails the
+        // copies.
+        let unordered = guarded("ordering after the buffer's stream", || {
+            self.stream.join(view.stream())
+        })
+        .err()
+        .map(|e| e.to_string());
         let (ptr, reads) = view.device_ptr(&self.stream);
         CudaBytes {
             stager: self,
             ptr,
             len,
             nic: None,
+            unordered,
             _reads: reads,
             _view: PhantomData,
         }
@@ -125,6 +135,8 @@ pub struct CudaBytes<'a> {
     ptr: CUdeviceptr,
     len: usize,
     nic: Option<NicRegion>,
+    /// Why the stager's stream could not be ordered after the view's, if it could not.
+    unordered: Option<String>,
     /// Records the stream's reads of the view when dropped (after every copy was queued).
     _reads: SyncOnDrop<'a>,
     _view: PhantomData<&'a ()>,
@@ -148,6 +160,9 @@ impl CudaBytes<'_> {
     /// follow CUDA streams, so this waits for the work queued before on the stager's stream
     /// (which waits for the view's tracked writes). An error if the view leaves the region.
     pub fn with_nic(mut self, nic: NicRegion, region_len: usize) -> Result<Self, DeviceError> {
+        if let Some(why) = &self.unordered {
+            return Err(self.stager.error(why));
+        }
         let start = self.ptr;
         let inside = start >= nic.addr
             && (start - nic.addr)
@@ -187,6 +202,9 @@ impl DeviceBytes for CudaBytes<'_> {
     }
 
     fn copy_to_host(&self, offset: usize, len: usize, buf: StagingBuf) -> CopyFuture<'_> {
+        if let Some(why) = &self.unordered {
+            return Box::pin(std::future::ready(Err(self.stager.error(why))));
+        }
         Box::pin(CopyOut {
             bytes: self,
             offset,
@@ -339,5 +357,17 @@ impl Drop for Staging {
                 }
             }
         }
+    }
+}
+
+/// Waits for a stream's queued work when dropped: a call abandoned half-way (its future
+/// dropped) leaves no copy running into memory that is then freed, reused or given back to
+/// its owner.
+#[must_use = "the wait happens when this is dropped"]
+pub struct WaitOnDrop(pub Arc<CudaStream>);
+
+impl Drop for WaitOnDrop {
+    fn drop(&mut self) {
+        let _ = guarded("synchronize", || self.0.synchronize());
     }
 }
