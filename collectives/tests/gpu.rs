@@ -172,3 +172,53 @@ async fn gpu_buffers_reduced_on_the_device_have_the_bits_of_host_buffers() {
         device_matches_host::<i32>(ReduceOp::Sum, ints).await;
     }
 }
+
+/// A rank reducing on the device and ranks reducing host buffers take part in one allreduce
+/// (the same plan and messages), and all end with the host allreduce's bits: a process that
+/// cannot reduce on its GPU may stage instead without the others noticing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn device_and_host_ranks_reduce_together() {
+    if let Err(e) = device_count() {
+        eprintln!("device_and_host_ranks_reduce_together: skipped: {e}");
+        return;
+    }
+    let (n, len) = (3, 1_000_003);
+    let net = MemNet::reliable();
+    let comms = world(&net, n).await;
+    let mut reference: Vec<Vec<f32>> = (0..n).map(|r| values(r, len)).collect();
+    try_join_all(
+        comms
+            .iter()
+            .zip(reference.iter_mut())
+            .map(|(c, b)| c.allreduce(b, ReduceOp::Avg)),
+    )
+    .await
+    .expect("host allreduce");
+
+    let net = MemNet::reliable();
+    let comms = world(&net, n).await;
+    let stage = GpuStage::<f32>::reducing_on_device(0).expect("a stage");
+    let mut device = stage.stream().clone_htod(&values(0, len)).expect("upload");
+    let mut host: Vec<Vec<f32>> = (1..n).map(|r| values(r, len)).collect();
+    {
+        let mut view = device.as_view_mut();
+        let on_device = comms[0].allreduce_device(&stage, &mut view, ReduceOp::Avg);
+        let on_host = try_join_all(
+            comms[1..]
+                .iter()
+                .zip(host.iter_mut())
+                .map(|(c, b)| c.allreduce(b, ReduceOp::Avg)),
+        );
+        let (a, b) = tokio::join!(on_device, on_host);
+        a.expect("the device rank");
+        b.expect("the host ranks");
+    }
+    let back = stage.stream().clone_dtoh(&device).expect("download");
+    for (r, got) in std::iter::once(&back).chain(&host).enumerate() {
+        let same = got
+            .iter()
+            .zip(&reference[r])
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "rank {r} differs from the all-host allreduce");
+    }
+}
