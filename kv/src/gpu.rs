@@ -42,13 +42,31 @@ pub use half::HalfValue;
 
 /// A worker's push and pull of buffers on one GPU.
 pub struct GpuKv<'w, T: Transport> {
-    worker: &'w Worker<T>,
+    worker: WorkerRef<'w, T>,
     ordinal: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     /// Copies uncompressed pushes out of the device for the transport, chunk by chunk.
     stager: CudaStager,
     device: Mutex<DeviceState>,
+}
+
+/// The worker a [`GpuKv`] serves: borrowed from its owner, or shared with it (a binding that
+/// keeps both in one object).
+enum WorkerRef<'w, T: Transport> {
+    Borrowed(&'w Worker<T>),
+    Shared(Arc<Worker<T>>),
+}
+
+impl<T: Transport> std::ops::Deref for WorkerRef<'_, T> {
+    type Target = Worker<T>;
+
+    fn deref(&self) -> &Worker<T> {
+        match self {
+            WorkerRef::Borrowed(w) => w,
+            WorkerRef::Shared(w) => w,
+        }
+    }
 }
 
 /// What lives on the device between calls.
@@ -106,6 +124,10 @@ impl<'w, T: Transport> GpuKv<'w, T> {
     /// Buffers on device `ordinal` for `worker`. Fails with [`KvError::Gpu`] holding
     /// [`CompressionError::NoCudaDevice`] (saying why) when there is no such device.
     pub fn new(worker: &'w Worker<T>, ordinal: usize) -> Result<Self, KvError> {
+        Self::serving(WorkerRef::Borrowed(worker), ordinal)
+    }
+
+    fn serving(worker: WorkerRef<'w, T>, ordinal: usize) -> Result<Self, KvError> {
         let ctx = context(ordinal).map_err(gpu_err)?;
         Ok(GpuKv {
             worker,
@@ -115,6 +137,12 @@ impl<'w, T: Transport> GpuKv<'w, T> {
             ctx,
             device: Mutex::new(DeviceState::default()),
         })
+    }
+
+    /// [`new`](Self::new) for a worker shared with its owner rather than borrowed: for a
+    /// binding (Python's) that keeps the worker and its GPU buffers' state in one object.
+    pub fn shared(worker: Arc<Worker<T>>, ordinal: usize) -> Result<GpuKv<'static, T>, KvError> {
+        GpuKv::serving(WorkerRef::Shared(worker), ordinal)
     }
 
     /// The device's ordinal.

@@ -13,8 +13,12 @@ The ``_device`` forms are accepted for MXNet scripts and behave as their plain f
 
 Keys are ints or strs (not both in one store); values are float32 or float16 NumPy arrays
 or torch tensors, pushed and pulled in place without copying when C-contiguous and on the
-CPU. A CUDA tensor goes through a host copy made for the call (a pulled value is copied back
-into it when the call ends).
+CPU. In a dist store, one contiguous CUDA tensor per key (of the key's size) is taken where it
+lies, by device pointer: pushed from device memory, or with gradient compression quantized on
+the GPU (the residual stays there, and only the compressed bytes cross PCIe); pulled values
+are copied into it (``PSNET_CUDA_TENSORS=staged`` stages it instead). Other CUDA tensors go
+through a host copy made for the call (a pulled value is copied back into it when the call
+ends).
 ``row_sparse_pull`` is not provided (psnet has no sparse values).
 
 A dist store needs a job: run the script under ``psnet-launch -n W -s S python3 train.py``
@@ -29,7 +33,7 @@ import numpy as np
 
 from . import _psnet
 from . import optimizer as _optimizer
-from ._arrays import as_array, readable, staged, writable
+from ._arrays import as_array, on_gpu, readable, staged, writable
 
 _TYPES = ("local", "dist_sync", "dist_async", "dist_sync_device", "dist_async_device")
 _worker = None
@@ -218,7 +222,37 @@ class KVStore:
         with staged():
             self._push(key, value)
 
+    def _on_gpu(self, key, *tensors):
+        """``(int key, [(pointer, elements, dtype, device)...])`` when ``key`` is one key and each
+        tensor a contiguous CUDA tensor of its size, all on one device and of one type, that
+        psnet takes where it lies (see ``_arrays.on_gpu``); None otherwise (staged)."""
+        if self._worker is None or not _is_key(key):
+            return None
+        size = self._sizes.get(key)
+        gpus = [on_gpu(t) for t in tensors]
+        if size is None or any(g is None or g[1] != size for g in gpus):
+            return None
+        if len({(g[2], g[3]) for g in gpus}) != 1:
+            return None
+        return self._key(key), gpus
+
+    def _gpu_call(self, call, key, *tensors):
+        """Runs ``call`` (``_psnet.kv_push_cuda`` and its kin) on CUDA tensors where they lie,
+        with their device current; False when they must be staged (not such tensors, or,
+        logged once, this process cannot)."""
+        gpu = self._on_gpu(key, *tensors)
+        if gpu is None:
+            return False
+        import torch
+
+        k, gpus = gpu
+        _, numel, dtype, device = gpus[0]
+        with torch.cuda.device(tensors[0].device):
+            return call(self._worker, k, *(g[0] for g in gpus), numel, dtype, device)
+
     def _push(self, key, value):
+        if self._gpu_call(_psnet.kv_push_cuda, key, value):
+            return
         if self._worker is not None and type(value) is np.ndarray:
             k = self._key(key)
             size = self._sizes.get(key)
@@ -242,6 +276,8 @@ class KVStore:
             self._pull(key, out)
 
     def _pull(self, key, out):
+        if self._gpu_call(_psnet.kv_pull_cuda, key, out):
+            return
         if self._worker is not None and type(out) is np.ndarray:
             k = self._key(key)
             size = self._sizes.get(key)
@@ -272,6 +308,8 @@ class KVStore:
             self._pushpull(key, value, out)
 
     def _pushpull(self, key, value, out):
+        if self._gpu_call(_psnet.kv_pushpull_cuda, key, value, value if out is None else out):
+            return
         if (self._worker is not None and type(value) is np.ndarray
                 and (out is None or type(out) is np.ndarray)):
             # One key, one array: the per-step call of a training loop, kept short.

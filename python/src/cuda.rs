@@ -1,9 +1,15 @@
-//! CUDA tensors reduced where they lie: `Comm.allreduce_cuda` takes a contiguous tensor's
-//! device pointer, element count, type and device (`data_ptr()`, `numel()`, `dtype`,
-//! `device.index`) and runs the allreduce on the GPU (`GpuStage::reducing_on_device`):
-//! pieces sent from device memory, received pieces reduced by kernels into the tensor. The
-//! Python side synchronizes torch's current stream first and keeps the tensor alive for
-//! the call. `PSNET_CUDA_TENSORS=staged` takes the host-copy path instead.
+//! CUDA tensors taken where they lie, by device pointer, element count, type and device
+//! (`data_ptr()`, `numel()`, `dtype`, `device.index`):
+//! - `allreduce_cuda` runs an allreduce on the GPU (`GpuStage::reducing_on_device`): pieces
+//!   sent from device memory, received pieces reduced by kernels into the tensor;
+//! - `kv_push_cuda`, `kv_pull_cuda`, `kv_pushpull_cuda` are the kv worker's calls on GPU
+//!   buffers (`GpuKv`): sent from device memory, or quantized on the GPU with the residual
+//!   kept there when compression is on; pulled values copied into the tensor.
+//!
+//! The Python side synchronizes torch's current stream first, makes the tensor's device
+//! current, and keeps the tensor alive for the call. Each returns `False` (logging why once)
+//! when this process cannot take the tensor on its GPU, and the caller stages it instead.
+//! `PSNET_CUDA_TENSORS=staged` stages every CUDA tensor.
 //!
 //! This is the only module of the crate with `unsafe`: borrowing memory by raw pointer.
 #![allow(unsafe_code)]
@@ -12,6 +18,7 @@ use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use psnet::kv::GpuKv;
 use psnet_collectives::{bf16, f16, CollectiveError, Element, GpuStage};
 use psnet_compression::cuda::cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use psnet_compression::cuda::BorrowedDevice;
@@ -20,6 +27,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::coll::Comm;
+use crate::kv::Worker;
 
 /// One stage per device and element type, made on first use (it compiles and loads the
 /// reduction kernels) and kept for the communicator's life.
@@ -148,4 +156,160 @@ pub(crate) fn allreduce_cuda(
              (float32, float64, float16, bfloat16, int32, int64, uint8)"
         ))),
     }
+}
+
+/// One `GpuKv` per device, made on first use and kept for the worker's life: it holds the
+/// device's compressor and each key's error-feedback residual.
+#[derive(Default)]
+pub(crate) struct KvDevices(Mutex<HashMap<usize, Arc<GpuKv<'static>>>>);
+
+/// What a kv call does with its tensors.
+#[derive(Clone, Copy, Debug)]
+enum KvCall {
+    Push,
+    Pull,
+    PushPull,
+}
+
+/// Runs a kv call on device memory: `input` (push, pushpull) and `output` (pull, pushpull)
+/// are `(pointer, elements)` of `dtype` on `device`; false, logged, when this process cannot
+/// take them on the GPU.
+#[allow(clippy::too_many_arguments)]
+fn kv_call(
+    py: Python<'_>,
+    worker: &Worker,
+    call: KvCall,
+    key: u64,
+    input: Option<(u64, usize)>,
+    output: Option<(u64, usize)>,
+    dtype: &str,
+    device: usize,
+) -> PyResult<bool> {
+    let w = worker.get()?;
+    let gpu = {
+        let mut devices = worker.gpu.0.lock().unwrap_or_else(|p| p.into_inner());
+        match devices.get(&device) {
+            Some(gpu) => gpu.clone(),
+            None => match GpuKv::shared(w, device) {
+                Ok(gpu) => {
+                    let gpu = Arc::new(gpu);
+                    devices.insert(device, gpu.clone());
+                    gpu
+                }
+                Err(e) => return Ok(staged_instead(&e.to_string())),
+            },
+        }
+    };
+    // The same steps for every type; `$push`, `$pull`, `$pushpull` are `GpuKv`'s calls for it.
+    macro_rules! on_gpu {
+        ($e:ty, $push:ident, $pull:ident, $pushpull:ident) => {{
+            let lent = |range: Option<(u64, usize)>| match range {
+                Some(range) => borrow::<$e>(device, range).map(Some),
+                None => Some(None),
+            };
+            let (Some(input), Some(output)) = (lent(input), lent(output)) else {
+                return Ok(false);
+            };
+            match (call, input, output) {
+                (KvCall::Push, Some(i), None) => {
+                    worker.run(py, async { gpu.$push(key, &i.view()).await })?
+                }
+                (KvCall::Pull, None, Some(mut o)) => {
+                    worker.run(py, async { gpu.$pull(key, &mut o.view_mut()).await })?
+                }
+                (KvCall::PushPull, Some(i), Some(mut o)) => worker.run(py, async {
+                    gpu.$pushpull(key, &i.view(), &mut o.view_mut()).await
+                })?,
+                _ => {
+                    return Err(PyValueError::new_err(format!(
+                        "{call:?}: the wrong tensors for the call (internal error)"
+                    )))
+                }
+            }
+            Ok(true)
+        }};
+    }
+    match dtype {
+        "float32" => on_gpu!(f32, push, pull, pushpull),
+        "float16" => on_gpu!(f16, push_half, pull_half, pushpull_half),
+        "bfloat16" => on_gpu!(bf16, push_half, pull_half, pushpull_half),
+        other => Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "{call:?}: the kvstore holds float32, float16 and bfloat16 values, not {other}"
+        ))),
+    }
+}
+
+/// Device memory of a tensor the Python caller lends for one call.
+fn borrow<E: DeviceRepr>(device: usize, (ptr, len): (u64, usize)) -> Option<BorrowedDevice<E>> {
+    // SAFETY: the Python caller passes a live, contiguous CUDA tensor's `data_ptr()`,
+    // `numel()` and device index, keeps the tensor referenced for the whole call, and has
+    // synchronized torch's current stream, so nothing queued there still touches it. A
+    // pushpull in place lends one tensor as input and output: `GpuKv` reads all of the input
+    // (quantizing it, or sending it) before it writes the output. `BorrowedDevice::new` checks
+    // with the driver that both ends of the range are that device's memory, aligned for `E`.
+    match unsafe { BorrowedDevice::<E>::new(device, ptr, len) } {
+        Ok(memory) => Some(memory),
+        Err(e) => {
+            staged_instead(&e.to_string());
+            None
+        }
+    }
+}
+
+/// Pushes `numel` elements of `dtype` at device address `ptr` on `device` for `key` (see
+/// `Worker.push`); `False` when this process cannot take them on the GPU.
+#[pyfunction]
+pub(crate) fn kv_push_cuda(
+    py: Python<'_>,
+    worker: &Worker,
+    key: u64,
+    ptr: u64,
+    numel: usize,
+    dtype: &str,
+    device: usize,
+) -> PyResult<bool> {
+    let input = Some((ptr, numel));
+    kv_call(py, worker, KvCall::Push, key, input, None, dtype, device)
+}
+
+/// Pulls `key` into `numel` elements of `dtype` at device address `ptr` on `device`.
+#[pyfunction]
+pub(crate) fn kv_pull_cuda(
+    py: Python<'_>,
+    worker: &Worker,
+    key: u64,
+    ptr: u64,
+    numel: usize,
+    dtype: &str,
+    device: usize,
+) -> PyResult<bool> {
+    let output = Some((ptr, numel));
+    kv_call(py, worker, KvCall::Pull, key, None, output, dtype, device)
+}
+
+/// Pushes the elements at `ptr` and pulls the result into those at `out` (the same address
+/// for a pushpull in place).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn kv_pushpull_cuda(
+    py: Python<'_>,
+    worker: &Worker,
+    key: u64,
+    ptr: u64,
+    out: u64,
+    numel: usize,
+    dtype: &str,
+    device: usize,
+) -> PyResult<bool> {
+    let (input, output) = (Some((ptr, numel)), Some((out, numel)));
+    kv_call(
+        py,
+        worker,
+        KvCall::PushPull,
+        key,
+        input,
+        output,
+        dtype,
+        device,
+    )
 }

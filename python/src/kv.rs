@@ -64,10 +64,12 @@ pub(crate) fn run_role(py: Python<'_>) -> PyResult<i32> {
 pub(crate) struct Worker {
     runtime: tokio::runtime::Runtime,
     inner: Mutex<Option<Arc<KvWorker>>>,
+    /// The GPUs of `push_cuda` and its kin.
+    pub(crate) gpu: crate::cuda::KvDevices,
 }
 
 impl Worker {
-    fn get(&self) -> PyResult<Arc<KvWorker>> {
+    pub(crate) fn get(&self) -> PyResult<Arc<KvWorker>> {
         self.inner
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -75,7 +77,7 @@ impl Worker {
             .ok_or_else(|| error::KvError::new_err("this kvstore was closed (finalize)"))
     }
 
-    fn run<R: Send>(
+    pub(crate) fn run<R: Send>(
         &self,
         py: Python<'_>,
         op: impl std::future::Future<Output = Result<R, psnet_kv::KvError>> + Send,
@@ -249,6 +251,7 @@ impl Worker {
         Ok(Worker {
             runtime,
             inner: Mutex::new(Some(Arc::new(worker))),
+            gpu: crate::cuda::KvDevices::default(),
         })
     }
 

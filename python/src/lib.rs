@@ -11,8 +11,8 @@
 //!   kvstore;
 //! - [`coll::Comm`]: a collectives communicator joined from psnet's, torchrun's, mpirun's or
 //!   Slurm's variables, reducing NumPy arrays in place;
-//! - [`cuda::allreduce_cuda`]: a CUDA tensor reduced in place on its GPU, by device pointer
-//!   (the crate's only `unsafe`, in that module).
+//! - [`cuda`]: CUDA tensors by device pointer, an allreduce on their GPU and the kv worker's
+//!   calls on GPU buffers (the crate's only `unsafe`, in that module).
 //!
 //! Every call that waits on the network releases the GIL, and checks for signals every
 //! [`wait::SIGNAL_CHECK`]: Ctrl-C raises `KeyboardInterrupt` and abandons the call (the
@@ -44,6 +44,9 @@ fn _psnet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kv::role, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::allreduce_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_tensors, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::kv_push_cuda, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::kv_pull_cuda, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::kv_pushpull_cuda, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
