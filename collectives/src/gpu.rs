@@ -31,13 +31,13 @@ use psnet_compression::cuda::{
     DeviceElement, WaitOnDrop,
 };
 use psnet_compression::CompressionError;
-use psnet_transport::{OutMessage, Segment, Transport};
+use psnet_transport::{Segment, Transport};
 use tokio::sync::RwLock;
 
 use crate::comm::Communicator;
 use crate::element::{DType, Element, ReduceOp};
 use crate::error::CollectiveError;
-use crate::pieces::{busy, Outgoing, Pieces, Sent};
+use crate::pieces::{busy, send_segment, Outgoing, Pieces, Sent};
 use crate::plan::{Action, Plan};
 
 fn gpu_err(e: CompressionError) -> CollectiveError {
@@ -275,11 +275,7 @@ impl<E: Element + DeviceRepr> Pieces for DevicePieces<'_, '_, E> {
         Ok(async move {
             let view = piece.as_view();
             let bytes = stager.bytes(&view);
-            let segment = [Segment::device(&bytes)];
-            let result = transport
-                .send(out.to, OutMessage::new(&out.header, &segment))
-                .await;
-            (out.op, out.rank, result)
+            send_segment(transport, out, Segment::device(&bytes)).await
         }
         .boxed())
     }

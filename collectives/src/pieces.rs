@@ -50,6 +50,20 @@ pub(crate) trait Pieces: Sync {
     ) -> Result<(), CollectiveError>;
 }
 
+/// Sends `segment` after `out.header` to `out.to`, naming the plan's operation and rank in
+/// the result.
+pub(crate) async fn send_segment<T: Transport>(
+    transport: &T,
+    out: Outgoing,
+    segment: Segment<'_>,
+) -> Sent {
+    let segments = [segment];
+    let result = transport
+        .send(out.to, OutMessage::new(&out.header, &segments))
+        .await;
+    (out.op, out.rank, result)
+}
+
 /// The error for a piece taken while the plan's order says it is busy.
 pub(crate) fn busy(what: &str) -> CollectiveError {
     CollectiveError::Invalid(format!("internal: a piece {what}"))
@@ -84,11 +98,7 @@ impl<E: Element> Pieces for HostPieces<'_, E> {
             .map_err(|_| busy("sent while being written"))?;
         Ok(async move {
             let bytes: &[u8] = bytemuck::cast_slice(&piece[..]);
-            let segment = [Segment::from(bytes)];
-            let result = transport
-                .send(out.to, OutMessage::new(&out.header, &segment))
-                .await;
-            (out.op, out.rank, result)
+            send_segment(transport, out, Segment::from(bytes)).await
         }
         .boxed())
     }

@@ -470,7 +470,7 @@ pub(crate) mod tests {
     use super::*;
 
     /// Set where NVRTC was installed for the check (CI): its absence is then a failure.
-    pub(crate) const REQUIRE_NVRTC: psnet_config::env::EnvVar = psnet_config::env::EnvVar {
+    const REQUIRE_NVRTC: psnet_config::env::EnvVar = psnet_config::env::EnvVar {
         name: "PSNET_REQUIRE_NVRTC",
         default: "",
         description: "tests: fail instead of skipping the kernel compile check without NVRTC",
@@ -485,6 +485,20 @@ pub(crate) mod tests {
         ("psnet_dequantize_2bit", &[8, 8, 8, 4, 4, 4]),
         ("psnet_dequantize_1bit", &[8, 8, 8, 4]),
     ];
+
+    /// Whether NVRTC is here; if not, says that `check` skipped, or fails where
+    /// `PSNET_REQUIRE_NVRTC` is set.
+    pub(crate) fn nvrtc_or_skip(check: &str) -> bool {
+        if nvrtc_present() {
+            return true;
+        }
+        assert!(
+            !REQUIRE_NVRTC.is_set(),
+            "PSNET_REQUIRE_NVRTC is set, but libnvrtc was not found (LD_LIBRARY_PATH)"
+        );
+        eprintln!("{check} skipped: libnvrtc was not found (scripts/nvrtc.sh)");
+        false
+    }
 
     /// The byte widths of the parameters of PTX entry `name` (`.param .u64 name_param_0`...).
     pub(crate) fn entry_params(ptx: &str, name: &str) -> Option<Vec<usize>> {
@@ -541,12 +555,7 @@ pub(crate) mod tests {
     /// installs one from PyPI); `PSNET_REQUIRE_NVRTC=1` makes that a failure (CI sets it).
     #[test]
     fn the_kernels_compile_with_the_launches_parameters_and_no_fused_or_flushed_arithmetic() {
-        if !nvrtc_present() {
-            assert!(
-                !REQUIRE_NVRTC.is_set(),
-                "PSNET_REQUIRE_NVRTC is set, but libnvrtc was not found (LD_LIBRARY_PATH)"
-            );
-            eprintln!("kernel compile check skipped: libnvrtc was not found (scripts/nvrtc.sh)");
+        if !nvrtc_or_skip("kernel compile check") {
             return;
         }
         for arch in [None, Some("compute_80"), Some("compute_90")] {

@@ -331,8 +331,8 @@ pub fn split_view_mut<'a, T>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{entry_params, inexact_instructions, REQUIRE_NVRTC};
-    use super::super::{compile_source, nvrtc_present};
+    use super::super::compile_source;
+    use super::super::tests::{entry_params, inexact_instructions, nvrtc_or_skip};
     use super::*;
 
     /// The reduction kernels compile for NVRTC's default target and the A100's and H100's,
@@ -342,12 +342,7 @@ mod tests {
     /// `PSNET_REQUIRE_NVRTC=1` makes that a failure (CI sets it).
     #[test]
     fn the_reduction_kernels_compile_with_the_launches_parameters_and_exact_arithmetic() {
-        if !nvrtc_present() {
-            assert!(
-                !REQUIRE_NVRTC.is_set(),
-                "PSNET_REQUIRE_NVRTC is set, but libnvrtc was not found (LD_LIBRARY_PATH)"
-            );
-            eprintln!("reduction kernel check skipped: libnvrtc was not found (scripts/nvrtc.sh)");
+        if !nvrtc_or_skip("reduction kernel check") {
             return;
         }
         for arch in [None, Some("compute_80"), Some("compute_90")] {
