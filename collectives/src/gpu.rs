@@ -205,8 +205,56 @@ impl<T: Transport> Communicator<T> {
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
         let ticket = self.ticket();
-        let kind = device_element(E::DTYPE);
         let prepared = self.prepare_allreduce::<E>(buf.len(), op);
+        self.run_on_device(ticket, prepared, on_device, buf).await?;
+        if op == ReduceOp::Avg {
+            let divisor = divisor_bits(E::DTYPE, self.size());
+            on_device
+                .reducer
+                .divide(device_element(E::DTYPE), buf, divisor)
+                .map_err(gpu_err)?;
+        }
+        Ok(())
+    }
+
+    /// Broadcast of a GPU buffer: every rank's `buf` ends with `root`'s. Pieces are sent
+    /// from device memory and copied into the buffer on the device, by the plan a host
+    /// buffer of the same length gets (so ranks broadcasting host buffers take part too). The
+    /// stage must be one [reducing on the device](GpuStage::reducing_on_device); with any
+    /// other the call fails, on every rank.
+    pub async fn broadcast_device<E: Element + DeviceRepr + ValidAsZeroBits>(
+        &self,
+        stage: &GpuStage<E>,
+        buf: &mut CudaViewMut<'_, E>,
+        root: usize,
+    ) -> Result<(), CollectiveError> {
+        let ticket = self.ticket();
+        let prepared = self.prepare_broadcast::<E>(buf.len(), root);
+        match &stage.on_device {
+            Some(on_device) => self.run_on_device(ticket, prepared, on_device, buf).await,
+            None => {
+                let refused = Err(CollectiveError::Invalid(
+                    "broadcast_device: the stage does not work on the device \
+                     (GpuStage::reducing_on_device makes one that does)"
+                        .into(),
+                ));
+                let nothing = |_: &Plan| -> Result<crate::pieces::HostPieces<'_, E>, _> {
+                    unreachable!("a refused call runs no plan")
+                };
+                self.run_with(ticket, refused, nothing).await
+            }
+        }
+    }
+
+    /// Runs a prepared call's plan over `buf`'s pieces on the device, in the ticket's turn.
+    async fn run_on_device<E: Element + DeviceRepr>(
+        &self,
+        ticket: crate::comm::Ticket<'_, T>,
+        prepared: Result<(crate::wire::Call, Plan), CollectiveError>,
+        on_device: &OnDevice,
+        buf: &mut CudaViewMut<'_, E>,
+    ) -> Result<(), CollectiveError> {
+        let kind = device_element(E::DTYPE);
         let whole = buf.slice_mut(..);
         let split = |plan: &Plan| {
             let views =
@@ -217,15 +265,7 @@ impl<T: Transport> Communicator<T> {
                 kind,
             })
         };
-        self.run_with(ticket, prepared, split).await?;
-        if op == ReduceOp::Avg {
-            let divisor = divisor_bits(E::DTYPE, self.size());
-            on_device
-                .reducer
-                .divide(kind, buf, divisor)
-                .map_err(gpu_err)?;
-        }
-        Ok(())
+        self.run_with(ticket, prepared, split).await
     }
 }
 

@@ -222,3 +222,45 @@ async fn device_and_host_ranks_reduce_together() {
         assert!(same, "rank {r} differs from the all-host allreduce");
     }
 }
+
+/// A broadcast from GPU memory into GPU memory, with a rank broadcasting a host buffer taking
+/// part: every rank ends with the root's bits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_gpu_broadcast_lands_the_roots_bits_on_every_rank() {
+    if let Err(e) = device_count() {
+        eprintln!("a_gpu_broadcast_lands_the_roots_bits_on_every_rank: skipped: {e}");
+        return;
+    }
+    let (n, len, root) = (3, 1_000_003, 1);
+    let net = MemNet::reliable();
+    let comms = world(&net, n).await;
+    let stages: Vec<GpuStage<f32>> = (0..2)
+        .map(|_| GpuStage::reducing_on_device(0).expect("a stage"))
+        .collect();
+    let mut device: Vec<_> = stages
+        .iter()
+        .enumerate()
+        .map(|(r, s)| s.stream().clone_htod(&values(r, len)).expect("upload"))
+        .collect();
+    let mut host = values(2, len);
+    {
+        let on_device =
+            comms[..2]
+                .iter()
+                .zip(stages.iter().zip(device.iter_mut()))
+                .map(|(c, (s, d))| async move {
+                    c.broadcast_device(s, &mut d.as_view_mut(), root).await
+                });
+        let (a, b) = tokio::join!(try_join_all(on_device), comms[2].broadcast(&mut host, root));
+        a.expect("the device ranks");
+        b.expect("the host rank");
+    }
+    let want: Vec<u32> = values(root, len).iter().map(|v| v.to_bits()).collect();
+    for (r, (d, s)) in device.iter().zip(&stages).enumerate() {
+        let back = s.stream().clone_dtoh(d).expect("download");
+        let got: Vec<u32> = back.iter().map(|v| v.to_bits()).collect();
+        assert!(got == want, "rank {r} does not hold the root's values");
+    }
+    let got: Vec<u32> = host.iter().map(|v| v.to_bits()).collect();
+    assert!(got == want, "the host rank does not hold the root's values");
+}

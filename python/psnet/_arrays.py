@@ -60,18 +60,29 @@ def on_gpu(x):
     return (x.data_ptr(), x.numel(), dtype, x.device.index)
 
 
-def allreduce_on_gpu(comm, x, op):
-    """Reduces ``x`` in place on its GPU if psnet takes it there (see ``on_gpu``); False if
-    the caller must stage it (not a CUDA tensor psnet reduces there, or, logged once, this
-    process cannot: the other ranks reduce with it either way). Runs with ``x``'s device
-    current, as torch's is again afterwards."""
+def _on_gpu_call(call, comm, x, arg):
+    """Runs ``call`` (``_psnet.allreduce_cuda`` or ``broadcast_cuda``) on ``x`` in place on
+    its GPU if psnet takes it there (see ``on_gpu``); False if the caller must stage it (not a
+    CUDA tensor psnet takes there, or, logged once, this process cannot: the other ranks take
+    part with it either way). Runs with ``x``'s device current, as torch's is again
+    afterwards."""
     gpu = on_gpu(x)
     if gpu is None:
         return False
     import torch
 
     with torch.cuda.device(x.device):
-        return _psnet.allreduce_cuda(comm, *gpu, op)
+        return call(comm, *gpu, arg)
+
+
+def allreduce_on_gpu(comm, x, op):
+    """Reduces ``x`` in place on its GPU with ``op``; False if it must be staged."""
+    return _on_gpu_call(_psnet.allreduce_cuda, comm, x, op)
+
+
+def broadcast_on_gpu(comm, x, root):
+    """Broadcasts ``root``'s ``x`` into this rank's, on its GPU; False if it must be staged."""
+    return _on_gpu_call(_psnet.broadcast_cuda, comm, x, root)
 
 
 def _check_dtype(x, what):

@@ -11,7 +11,8 @@ also return the result, as Horovod's calls do; their arrays must be C-contiguous
 ``reduce_scatter`` return new arrays, tensors on the input's device for a tensor (or fill
 ``out``). ``allreduce`` of a contiguous CUDA tensor in place runs on its GPU: pieces are sent
 from device memory and reduced into the tensor by psnet's kernels, to the bits the same
-values give on the CPU (``PSNET_CUDA_TENSORS=staged`` stages it instead). Other CUDA tensors
+values give on the CPU; ``broadcast`` of one likewise copies the pieces in on the GPU
+(``PSNET_CUDA_TENSORS=staged`` stages them instead). Other CUDA tensors
 go through a host copy made for the call, and the result is copied back into them when the
 call ends (as gloo stages CUDA tensors); a CPU tensor's memory is used as it is.
 Element types: float32, float64, float16, int32, int64, uint8 (and bfloat16 for CUDA
@@ -24,7 +25,15 @@ that disagree about a call, raise on every rank (``PeerLostError``, ``Collective
 import numpy as np
 
 from . import _psnet
-from ._arrays import allreduce_on_gpu, as_array, is_tensor, readable, staged, writable
+from ._arrays import (
+    allreduce_on_gpu,
+    as_array,
+    broadcast_on_gpu,
+    is_tensor,
+    readable,
+    staged,
+    writable,
+)
 
 _comm = None
 
@@ -83,6 +92,8 @@ def allreduce(tensor, op="sum", out=None):
 def broadcast(tensor, root=0):
     """Every rank's ``tensor`` ends with ``root``'s, in place. Returns it."""
     comm = _get()
+    if broadcast_on_gpu(comm, tensor, root):
+        return tensor
     with staged():
         root_here = comm.rank == root
         comm.broadcast(writable(tensor, "broadcast", read=root_here, back=not root_here), root)

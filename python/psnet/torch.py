@@ -10,8 +10,9 @@
 The process group runs psnet's collectives (RDMA or TCP, whichever the environment binds) on
 CPU and CUDA tensors: allreduce, broadcast, allgather, reduce_scatter, reduce, barrier. An
 allreduce of a contiguous CUDA tensor (DDP's buckets) runs on its GPU: pieces sent from device
-memory, reduced into the tensor by psnet's kernels, bfloat16 included
-(``PSNET_CUDA_TENSORS=staged`` stages it instead). Other CUDA tensors are staged through a
+memory, reduced into the tensor by psnet's kernels, bfloat16 included; a broadcast of one
+(DDP's start) copies the pieces in on the GPU (``PSNET_CUDA_TENSORS=staged`` stages them
+instead). Other CUDA tensors are staged through a
 page-locked host copy, as gloo stages them, and written back when the call ends. Rank 0 draws
 a free port on ``MASTER_ADDR`` (127.0.0.1 if unset) and hands it to the others through
 torch's store, so psnet never competes with the store for ``MASTER_PORT``. Each call
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from . import _psnet
-from ._arrays import allreduce_on_gpu
+from ._arrays import allreduce_on_gpu, broadcast_on_gpu
 
 BACKEND = "psnet"
 
@@ -135,6 +136,8 @@ class ProcessGroupPsnet(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
+            if broadcast_on_gpu(self._comm, t, root):
+                continue
             with _Staged(t, "broadcast", write=True) as a:
                 self._comm.broadcast(a, root)
         return _done(tensors)

@@ -2,6 +2,7 @@
 //! (`data_ptr()`, `numel()`, `dtype`, `device.index`):
 //! - `allreduce_cuda` runs an allreduce on the GPU (`GpuStage::reducing_on_device`): pieces
 //!   sent from device memory, received pieces reduced by kernels into the tensor;
+//!   `broadcast_cuda` a broadcast, received pieces copied into the tensor on the device;
 //! - `kv_push_cuda`, `kv_pull_cuda`, `kv_pushpull_cuda` are the kv worker's calls on GPU
 //!   buffers (`GpuKv`): sent from device memory, or quantized on the GPU with the residual
 //!   kept there when compression is on; pulled values copied into the tensor.
@@ -70,17 +71,24 @@ pub(crate) fn cuda_tensors() -> PyResult<&'static str> {
     }
 }
 
+/// A collective on one CUDA tensor.
+#[derive(Clone, Copy, Debug)]
+enum OnGpu {
+    Allreduce(psnet_collectives::ReduceOp),
+    Broadcast(usize),
+}
+
 impl Comm {
-    /// Reduces on the GPU; `false` (with a warning) when this rank cannot take the tensor
+    /// Runs `call` on the GPU; `false` (with a warning) when this rank cannot take the tensor
     /// there, so that the caller stages it instead. Both run the same plan with the same
-    /// messages, so ranks that differ in this still reduce together, to the same bits.
-    fn allreduce_cuda_t<E>(
+    /// messages, so ranks that differ in this still take part together, with the same bits.
+    fn collective_cuda_t<E>(
         &self,
         py: Python<'_>,
         ptr: u64,
         numel: usize,
         device: usize,
-        op: psnet_collectives::ReduceOp,
+        call: OnGpu,
     ) -> PyResult<bool>
     where
         E: Element + DeviceRepr + ValidAsZeroBits,
@@ -100,10 +108,38 @@ impl Comm {
         };
         let comm = self.comm.clone();
         self.run(py, async move {
-            comm.allreduce_device(&stage, &mut memory.view_mut(), op)
-                .await
+            let mut view = memory.view_mut();
+            match call {
+                OnGpu::Allreduce(op) => comm.allreduce_device(&stage, &mut view, op).await,
+                OnGpu::Broadcast(root) => comm.broadcast_device(&stage, &mut view, root).await,
+            }
         })?;
         Ok(true)
+    }
+
+    /// `collective_cuda_t` for the element type torch names `dtype`.
+    fn collective_cuda(
+        &self,
+        py: Python<'_>,
+        ptr: u64,
+        numel: usize,
+        dtype: &str,
+        device: usize,
+        call: OnGpu,
+    ) -> PyResult<bool> {
+        match dtype {
+            "float32" => self.collective_cuda_t::<f32>(py, ptr, numel, device, call),
+            "float64" => self.collective_cuda_t::<f64>(py, ptr, numel, device, call),
+            "float16" => self.collective_cuda_t::<f16>(py, ptr, numel, device, call),
+            "bfloat16" => self.collective_cuda_t::<bf16>(py, ptr, numel, device, call),
+            "int32" => self.collective_cuda_t::<i32>(py, ptr, numel, device, call),
+            "int64" => self.collective_cuda_t::<i64>(py, ptr, numel, device, call),
+            "uint8" => self.collective_cuda_t::<u8>(py, ptr, numel, device, call),
+            other => Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "{call:?}: {other} tensors are not taken on the GPU \
+                 (float32, float64, float16, bfloat16, int32, int64, uint8)"
+            ))),
+        }
     }
 }
 
@@ -143,19 +179,28 @@ pub(crate) fn allreduce_cuda(
             "allreduce: avg is for floating-point elements, not {dtype}"
         )));
     }
-    match dtype {
-        "float32" => comm.allreduce_cuda_t::<f32>(py, ptr, numel, device, op),
-        "float64" => comm.allreduce_cuda_t::<f64>(py, ptr, numel, device, op),
-        "float16" => comm.allreduce_cuda_t::<f16>(py, ptr, numel, device, op),
-        "bfloat16" => comm.allreduce_cuda_t::<bf16>(py, ptr, numel, device, op),
-        "int32" => comm.allreduce_cuda_t::<i32>(py, ptr, numel, device, op),
-        "int64" => comm.allreduce_cuda_t::<i64>(py, ptr, numel, device, op),
-        "uint8" => comm.allreduce_cuda_t::<u8>(py, ptr, numel, device, op),
-        other => Err(pyo3::exceptions::PyTypeError::new_err(format!(
-            "allreduce: {other} tensors are not reduced on the GPU \
-             (float32, float64, float16, bfloat16, int32, int64, uint8)"
-        ))),
+    comm.collective_cuda(py, ptr, numel, dtype, device, OnGpu::Allreduce(op))
+}
+
+/// Broadcasts `root`'s contiguous CUDA tensor into every rank's, in place on the GPU (see
+/// `allreduce_cuda`); `False` when this process cannot.
+#[pyfunction]
+pub(crate) fn broadcast_cuda(
+    py: Python<'_>,
+    comm: &Comm,
+    ptr: u64,
+    numel: usize,
+    dtype: &str,
+    device: usize,
+    root: usize,
+) -> PyResult<bool> {
+    if root >= comm.comm.size() {
+        return Err(PyValueError::new_err(format!(
+            "broadcast: root {root} is not a rank of {} ranks",
+            comm.comm.size()
+        )));
     }
+    comm.collective_cuda(py, ptr, numel, dtype, device, OnGpu::Broadcast(root))
 }
 
 /// One `GpuKv` per device, made on first use and kept for the worker's life: it holds the

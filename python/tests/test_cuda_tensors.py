@@ -268,6 +268,11 @@ if sys.argv[2] == "device":
         psnet.allreduce(gpu, op)
         psnet.allreduce(cpu, op)
         assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8)), (dtype, op)
+    # A broadcast on the GPU: rank 1's bits everywhere, bfloat16 too.
+    for dtype in (torch.float32, torch.bfloat16):
+        b = (inputs[r] * 3).to(dtype).cuda()
+        psnet.broadcast(b, root=1)
+        assert torch.equal(b.cpu().view(torch.int16), (inputs[1] * 3).to(dtype).view(torch.int16)), dtype
     # NumPy has no bfloat16, so no CPU allreduce either: on 2 ranks each element is one sum,
     # widened to float32 and rounded back, then halved the same way (the host path's steps).
     gpu = base.bfloat16().cuda()
