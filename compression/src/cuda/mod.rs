@@ -28,11 +28,14 @@ use crate::params::CompressionParams;
 use crate::{one_bit, two_bit};
 
 mod borrowed;
+mod grid;
 mod kernels;
 pub mod measure;
 mod reduce;
 mod reduce_kernels;
 mod staging;
+
+use grid::{grid_stride, max_blocks};
 
 pub use borrowed::BorrowedDevice;
 pub use kernels::KERNELS_SRC;
@@ -40,9 +43,9 @@ pub use reduce::{split_view_mut, Combine, CudaReducer, DeviceElement};
 pub use reduce_kernels::REDUCE_KERNELS_SRC;
 pub use staging::{CudaBytes, CudaStager, WaitOnDrop};
 
-pub(crate) const THREADS_PER_BLOCK: u32 = 256;
+const THREADS_PER_BLOCK: u32 = 256;
 /// Resident blocks per multiprocessor asked for (2048 threads: a full H100 or A100 SM).
-pub(crate) const BLOCKS_PER_SM: u32 = 8;
+const BLOCKS_PER_SM: u32 = 8;
 /// Elements each thread handles per loop turn (one `float4`).
 const ELEMS_PER_THREAD: u64 = 4;
 
@@ -225,13 +228,7 @@ impl CudaCompressor {
         let ctx = context(ordinal)?;
         let ptx = ptx()?;
         let stream = ctx.default_stream();
-        let sms = guard(|| {
-            ctx.attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-        })
-        .map_err(cuda_err("reading the multiprocessor count"))?;
-        let max_blocks = u32::try_from(sms).unwrap_or(1).max(1) * BLOCKS_PER_SM;
+        let max_blocks = max_blocks(&ctx)?;
         let module = guard(|| ctx.load_module(ptx)).map_err(cuda_err("loading the kernels"))?;
         let (q, d) = match scheme {
             Scheme::TwoBit => ("psnet_quantize_2bit", "psnet_dequantize_2bit"),
@@ -440,15 +437,7 @@ impl CudaCompressor {
 
     /// Grid-stride launch over `n` elements, [`ELEMS_PER_THREAD`] per thread.
     fn config(&self, n: u64) -> LaunchConfig {
-        let threads = n.div_ceil(ELEMS_PER_THREAD);
-        let blocks = threads
-            .div_ceil(u64::from(THREADS_PER_BLOCK))
-            .clamp(1, u64::from(self.max_blocks));
-        LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
-            block_dim: (THREADS_PER_BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        }
+        grid_stride(n.div_ceil(ELEMS_PER_THREAD), self.max_blocks)
     }
 
     fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CompressionError> {

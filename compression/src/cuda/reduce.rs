@@ -16,8 +16,9 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
+use super::grid::{grid_stride, max_blocks};
 use super::reduce_kernels::REDUCE_KERNELS_SRC;
-use super::{context, cuda_err, guard, guarded, ptx_once, BLOCKS_PER_SM, THREADS_PER_BLOCK};
+use super::{context, cuda_err, guard, guarded, ptx_once};
 use crate::error::CompressionError;
 
 /// An element type the reduction kernels combine.
@@ -133,12 +134,7 @@ impl CudaReducer {
         let ctx = context(ordinal)?;
         let ptx = reduce_ptx()?;
         let stream = guarded("creating a stream", || ctx.new_stream())?;
-        let sms = guard(|| {
-            ctx.attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-        })
-        .map_err(cuda_err("reading the multiprocessor count"))?;
+        let max_blocks = max_blocks(&ctx)?;
         let module =
             guard(|| ctx.load_module(ptx)).map_err(cuda_err("loading the reduction kernels"))?;
         let load = |name: String| {
@@ -161,7 +157,7 @@ impl CudaReducer {
             reduce,
             divide,
             scratch: Mutex::new(None),
-            max_blocks: u32::try_from(sms).unwrap_or(1).max(1) * BLOCKS_PER_SM,
+            max_blocks,
         })
     }
 
@@ -274,14 +270,7 @@ impl CudaReducer {
     /// A thread per element, in as many blocks as fill the device; grid-stride loops cover
     /// the rest.
     fn config(&self, n: u64) -> LaunchConfig {
-        let blocks = n
-            .div_ceil(u64::from(THREADS_PER_BLOCK))
-            .clamp(1, u64::from(self.max_blocks));
-        LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
-            block_dim: (THREADS_PER_BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        }
+        grid_stride(n, self.max_blocks)
     }
 }
 
