@@ -176,7 +176,7 @@ crate::declare_env_vars! {
     PSNET_SHM_SPIN_US = "PSNET_SHM_SPIN_US", "50",
         "Microseconds a connection's reader polls the shared-memory queue after its last message before it sleeps on an eventfd (the sender wakes it).";
     PSNET_GPU_STAGE_CHUNK = "PSNET_GPU_STAGE_CHUNK", "1048576",
-        "TCP: bytes per chunk when device (GPU) memory in a message is staged through page-locked host buffers; two chunks are in flight, one crossing PCIe while the other is written (at least 4096).";
+        "TCP: bytes per chunk when device (GPU) memory in a message is staged through page-locked host buffers, sent or received into device memory; two chunks are in flight, one crossing PCIe while the other is written or read off the socket (at least 4096).";
     PSNET_INBOX_BYTES = "PSNET_INBOX_BYTES", "268435456",
         "Bytes of received messages that may wait for the application before connections stop reading (back-pressure).";
     PSNET_RECV_INFLIGHT_BYTES = "PSNET_RECV_INFLIGHT_BYTES", "2147483648",

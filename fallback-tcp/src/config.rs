@@ -40,8 +40,8 @@ pub struct TcpConfig {
     pub shm_queue: usize,
     /// How long a reader polls the queue after its last message before it sleeps.
     pub shm_spin: Duration,
-    /// Bytes per chunk when device memory in a message is staged through host buffers
-    /// (`PSNET_GPU_STAGE_CHUNK`).
+    /// Bytes per chunk when device memory in a message is staged through host buffers, sent
+    /// or placed on arrival (`PSNET_GPU_STAGE_CHUNK`).
     pub gpu_stage_chunk: usize,
     /// What this node's data travels over, announced in every hello: peers that differ are
     /// refused at the handshake (TCP, unless this transport is RDMA's control channel).

@@ -250,7 +250,9 @@ impl Delivery {
                     peer: self.conn.peer,
                     meta,
                     segments,
+                    placed: None,
                 };
+                let msg = self.inbox.place_arrived(msg).await;
                 self.deliver(msg).await
             }
             Record::Ring { meta, descriptor } => {
@@ -262,7 +264,9 @@ impl Delivery {
                     peer: self.conn.peer,
                     meta,
                     segments,
+                    placed: None,
                 };
+                let msg = self.inbox.place_arrived(msg).await;
                 self.deliver(msg).await
             }
             Record::Socket => {

@@ -4,9 +4,12 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Buf, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use psnet_transport::codec::FrameHeader;
-use psnet_transport::{FrameKind, Incoming, Limits};
+use psnet_transport::device::DevicePath;
+use psnet_transport::placement::{self, stream_from_source, ChunkSource};
+use psnet_transport::{FrameKind, Incoming, Limits, Placed, Placer};
+use smallvec::SmallVec;
 use tokio::io::AsyncReadExt;
 use tokio::net::tcp::OwnedReadHalf;
 
@@ -126,6 +129,25 @@ async fn read_frames(
         }
         // The header was checked against the limits, so this allocation is bounded.
         let body_len = usize::try_from(header.body_len()).unwrap_or(usize::MAX);
+        if header.kind == FrameKind::Data {
+            if let Some(placer) = inbox.placer() {
+                let placed = read_placed(
+                    &mut read, &mut buf, &header, &*placer, &conn, inbox, inflight,
+                )
+                .await;
+                match placed {
+                    Ok(Some(msg)) => {
+                        if !deliver(msg, body_len, link, inbox).await {
+                            return ReadEnd::Shutdown;
+                        }
+                        continue;
+                    }
+                    // Left in host memory: read as any other frame (the metadata is in `buf`).
+                    Ok(None) => {}
+                    Err(end) => return end,
+                }
+            }
+        }
         let body = if body_len >= LARGE_BODY && buf.len() < body_len {
             // Room for the whole frame before allocating for it: a peer that stops mid-frame
             // holds at most its share of the budget, never the process's memory.
@@ -232,23 +254,132 @@ async fn read_frames(
                 ))
             }
         };
-        let msg = Incoming {
+        let mut msg = Incoming {
             peer: conn.peer,
             meta: frame.meta,
             segments,
+            placed: None,
         };
-        tracing::trace!(peer = %conn.peer, bytes = body_len, "received message");
-        if link.is_started() {
-            // In the order the queue's markers give.
-            if !link.forward(msg) {
-                return ReadEnd::Shutdown;
-            }
-        } else {
-            if !inbox.push_message(msg).await {
-                return ReadEnd::Shutdown;
-            }
-            link.direct += 1;
+        if frame.kind == FrameKind::ShmData {
+            msg = inbox.place_arrived(msg).await;
         }
+        if !deliver(msg, body_len, link, inbox).await {
+            return ReadEnd::Shutdown;
+        }
+    }
+}
+
+/// Hands a message on: in the order the same-host queue's markers give once it started,
+/// else to the inbox. False once the transport is shutting down.
+async fn deliver(msg: Incoming, body_len: usize, link: &mut QueueLink, inbox: &Arc<Inbox>) -> bool {
+    tracing::trace!(peer = %msg.peer, bytes = body_len, "received message");
+    if link.is_started() {
+        link.forward(msg)
+    } else {
+        if !inbox.push_message(msg).await {
+            return false;
+        }
+        link.direct += 1;
+        true
+    }
+}
+
+/// Reads a data frame's metadata and asks `placer` whether a segment goes into device
+/// memory; if so, reads the frame with that segment streamed there (chunk k copied to the
+/// device while chunk k+1 is read off the socket) and returns the message. `Ok(None)`: the
+/// frame is left in host memory, its metadata read into `buf`.
+async fn read_placed(
+    read: &mut OwnedReadHalf,
+    buf: &mut BytesMut,
+    header: &FrameHeader,
+    placer: &dyn Placer,
+    conn: &Conn,
+    inbox: &Inbox,
+    inflight: &Inflight,
+) -> Result<Option<Incoming>, ReadEnd> {
+    let meta_len = header.meta_len as usize;
+    fill(read, buf, meta_len)
+        .await
+        .map_err(|e| ReadEnd::Failed(e.to_string()))?;
+    let Some(placement) = placer
+        .place(conn.peer, &buf[..meta_len], &header.seg_lens)
+        .filter(|p| placement::fits(p, &header.seg_lens))
+    else {
+        return Ok(None);
+    };
+    let meta = buf.split_to(meta_len).freeze();
+    // The other segments land in host memory, bounded as any large body is.
+    let host_len = header
+        .seg_lens
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != placement.segment)
+        .fold(0u64, |acc, (_, &len)| acc.saturating_add(len));
+    let host_len = usize::try_from(host_len).unwrap_or(usize::MAX);
+    let _room = if host_len >= LARGE_BODY {
+        Some(inflight.reserve(host_len).await.map_err(ReadEnd::Refused)?)
+    } else {
+        None
+    };
+    let mut segments = SmallVec::with_capacity(header.seg_lens.len());
+    let mut placed = None;
+    for (i, &len) in header.seg_lens.iter().enumerate() {
+        // Within the frame's checked bound.
+        let len = usize::try_from(len).unwrap_or(usize::MAX);
+        if i != placement.segment {
+            fill(read, buf, len)
+                .await
+                .map_err(|e| ReadEnd::Failed(e.to_string()))?;
+            segments.push(buf.split_to(len).freeze());
+            continue;
+        }
+        let dest = &*placement.dest;
+        inbox
+            .placed_paths
+            .note_received("tcp", conn.peer, dest.ordinal(), DevicePath::Staged);
+        let mut source = SocketSource { read, buf };
+        let result = stream_from_source(dest, inbox.stage_chunk, &mut source)
+            .await
+            .map_err(|e| ReadEnd::Failed(e.to_string()))?;
+        if let Err(e) = &result {
+            tracing::warn!(peer = %conn.peer, error = %e, "placing a received segment in device memory failed");
+        }
+        segments.push(Bytes::new());
+        placed = Some(Placed {
+            segment: i,
+            len: len as u64,
+            result,
+        });
+    }
+    Ok(Some(Incoming {
+        peer: conn.peer,
+        meta,
+        segments,
+        placed,
+    }))
+}
+
+/// The socket, with the bytes already read into the connection's buffer first.
+struct SocketSource<'r> {
+    read: &'r mut OwnedReadHalf,
+    buf: &'r mut BytesMut,
+}
+
+impl ChunkSource for SocketSource<'_> {
+    async fn read<'b>(&'b mut self, out: &'b mut [u8]) -> io::Result<()> {
+        let have = self.buf.len().min(out.len());
+        out[..have].copy_from_slice(&self.buf[..have]);
+        self.buf.advance(have);
+        if have < out.len() {
+            self.read.read_exact(&mut out[have..]).await.map_err(|e| {
+                if e.kind() == io::ErrorKind::UnexpectedEof {
+                    io::Error::new(e.kind(), "connection closed inside a frame")
+                } else {
+                    e
+                }
+            })?;
+        }
+        Ok(())
     }
 }
 

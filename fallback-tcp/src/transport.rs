@@ -7,8 +7,8 @@ use bytes::BytesMut;
 use psnet_transport::codec::FrameHeader;
 use psnet_transport::device::{DevicePath, PathLog, StreamError};
 use psnet_transport::{
-    Admission, Capabilities, Event, FrameKind, NodeId, OutMessage, Proof, RegisteredBuf, Transport,
-    TransportError,
+    Admission, Capabilities, Event, FrameKind, NodeId, OutMessage, Placer, Proof, RegisteredBuf,
+    Transport, TransportError,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
@@ -79,7 +79,7 @@ impl TcpTransport {
             local_id: AtomicU64::new(id.0),
             listen_addr,
             peers: Peers::default(),
-            inbox: Arc::new(Inbox::new(config.inbox_bytes)),
+            inbox: Arc::new(Inbox::new(config.inbox_bytes, config.gpu_stage_chunk)),
             inflight: Inflight::new(config.inflight_bytes, config.inflight_wait),
             config,
             closed: AtomicBool::new(false),
@@ -363,6 +363,11 @@ impl Transport for TcpTransport {
             .admission
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = Some(admission);
+    }
+
+    fn set_placer(&self, placer: Arc<dyn Placer>) -> bool {
+        self.inner.inbox.set_placer(placer);
+        true
     }
 
     fn listen_addr(&self) -> SocketAddr {

@@ -2,11 +2,12 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use bytes::Bytes;
 use psnet_transport::auth;
 use psnet_transport::device::{copy_all, DevicePath, PathLog};
+use psnet_transport::placement::{self, Placer};
 use psnet_transport::{
     Admission, Capabilities, CodecError, Event, Incoming, NodeId, OutMessage, RegisteredBuf,
     Transport, TransportError,
@@ -22,6 +23,8 @@ pub struct MemTransport {
     ep: u64,
     addr: SocketAddr,
     device_paths: PathLog,
+    /// Chooses device memory for arriving segments (`Transport::set_placer`).
+    placer: RwLock<Option<Arc<dyn Placer>>>,
 }
 
 /// What a waiting call does after looking at the network.
@@ -38,7 +41,40 @@ impl MemTransport {
             ep,
             addr,
             device_paths: PathLog::default(),
+            placer: RwLock::new(None),
         }
+    }
+
+    /// The next event, as the network delivers it.
+    async fn next_event(&self) -> Result<Event, TransportError> {
+        self.until(|net, ep| {
+            let Some(me) = net.ep(ep).filter(|e| !e.closed) else {
+                return Step::Done(Err(TransportError::Closed));
+            };
+            if me.frozen {
+                return Step::Wait(None);
+            }
+            match me.inbox.front() {
+                Some(q) if q.visible_at <= Instant::now() => {
+                    let q = me.inbox.pop_front().expect("front exists");
+                    me.inbox_bytes -= q.bytes;
+                    Step::Done(Ok(q.event))
+                }
+                Some(q) => Step::Wait(Some(q.visible_at)),
+                None => Step::Wait(None),
+            }
+        })
+        .await
+    }
+
+    /// Puts the segment `placer` chooses into its device memory. Messages arrive whole here,
+    /// so the segment is copied after it arrived ([`DevicePath::Copied`]).
+    async fn place(&self, mut m: Incoming, placer: &dyn Placer) -> Incoming {
+        if let Some(ordinal) = placement::place_arrived(&mut m, placer).await {
+            self.device_paths
+                .note_received("mem", m.peer, ordinal, DevicePath::Copied);
+        }
+        m
     }
 
     /// The network this endpoint is on.
@@ -284,6 +320,7 @@ impl Transport for MemTransport {
                         (None, c) => c.clone().unwrap_or_default(),
                     })
                     .collect::<SmallVec<[Bytes; 4]>>(),
+                placed: None,
             };
             net.enqueue(
                 end.remote_ep,
@@ -298,24 +335,21 @@ impl Transport for MemTransport {
     }
 
     async fn recv(&self) -> Result<Event, TransportError> {
-        self.until(|net, ep| {
-            let Some(me) = net.ep(ep).filter(|e| !e.closed) else {
-                return Step::Done(Err(TransportError::Closed));
-            };
-            if me.frozen {
-                return Step::Wait(None);
-            }
-            match me.inbox.front() {
-                Some(q) if q.visible_at <= Instant::now() => {
-                    let q = me.inbox.pop_front().expect("front exists");
-                    me.inbox_bytes -= q.bytes;
-                    Step::Done(Ok(q.event))
-                }
-                Some(q) => Step::Wait(Some(q.visible_at)),
-                None => Step::Wait(None),
-            }
-        })
-        .await
+        let event = self.next_event().await?;
+        let placer = self
+            .placer
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        match (event, placer) {
+            (Event::Message(m), Some(placer)) => Ok(Event::Message(self.place(m, &*placer).await)),
+            (event, _) => Ok(event),
+        }
+    }
+
+    fn set_placer(&self, placer: Arc<dyn Placer>) -> bool {
+        *self.placer.write().unwrap_or_else(|p| p.into_inner()) = Some(placer);
+        true
     }
 
     fn disconnect(&self, peer: NodeId) {

@@ -3,7 +3,8 @@ use std::sync::Arc;
 
 use psnet_fallback_tcp::TcpTransport;
 use psnet_transport::{
-    Admission, Capabilities, Event, NodeId, OutMessage, RegisteredBuf, Transport, TransportError,
+    Admission, Capabilities, Event, NodeId, OutMessage, Placer, RegisteredBuf, Transport,
+    TransportError,
 };
 use psnet_verbs::VerbsTransport;
 
@@ -37,6 +38,13 @@ impl Transport for AnyTransport {
         match self {
             AnyTransport::Tcp(t) => t.set_admission(admission),
             AnyTransport::Rdma(t) => t.set_admission(admission),
+        }
+    }
+
+    fn set_placer(&self, placer: Arc<dyn Placer>) -> bool {
+        match self {
+            AnyTransport::Tcp(t) => t.set_placer(placer),
+            AnyTransport::Rdma(t) => t.set_placer(placer),
         }
     }
 

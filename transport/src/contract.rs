@@ -9,6 +9,7 @@ use crate::error::TransportError;
 use crate::memory::RegisteredBuf;
 use crate::message::{Event, OutMessage};
 use crate::node::NodeId;
+use crate::placement::Placer;
 
 /// The one interface between psnet's protocols (kv store, collectives) and the wire.
 ///
@@ -42,6 +43,16 @@ pub trait Transport: Send + Sync + 'static {
     /// the dialler's address, and a live connection is replaced only by one that passed the
     /// policy. Connections already made stay. Without one, every claimed id is believed.
     fn set_admission(&self, admission: Arc<dyn Admission>);
+
+    /// Installs `placer`, asked for every data message from now on, when its metadata has
+    /// arrived, whether one of its segments goes into device memory (see
+    /// [`crate::placement`]); it replaces an earlier one. Returns whether this transport
+    /// places segments at all: one that does not (the default) delivers every segment as host
+    /// bytes, as it does for messages the placer leaves alone, and the receiver copies them.
+    fn set_placer(&self, placer: Arc<dyn Placer>) -> bool {
+        let _ = placer;
+        false
+    }
 
     /// The address peers reach this node at.
     fn listen_addr(&self) -> SocketAddr;

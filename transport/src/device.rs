@@ -6,7 +6,8 @@
 //! a GPUDirect registration, [`DeviceBytes::nic`]) sends it without a copy; every other path
 //! stages it through host buffers the region hands out ([`DeviceBytes::staging`], page-locked
 //! for CUDA) in a pipeline of chunks, [`stream_to_sink`]: the copy of chunk k+1 to the host runs
-//! while chunk k is written. Receivers get host bytes either way, so protocols need no change.
+//! while chunk k is written. Receivers get host bytes either way, unless they name device
+//! memory for the segment as it arrives ([`crate::placement`]).
 //!
 //! The region's own type does the copies, so this crate needs neither CUDA nor `unsafe`: a
 //! [`DeviceBytes`] can only be made from memory its implementation knows to be valid.
@@ -162,25 +163,44 @@ impl fmt::Display for DevicePath {
     }
 }
 
-/// Logs the path device segments take, once per peer, device and path.
+/// Logs the path device segments take, once per peer, device, path and direction.
 #[derive(Debug, Default)]
 pub struct PathLog {
-    seen: Mutex<HashSet<(NodeId, u32, DevicePath)>>,
+    seen: Mutex<HashSet<(NodeId, u32, DevicePath, bool)>>,
 }
 
 impl PathLog {
     /// Records that a segment from device `ordinal` went to `peer` by `path`; true (and one
     /// log line) the first time.
     pub fn note(&self, transport: &str, peer: NodeId, ordinal: u32, path: DevicePath) -> bool {
-        let first = self
-            .seen
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert((peer, ordinal, path));
+        let first = self.first(peer, ordinal, path, false);
         if first {
             tracing::info!(transport, %peer, gpu = ordinal, %path, "device memory path");
         }
         first
+    }
+
+    /// Records that a segment from `peer` was placed into device `ordinal` by `path` (see
+    /// [`crate::placement`]); true (and one log line) the first time.
+    pub fn note_received(
+        &self,
+        transport: &str,
+        peer: NodeId,
+        ordinal: u32,
+        path: DevicePath,
+    ) -> bool {
+        let first = self.first(peer, ordinal, path, true);
+        if first {
+            tracing::info!(transport, %peer, gpu = ordinal, %path, "device memory path (receive)");
+        }
+        first
+    }
+
+    fn first(&self, peer: NodeId, ordinal: u32, path: DevicePath, received: bool) -> bool {
+        self.seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((peer, ordinal, path, received))
     }
 }
 
@@ -294,7 +314,7 @@ pub async fn copy_all(src: &dyn DeviceBytes) -> Result<Vec<u8>, DeviceError> {
 }
 
 /// Runs two futures at once on this task; both run to the end.
-async fn join<A: Future, B: Future>(a: A, b: B) -> (A::Output, B::Output) {
+pub(crate) async fn join<A: Future, B: Future>(a: A, b: B) -> (A::Output, B::Output) {
     let (mut a, mut b) = (pin!(a), pin!(b));
     let (mut ra, mut rb) = (None, None);
     poll_fn(|cx| {
@@ -410,7 +430,7 @@ impl DeviceBytes for SimulatedDevice {
     }
 }
 
-async fn yield_once() {
+pub(crate) async fn yield_once() {
     let mut yielded = false;
     poll_fn(|cx| {
         if yielded {

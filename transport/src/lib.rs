@@ -18,6 +18,8 @@
 //!   every connection of a job with `PSNET_SECRET`.
 //! - [`device`]: GPU memory in messages ([`DeviceBytes`]), staged through host buffers in a
 //!   pipeline of chunks where the NIC cannot read it.
+//! - [`placement`]: the receive side: a [`Placer`] names device memory for a segment when its
+//!   message's metadata arrives, and the transport writes the segment there as it comes.
 //! - `conformance` (feature `conformance`): the suite every transport runs in its tests.
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
@@ -35,6 +37,7 @@ pub mod le;
 mod memory;
 mod message;
 mod node;
+pub mod placement;
 
 pub use admission::{Admission, Proof, PROOF_LEN};
 pub use caps::Capabilities;
@@ -45,3 +48,4 @@ pub use error::TransportError;
 pub use memory::{RegionKey, RegisteredBuf};
 pub use message::{Event, Incoming, OutMessage, Segment};
 pub use node::NodeId;
+pub use placement::{DeviceDest, Placed, Placement, Placer};

@@ -6,10 +6,12 @@ use smallvec::SmallVec;
 use crate::device::DeviceBytes;
 use crate::memory::{RegionKey, RegisteredBuf};
 use crate::node::NodeId;
+use crate::placement::Placed;
 
 /// One data segment of an outgoing message, borrowed from the caller until the send completes:
 /// host bytes, or device memory (see [`crate::device`]) that the transport sends zero-copy or
-/// stages through host buffers. The receiver gets host bytes either way.
+/// stages through host buffers. The receiver gets host bytes either way, unless it places the
+/// segment in device memory as it arrives ([`crate::placement`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Segment<'a> {
     data: Data<'a>,
@@ -135,8 +137,12 @@ pub struct Incoming {
     pub peer: NodeId,
     /// The metadata block.
     pub meta: Bytes,
-    /// The data segments, in the order they were sent.
+    /// The data segments, in the order they were sent. A segment written into device memory
+    /// (see [`placed`](Self::placed)) is empty here.
     pub segments: SmallVec<[Bytes; 4]>,
+    /// The segment a [`Placer`](crate::Placer) put into device memory, and how that went;
+    /// None when every segment is in host memory.
+    pub placed: Option<Placed>,
 }
 
 /// What [`crate::Transport::recv`] hands out.

@@ -226,6 +226,7 @@ impl Link {
             peer: self.peer,
             meta,
             segments: split_segments(&body, 0, &h.seg_lens),
+            placed: None,
         });
         st.stats.received_direct += 1;
         self.want_offer(st, class);
@@ -267,6 +268,7 @@ impl Link {
                 peer: self.peer,
                 meta,
                 segments: split_segments(&body, 0, &inbound.seg_lens),
+                placed: None,
             },
             None => split_message(self.peer, &body, inbound.meta_len, &inbound.seg_lens),
         };
@@ -294,5 +296,6 @@ fn split_message(peer: NodeId, body: &Bytes, meta_len: usize, lens: &[u64]) -> I
         peer,
         meta: body.slice(..meta_len),
         segments: split_segments(body, meta_len, lens),
+        placed: None,
     }
 }

@@ -11,10 +11,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::device::SimulatedDevice;
 use crate::{
     Admission, Event, Incoming, NodeId, OutMessage, Proof, Segment, Transport, TransportError,
     PROOF_LEN,
+};
+
+mod device;
+mod placement;
+pub use device::{
+    a_failing_device_copy_fails_only_that_send, device_segments_arrive_as_host_bytes,
+};
+pub use placement::{
+    a_failing_placement_loses_only_that_segment, placed_segments_land_in_device_memory,
 };
 
 /// Longest time one case may take before it counts as hung.
@@ -55,6 +63,8 @@ macro_rules! conformance_tests {
             redial_of_a_gone_peer_fails_at_once,
             device_segments_arrive_as_host_bytes,
             a_failing_device_copy_fails_only_that_send,
+            placed_segments_land_in_device_memory,
+            a_failing_placement_loses_only_that_segment,
         );
     };
     (@cases $factory:expr; $($case:ident),* $(,)?) => {
@@ -85,7 +95,7 @@ pub async fn run_case(name: &str, case: impl Future<Output = ()>) {
     }
 }
 
-async fn endpoint<F: TransportFactory>(f: &F, id: u64) -> Arc<F::T> {
+pub(crate) async fn endpoint<F: TransportFactory>(f: &F, id: u64) -> Arc<F::T> {
     Arc::new(
         f.create(NodeId(id))
             .await
@@ -93,14 +103,14 @@ async fn endpoint<F: TransportFactory>(f: &F, id: u64) -> Arc<F::T> {
     )
 }
 
-async fn link<T: Transport>(a: &T, b: &T) {
+pub(crate) async fn link<T: Transport>(a: &T, b: &T) {
     a.connect(b.local_id(), b.listen_addr())
         .await
         .unwrap_or_else(|e| panic!("connect {} -> {}: {e}", a.local_id(), b.local_id()));
 }
 
 /// The next message, skipping connection events.
-async fn next_message<T: Transport>(t: &T) -> Incoming {
+pub(crate) async fn next_message<T: Transport>(t: &T) -> Incoming {
     loop {
         match t.recv().await.expect("recv") {
             Event::Message(m) => return m,
@@ -119,13 +129,13 @@ async fn next_loss<T: Transport>(t: &T) -> NodeId {
     }
 }
 
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
+pub(crate) fn pattern(len: usize, seed: u64) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u64).wrapping_mul(31).wrapping_add(seed) as u8)
         .collect()
 }
 
-async fn send_seq<T: Transport>(t: &T, to: NodeId, seq: u64, payload: &[u8]) {
+pub(crate) async fn send_seq<T: Transport>(t: &T, to: NodeId, seq: u64, payload: &[u8]) {
     let meta = seq.to_le_bytes();
     let segs = [Segment::new(payload)];
     t.send(to, OutMessage::new(&meta, &segs))
@@ -133,7 +143,7 @@ async fn send_seq<T: Transport>(t: &T, to: NodeId, seq: u64, payload: &[u8]) {
         .unwrap_or_else(|e| panic!("send #{seq} to {to}: {e}"));
 }
 
-fn seq_of(m: &Incoming) -> u64 {
+pub(crate) fn seq_of(m: &Incoming) -> u64 {
     u64::from_le_bytes(m.meta[..8].try_into().expect("8-byte sequence number"))
 }
 
@@ -408,113 +418,6 @@ pub async fn registered_buffers<F: TransportFactory>(f: &F) {
     assert_eq!(&m.meta[..], b"reg");
     assert_eq!(&m.segments[0][..], &buf[..1000]);
     assert_eq!(&m.segments[1][..], &buf[1000..]);
-}
-
-/// Device memory (simulated) mixed with host segments arrives as the same bytes, in order
-/// with host messages, small (eager on RDMA) and over several staging chunks.
-pub async fn device_segments_arrive_as_host_bytes<F: TransportFactory>(f: &F) {
-    let a = endpoint(f, 1).await;
-    let b = endpoint(f, 2).await;
-    link(&*a, &*b).await;
-    let big = SimulatedDevice::new(pattern((5 << 20) + 3, 11), 0);
-    let small = SimulatedDevice::new(pattern(100, 12), 1);
-    let empty = SimulatedDevice::new(Vec::new(), 0);
-    let host = pattern(10, 13);
-    let segs = [
-        Segment::new(&host),
-        Segment::device(&big),
-        Segment::device(&empty),
-        Segment::device(&small),
-        Segment::new(&[]),
-    ];
-    a.send(b.local_id(), OutMessage::new(b"dev", &segs))
-        .await
-        .expect("send device segments");
-    let only = [Segment::device(&small)];
-    a.send(b.local_id(), OutMessage::new(b"small", &only))
-        .await
-        .expect("send a small device message");
-    send_seq(&*a, b.local_id(), 7, b"after").await;
-    let m = next_message(&*b).await;
-    assert_eq!(&m.meta[..], b"dev");
-    let lens: Vec<usize> = m.segments.iter().map(|s| s.len()).collect();
-    assert_eq!(lens, [10, (5 << 20) + 3, 0, 100, 0]);
-    assert_eq!(&m.segments[0][..], &host[..]);
-    assert!(
-        m.segments[1] == big.bytes(),
-        "staged device segment corrupted"
-    );
-    assert_eq!(&m.segments[3][..], small.bytes());
-    let m = next_message(&*b).await;
-    assert_eq!(&m.meta[..], b"small");
-    assert_eq!(&m.segments[0][..], small.bytes());
-    let m = next_message(&*b).await;
-    assert_eq!(
-        seq_of(&m),
-        7,
-        "a host message after device ones arrives after them"
-    );
-    assert!(big.copies() >= 1 && small.copies() >= 2);
-}
-
-/// A device copy that fails fails its send with an error naming the peer and the device; the
-/// peer never receives a partial message. A region that cannot be read at all leaves the
-/// connection as it was; after a failure half-way the pair can go on talking (reconnecting if
-/// the transport had to drop a half-written message).
-pub async fn a_failing_device_copy_fails_only_that_send<F: TransportFactory>(f: &F) {
-    let a = endpoint(f, 1).await;
-    let b = endpoint(f, 2).await;
-    link(&*a, &*b).await;
-    // A region that cannot be read at all: the send fails before anything leaves, and the
-    // connection stays.
-    let unreadable = SimulatedDevice::new(pattern(4 << 20, 22), 5).failing_from(0);
-    let segs = [Segment::device(&unreadable)];
-    let err = a
-        .send(b.local_id(), OutMessage::new(b"unreadable", &segs))
-        .await
-        .expect_err("the first copy fails");
-    assert!(err.to_string().contains("GPU 5"), "{err}");
-    send_seq(&*a, b.local_id(), 3, b"still connected").await;
-    let m = next_message(&*b).await;
-    assert_eq!(
-        seq_of(&m),
-        3,
-        "the message after a refused one arrives first"
-    );
-    // A region that fails half-way: the transport may have to drop the connection.
-    let broken = SimulatedDevice::new(pattern(4 << 20, 21), 5).failing_from(3 << 20);
-    let segs = [Segment::device(&broken)];
-    let err = a
-        .send(b.local_id(), OutMessage::new(b"broken", &segs))
-        .await
-        .expect_err("the copy fails");
-    assert_eq!(err.peer(), Some(b.local_id()), "{err}");
-    assert!(err.to_string().contains("GPU 5"), "{err}");
-    // The pair recovers: a host message arrives whole, and nothing of the failed one.
-    a.connect(b.local_id(), b.listen_addr())
-        .await
-        .expect("connect again");
-    loop {
-        match a.send(b.local_id(), OutMessage::new(b"next", &[])).await {
-            Ok(()) => break,
-            // The loss of the old connection may show here first: connect again.
-            Err(_) => {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                a.connect(b.local_id(), b.listen_addr())
-                    .await
-                    .expect("reconnect");
-            }
-        }
-    }
-    loop {
-        match b.recv().await.expect("recv") {
-            Event::Message(m) => {
-                assert_eq!(&m.meta[..], b"next", "only the later message arrives");
-                break;
-            }
-            Event::PeerConnected { .. } | Event::PeerLost { .. } => continue,
-        }
-    }
 }
 
 /// After shutdown, receiving and sending fail with `Closed`, and peers see the loss.
