@@ -42,6 +42,10 @@ pub struct Communicator<T: Transport> {
     pub(crate) mailbox: Arc<Mailbox>,
     /// The task reading the transport, shared with the communicators split from this one.
     reader: Arc<Reader>,
+    /// Device memory for the pieces of calls on the device, placed by the transport; shared,
+    /// as the transport is, with the communicators split from this one.
+    #[cfg(feature = "cuda")]
+    pub(crate) placing: Arc<crate::placing::Placing<psnet_compression::cuda::CudaLandings>>,
     /// This communicator's id in every message header: random per job for the one `join`
     /// forms, derived from it for those split from it.
     pub(crate) comm: u32,
@@ -113,6 +117,8 @@ impl<T: Transport> Communicator<T> {
             transport,
             mailbox,
             reader,
+            #[cfg(feature = "cuda")]
+            placing: Arc::default(),
             comm: 0,
             splits: AtomicU64::new(0),
             rank,
@@ -308,6 +314,8 @@ impl<T: Transport> Communicator<T> {
             transport: self.transport.clone(),
             mailbox: self.mailbox.clone(),
             reader: self.reader.clone(),
+            #[cfg(feature = "cuda")]
+            placing: self.placing.clone(),
             comm: child_id(self.comm, split, colour),
             splits: AtomicU64::new(0),
             rank,

@@ -109,7 +109,8 @@ async fn run_plan<'p, T: Transport, P: Pieces>(
                     theirs: a.header.call.to_string(),
                 });
             }
-            plan.handle_message(rank, a.header.tag, a.data)
+            let tag = a.header.tag;
+            plan.handle_message(rank, tag, a.payload())
                 .map_err(|e| CollectiveError::Protocol {
                     rank,
                     detail: e.to_string(),

@@ -27,8 +27,8 @@ use psnet_compression::cuda::cudarc::driver::{
     CudaContext, CudaStream, CudaViewMut, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
 };
 use psnet_compression::cuda::{
-    context, guarded, pinned_zeroed, split_view_mut, Combine, CudaReducer, CudaStager,
-    DeviceElement, WaitOnDrop,
+    context, guarded, pinned_zeroed, split_view_mut, Combine, CudaLanding, CudaLandings,
+    CudaReducer, CudaStager, DeviceElement, WaitOnDrop,
 };
 use psnet_compression::CompressionError;
 use psnet_transport::{Segment, Transport};
@@ -37,7 +37,9 @@ use tokio::sync::RwLock;
 use crate::comm::Communicator;
 use crate::element::{DType, Element, ReduceOp};
 use crate::error::CollectiveError;
+use crate::payload::Payload;
 use crate::pieces::{busy, send_segment, Outgoing, Pieces, Sent};
+use crate::placing::{CallLandings, LandingSource};
 use crate::plan::{Action, Plan};
 
 fn gpu_err(e: CompressionError) -> CollectiveError {
@@ -60,6 +62,8 @@ pub struct GpuStage<E: DeviceRepr> {
 struct OnDevice {
     stager: CudaStager,
     reducer: CudaReducer,
+    /// Device memory the transport places received pieces in (`placing.rs`).
+    landings: Arc<CudaLandings>,
 }
 
 impl<E: Element + DeviceRepr + ValidAsZeroBits> GpuStage<E> {
@@ -86,6 +90,7 @@ impl<E: Element + DeviceRepr + ValidAsZeroBits> GpuStage<E> {
         stage.on_device = Some(OnDevice {
             stager: CudaStager::new(ordinal).map_err(gpu_err)?,
             reducer: CudaReducer::new(ordinal).map_err(gpu_err)?,
+            landings: Arc::new(CudaLandings::new(ordinal).map_err(gpu_err)?),
         });
         tracing::info!(
             device = ordinal,
@@ -255,6 +260,13 @@ impl<T: Transport> Communicator<T> {
         buf: &mut CudaViewMut<'_, E>,
     ) -> Result<(), CollectiveError> {
         let kind = device_element(E::DTYPE);
+        // Armed before the call's turn: pieces that other ranks send early are placed too.
+        let armed = self.placing.arm(
+            &*self.transport,
+            self.comm,
+            ticket.seq,
+            on_device.landings.clone(),
+        );
         let whole = buf.slice_mut(..);
         let split = |plan: &Plan| {
             let views =
@@ -263,9 +275,18 @@ impl<T: Transport> Communicator<T> {
                 pieces: views.into_iter().map(RwLock::new).collect(),
                 on_device,
                 kind,
+                placed: armed.as_ref().map(|a| a.call.clone()),
             })
         };
         self.run_with(ticket, prepared, split).await
+    }
+}
+
+impl LandingSource for CudaLandings {
+    type Landing = CudaLanding;
+
+    fn take(&self, len: usize) -> Result<Arc<CudaLanding>, String> {
+        CudaLandings::take(self, len).map_err(|e| e.to_string())
     }
 }
 
@@ -299,6 +320,8 @@ struct DevicePieces<'b, 's, E> {
     pieces: Vec<RwLock<CudaViewMut<'b, E>>>,
     on_device: &'s OnDevice,
     kind: DeviceElement,
+    /// Where the transport placed received pieces, when the call was armed.
+    placed: Option<Arc<CallLandings<CudaLandings>>>,
 }
 
 impl<E: Element + DeviceRepr> Pieces for DevicePieces<'_, '_, E> {
@@ -325,7 +348,7 @@ impl<E: Element + DeviceRepr> Pieces for DevicePieces<'_, '_, E> {
         piece: usize,
         action: Action,
         op: ReduceOp,
-        data: &[u8],
+        data: &Payload,
     ) -> Result<(), CollectiveError> {
         let mut piece = self.pieces[piece]
             .try_write()
@@ -342,9 +365,30 @@ impl<E: Element + DeviceRepr> Pieces for DevicePieces<'_, '_, E> {
                 order == crate::element::Order::RemoteFirst,
             ),
         };
-        self.on_device
-            .reducer
-            .apply(self.kind, combine, remote_first, &mut piece, data)
-            .map_err(gpu_err)
+        let reducer = &self.on_device.reducer;
+        let applied = match data {
+            Payload::Host(bytes) => {
+                reducer.apply(self.kind, combine, remote_first, &mut piece, bytes)
+            }
+            Payload::Placed {
+                from,
+                result: Err(e),
+                ..
+            } => {
+                return Err(CollectiveError::Invalid(format!(
+                    "GPU: placing the piece node {from} sent in device memory: {e}"
+                )))
+            }
+            Payload::Placed { from, tag, .. } => {
+                let landing = self
+                    .placed
+                    .as_ref()
+                    .and_then(|call| call.take(*from, *tag))
+                    .ok_or_else(|| busy("placed in device memory the call did not arm"))?;
+                let src = landing.view().map_err(gpu_err)?;
+                reducer.apply_placed(self.kind, combine, remote_first, &mut piece, &src)
+            }
+        };
+        applied.map_err(gpu_err)
     }
 }

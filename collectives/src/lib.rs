@@ -32,7 +32,11 @@ mod join;
 mod mailbox;
 mod order;
 mod owned;
+mod payload;
 mod pieces;
+// Used by calls on the device; tested without a GPU.
+#[cfg(any(feature = "cuda", test))]
+mod placing;
 mod plan;
 mod wire;
 

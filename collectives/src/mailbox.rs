@@ -8,9 +8,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
-use psnet_transport::{Event, NodeId, Transport};
+use psnet_transport::{Event, NodeId, Placed, Transport};
 use tokio::sync::Notify;
 
+use crate::payload::Payload;
 use crate::wire::{Header, Kind};
 
 /// A message as it arrived.
@@ -19,6 +20,29 @@ pub(crate) struct Arrival {
     pub from: NodeId,
     pub header: Header,
     pub data: Bytes,
+    /// Set when the transport placed the data in device memory (`data` is then empty).
+    pub placed: Option<Placed>,
+}
+
+impl Arrival {
+    /// Bytes it holds, in host or in device memory: both count against the limit on mail
+    /// for calls not yet made.
+    fn len(&self) -> usize {
+        self.data.len() + self.placed.as_ref().map_or(0, |p| p.len as usize)
+    }
+
+    /// The piece's bytes as the driver hands them on.
+    pub(crate) fn payload(self) -> Payload {
+        match self.placed {
+            None => Payload::Host(self.data),
+            Some(placed) => Payload::Placed {
+                from: self.from,
+                tag: self.header.tag,
+                len: placed.len as usize,
+                result: placed.result,
+            },
+        }
+    }
 }
 
 /// What the reading task found, behind one lock.
@@ -58,7 +82,7 @@ impl Mail {
                 .or_insert((arrival.from, arrival.header));
             return;
         }
-        if self.buffered + arrival.data.len() > self.limit {
+        if self.buffered + arrival.len() > self.limit {
             self.overflow.get_or_insert_with(|| {
                 format!(
                     "node {} sent more than {} bytes for calls this rank has not made yet (limit: PSNET_COLL_AHEAD_BYTES)",
@@ -67,14 +91,14 @@ impl Mail {
             });
             return;
         }
-        self.buffered += arrival.data.len();
+        self.buffered += arrival.len();
         self.calls.entry(key).or_default().push(arrival);
     }
 
     /// The messages that arrived for call `seq` of communicator `comm`.
     pub(crate) fn take_call(&mut self, comm: u32, seq: u64) -> Vec<Arrival> {
         let taken = self.calls.remove(&(comm, seq)).unwrap_or_default();
-        self.buffered -= taken.iter().map(|a| a.data.len()).sum::<usize>();
+        self.buffered -= taken.iter().map(Arrival::len).sum::<usize>();
         taken
     }
 
@@ -125,6 +149,7 @@ pub(crate) async fn read_all<T: Transport>(transport: Arc<T>, mailbox: Arc<Mailb
                         from: m.peer,
                         header,
                         data,
+                        placed: m.placed,
                     };
                     match header.kind {
                         Kind::Data => mail.file(arrival),

@@ -13,6 +13,7 @@ use tokio::sync::RwLock;
 
 use crate::element::{copy_bytes, reduce_bytes, Element, ReduceOp};
 use crate::error::CollectiveError;
+use crate::payload::Payload;
 use crate::plan::{Action, Plan};
 use crate::wire::HEADER_LEN;
 
@@ -40,13 +41,14 @@ pub(crate) trait Pieces: Sync {
     ) -> Result<BoxFuture<'a, Sent>, CollectiveError>;
 
     /// Applies received `data` to `piece`: copies it over the piece, or reduces it in with
-    /// `op`. An error if the piece is being sent, or if the reduction fails (on a GPU).
+    /// `op`. An error if the piece is being sent, if the bytes are somewhere this buffer
+    /// cannot read them, or if the reduction fails (on a GPU).
     fn apply(
         &self,
         piece: usize,
         action: Action,
         op: ReduceOp,
-        data: &[u8],
+        data: &Payload,
     ) -> Result<(), CollectiveError>;
 }
 
@@ -108,8 +110,12 @@ impl<E: Element> Pieces for HostPieces<'_, E> {
         piece: usize,
         action: Action,
         op: ReduceOp,
-        data: &[u8],
+        data: &Payload,
     ) -> Result<(), CollectiveError> {
+        // Only a call on the device arms device memory for its pieces.
+        let data = data
+            .host()
+            .ok_or_else(|| busy("of a host buffer placed in device memory"))?;
         let mut piece = self.0[piece]
             .try_write()
             .map_err(|_| busy("written while being sent"))?;

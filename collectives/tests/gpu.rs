@@ -1,8 +1,9 @@
-//! Allreduce of GPU buffers (feature `cuda`): three ranks on the in-memory network, each
-//! reducing a buffer on the GPU through `GpuStage` in small chunks; the results must be the
-//! bits the same chunks reduced from host buffers give; and reducing on the device, the bits a
-//! host allreduce of the whole buffers gives, for several types and operations. Without a GPU
-//! the tests say why they skipped.
+//! Allreduce of GPU buffers (feature `cuda`): three ranks on the in-memory network (or TCP),
+//! each reducing a buffer on the GPU through `GpuStage` in small chunks; the results must be
+//! the bits the same chunks reduced from host buffers give; and reducing on the device (with
+//! received pieces placed in device memory by the transport, or not), the bits a host
+//! allreduce of the whole buffers gives, for several types and operations. Without a GPU the
+//! tests say why they skipped.
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
@@ -10,21 +11,12 @@ use std::sync::Arc;
 use futures_util::future::try_join_all;
 use psnet_collectives::{bf16, f16, node_of, Communicator, Config, GpuStage, ReduceOp};
 use psnet_compression::cuda::device_count;
-use psnet_memnet::{MemNet, MemTransport};
+use psnet_fallback_tcp::{TcpConfig, TcpTransport};
+use psnet_memnet::{MemNet, MemNetConfig, MemTransport};
 use psnet_transport::Transport;
 
 async fn world(net: &MemNet, n: usize) -> Vec<Communicator<MemTransport>> {
-    let transports: Vec<Arc<MemTransport>> =
-        (0..n).map(|r| Arc::new(net.bind(node_of(r)))).collect();
-    let root = transports[0].listen_addr();
-    try_join_all(
-        transports
-            .iter()
-            .enumerate()
-            .map(|(r, t)| Communicator::join(t.clone(), r, n, root, Config::default())),
-    )
-    .await
-    .expect("every rank joins")
+    world_on((0..n).map(|r| Arc::new(net.bind(node_of(r)))).collect()).await
 }
 
 /// Elements per chunk of the GPU stage.
@@ -88,9 +80,55 @@ async fn gpu_buffers_reduce_to_the_bits_of_host_buffers() {
     }
 }
 
+/// Where a test's ranks meet.
+#[derive(Clone, Copy, Debug)]
+enum Wire {
+    /// The in-memory network; `places`: received pieces are placed in device memory.
+    Mem { places: bool },
+    /// TCP on 127.0.0.1, sockets only: placed pieces are read off the socket chunk by chunk,
+    /// each chunk copied to the device while the next is read.
+    Tcp,
+}
+
+/// A communicator of every one of `transports`.
+async fn world_on<T: Transport>(transports: Vec<Arc<T>>) -> Vec<Communicator<T>> {
+    let n = transports.len();
+    let root = transports[0].listen_addr();
+    try_join_all(
+        transports
+            .iter()
+            .enumerate()
+            .map(|(r, t)| Communicator::join(t.clone(), r, n, root, Config::default())),
+    )
+    .await
+    .expect("every rank joins")
+}
+
+async fn tcp_transports(n: usize) -> Vec<Arc<TcpTransport>> {
+    let mut out = Vec::new();
+    for r in 0..n {
+        let mut config = TcpConfig::new(([127, 0, 0, 1], 0).into());
+        config.shm_ring = 0;
+        config.shm_queue = 0;
+        config.gpu_stage_chunk = 64 << 10;
+        out.push(Arc::new(
+            TcpTransport::bind(node_of(r), config).await.expect("bind"),
+        ));
+    }
+    out
+}
+
+fn mem_transports(n: usize, places: bool) -> Vec<Arc<MemTransport>> {
+    let net = MemNet::new(MemNetConfig {
+        places,
+        ..MemNetConfig::default()
+    });
+    (0..n).map(|r| Arc::new(net.bind(node_of(r)))).collect()
+}
+
 /// Runs `op` over `values` (one buffer per rank) on the host and, from GPU buffers reduced
-/// on the device, on a fresh world; every rank's bits must be the host's.
-async fn device_matches_host<E>(op: ReduceOp, values: Vec<Vec<E>>)
+/// on the device, on a fresh world on `wire`; every rank's bits must be the host's.
+async fn device_matches_host<E>(op: ReduceOp, values: Vec<Vec<E>>, wire: Wire)
 where
     E: psnet_collectives::Element
         + psnet_compression::cuda::cudarc::driver::DeviceRepr
@@ -108,16 +146,42 @@ where
     )
     .await
     .expect("host allreduce");
+    let device = match wire {
+        Wire::Mem { places } => {
+            on_device(&world_on(mem_transports(n, places)).await, op, &values).await
+        }
+        Wire::Tcp => on_device(&world_on(tcp_transports(n).await).await, op, &values).await,
+    };
+    let len = values[0].len();
+    for (r, back) in device.iter().enumerate() {
+        let same = bytemuck::cast_slice::<E, u8>(back) == bytemuck::cast_slice::<E, u8>(&host[r]);
+        assert!(
+            same,
+            "{op} of {len} {} over {wire:?}: rank {r} differs from the host allreduce",
+            E::DTYPE
+        );
+    }
+}
 
-    let net = MemNet::reliable();
-    let comms = world(&net, n).await;
-    let stages: Vec<GpuStage<E>> = (0..n)
+/// Every rank's `values` allreduced with `op` on the device by `comms`; the results, back on
+/// the host.
+async fn on_device<T: Transport, E>(
+    comms: &[Communicator<T>],
+    op: ReduceOp,
+    values: &[Vec<E>],
+) -> Vec<Vec<E>>
+where
+    E: psnet_collectives::Element
+        + psnet_compression::cuda::cudarc::driver::DeviceRepr
+        + psnet_compression::cuda::cudarc::driver::ValidAsZeroBits,
+{
+    let stages: Vec<GpuStage<E>> = (0..comms.len())
         .map(|_| GpuStage::reducing_on_device(0).expect("a stage"))
         .collect();
     assert!(stages.iter().all(GpuStage::reduces_on_device));
     let mut device: Vec<_> = stages
         .iter()
-        .zip(&values)
+        .zip(values)
         .map(|(s, v)| s.stream().clone_htod(v).expect("upload"))
         .collect();
     try_join_all(
@@ -130,16 +194,11 @@ where
     )
     .await
     .expect("GPU allreduce");
-    let len = values[0].len();
-    for (r, (d, s)) in device.iter().zip(&stages).enumerate() {
-        let back = s.stream().clone_dtoh(d).expect("download");
-        let same = bytemuck::cast_slice::<E, u8>(&back) == bytemuck::cast_slice::<E, u8>(&host[r]);
-        assert!(
-            same,
-            "{op} of {len} {}: rank {r} differs from the host allreduce",
-            E::DTYPE
-        );
-    }
+    device
+        .iter()
+        .zip(&stages)
+        .map(|(d, s)| s.stream().clone_dtoh(d).expect("download"))
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -151,16 +210,16 @@ async fn gpu_buffers_reduced_on_the_device_have_the_bits_of_host_buffers() {
     // Recursive doubling (small) and the pipelined ring (large, several pieces per block).
     for len in [1_000, 1_000_003] {
         for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Prod] {
-            device_matches_host(op, (0..3).map(|r| values(r, len)).collect()).await;
+            device_matches_host(op, (0..3).map(|r| values(r, len)).collect(), PLACED).await;
         }
         let halves = (0..3)
             .map(|r| values(r, len).into_iter().map(f16::from_f32).collect())
             .collect();
-        device_matches_host::<f16>(ReduceOp::Sum, halves).await;
+        device_matches_host::<f16>(ReduceOp::Sum, halves, PLACED).await;
         let halves = (0..3)
             .map(|r| values(r, len).into_iter().map(bf16::from_f32).collect())
             .collect();
-        device_matches_host::<bf16>(ReduceOp::Avg, halves).await;
+        device_matches_host::<bf16>(ReduceOp::Avg, halves, PLACED).await;
         let ints = (0..3)
             .map(|r| {
                 values(r, len)
@@ -169,7 +228,36 @@ async fn gpu_buffers_reduced_on_the_device_have_the_bits_of_host_buffers() {
                     .collect()
             })
             .collect();
-        device_matches_host::<i32>(ReduceOp::Sum, ints).await;
+        device_matches_host::<i32>(ReduceOp::Sum, ints, PLACED).await;
+    }
+}
+
+/// The in-memory network, placing received pieces in device memory.
+const PLACED: Wire = Wire::Mem { places: true };
+
+/// Pieces placed in device memory as they are read off a TCP socket, and pieces left in host
+/// memory (a transport that cannot place) and copied in by the reducer, give the same bits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pieces_placed_off_tcp_or_left_on_the_host_reduce_to_the_same_bits() {
+    if let Err(e) = device_count() {
+        eprintln!(
+            "pieces_placed_off_tcp_or_left_on_the_host_reduce_to_the_same_bits: skipped: {e}"
+        );
+        return;
+    }
+    for wire in [Wire::Tcp, Wire::Mem { places: false }] {
+        for len in [1_000, 1_000_003] {
+            device_matches_host(
+                ReduceOp::Sum,
+                (0..3).map(|r| values(r, len)).collect(),
+                wire,
+            )
+            .await;
+            let halves = (0..3)
+                .map(|r| values(r, len).into_iter().map(bf16::from_f32).collect())
+                .collect();
+            device_matches_host::<bf16>(ReduceOp::Avg, halves, wire).await;
+        }
     }
 }
 

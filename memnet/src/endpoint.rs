@@ -348,6 +348,9 @@ impl Transport for MemTransport {
     }
 
     fn set_placer(&self, placer: Arc<dyn Placer>) -> bool {
+        if !self.net.config().places {
+            return false;
+        }
         *self.placer.write().unwrap_or_else(|p| p.into_inner()) = Some(placer);
         true
     }

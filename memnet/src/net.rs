@@ -25,6 +25,9 @@ pub struct MemNetConfig {
     pub connect_timeout: Duration,
     /// Message limits, as a real transport has them.
     pub limits: Limits,
+    /// Whether endpoints place received segments in device memory when asked
+    /// (`Transport::set_placer`); false stands for a transport that cannot.
+    pub places: bool,
 }
 
 impl Default for MemNetConfig {
@@ -34,6 +37,7 @@ impl Default for MemNetConfig {
             inbox_bytes: 64 << 20,
             connect_timeout: Duration::from_secs(2),
             limits: Limits::default(),
+            places: true,
         }
     }
 }

@@ -15,3 +15,15 @@ impl TransportFactory for Mem {
 }
 
 psnet_transport::conformance_tests!(Mem(MemNet::reliable()));
+
+/// The whole suite again on a network whose endpoints cannot place received segments in
+/// device memory: they say so, and deliver host bytes.
+mod without_placing {
+    use super::*;
+    use psnet_memnet::MemNetConfig;
+
+    psnet_transport::conformance_tests!(Mem(MemNet::new(MemNetConfig {
+        places: false,
+        ..MemNetConfig::default()
+    })));
+}

@@ -14,10 +14,10 @@
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 
-use bytes::Bytes;
 use smallvec::SmallVec;
 
 use crate::element::Order;
+use crate::payload::Payload;
 
 mod barrier;
 mod doubling;
@@ -56,7 +56,7 @@ struct Op {
     /// Operations waiting for this one.
     unblocks: SmallVec<[usize; 2]>,
     /// A receive's bytes, once they arrived.
-    data: Option<Bytes>,
+    data: Option<Payload>,
     started: bool,
     done: bool,
 }
@@ -84,7 +84,7 @@ pub(crate) struct ApplyReq {
     /// Reduce or copy.
     pub action: Action,
     /// The bytes received.
-    pub data: Bytes,
+    pub data: Payload,
 }
 
 /// A message the plan cannot take.
@@ -245,8 +245,9 @@ impl Plan {
         &mut self,
         from: usize,
         tag: u64,
-        data: Bytes,
+        data: impl Into<Payload>,
     ) -> Result<(), PlanError> {
+        let data = data.into();
         let id = match self.recv_by_tag.get(&(from, tag)) {
             Some(&id) if self.ops[id].data.is_none() && !self.ops[id].done => id,
             _ => return Err(PlanError::Unexpected { from, tag }),

@@ -83,9 +83,10 @@ pub(crate) fn run<T: Element>(mut plans: Vec<Plan>, bufs: &mut [Vec<T>], op: Red
                     a.piece
                 );
                 let dst = &mut bufs[r][range];
+                let data = a.data.host().expect("the simulation sends host bytes");
                 match a.action {
-                    Action::Copy => copy_bytes(dst, &a.data),
-                    Action::Reduce(order) => reduce_bytes(op, order, dst, &a.data),
+                    Action::Copy => copy_bytes(dst, data),
+                    Action::Reduce(order) => reduce_bytes(op, order, dst, data),
                 }
                 plans[r].handle_applied(a.op);
             }

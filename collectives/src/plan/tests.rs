@@ -2,6 +2,7 @@
 //! two and not), lengths from 0 (and not divisible by the rank count), piece sizes, roots and
 //! orderings of every send, delivery and reduction drawn from a seed.
 
+use bytes::Bytes;
 use proptest::prelude::*;
 
 use super::*;
@@ -210,6 +211,34 @@ fn a_piece_of_the_wrong_length_or_tag_is_refused() {
     assert_eq!(
         plan.handle_message(1, 1, Bytes::from_static(&[0; 20])),
         Err(PlanError::Unexpected { from: 1, tag: 1 })
+    );
+}
+
+#[test]
+fn a_piece_placed_in_device_memory_is_checked_and_handed_on_as_placed() {
+    use crate::payload::Payload;
+    use psnet_transport::NodeId;
+    let placed = |len| Payload::Placed {
+        from: NodeId(2),
+        tag: 1,
+        len,
+        result: Ok(()),
+    };
+    let mut plan = ring_allreduce(0, 2, 10, 4, 100);
+    assert_eq!(
+        plan.handle_message(1, 1, placed(24)),
+        Err(PlanError::Length {
+            from: 1,
+            got: 24,
+            want: 20
+        })
+    );
+    assert_eq!(plan.handle_message(1, 1, placed(20)), Ok(()));
+    let apply = plan.poll_apply().expect("the piece may be combined");
+    assert_eq!(
+        apply.data,
+        placed(20),
+        "the driver learns where the bytes are"
     );
 }
 

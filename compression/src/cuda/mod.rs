@@ -30,6 +30,7 @@ use crate::{one_bit, two_bit};
 mod borrowed;
 mod grid;
 mod kernels;
+mod landing;
 pub mod measure;
 mod reduce;
 mod reduce_kernels;
@@ -39,6 +40,7 @@ use grid::{grid_stride, max_blocks};
 
 pub use borrowed::BorrowedDevice;
 pub use kernels::KERNELS_SRC;
+pub use landing::{CudaLanding, CudaLandings};
 pub use reduce::{split_view_mut, Combine, CudaReducer, DeviceElement};
 pub use reduce_kernels::REDUCE_KERNELS_SRC;
 pub use staging::{CudaBytes, CudaStager, WaitOnDrop};

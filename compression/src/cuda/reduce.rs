@@ -11,8 +11,8 @@
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, CudaViewMut, DeviceRepr, DeviceSlice, LaunchConfig,
-    PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, DeviceSlice,
+    LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -209,18 +209,49 @@ impl CudaReducer {
         guarded("copy to device", || {
             self.stream.memcpy_htod(src, &mut landing)
         })?;
+        self.combine_from(kind, combine, remote_first, dst, &landing.as_view())
+    }
+
+    /// [`apply`](Self::apply) with the received bytes already on the device: `src` (a
+    /// [`CudaLanding`](super::CudaLanding)'s view, its copies done) holds `dst.len()`
+    /// elements of `kind`. Returns once `dst` holds the result.
+    pub fn apply_placed<T: DeviceRepr>(
+        &self,
+        kind: DeviceElement,
+        combine: Combine,
+        remote_first: bool,
+        dst: &mut CudaViewMut<'_, T>,
+        src: &CudaView<'_, u8>,
+    ) -> Result<(), CompressionError> {
+        check_kind::<T>(kind)?;
+        let n = dst.len();
+        CompressionError::check_len("received piece", n, n * kind.size(), src.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        guarded("ordering after the buffer's stream", || {
+            self.stream.join(dst.stream())
+        })?;
+        self.combine_from(kind, combine, remote_first, dst, src)
+    }
+
+    /// Runs the reduction kernel over `dst` and `src` (`dst.len()` elements of `kind`, sizes
+    /// checked by the caller) and waits for it.
+    fn combine_from<T: DeviceRepr>(
+        &self,
+        kind: DeviceElement,
+        combine: Combine,
+        remote_first: bool,
+        dst: &mut CudaViewMut<'_, T>,
+        src: &CudaView<'_, u8>,
+    ) -> Result<(), CompressionError> {
+        let n = dst.len();
         let (len, op, remote) = (n as u64, combine as i32, i32::from(remote_first));
         let mut launch = self.stream.launch_builder(&self.reduce[kind.index()]);
-        launch
-            .arg(dst)
-            .arg(&mut landing)
-            .arg(&len)
-            .arg(&op)
-            .arg(&remote);
+        launch.arg(dst).arg(src).arg(&len).arg(&op).arg(&remote);
         // SAFETY: the arguments match `psnet_reduce_<kind>(T* dst, const T* src, u64 n,
-        // int op, int remote_first)`: `T` has `kind`'s size (checked above), `dst` holds `n`
-        // elements and `landing` `n * size` bytes (checked above), so every index the kernel
-        // touches lies inside both.
+        // int op, int remote_first)`: `T` has `kind`'s size and `src` holds `n * size` bytes
+        // (both checked by the callers), so every index the kernel touches lies inside both.
         guard(|| unsafe { launch.launch(self.config(len)) }).map_err(cuda_err("reduce"))?;
         guarded("synchronize", || self.stream.synchronize())
     }

@@ -64,6 +64,11 @@ impl CudaStager {
         })
     }
 
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> u32 {
+        self.ordinal
+    }
+
     /// The stager's stream: its copies run on it, after work queued there before.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
@@ -95,7 +100,7 @@ impl CudaStager {
         }
     }
 
-    fn take_staging(&self, len: usize) -> Result<Staging, DeviceError> {
+    pub(super) fn take_staging(&self, len: usize) -> Result<Staging, DeviceError> {
         let pooled = {
             let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
             // The smallest that fits: the large ones stay for large messages.
@@ -121,7 +126,7 @@ impl CudaStager {
         })
     }
 
-    fn error(&self, e: impl std::fmt::Display) -> DeviceError {
+    pub(super) fn error(&self, e: impl std::fmt::Display) -> DeviceError {
         DeviceError {
             ordinal: self.ordinal,
             reason: e.to_string(),
@@ -205,56 +210,97 @@ impl DeviceBytes for CudaBytes<'_> {
         if let Some(why) = &self.unordered {
             return Box::pin(std::future::ready(Err(self.stager.error(why))));
         }
-        Box::pin(CopyOut {
-            bytes: self,
+        AsyncCopy::boxed(
+            self.stager,
+            Direction::ToHost,
+            (self.ptr, self.len),
             offset,
             len,
-            buf: Some(buf),
-            event: None,
-        })
+            buf,
+        )
     }
 }
 
-/// One copy out of the device into a buffer it owns: queued on first poll, done when its
-/// event fires, then the buffer is given back. Dropped while in flight, it waits for the copy
-/// before the buffer goes; leaked, the buffer is never freed. Either way the device never
-/// writes memory that someone else owns.
-struct CopyOut<'b> {
-    bytes: &'b CudaBytes<'b>,
+/// Which way an [`AsyncCopy`] moves bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Direction {
+    /// Device memory into the staging buffer (a send).
+    ToHost,
+    /// The staging buffer into device memory (a placed receive).
+    ToDevice,
+}
+
+/// One copy between device memory and a staging buffer the copy owns: queued on the
+/// stager's stream on first poll, done when its event fires, then the buffer is given back.
+/// Dropped while in flight, it waits for the copy before the buffer goes; leaked, the buffer
+/// is never freed. Either way the device never touches host memory that someone else owns.
+/// The device memory is borrowed from its owner for `'b` (a view, or a landing that waits
+/// for its stager's stream before its memory is reused).
+pub(super) struct AsyncCopy<'b> {
+    stager: &'b CudaStager,
+    direction: Direction,
+    /// The device range's first byte, and its length.
+    device: (CUdeviceptr, usize),
     offset: usize,
     len: usize,
     buf: Option<StagingBuf>,
     event: Option<CudaEvent>,
 }
 
-impl CopyOut<'_> {
+impl<'b> AsyncCopy<'b> {
+    /// The copy of `len` bytes at `offset` of the device range `device` (its first byte and
+    /// length), which stays allocated for `'b`, as a transport's copy future.
+    pub(super) fn boxed(
+        stager: &'b CudaStager,
+        direction: Direction,
+        device: (CUdeviceptr, usize),
+        offset: usize,
+        len: usize,
+        buf: StagingBuf,
+    ) -> CopyFuture<'b> {
+        Box::pin(AsyncCopy {
+            stager,
+            direction,
+            device,
+            offset,
+            len,
+            buf: Some(buf),
+            event: None,
+        })
+    }
+
     fn start(&mut self) -> Result<(), DeviceError> {
-        let bytes = self.bytes;
-        let stager = bytes.stager;
+        let stager = self.stager;
         let (offset, len) = (self.offset, self.len);
+        let (base, extent) = self.device;
         let Some(buf) = self.buf.as_mut() else {
             return Err(stager.error("copy polled after it completed"));
         };
-        if offset.checked_add(len).is_none_or(|end| end > bytes.len) || len > buf.len() {
+        if offset.checked_add(len).is_none_or(|end| end > extent) || len > buf.len() {
             return Err(stager.error(format!(
-                "copy of {len} bytes at {offset} past the region's {} (or the buffer's {})",
-                bytes.len,
+                "copy of {len} bytes at {offset} past the region's {extent} (or the buffer's {})",
                 buf.len()
             )));
         }
         guarded("binding the context", || stager.ctx.bind_to_thread())
             .map_err(|e| stager.error(e))?;
-        let src = bytes.ptr + offset as u64;
+        let device = base + offset as u64;
         let stream = stager.stream.cu_stream();
-        let dst = &mut buf[..len];
-        // SAFETY: `src..src + len` lies inside the view (checked above), which stays allocated
-        // while `CudaBytes` borrows it. `dst` is inside the buffer this future owns: it is not
-        // freed or handed out before the copy ends (`Drop` waits for it; a leaked future
-        // never frees it).
-        guarded("copy to host", || unsafe {
-            result::memcpy_dtoh_async(dst, src, stream)
-        })
-        .map_err(|e| stager.error(e))?;
+        let host = &mut buf[..len];
+        let queued = match self.direction {
+            // SAFETY: `device..device + len` lies inside the range (checked above), which its
+            // owner keeps allocated for `'b`, the life of this copy. `host` is inside the
+            // buffer this future owns: it is not freed or handed out before the copy ends
+            // (`Drop` waits for it; a leaked future never frees it).
+            Direction::ToHost => guarded("copy to host", || unsafe {
+                result::memcpy_dtoh_async(host, device, stream)
+            }),
+            // SAFETY: as above, with the bytes going the other way.
+            Direction::ToDevice => guarded("copy to device", || unsafe {
+                result::memcpy_htod_async(device, host, stream)
+            }),
+        };
+        queued.map_err(|e| stager.error(e))?;
         match guarded("recording an event", || stager.stream.record_event(None)) {
             Ok(event) => {
                 self.event = Some(event);
@@ -269,12 +315,12 @@ impl CopyOut<'_> {
     }
 }
 
-impl Future for CopyOut<'_> {
+impl Future for AsyncCopy<'_> {
     type Output = Result<StagingBuf, DeviceError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
+        let stager = self.stager;
         if self.len == 0 {
-            let stager = self.bytes.stager;
             return Poll::Ready(self.buf.take().ok_or_else(|| stager.error("polled again")));
         }
         if self.event.is_none() {
@@ -289,7 +335,6 @@ impl Future for CopyOut<'_> {
         match unsafe { result::event::query(event.cu_event()) } {
             Ok(()) => {
                 self.event = None;
-                let stager = self.bytes.stager;
                 Poll::Ready(self.buf.take().ok_or_else(|| stager.error("polled again")))
             }
             Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_READY => {
@@ -300,23 +345,23 @@ impl Future for CopyOut<'_> {
                 // The copy failed; wait for the stream before the buffer can go.
                 let _ = event.synchronize();
                 self.event = None;
-                Poll::Ready(Err(self.bytes.stager.error(format!("copy to host: {e}"))))
+                Poll::Ready(Err(stager.error(format!("{:?}: {e}", self.direction))))
             }
         }
     }
 }
 
-impl Drop for CopyOut<'_> {
+impl Drop for AsyncCopy<'_> {
     fn drop(&mut self) {
         if let Some(event) = self.event.take() {
-            // The copy may still write the buffer: wait for it before the buffer goes.
+            // The copy may still use the buffer: wait for it before the buffer goes.
             let _ = event.synchronize();
         }
     }
 }
 
 /// A page-locked staging buffer, back to its stager's pool when dropped.
-struct Staging {
+pub(super) struct Staging {
     buf: Option<PinnedHostSlice<u8>>,
     ptr: *mut u8,
     len: usize,
