@@ -345,7 +345,11 @@ impl Future for AsyncCopy<'_> {
                 // The copy failed; wait for the stream before the buffer can go.
                 let _ = event.synchronize();
                 self.event = None;
-                Poll::Ready(Err(stager.error(format!("{:?}: {e}", self.direction))))
+                let what = match self.direction {
+                    Direction::ToHost => "copy to host",
+                    Direction::ToDevice => "copy to device",
+                };
+                Poll::Ready(Err(stager.error(format!("{what}: {e}"))))
             }
         }
     }

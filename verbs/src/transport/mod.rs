@@ -24,8 +24,10 @@ use std::time::{Duration, Instant};
 
 use psnet_fallback_tcp::TcpTransport;
 use psnet_transport::codec::DataPath;
+use psnet_transport::device::{DevicePath, PathLog};
+use psnet_transport::placement;
 use psnet_transport::{
-    Admission, Capabilities, Event, Incoming, NodeId, OutMessage, RegionKey, RegisteredBuf,
+    Admission, Capabilities, Event, Incoming, NodeId, OutMessage, Placer, RegionKey, RegisteredBuf,
     Transport, TransportError,
 };
 use tokio::sync::{mpsc, watch, Notify};
@@ -106,6 +108,32 @@ struct Inner {
     /// `PSNET_RDMA_CONNECT=auto`: an rdma_cm connection that does not complete falls back to
     /// the socket handshake.
     cm_fallback: bool,
+    /// Chooses device memory for received segments (`Transport::set_placer`).
+    placer: std::sync::RwLock<Option<Arc<dyn Placer>>>,
+    /// The paths placed segments took, logged once per peer.
+    placed_paths: PathLog,
+}
+
+impl Inner {
+    /// Places the segment the placer chooses of a received message in its device memory.
+    /// Messages land whole in registered host buffers (the NIC does not write device memory
+    /// for a receiver yet), so the segment is copied there after it arrived.
+    async fn place(&self, event: Event) -> Event {
+        let placer = self
+            .placer
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let (mut m, placer) = match (event, placer) {
+            (Event::Message(m), Some(placer)) => (m, placer),
+            (event, _) => return event,
+        };
+        if let Some(ordinal) = placement::place_arrived(&mut m, &*placer).await {
+            self.placed_paths
+                .note_received("rdma", m.peer, ordinal, DevicePath::Copied);
+        }
+        Event::Message(m)
+    }
 }
 
 /// The RDMA transport.
@@ -221,6 +249,8 @@ impl VerbsTransport {
             config,
             cm,
             cm_fallback,
+            placer: std::sync::RwLock::new(None),
+            placed_paths: PathLog::default(),
         });
         let fd = sys::verbs::watch_channel(inner.dev.channel.clone())
             .map_err(|e| unavailable(format!("completion channel: {e}")))?;
@@ -468,6 +498,7 @@ impl Transport for VerbsTransport {
             Some(next) => Some(next),
             None => rx.recv().await,
         };
+        drop(rx);
         match next {
             Some((event, n)) if !inner.is_closed() => {
                 if n > 0 {
@@ -476,10 +507,15 @@ impl Transport for VerbsTransport {
                         inner.drained.notify_one();
                     }
                 }
-                Ok(event)
+                Ok(inner.place(event).await)
             }
             _ => Err(TransportError::Closed),
         }
+    }
+
+    fn set_placer(&self, placer: Arc<dyn Placer>) -> bool {
+        *self.inner.placer.write().unwrap_or_else(|p| p.into_inner()) = Some(placer);
+        true
     }
 
     fn disconnect(&self, peer: NodeId) {
