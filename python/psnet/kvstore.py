@@ -33,7 +33,7 @@ import numpy as np
 
 from . import _psnet
 from . import optimizer as _optimizer
-from ._arrays import as_array, on_gpu, readable, staged, writable
+from ._arrays import as_array, is_tensor, on_gpu, readable, staged, writable
 
 _TYPES = ("local", "dist_sync", "dist_async", "dist_sync_device", "dist_async_device")
 _worker = None
@@ -250,8 +250,50 @@ class KVStore:
         with torch.cuda.device(tensors[0].device):
             return call(self._worker, k, *(g[0] for g in gpus), numel, dtype, device)
 
+    def _device_list(self, key, tensors):
+        """``tensors`` when they are one key's list of CUDA tensors of the key's size and one
+        dtype that psnet may take where they lie; None otherwise."""
+        if (self._worker is None or not _is_key(key) or not isinstance(tensors, (list, tuple))
+                or not tensors or _psnet.cuda_tensors() != "device"):
+            return None
+        size = self._sizes.get(key)
+        for t in tensors:
+            if (not is_tensor(t) or getattr(t.device, "type", None) != "cuda"
+                    or not hasattr(t, "data_ptr") or t.numel() != size
+                    or t.dtype != tensors[0].dtype or not t.is_contiguous()):
+                return None
+        return tensors
+
+    def _device_sum(self, tensors):
+        """The sum of a list of CUDA tensors on the first one's device, added in list order
+        (one rounding per addition: the bits the staged path's NumPy sum, and MXNet's sum of
+        devices' values, give)."""
+        if len(tensors) == 1:
+            return tensors[0]
+        import torch
+
+        with torch.no_grad():
+            first = tensors[0]
+            total = first.detach().clone()
+            for t in tensors[1:]:
+                total += t.detach().to(first.device).reshape(total.shape)
+        return total
+
+    @staticmethod
+    def _copy_to_rest(tensors):
+        """Copies the first of a list of CUDA tensors into the others (a pull's value)."""
+        import torch
+
+        with torch.no_grad():
+            for t in tensors[1:]:
+                t.copy_(tensors[0].reshape(t.shape))
+
     def _push(self, key, value):
         if self._gpu_call(_psnet.kv_push_cuda, key, value):
+            return
+        devices = self._device_list(key, value)
+        if devices is not None and self._gpu_call(
+                _psnet.kv_push_cuda, key, self._device_sum(devices)):
             return
         if self._worker is not None and type(value) is np.ndarray:
             k = self._key(key)
@@ -277,6 +319,10 @@ class KVStore:
 
     def _pull(self, key, out):
         if self._gpu_call(_psnet.kv_pull_cuda, key, out):
+            return
+        devices = self._device_list(key, out)
+        if devices is not None and self._gpu_call(_psnet.kv_pull_cuda, key, devices[0]):
+            self._copy_to_rest(devices)
             return
         if self._worker is not None and type(out) is np.ndarray:
             k = self._key(key)
@@ -309,6 +355,13 @@ class KVStore:
 
     def _pushpull(self, key, value, out):
         if self._gpu_call(_psnet.kv_pushpull_cuda, key, value, value if out is None else out):
+            return
+        devices = self._device_list(key, value)
+        outs = devices if out is None else self._device_list(key, out)
+        if (devices is not None and outs is not None and outs[0].dtype == devices[0].dtype
+                and self._gpu_call(_psnet.kv_pushpull_cuda, key, self._device_sum(devices),
+                                   outs[0])):
+            self._copy_to_rest(outs)
             return
         if (self._worker is not None and type(value) is np.ndarray
                 and (out is None or type(out) is np.ndarray)):

@@ -324,3 +324,91 @@ def test_kvstore_takes_real_cuda_tensors_where_they_lie(tmp_path, compression):
     _, _, out = launch(tmp_path, 2, 1, body)
     w0, w1 = np.load(out / "worker0.npy"), np.load(out / "worker1.npy")
     assert w0.tobytes() == w1.tobytes()
+
+
+def test_a_keys_list_of_cuda_tensors_is_taken_on_the_gpu_only_when_all_can_be(monkeypatch):
+    """A key's list of CUDA tensors goes to the GPU path (summed on the first one's device)
+    only when every one is a contiguous CUDA tensor of the key's size and one dtype, in a
+    dist store, with PSNET_CUDA_TENSORS=device; anything else is staged."""
+    from psnet.kvstore import KVStore
+
+    class Cuda:
+        """A CUDA tensor as far as the choice looks: device, pointer, size, type, layout."""
+
+        class device:
+            type = "cuda"
+
+        def __init__(self, n, dtype=torch.float32, contiguous=True):
+            self.n, self.dtype, self.contiguous = n, dtype, contiguous
+
+        def numpy(self):
+            raise AssertionError("read as host memory")
+
+        def data_ptr(self):
+            return 0x1000
+
+        def numel(self):
+            return self.n
+
+        def is_contiguous(self):
+            return self.contiguous
+
+    monkeypatch.setenv("PSNET_CUDA_TENSORS", "device")
+    kv = KVStore.__new__(KVStore)
+    kv._worker, kv._sizes = object(), {"w": 4}
+    ok = [Cuda(4), Cuda(4)]
+    assert kv._device_list("w", ok) is ok
+    assert kv._device_list("w", [Cuda(4)]) is not None
+    assert kv._device_list("w", [Cuda(4), Cuda(5)]) is None, "another size"
+    assert kv._device_list("w", [Cuda(4), Cuda(4, torch.float16)]) is None, "two types"
+    assert kv._device_list("w", [Cuda(4), Cuda(4, contiguous=False)]) is None
+    assert kv._device_list("w", [Cuda(4), torch.zeros(4)]) is None, "a CPU tensor"
+    assert kv._device_list("w", []) is None
+    assert kv._device_list("w", Cuda(4)) is None, "not a list"
+    assert kv._device_list(["w"], ok) is None, "not one key"
+    assert kv._device_list("v", ok) is None, "not initialized"
+    monkeypatch.setenv("PSNET_CUDA_TENSORS", "staged")
+    assert kv._device_list("w", ok) is None
+    monkeypatch.setenv("PSNET_CUDA_TENSORS", "device")
+    kv._worker = None
+    assert kv._device_list("w", ok) is None, "a local store"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: real CUDA tensors are not tested")
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_keys_list_of_cuda_tensors_gives_the_bits_of_a_list_of_cpu_tensors(tmp_path, dtype):
+    """Two workers push three gradients per key, as lists of CPU tensors to one key and of
+    CUDA tensors to another (summed on the GPU in list order); pulls and pushpulls into lists
+    give the same bits for both."""
+    body = textwrap.dedent("""
+        import sys, numpy as np, torch, psnet
+        out = sys.argv[1]
+        dt = getattr(torch, DTYPE)
+        kv = psnet.kvstore.create('dist_sync')
+        r = kv.rank
+        n = 100_003
+        kv.init(['c', 'g', 'pc', 'pg'], [np.zeros(n, np.dtype(DTYPE))] * 4)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(10 * step + r)
+            grads = [(torch.rand(n, generator=gen) - 0.5).to(dt) for _ in range(3)]
+            kv.push('c', grads)
+            on_gpu = [g.cuda() for g in grads]
+            assert kv._device_list('g', on_gpu) is not None, "staged"
+            kv.push('g', on_gpu)
+            wc = [torch.empty(n, dtype=dt) for _ in range(2)]
+            wg = [torch.empty(n, dtype=dt, device="cuda") for _ in range(2)]
+            kv.pull('c', out=wc)
+            kv.pull('g', out=wg)
+            for c, g in zip(wc, wg):
+                assert c.numpy().tobytes() == g.cpu().numpy().tobytes(), step
+            pc = [g.clone() for g in grads]
+            pg = [g.cuda() for g in grads]
+            kv.pushpull('pc', pc)
+            kv.pushpull('pg', pg)  # in place, into every tensor of the list
+            for c, g in zip(pc, pg):
+                assert c.numpy().tobytes() == g.cpu().numpy().tobytes(), step
+        np.save(f"{out}/worker{r}.npy", wg[0].cpu().numpy())
+    """).replace("DTYPE", repr(dtype))
+    _, _, out = launch(tmp_path, 2, 1, body)
+    w0, w1 = np.load(out / "worker0.npy"), np.load(out / "worker1.npy")
+    assert w0.tobytes() == w1.tobytes()
