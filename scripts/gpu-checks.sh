@@ -54,7 +54,8 @@ check_cmd() {
     collectives-gpu) echo "bin/test-collectives-gpu $t" ;;
     # The kernel table: every kernel beside a device-to-device copy, 2^26 and 2^28 elements.
     compress-bench) echo "env PS_VERBOSE=1 bin/psnet-perf compress --gpu 0" ;;
-    # Staged sends from GPU memory against the same sizes from host memory, same run.
+    # Staged sends from GPU memory, and receives placed in GPU memory, against the same sizes
+    # from host memory into host memory, same run.
     bw-bench) echo "env PS_VERBOSE=1 bin/psnet-perf bw --loopback --gpu 0 -a" ;;
     # A kv job (2 servers, 2 workers) pushing and pulling from host buffers, then GPU buffers.
     kv-bench) echo "env PS_VERBOSE=1 bin/psnet-perf kv --gpu 0 --sizes 64K,1M,16M" ;;

@@ -45,10 +45,45 @@ pub async fn run_from<T: Transport>(
     depth: usize,
     segs: &[Segment<'_>],
 ) -> PerfResult<BwRow> {
+    run_started(t, Control::BwStart { size, iters }, depth, segs).await
+}
+
+/// [`run`] with the server receiving each message into GPU `gpu`'s memory.
+pub async fn run_to_gpu<T: Transport>(
+    t: &T,
+    size: u64,
+    iters: u64,
+    depth: usize,
+    gpu: usize,
+) -> PerfResult<BwRow> {
+    let len = usize::try_from(size).map_err(|_| format!("size {size} does not fit in memory"))?;
+    let mut buf = t.alloc_registered(len).map_err(|e| e.to_string())?;
+    fill(&mut buf);
+    let start = Control::BwStartToGpu {
+        size,
+        iters,
+        gpu: gpu as u64,
+    };
+    run_started(t, start, depth, &[Segment::registered(&buf, 0..len)]).await
+}
+
+/// The bandwidth test announced by `start` (a [`Control::BwStart`] or its kin).
+async fn run_started<T: Transport>(
+    t: &T,
+    start: Control,
+    depth: usize,
+    segs: &[Segment<'_>],
+) -> PerfResult<BwRow> {
+    let (size, iters) = match start {
+        Control::BwStart { size, iters } | Control::BwStartToGpu { size, iters, .. } => {
+            (size, iters)
+        }
+        other => return Err(format!("internal: {other:?} starts no bandwidth test")),
+    };
     if depth == 0 {
         return Err("--tx-depth must be at least 1".into());
     }
-    send_control(t, SERVER_ID, Control::BwStart { size, iters }, &[]).await?;
+    send_control(t, SERVER_ID, start, &[]).await?;
     expect_ready(t).await?;
     let meta = Control::BwData.encode();
     let meta = &meta[..];

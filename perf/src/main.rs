@@ -582,7 +582,8 @@ async fn measure(
                 }
                 if let Some((ordinal, source)) = &gpu {
                     let from_gpu = gpu_run(source, t, size, iters, args.tx_depth).await?;
-                    gpu_rows.push(report::GpuBwRow::new(*ordinal, &row, &from_gpu));
+                    let to_gpu = bw::run_to_gpu(t, size, iters, args.tx_depth, *ordinal).await?;
+                    gpu_rows.push(report::GpuBwRow::new(*ordinal, &row, &from_gpu, &to_gpu));
                 }
                 if args.json {
                     report::json_line(&context, &row)

@@ -23,12 +23,15 @@ pub enum Control {
     Ping,
     /// Client: finished, the server may exit.
     Bye,
+    /// Client: a bandwidth test as [`Control::BwStart`], each message received into GPU
+    /// `gpu`'s memory on the server (placed there as it arrives).
+    BwStartToGpu { size: u64, iters: u64, gpu: u64 },
 }
 
 impl Control {
     /// The metadata bytes.
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = LeWriter::with_capacity(17);
+        let mut w = LeWriter::with_capacity(25);
         match *self {
             Control::BwStart { size, iters } => w.u8(1).u64(size).u64(iters),
             Control::BwData => w.u8(2),
@@ -40,6 +43,7 @@ impl Control {
             Control::LatStart { size } => w.u8(5).u64(size),
             Control::Ping => w.u8(6),
             Control::Bye => w.u8(7),
+            Control::BwStartToGpu { size, iters, gpu } => w.u8(8).u64(size).u64(iters).u64(gpu),
         };
         w.into_vec()
     }
@@ -51,6 +55,7 @@ impl Control {
         let expected = match op {
             1 | 4 => 16,
             5 => 8,
+            8 => 24,
             2 | 3 | 6 | 7 => 0,
             _ => return Err(format!("unknown control message {op}")),
         };
@@ -77,7 +82,12 @@ impl Control {
                 size: word(&mut r)?,
             },
             6 => Control::Ping,
-            _ => Control::Bye,
+            7 => Control::Bye,
+            _ => Control::BwStartToGpu {
+                size: word(&mut r)?,
+                iters: word(&mut r)?,
+                gpu: word(&mut r)?,
+            },
         })
     }
 }
@@ -103,6 +113,11 @@ mod tests {
             Control::LatStart { size: 64 },
             Control::Ping,
             Control::Bye,
+            Control::BwStartToGpu {
+                size: 1 << 20,
+                iters: 3,
+                gpu: 1,
+            },
         ] {
             assert_eq!(Control::decode(&c.encode()), Ok(c));
         }

@@ -381,11 +381,18 @@ pub struct GpuBwRow {
     pub gpu_bw_gbit_s: f64,
     /// `gpu_bw / host_bw`.
     pub gpu_vs_host: f64,
+    /// Average from host memory into the server's GPU memory (placed as it arrives), 2^20
+    /// bytes per second.
+    pub to_gpu_bw_mib_s: f64,
+    /// The same, 10^9 bits per second.
+    pub to_gpu_bw_gbit_s: f64,
+    /// `to_gpu_bw / host_bw`.
+    pub to_gpu_vs_host: f64,
 }
 
 impl GpuBwRow {
-    /// The pair of rows measured for one size.
-    pub fn new(gpu: usize, host: &BwRow, from_gpu: &BwRow) -> Self {
+    /// The rows measured for one size: host to host, GPU to host, host to GPU.
+    pub fn new(gpu: usize, host: &BwRow, from_gpu: &BwRow, to_gpu: &BwRow) -> Self {
         GpuBwRow {
             row: "bw_gpu",
             gpu,
@@ -396,11 +403,15 @@ impl GpuBwRow {
             host_bw_gbit_s: host.bw_avg_gbit_s,
             gpu_bw_gbit_s: from_gpu.bw_avg_gbit_s,
             gpu_vs_host: from_gpu.bw_avg_mib_s / host.bw_avg_mib_s,
+            to_gpu_bw_mib_s: to_gpu.bw_avg_mib_s,
+            to_gpu_bw_gbit_s: to_gpu.bw_avg_gbit_s,
+            to_gpu_vs_host: to_gpu.bw_avg_mib_s / host.bw_avg_mib_s,
         }
     }
 }
 
-/// The `bw --gpu` table: each size's average from host and from GPU memory, and their ratio.
+/// The `bw --gpu` table: each size's average from host memory, from GPU memory and into the
+/// server's GPU memory, and the GPU rows' ratios to the host row.
 /// `ring` is `PSNET_SHM_RING`: device messages never take the same-host ring, so host and GPU
 /// rows compare like with like only at 0 (what `--loopback --gpu` sets when it is unset).
 pub fn gpu_bw_table(rows: &[GpuBwRow], unit: BwUnit, ring: &str) -> String {
@@ -409,7 +420,10 @@ pub fn gpu_bw_table(rows: &[GpuBwRow], unit: BwUnit, ring: &str) -> String {
         BwUnit::GbitPerSec => "[Gb/sec]",
     };
     let gpu = rows.first().map_or(0, |r| r.gpu);
-    let mut out = format!(" From GPU {gpu} memory, right after each size from host memory\n");
+    let mut out = format!(
+        " From GPU {gpu} memory, and into the server's GPU {gpu} memory (placed as it arrives), \
+         right after each size from host memory\n"
+    );
     out += &if ring.trim() == "0" {
         " Sockets for both (PSNET_SHM_RING=0); GPU messages staged through page-locked buffers\n"
             .to_string()
@@ -420,21 +434,23 @@ pub fn gpu_bw_table(rows: &[GpuBwRow], unit: BwUnit, ring: &str) -> String {
         )
     };
     out += &format!(
-        " {:<10} {:<13} {:<18} {:<18} {}\n",
+        " {:<10} {:<13} {:<18} {:<22} {:<20} {:<10} {}\n",
         "#bytes",
         "#iterations",
         format!("host BW{label}"),
-        format!("GPU BW{label}"),
-        "GPU/host"
+        format!("from GPU BW{label}"),
+        format!("to GPU BW{label}"),
+        "from/host",
+        "to/host"
     );
     for r in rows {
-        let (host, gpu) = match unit {
-            BwUnit::MibPerSec => (r.host_bw_mib_s, r.gpu_bw_mib_s),
-            BwUnit::GbitPerSec => (r.host_bw_gbit_s, r.gpu_bw_gbit_s),
+        let (host, gpu, to_gpu) = match unit {
+            BwUnit::MibPerSec => (r.host_bw_mib_s, r.gpu_bw_mib_s, r.to_gpu_bw_mib_s),
+            BwUnit::GbitPerSec => (r.host_bw_gbit_s, r.gpu_bw_gbit_s, r.to_gpu_bw_gbit_s),
         };
         out += &format!(
-            " {:<10} {:<13} {:<18.2} {:<18.2} {:.3}\n",
-            r.bytes, r.iterations, host, gpu, r.gpu_vs_host
+            " {:<10} {:<13} {:<18.2} {:<22.2} {:<20.2} {:<10.3} {:.3}\n",
+            r.bytes, r.iterations, host, gpu, to_gpu, r.gpu_vs_host, r.to_gpu_vs_host
         );
     }
     out + RULE + "\n"
@@ -449,12 +465,18 @@ mod tests {
     fn gpu_rows_give_the_ratio_and_say_what_was_compared() {
         let host = BwRow::new(1 << 20, 100, 0.1, None);
         let gpu = BwRow::new(1 << 20, 100, 0.125, None);
-        let row = GpuBwRow::new(0, &host, &gpu);
+        let to_gpu = BwRow::new(1 << 20, 100, 0.16, None);
+        let row = GpuBwRow::new(0, &host, &gpu, &to_gpu);
         assert!((row.gpu_vs_host - 0.8).abs() < 1e-12, "{row:?}");
+        assert!((row.to_gpu_vs_host - 0.625).abs() < 1e-12, "{row:?}");
         assert_eq!(row.host_bw_mib_s, 1000.0);
         let table = gpu_bw_table(std::slice::from_ref(&row), BwUnit::MibPerSec, "0");
         assert!(table.contains("Sockets for both"), "{table}");
         assert!(table.contains("1000.00") && table.contains("800.00") && table.contains("0.800"));
+        assert!(
+            table.contains("625.00") && table.contains("0.625"),
+            "{table}"
+        );
         let table = gpu_bw_table(&[row], BwUnit::MibPerSec, "67108864");
         assert!(table.contains("set PSNET_SHM_RING=0"), "{table}");
     }

@@ -7,11 +7,32 @@ use psnet::transport::{Event, OutMessage, Transport};
 use crate::protocol::Control;
 use crate::session::{send_control, PerfResult, CLIENT_ID};
 
+#[cfg(feature = "cuda")]
+use crate::bw_gpu::GpuSink;
+
+/// Without the `cuda` feature no test can ask for GPU memory.
+#[cfg(not(feature = "cuda"))]
+#[derive(Default)]
+struct GpuSink {
+    _nothing: (),
+}
+
+#[cfg(not(feature = "cuda"))]
+impl GpuSink {
+    fn arm<T: Transport>(&mut self, _: &T, _: u64, _: u64) -> PerfResult<()> {
+        Err(crate::kv::GPU_FEATURE.into())
+    }
+
+    fn disarm(&self) {}
+}
+
 /// Counts one bandwidth test's messages and their arrival times.
 struct BwRound {
     size: u64,
     iters: u64,
     arrivals: Vec<Instant>,
+    /// The messages are placed in GPU memory as they arrive.
+    to_gpu: bool,
 }
 
 impl BwRound {
@@ -32,6 +53,7 @@ impl BwRound {
 /// Serves one client: bandwidth rounds, echoes of pings, until `Bye` or the client's loss.
 pub async fn serve_one_client<T: Transport>(t: &T) -> PerfResult<()> {
     let mut round: Option<BwRound> = None;
+    let mut sink = GpuSink::default();
     loop {
         let m = match t.recv().await.map_err(|e| e.to_string())? {
             Event::Message(m) => m,
@@ -49,6 +71,17 @@ pub async fn serve_one_client<T: Transport>(t: &T) -> PerfResult<()> {
                     size,
                     iters,
                     arrivals: Vec::with_capacity(iters.min(1 << 20) as usize),
+                    to_gpu: false,
+                });
+                send_control(t, CLIENT_ID, Control::Ready, &[]).await?;
+            }
+            Control::BwStartToGpu { size, iters, gpu } => {
+                sink.arm(t, size, gpu)?;
+                round = Some(BwRound {
+                    size,
+                    iters,
+                    arrivals: Vec::with_capacity(iters.min(1 << 20) as usize),
+                    to_gpu: true,
                 });
                 send_control(t, CLIENT_ID, Control::Ready, &[]).await?;
             }
@@ -56,7 +89,23 @@ pub async fn serve_one_client<T: Transport>(t: &T) -> PerfResult<()> {
                 let Some(r) = round.as_mut() else {
                     return Err("bandwidth data before BwStart".into());
                 };
-                let got: u64 = m.segments.iter().map(|s| s.len() as u64).sum();
+                let got = match (&m.placed, r.to_gpu) {
+                    (None, false) => m.segments.iter().map(|s| s.len() as u64).sum(),
+                    (Some(placed), true) => {
+                        if let Err(e) = &placed.result {
+                            return Err(format!("placing a message in GPU memory: {e}"));
+                        }
+                        placed.len
+                    }
+                    (None, true) => {
+                        return Err("a message for GPU memory arrived in host memory (the \
+                                    transport did not place it)"
+                            .into())
+                    }
+                    (Some(_), false) => {
+                        return Err("a message for host memory was placed in GPU memory".into())
+                    }
+                };
                 if got != r.size {
                     return Err(format!(
                         "bandwidth message of {got} bytes, expected {}",
@@ -66,6 +115,9 @@ pub async fn serve_one_client<T: Transport>(t: &T) -> PerfResult<()> {
                 r.arrivals.push(Instant::now());
                 if r.arrivals.len() as u64 == r.iters {
                     let r = round.take().expect("round is set");
+                    if r.to_gpu {
+                        sink.disarm();
+                    }
                     let elapsed = r
                         .arrivals
                         .last()
@@ -112,6 +164,7 @@ mod tests {
             size: 1000,
             iters: 20,
             arrivals,
+            to_gpu: false,
         };
         // Window of 2 messages over 2 ms = 1e6 bytes/s.
         assert!(

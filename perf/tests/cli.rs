@@ -620,6 +620,11 @@ fn bandwidth_from_gpu_memory_beside_host_memory_or_why_not() {
     let ratio = f64_of(&gpu_row, "gpu_vs_host");
     let expected = f64_of(&gpu_row, "gpu_bw_mib_s") / f64_of(&gpu_row, "host_bw_mib_s");
     assert!((ratio - expected).abs() < 1e-9, "{gpu_row}");
+    // Into the server's GPU memory, placed as each message arrives.
+    assert!(f64_of(&gpu_row, "to_gpu_bw_mib_s") > 0.0, "{gpu_row}");
+    let ratio = f64_of(&gpu_row, "to_gpu_vs_host");
+    let expected = f64_of(&gpu_row, "to_gpu_bw_mib_s") / f64_of(&gpu_row, "host_bw_mib_s");
+    assert!((ratio - expected).abs() < 1e-9, "{gpu_row}");
 }
 
 #[test]
