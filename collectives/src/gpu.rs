@@ -261,12 +261,19 @@ impl<T: Transport> Communicator<T> {
     ) -> Result<(), CollectiveError> {
         let kind = device_element(E::DTYPE);
         // Armed before the call's turn: pieces that other ranks send early are placed too.
-        let armed = self.placing.arm(
-            &*self.transport,
-            self.comm,
-            ticket.seq,
-            on_device.landings.clone(),
-        );
+        let armed = prepared.as_ref().ok().and_then(|(_, plan)| {
+            let expected = plan
+                .receives()
+                .map(|(rank, tag, len)| ((self.members[rank], tag), len))
+                .collect();
+            self.placing.arm(
+                &*self.transport,
+                self.comm,
+                ticket.seq,
+                on_device.landings.clone(),
+                expected,
+            )
+        });
         let whole = buf.slice_mut(..);
         let split = |plan: &Plan| {
             let views =

@@ -1,9 +1,9 @@
 //! Received pieces of calls on the device, placed in device memory by the transport as they
 //! arrive (see `psnet_transport::placement`; with feature `cuda`, in a `CudaLanding`).
 //!
-//! A call that reduces on the device arms itself here before it runs: from then on, every
-//! piece that arrives for it gets device memory of its length from the call's
-//! [`LandingSource`], which the transport fills
+//! A call that reduces on the device arms itself here before it runs, with the pieces its
+//! plan receives (sender, tag, length): from then on, each of those pieces that arrives gets
+//! device memory of its length from the call's [`LandingSource`], once, which the transport fills
 //! chunk by chunk from its staging buffers (over TCP, chunk k crosses PCIe while chunk k+1 is
 //! read off the socket). The call's reduction then reads the piece from there: no copy of
 //! the whole piece waits until the piece has fully arrived. Pieces that arrived before the
@@ -32,8 +32,10 @@ pub(crate) trait LandingSource: Send + Sync + 'static {
 
 /// Armed calls by communicator and call number.
 type Calls<S> = HashMap<(u32, u64), Arc<CallLandings<S>>>;
-/// Placed pieces by sender and tag.
-type Landed<L> = HashMap<(NodeId, u64), Arc<L>>;
+/// Pieces a call expects, by sender and tag: their lengths in bytes.
+pub(crate) type Expected = HashMap<(NodeId, u64), usize>;
+/// Placed pieces by sender and tag; None once the piece was taken (it is not placed again).
+type Landed<L> = HashMap<(NodeId, u64), Option<Arc<L>>>;
 
 /// The calls armed on one transport, and whether it places at all: the transport's
 /// [`Placer`].
@@ -56,13 +58,18 @@ impl<S: LandingSource> Default for Placing<S> {
 /// One armed call's device memory: where its pieces are placed, by sender and tag.
 pub(crate) struct CallLandings<S: LandingSource> {
     source: Arc<S>,
+    /// The pieces the call's plan receives; only these are placed, each once, so a peer
+    /// cannot make this side allocate device memory the call does not need.
+    expected: Expected,
     placed: Mutex<Landed<S::Landing>>,
 }
 
 impl<S: LandingSource> CallLandings<S> {
     /// The landing the piece from `from` with `tag` was placed in, taken (each is read once).
     pub(crate) fn take(&self, from: NodeId, tag: u64) -> Option<Arc<S::Landing>> {
-        lock(&self.placed).remove(&(from, tag))
+        lock(&self.placed)
+            .get_mut(&(from, tag))
+            .and_then(Option::take)
     }
 }
 
@@ -89,6 +96,7 @@ impl<S: LandingSource> Placing<S> {
         comm: u32,
         seq: u64,
         source: Arc<S>,
+        expected: Expected,
     ) -> Option<Armed<S>> {
         let places = *self
             .installed
@@ -98,6 +106,7 @@ impl<S: LandingSource> Placing<S> {
         }
         let call = Arc::new(CallLandings {
             source,
+            expected,
             placed: Mutex::default(),
         });
         lock(&self.calls).insert((comm, seq), call.clone());
@@ -119,15 +128,28 @@ impl<S: LandingSource> Placer for Placing<S> {
             return None;
         }
         let call = lock(&self.calls).get(&(header.comm, header.seq))?.clone();
+        let key = (peer, header.tag);
+        // Not a piece of the plan, or not of its length: host bytes, which the plan refuses
+        // with the reason.
+        let len = usize::try_from(len).ok()?;
+        if call.expected.get(&key) != Some(&len) {
+            return None;
+        }
+        let mut placed = lock(&call.placed);
+        // The same piece twice: the second comes as host bytes (and the plan refuses it); the
+        // first keeps its landing.
+        let std::collections::hash_map::Entry::Vacant(slot) = placed.entry(key) else {
+            return None;
+        };
         // No device memory to be had: the piece comes as host bytes instead.
-        let landing = match call.source.take(usize::try_from(len).ok()?) {
+        let landing = match call.source.take(len) {
             Ok(landing) => landing,
             Err(e) => {
                 tracing::debug!(error = %e, "no device memory to place a received piece in");
                 return None;
             }
         };
-        lock(&call.placed).insert((peer, header.tag), landing.clone());
+        slot.insert(Some(landing.clone()));
         Some(Placement {
             segment: 0,
             dest: landing,

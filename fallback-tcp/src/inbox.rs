@@ -92,7 +92,9 @@ impl Inbox {
     /// wants one: copied to the device from there ([`DevicePath::Copied`]).
     pub(crate) async fn place_arrived(&self, mut msg: Incoming) -> Incoming {
         if let Some(placer) = self.placer() {
-            if let Some(ordinal) = placement::place_arrived(&mut msg, &*placer).await {
+            if let Some(ordinal) =
+                placement::place_arrived(&mut msg, &*placer, self.stage_chunk).await
+            {
                 self.placed_paths
                     .note_received("tcp", msg.peer, ordinal, DevicePath::Copied);
             }

@@ -6,8 +6,8 @@ use std::sync::{Arc, RwLock};
 
 use bytes::Bytes;
 use psnet_transport::auth;
-use psnet_transport::device::{copy_all, DevicePath, PathLog};
-use psnet_transport::placement::{self, Placer};
+use psnet_transport::device::{copy_all, DevicePath, PathLog, DEFAULT_STAGE_CHUNK};
+use psnet_transport::placement::{Placer, PlacingSlot};
 use psnet_transport::{
     Admission, Capabilities, CodecError, Event, Incoming, NodeId, OutMessage, RegisteredBuf,
     Transport, TransportError,
@@ -25,6 +25,8 @@ pub struct MemTransport {
     device_paths: PathLog,
     /// Chooses device memory for arriving segments (`Transport::set_placer`).
     placer: RwLock<Option<Arc<dyn Placer>>>,
+    /// A received message being placed, kept across `recv` calls.
+    placing: PlacingSlot,
 }
 
 /// What a waiting call does after looking at the network.
@@ -42,6 +44,7 @@ impl MemTransport {
             addr,
             device_paths: PathLog::default(),
             placer: RwLock::new(None),
+            placing: PlacingSlot::default(),
         }
     }
 
@@ -67,14 +70,16 @@ impl MemTransport {
         .await
     }
 
-    /// Puts the segment `placer` chooses into its device memory. Messages arrive whole here,
-    /// so the segment is copied after it arrived ([`DevicePath::Copied`]).
-    async fn place(&self, mut m: Incoming, placer: &dyn Placer) -> Incoming {
-        if let Some(ordinal) = placement::place_arrived(&mut m, placer).await {
+    /// Ends the placement under way, if any (a `recv` dropped during one left it): messages
+    /// arrive whole here, so the segment is copied there after it arrived
+    /// ([`DevicePath::Copied`]).
+    async fn finish_placing(&self) -> Option<Event> {
+        let (m, ordinal) = self.placing.finish().await?;
+        if let Some(ordinal) = ordinal {
             self.device_paths
                 .note_received("mem", m.peer, ordinal, DevicePath::Copied);
         }
-        m
+        Some(Event::Message(m))
     }
 
     /// The network this endpoint is on.
@@ -335,6 +340,9 @@ impl Transport for MemTransport {
     }
 
     async fn recv(&self) -> Result<Event, TransportError> {
+        if let Some(placed) = self.finish_placing().await {
+            return Ok(placed);
+        }
         let event = self.next_event().await?;
         let placer = self
             .placer
@@ -342,7 +350,13 @@ impl Transport for MemTransport {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         match (event, placer) {
-            (Event::Message(m), Some(placer)) => Ok(Event::Message(self.place(m, &*placer).await)),
+            (Event::Message(m), Some(placer)) => {
+                self.placing.start(m, placer, DEFAULT_STAGE_CHUNK);
+                match self.finish_placing().await {
+                    Some(placed) => Ok(placed),
+                    None => unreachable!("a placement was just started"),
+                }
+            }
             (event, _) => Ok(event),
         }
     }

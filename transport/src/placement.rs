@@ -12,20 +12,24 @@
 //! that segment empty and [`Incoming::placed`](crate::Incoming::placed) saying where it went
 //! and whether the copies succeeded.
 //!
-//! A placement is an offer, never a promise: a transport without the ability, the same-host
-//! shared-memory path, or a placement whose length differs from the segment's delivers host
-//! bytes as before (with `placed` unset), and the receiver copies them itself. Receivers must
-//! handle both.
+//! A transport that receives whole messages (the same-host shared-memory path, RDMA's
+//! registered buffers, the in-memory network) copies the segment there once it has arrived
+//! ([`place_arrived`]). A placement is an offer, never a promise: a transport without the
+//! ability, or a placement whose length differs from the segment's, delivers host bytes as
+//! before (with `placed` unset), and the receiver copies them itself. Receivers must handle
+//! both.
 
 use std::fmt;
-use std::future::Future;
+use std::future::{poll_fn, Future};
 use std::io;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 
 use smallvec::SmallVec;
 
-use crate::device::{join, CopyFuture, DeviceError, NicRegion, StagingBuf, DEFAULT_STAGE_CHUNK};
+use crate::device::{join, CopyFuture, DeviceError, NicRegion, StagingBuf};
 use crate::message::Incoming;
 use crate::node::NodeId;
 
@@ -122,7 +126,7 @@ pub async fn stream_from_source(
         return Ok(Ok(()));
     }
     let chunk = chunk.clamp(1, total);
-    let mut cur = match dest.staging(chunk) {
+    let mut cur = match staging(dest, chunk) {
         Ok(buf) => buf,
         Err(e) => {
             drain(source, total, chunk).await?;
@@ -155,7 +159,7 @@ pub async fn stream_from_source(
         at += len;
         cur = match spare.take() {
             Some(buf) => buf,
-            None if at < total => match dest.staging(chunk) {
+            None if at < total => match staging(dest, chunk) {
                 Ok(buf) => buf,
                 Err(e) => {
                     // The queued copy still owns its buffer: let it finish first.
@@ -176,6 +180,18 @@ pub async fn stream_from_source(
     }
 }
 
+/// A staging buffer of at least `chunk` bytes from `dest`; an error for a shorter one.
+fn staging(dest: &dyn DeviceDest, chunk: usize) -> Result<StagingBuf, DeviceError> {
+    let buf = dest.staging(chunk)?;
+    if buf.len() < chunk {
+        return Err(DeviceError {
+            ordinal: dest.ordinal(),
+            reason: format!("a staging buffer of {} bytes, {chunk} asked", buf.len()),
+        });
+    }
+    Ok(buf)
+}
+
 /// Reads and drops `len` bytes of `source`, `chunk` at a time.
 async fn drain(source: &mut impl ChunkSource, len: usize, chunk: usize) -> io::Result<()> {
     let mut scratch = vec![0u8; chunk.min(len)];
@@ -189,7 +205,7 @@ async fn drain(source: &mut impl ChunkSource, len: usize, chunk: usize) -> io::R
 }
 
 /// Places a segment already in host memory into `dest` (a transport that receives whole
-/// messages, like the in-memory one), through one staging buffer of `chunk` bytes.
+/// messages, like the in-memory one), through two staging buffers of `chunk` bytes.
 pub async fn copy_into(
     dest: &dyn DeviceDest,
     bytes: &[u8],
@@ -206,22 +222,87 @@ pub async fn copy_into(
 }
 
 /// Places the segment `placer` chooses of a message that arrived whole in host memory (an
-/// in-memory network, a same-host shared-memory ring): copies it into the device memory,
-/// empties it and sets [`Incoming::placed`]. Returns the device's ordinal when it placed one,
-/// for the path log.
-pub async fn place_arrived(m: &mut Incoming, placer: &dyn Placer) -> Option<u32> {
+/// in-memory network, a same-host shared-memory ring, RDMA's registered buffers): copies it
+/// into the device memory through staging buffers of `chunk` bytes, empties it and sets
+/// [`Incoming::placed`]. Returns the device's ordinal when it placed one, for the path log.
+pub async fn place_arrived(m: &mut Incoming, placer: &dyn Placer, chunk: usize) -> Option<u32> {
     let lens: SmallVec<[u64; 8]> = m.segments.iter().map(|s| s.len() as u64).collect();
     let p = placer
         .place(m.peer, &m.meta, &lens)
         .filter(|p| fits(p, &lens))?;
     let bytes = std::mem::take(&mut m.segments[p.segment]);
-    let result = copy_into(&*p.dest, &bytes, DEFAULT_STAGE_CHUNK).await;
+    let result = copy_into(&*p.dest, &bytes, chunk).await;
     m.placed = Some(Placed {
         segment: p.segment,
         len: lens[p.segment],
         result,
     });
     Some(p.dest.ordinal())
+}
+
+/// A placement under way, owned by the transport rather than by a `recv` call: a transport
+/// whose `recv` places a message after taking it off its queue ([`place_arrived`]) keeps it
+/// here, so that a `recv` dropped half-way (a timeout, a lost `select!`) leaves it to the next
+/// call instead of losing the message.
+#[derive(Default)]
+pub struct PlacingSlot {
+    slot: Mutex<Option<Placing>>,
+}
+
+/// A placement's future: the message, and the device it was placed on.
+type Placing = Pin<Box<dyn Future<Output = (Incoming, Option<u32>)> + Send>>;
+
+impl PlacingSlot {
+    /// Starts placing `m`'s segment that `placer` chooses, through `chunk`-byte staging
+    /// buffers; [`PlacingSlot::finish`] ends it.
+    pub fn start(&self, m: Incoming, placer: Arc<dyn Placer>, chunk: usize) {
+        let placing: Placing = Box::pin(async move {
+            let mut m = m;
+            let ordinal = place_arrived(&mut m, &*placer, chunk).await;
+            (m, ordinal)
+        });
+        *lock(&self.slot) = Some(placing);
+    }
+
+    /// Finishes the placement under way, if any: the message, and the device it was placed on
+    /// (None if the placer left it in host memory).
+    pub async fn finish(&self) -> Option<(Incoming, Option<u32>)> {
+        let placing = lock(&self.slot).take()?;
+        let mut back = PutBack {
+            slot: &self.slot,
+            placing: Some(placing),
+        };
+        Some(poll_fn(|cx| back.poll(cx)).await)
+    }
+}
+
+/// Polls a placement; puts it back in its slot if dropped before it ended.
+struct PutBack<'s> {
+    slot: &'s Mutex<Option<Placing>>,
+    placing: Option<Placing>,
+}
+
+impl PutBack<'_> {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<(Incoming, Option<u32>)> {
+        let Some(placing) = self.placing.as_mut() else {
+            unreachable!("polled after it ended")
+        };
+        let out = std::task::ready!(placing.as_mut().poll(cx));
+        self.placing = None;
+        Poll::Ready(out)
+    }
+}
+
+impl Drop for PutBack<'_> {
+    fn drop(&mut self) {
+        if let Some(placing) = self.placing.take() {
+            *lock(self.slot) = Some(placing);
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A [`ChunkSource`] over bytes in memory.

@@ -77,18 +77,27 @@ async fn next_message(t: &MemTransport) -> Incoming {
 async fn pieces_of_an_armed_call_are_placed_and_found_by_sender_and_tag() {
     let (a, b) = pair().await;
     let placing = Arc::new(Placing::<Source>::default());
+    let expected = [11, 12, 13, 14]
+        .map(|tag| ((NodeId(1), tag), 256))
+        .into_iter()
+        .collect();
+    let source = Arc::new(Source::default());
     let armed = placing
-        .arm(&b, 7, 3, Arc::new(Source::default()))
+        .arm(&b, 7, 3, source.clone(), expected)
         .expect("memnet places");
     let piece: Vec<u8> = (0..256).map(|i| i as u8).collect();
     send(&a, &header(Kind::Data, 7, 3, 11), &[&piece]).await;
     // Not this call: another call number, another communicator, not a piece, two segments,
-    // an empty piece.
+    // an empty piece, a tag the plan does not receive, a piece of another length, the same
+    // piece again.
     send(&a, &header(Kind::Data, 7, 4, 11), &[&piece]).await;
     send(&a, &header(Kind::Data, 8, 3, 11), &[&piece]).await;
     send(&a, &header(Kind::Abort, 7, 3, 11), &[b"why"]).await;
     send(&a, &header(Kind::Data, 7, 3, 12), &[&piece, &piece]).await;
     send(&a, &header(Kind::Data, 7, 3, 13), &[b""]).await;
+    send(&a, &header(Kind::Data, 7, 3, 99), &[&piece]).await;
+    send(&a, &header(Kind::Data, 7, 3, 14), &[&piece[..255]]).await;
+    send(&a, &header(Kind::Data, 7, 3, 11), &[&[7u8; 256]]).await;
 
     let m = next_message(&b).await;
     let placed = m.placed.expect("placed");
@@ -100,10 +109,15 @@ async fn pieces_of_an_armed_call_are_placed_and_found_by_sender_and_tag() {
         .expect("found by sender and tag");
     assert_eq!(landing.bytes(), piece);
     assert!(armed.call.take(NodeId(1), 11).is_none(), "taken once");
-    for _ in 0..5 {
+    for _ in 0..8 {
         let m = next_message(&b).await;
         assert_eq!(m.placed, None, "{:?} placed", Header::decode(&m.meta));
     }
+    assert_eq!(
+        source.taken.load(Ordering::Relaxed),
+        1,
+        "device memory only for the expected piece"
+    );
 }
 
 #[tokio::test]
@@ -114,7 +128,10 @@ async fn a_disarmed_call_and_a_source_out_of_memory_leave_pieces_in_host_memory(
         limit: Some(1),
         ..Source::default()
     });
-    let armed = placing.arm(&b, 1, 1, source).expect("memnet places");
+    let expected = (1..=3).map(|tag| ((NodeId(1), tag), 64)).collect();
+    let armed = placing
+        .arm(&b, 1, 1, source, expected)
+        .expect("memnet places");
     let piece = [5u8; 64];
     send(&a, &header(Kind::Data, 1, 1, 1), &[&piece]).await;
     send(&a, &header(Kind::Data, 1, 1, 2), &[&piece]).await;
@@ -143,7 +160,7 @@ async fn a_transport_that_does_not_place_arms_nothing() {
     let placing = Arc::new(Placing::<Source>::default());
     for seq in 0..3 {
         assert!(placing
-            .arm(&t, 1, seq, Arc::new(Source::default()))
+            .arm(&t, 1, seq, Arc::new(Source::default()), Expected::new())
             .is_none());
     }
     assert!(lock(&placing.calls).is_empty());

@@ -202,6 +202,16 @@ impl Plan {
         self.left
     }
 
+    /// Every piece this plan receives: the sender's rank, the tag and the length in bytes.
+    pub(crate) fn receives(&self) -> impl Iterator<Item = (usize, u64, usize)> + '_ {
+        self.ops.iter().filter_map(|op| match op.kind {
+            Kind::Recv { from, .. } => {
+                Some((from, op.tag, self.pieces[op.piece].len() * self.elem_size))
+            }
+            Kind::Send { .. } => None,
+        })
+    }
+
     /// The ranks this plan still expects a piece from.
     pub(crate) fn awaited_ranks(&self) -> Vec<usize> {
         let mut ranks: Vec<usize> = self

@@ -7,7 +7,11 @@
 //! copies out). Once the message is delivered its bytes are on the device, and a kernel
 //! reads them from [`CudaLanding::view`] (the reduction of a received piece).
 
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
@@ -53,14 +57,20 @@ impl CudaLandings {
         let mem = match pooled {
             Some(mem) => mem,
             None => {
+                let size = len
+                    .max(1)
+                    .checked_next_power_of_two()
+                    .ok_or_else(|| CompressionError::Cuda(format!("a landing of {len} bytes")))?;
                 let stream = self.stager.stream();
                 guarded("allocating device memory for received pieces", || {
-                    stream.alloc_zeros::<u8>(len.max(1).next_power_of_two())
+                    stream.alloc_zeros::<u8>(size)
                 })?
             }
         };
-        // Taken once: the copies in address the memory by pointer, and the kernel that reads
-        // it runs after they completed (the message is delivered only then).
+        // Taken once: the copies in address the memory by pointer, untracked by cudarc's
+        // events. That is sound because a kernel reads the landing only after the message
+        // was delivered, which happens once every copy's event has fired, and the reader
+        // waits for its kernel before the landing can be dropped and reused.
         let ptr = {
             let (ptr, _recorded) = mem.device_ptr(self.stager.stream());
             ptr
@@ -69,6 +79,7 @@ impl CudaLandings {
             mem: Some(mem),
             ptr,
             len,
+            in_flight: Arc::default(),
             stager: self.stager.clone(),
             pool: self.pool.clone(),
         }))
@@ -76,13 +87,16 @@ impl CudaLandings {
 }
 
 /// `len` bytes of device memory a transport places a received segment into (see
-/// [`CudaLandings`]). Dropped, it waits for the copies queued into it, then goes back to the
-/// pool.
+/// [`CudaLandings`]). Dropped, it goes back to the pool (after waiting for the stream if a
+/// copy's future was leaked while the copy ran).
 pub struct CudaLanding {
     mem: Option<CudaSlice<u8>>,
     /// `mem`'s first byte.
     ptr: CUdeviceptr,
     len: usize,
+    /// Copies in whose futures have not ended (completed or dropped): more than zero at
+    /// drop only if one was leaked, which may still be writing.
+    in_flight: Arc<AtomicUsize>,
     stager: Arc<CudaStager>,
     pool: Arc<Mutex<Vec<CudaSlice<u8>>>>,
 }
@@ -124,22 +138,51 @@ impl DeviceDest for CudaLanding {
     }
 
     fn copy_from_host(&self, offset: usize, len: usize, buf: StagingBuf) -> CopyFuture<'_> {
-        AsyncCopy::boxed(
+        let copy = AsyncCopy::boxed(
             &self.stager,
             Direction::ToDevice,
             (self.ptr, self.len),
             offset,
             len,
             buf,
-        )
+        );
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        Box::pin(Counted {
+            copy,
+            in_flight: &self.in_flight,
+        })
+    }
+}
+
+/// A copy in, counted in its landing's `in_flight` until its future ends.
+struct Counted<'l> {
+    copy: CopyFuture<'l>,
+    in_flight: &'l AtomicUsize,
+}
+
+impl Future for Counted<'_> {
+    type Output = Result<StagingBuf, DeviceError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.copy.as_mut().poll(cx)
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        // Completed, or dropped (the copy's own drop then waits for a copy still running,
+        // before the landing, which this borrows, can go).
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
 impl Drop for CudaLanding {
     fn drop(&mut self) {
         // A copy whose future was leaked may still be writing: none may reach the memory
-        // once someone else has it.
-        let _ = self.stager.stream().synchronize();
+        // once someone else has it. (Copies whose futures ended are done.)
+        if self.in_flight.load(Ordering::Acquire) > 0 {
+            let _ = self.stager.stream().synchronize();
+        }
         if let Some(mem) = self.mem.take() {
             let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
             if pool.len() < POOL_MAX {

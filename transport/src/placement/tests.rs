@@ -4,6 +4,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::device::yield_once;
+use crate::message::Incoming;
 
 fn pattern(len: usize) -> Vec<u8> {
     (0..len).map(|i| (i * 13 + i / 253) as u8).collect()
@@ -207,4 +208,72 @@ proptest! {
             }
         }
     }
+}
+
+/// Places segment 0 of every message in a fresh landing it keeps.
+#[derive(Default)]
+struct KeepAll(Mutex<Vec<Arc<SimulatedLanding>>>);
+
+impl Placer for KeepAll {
+    fn place(&self, _: NodeId, _: &[u8], lens: &[u64]) -> Option<Placement> {
+        let landing = Arc::new(SimulatedLanding::new(lens[0] as usize, 0));
+        self.0.lock().unwrap().push(landing.clone());
+        Some(Placement {
+            segment: 0,
+            dest: landing,
+        })
+    }
+}
+
+#[test]
+fn a_placement_survives_a_dropped_finish() {
+    let data = pattern(10_000);
+    let m = Incoming {
+        peer: NodeId(4),
+        meta: bytes::Bytes::from_static(b"m"),
+        segments: [bytes::Bytes::from(data.clone())].into_iter().collect(),
+        placed: None,
+    };
+    let placer = Arc::new(KeepAll::default());
+    let slot = PlacingSlot::default();
+    slot.start(m, placer.clone(), 1000);
+    // Polled once (its first copy pending), then dropped: a recv cancelled half-way.
+    {
+        let mut finishing = std::pin::pin!(slot.finish());
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(finishing.as_mut().poll(&mut cx).is_pending());
+    }
+    let (m, ordinal) = block_on(slot.finish()).expect("the placement is still there");
+    assert_eq!(ordinal, Some(0));
+    assert_eq!(m.placed.map(|p| p.result), Some(Ok(())));
+    assert!(m.segments[0].is_empty());
+    assert_eq!(placer.0.lock().unwrap()[0].bytes(), data);
+    assert!(block_on(slot.finish()).is_none(), "finished once");
+}
+
+#[test]
+fn a_short_staging_buffer_is_a_device_error_not_a_panic() {
+    #[derive(Debug)]
+    struct Short(SimulatedLanding);
+    impl DeviceDest for Short {
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+        fn ordinal(&self) -> u32 {
+            self.0.ordinal()
+        }
+        fn staging(&self, len: usize) -> Result<StagingBuf, DeviceError> {
+            Ok(Box::new(vec![0u8; len / 2]))
+        }
+        fn copy_from_host(&self, offset: usize, len: usize, buf: StagingBuf) -> CopyFuture<'_> {
+            self.0.copy_from_host(offset, len, buf)
+        }
+    }
+    let dest = Short(SimulatedLanding::new(300, 2));
+    let mut feed = Feed::new(pattern(310), 0, Arc::default());
+    let err = block_on(stream_from_source(&dest, 100, &mut feed))
+        .expect("the source is fine")
+        .expect_err("refused");
+    assert!(err.reason.contains("staging buffer"), "{err}");
+    assert_eq!(feed.at, 300, "the segment was still read off the source");
 }

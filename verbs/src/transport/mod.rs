@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use psnet_fallback_tcp::TcpTransport;
 use psnet_transport::codec::DataPath;
-use psnet_transport::device::{DevicePath, PathLog};
-use psnet_transport::placement;
+use psnet_transport::device::{DevicePath, PathLog, DEFAULT_STAGE_CHUNK};
+use psnet_transport::placement::PlacingSlot;
 use psnet_transport::{
     Admission, Capabilities, Event, Incoming, NodeId, OutMessage, Placer, RegionKey, RegisteredBuf,
     Transport, TransportError,
@@ -112,27 +112,41 @@ struct Inner {
     placer: std::sync::RwLock<Option<Arc<dyn Placer>>>,
     /// The paths placed segments took, logged once per peer.
     placed_paths: PathLog,
+    /// A received message being placed, kept across `recv` calls.
+    placing: PlacingSlot,
 }
 
 impl Inner {
     /// Places the segment the placer chooses of a received message in its device memory.
     /// Messages land whole in registered host buffers (the NIC does not write device memory
-    /// for a receiver yet), so the segment is copied there after it arrived.
+    /// for a receiver yet), so the segment is copied there after it arrived. The placement is
+    /// kept by the transport until it ends, so a `recv` dropped meanwhile loses nothing.
     async fn place(&self, event: Event) -> Event {
         let placer = self
             .placer
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        let (mut m, placer) = match (event, placer) {
-            (Event::Message(m), Some(placer)) => (m, placer),
-            (event, _) => return event,
-        };
-        if let Some(ordinal) = placement::place_arrived(&mut m, &*placer).await {
+        match (event, placer) {
+            (Event::Message(m), Some(placer)) => {
+                self.placing.start(m, placer, DEFAULT_STAGE_CHUNK);
+                match self.finish_placing().await {
+                    Some(placed) => placed,
+                    None => unreachable!("a placement was just started"),
+                }
+            }
+            (event, _) => event,
+        }
+    }
+
+    /// Ends the placement under way, if any.
+    async fn finish_placing(&self) -> Option<Event> {
+        let (m, ordinal) = self.placing.finish().await?;
+        if let Some(ordinal) = ordinal {
             self.placed_paths
                 .note_received("rdma", m.peer, ordinal, DevicePath::Copied);
         }
-        Event::Message(m)
+        Some(Event::Message(m))
     }
 }
 
@@ -251,6 +265,7 @@ impl VerbsTransport {
             cm_fallback,
             placer: std::sync::RwLock::new(None),
             placed_paths: PathLog::default(),
+            placing: PlacingSlot::default(),
         });
         let fd = sys::verbs::watch_channel(inner.dev.channel.clone())
             .map_err(|e| unavailable(format!("completion channel: {e}")))?;
@@ -480,6 +495,9 @@ impl Transport for VerbsTransport {
         let inner = &self.inner;
         if inner.is_closed() {
             return Err(TransportError::Closed);
+        }
+        if let Some(placed) = inner.finish_placing().await {
+            return Ok(placed);
         }
         let mut rx = inner.inbox.rx.lock().await;
         // Poll the completion queue from here for a while before sleeping: a message that is
