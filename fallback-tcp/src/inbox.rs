@@ -1,11 +1,10 @@
 //! The queue between the connections' reader tasks and `Transport::recv`, bounded in bytes.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
-use psnet_transport::device::{DevicePath, PathLog};
-use psnet_transport::placement;
-use psnet_transport::{Event, Incoming, Placer, TransportError};
+use psnet_transport::placement::ReceivePlacing;
+use psnet_transport::{Event, Incoming, TransportError};
 use tokio::sync::{mpsc, Mutex, OwnedSemaphorePermit, Semaphore};
 
 /// Fixed cost charged per message on top of its bytes, so that floods of empty messages are
@@ -20,12 +19,9 @@ pub(crate) struct Inbox {
     budget: Arc<Semaphore>,
     capacity: usize,
     closed: AtomicBool,
-    /// Chooses device memory for arriving segments (`Transport::set_placer`).
-    placer: RwLock<Option<Arc<dyn Placer>>>,
-    /// The paths placed segments took, logged once per peer.
-    pub(crate) placed_paths: PathLog,
-    /// Bytes per chunk when a placed segment is staged (`PSNET_GPU_STAGE_CHUNK`).
-    pub(crate) stage_chunk: usize,
+    /// Received segments placed in device memory (`Transport::set_placer`), staged in
+    /// chunks of `PSNET_GPU_STAGE_CHUNK`.
+    pub(crate) placing: ReceivePlacing,
 }
 
 impl Inbox {
@@ -38,9 +34,7 @@ impl Inbox {
             budget: Arc::new(Semaphore::new(capacity)),
             capacity,
             closed: AtomicBool::new(false),
-            placer: RwLock::new(None),
-            placed_paths: PathLog::default(),
-            stage_chunk,
+            placing: ReceivePlacing::new("tcp", stage_chunk),
         }
     }
 
@@ -74,32 +68,6 @@ impl Inbox {
             Some((event, _permit)) if !self.closed.load(Ordering::Acquire) => Ok(event),
             _ => Err(TransportError::Closed),
         }
-    }
-
-    pub(crate) fn set_placer(&self, placer: Arc<dyn Placer>) {
-        *self.placer.write().unwrap_or_else(|p| p.into_inner()) = Some(placer);
-    }
-
-    /// The placer, if one was installed.
-    pub(crate) fn placer(&self) -> Option<Arc<dyn Placer>> {
-        self.placer
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    /// Places a segment of a message that arrived whole in shared memory, if the placer
-    /// wants one: copied to the device from there ([`DevicePath::Copied`]).
-    pub(crate) async fn place_arrived(&self, mut msg: Incoming) -> Incoming {
-        if let Some(placer) = self.placer() {
-            if let Some(ordinal) =
-                placement::place_arrived(&mut msg, &*placer, self.stage_chunk).await
-            {
-                self.placed_paths
-                    .note_received("tcp", msg.peer, ordinal, DevicePath::Copied);
-            }
-        }
-        msg
     }
 
     pub(crate) fn close(&self) {

@@ -252,7 +252,7 @@ impl Delivery {
                     segments,
                     placed: None,
                 };
-                let msg = self.inbox.place_arrived(msg).await;
+                let msg = self.inbox.placing.place_now(msg).await;
                 self.deliver(msg).await
             }
             Record::Ring { meta, descriptor } => {
@@ -266,7 +266,7 @@ impl Delivery {
                     segments,
                     placed: None,
                 };
-                let msg = self.inbox.place_arrived(msg).await;
+                let msg = self.inbox.placing.place_now(msg).await;
                 self.deliver(msg).await
             }
             Record::Socket => {

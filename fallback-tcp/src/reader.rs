@@ -130,7 +130,7 @@ async fn read_frames(
         // The header was checked against the limits, so this allocation is bounded.
         let body_len = usize::try_from(header.body_len()).unwrap_or(usize::MAX);
         if header.kind == FrameKind::Data {
-            if let Some(placer) = inbox.placer() {
+            if let Some(placer) = inbox.placing.placer() {
                 let placed = read_placed(
                     &mut read, &mut buf, &header, &*placer, &conn, inbox, inflight,
                 )
@@ -261,7 +261,7 @@ async fn read_frames(
             placed: None,
         };
         if frame.kind == FrameKind::ShmData {
-            msg = inbox.place_arrived(msg).await;
+            msg = inbox.placing.place_now(msg).await;
         }
         if !deliver(msg, body_len, link, inbox).await {
             return ReadEnd::Shutdown;
@@ -335,10 +335,10 @@ async fn read_placed(
         }
         let dest = &*placement.dest;
         inbox
-            .placed_paths
-            .note_received("tcp", conn.peer, dest.ordinal(), DevicePath::Staged);
+            .placing
+            .note(conn.peer, dest.ordinal(), DevicePath::Staged);
         let mut source = SocketSource { read, buf };
-        let result = stream_from_source(dest, inbox.stage_chunk, &mut source)
+        let result = stream_from_source(dest, inbox.placing.chunk(), &mut source)
             .await
             .map_err(|e| ReadEnd::Failed(e.to_string()))?;
         if let Err(e) = &result {

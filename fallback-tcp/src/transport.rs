@@ -366,7 +366,7 @@ impl Transport for TcpTransport {
     }
 
     fn set_placer(&self, placer: Arc<dyn Placer>) -> bool {
-        self.inner.inbox.set_placer(placer);
+        self.inner.inbox.placing.set_placer(placer);
         true
     }
 

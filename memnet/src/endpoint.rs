@@ -2,12 +2,12 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use psnet_transport::auth;
 use psnet_transport::device::{copy_all, DevicePath, PathLog, DEFAULT_STAGE_CHUNK};
-use psnet_transport::placement::{Placer, PlacingSlot};
+use psnet_transport::placement::{Placer, ReceivePlacing};
 use psnet_transport::{
     Admission, Capabilities, CodecError, Event, Incoming, NodeId, OutMessage, RegisteredBuf,
     Transport, TransportError,
@@ -23,10 +23,8 @@ pub struct MemTransport {
     ep: u64,
     addr: SocketAddr,
     device_paths: PathLog,
-    /// Chooses device memory for arriving segments (`Transport::set_placer`).
-    placer: RwLock<Option<Arc<dyn Placer>>>,
-    /// A received message being placed, kept across `recv` calls.
-    placing: PlacingSlot,
+    /// Received segments placed in device memory (`Transport::set_placer`).
+    placing: ReceivePlacing,
 }
 
 /// What a waiting call does after looking at the network.
@@ -43,8 +41,7 @@ impl MemTransport {
             ep,
             addr,
             device_paths: PathLog::default(),
-            placer: RwLock::new(None),
-            placing: PlacingSlot::default(),
+            placing: ReceivePlacing::new("mem", DEFAULT_STAGE_CHUNK),
         }
     }
 
@@ -68,18 +65,6 @@ impl MemTransport {
             }
         })
         .await
-    }
-
-    /// Ends the placement under way, if any (a `recv` dropped during one left it): messages
-    /// arrive whole here, so the segment is copied there after it arrived
-    /// ([`DevicePath::Copied`]).
-    async fn finish_placing(&self) -> Option<Event> {
-        let (m, ordinal) = self.placing.finish().await?;
-        if let Some(ordinal) = ordinal {
-            self.device_paths
-                .note_received("mem", m.peer, ordinal, DevicePath::Copied);
-        }
-        Some(Event::Message(m))
     }
 
     /// The network this endpoint is on.
@@ -340,32 +325,19 @@ impl Transport for MemTransport {
     }
 
     async fn recv(&self) -> Result<Event, TransportError> {
-        if let Some(placed) = self.finish_placing().await {
+        // Messages arrive whole here: a placed segment is copied there after it arrived.
+        if let Some(placed) = self.placing.finish().await {
             return Ok(placed);
         }
         let event = self.next_event().await?;
-        let placer = self
-            .placer
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        match (event, placer) {
-            (Event::Message(m), Some(placer)) => {
-                self.placing.start(m, placer, DEFAULT_STAGE_CHUNK);
-                match self.finish_placing().await {
-                    Some(placed) => Ok(placed),
-                    None => unreachable!("a placement was just started"),
-                }
-            }
-            (event, _) => Ok(event),
-        }
+        Ok(self.placing.place(event).await)
     }
 
     fn set_placer(&self, placer: Arc<dyn Placer>) -> bool {
         if !self.net.config().places {
             return false;
         }
-        *self.placer.write().unwrap_or_else(|p| p.into_inner()) = Some(placer);
+        self.placing.set_placer(placer);
         true
     }
 

@@ -24,13 +24,13 @@ use std::future::{poll_fn, Future};
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::task::{Context, Poll};
 
 use smallvec::SmallVec;
 
-use crate::device::{join, CopyFuture, DeviceError, NicRegion, StagingBuf};
-use crate::message::Incoming;
+use crate::device::{join, CopyFuture, DeviceError, DevicePath, NicRegion, PathLog, StagingBuf};
+use crate::message::{Event, Incoming};
 use crate::node::NodeId;
 
 /// Device memory a received segment can be written into: its length, its device, and how to
@@ -240,39 +240,107 @@ pub async fn place_arrived(m: &mut Incoming, placer: &dyn Placer, chunk: usize) 
     Some(p.dest.ordinal())
 }
 
-/// A placement under way, owned by the transport rather than by a `recv` call: a transport
-/// whose `recv` places a message after taking it off its queue ([`place_arrived`]) keeps it
-/// here, so that a `recv` dropped half-way (a timeout, a lost `select!`) leaves it to the next
-/// call instead of losing the message.
-#[derive(Default)]
-pub struct PlacingSlot {
+/// What a transport keeps to place received segments: the placer installed, the staging
+/// chunk, the paths taken (logged once per peer and device), and the placement under way in
+/// `recv`. That placement belongs to the transport rather than to a `recv` call: a `recv`
+/// dropped half-way (a timeout, a lost `select!`) leaves it to the next call instead of
+/// losing the message.
+pub struct ReceivePlacing {
+    transport: &'static str,
+    chunk: usize,
+    placer: RwLock<Option<Arc<dyn Placer>>>,
     slot: Mutex<Option<Placing>>,
+    paths: PathLog,
 }
 
 /// A placement's future: the message, and the device it was placed on.
 type Placing = Pin<Box<dyn Future<Output = (Incoming, Option<u32>)> + Send>>;
 
-impl PlacingSlot {
-    /// Starts placing `m`'s segment that `placer` chooses, through `chunk`-byte staging
-    /// buffers; [`PlacingSlot::finish`] ends it.
-    pub fn start(&self, m: Incoming, placer: Arc<dyn Placer>, chunk: usize) {
+impl ReceivePlacing {
+    /// For transport `transport` (its name in logs), staging through `chunk`-byte buffers.
+    pub fn new(transport: &'static str, chunk: usize) -> Self {
+        ReceivePlacing {
+            transport,
+            chunk,
+            placer: RwLock::new(None),
+            slot: Mutex::new(None),
+            paths: PathLog::default(),
+        }
+    }
+
+    /// Installs `placer` (`Transport::set_placer`).
+    pub fn set_placer(&self, placer: Arc<dyn Placer>) {
+        *self.placer.write().unwrap_or_else(|p| p.into_inner()) = Some(placer);
+    }
+
+    /// The placer, if one was installed.
+    pub fn placer(&self) -> Option<Arc<dyn Placer>> {
+        self.placer
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Bytes per staging chunk.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Logs, once per peer, device and path, how a segment from `peer` reached device
+    /// `ordinal`.
+    pub fn note(&self, peer: NodeId, ordinal: u32, path: DevicePath) {
+        self.paths
+            .note_received(self.transport, peer, ordinal, path);
+    }
+
+    /// Places a segment of `m`, which arrived whole in host memory, if the placer wants one
+    /// ([`place_arrived`], [`DevicePath::Copied`]), in a task that is not cancelled (a
+    /// transport's reader).
+    pub async fn place_now(&self, mut m: Incoming) -> Incoming {
+        if let Some(placer) = self.placer() {
+            if let Some(ordinal) = place_arrived(&mut m, &*placer, self.chunk).await {
+                self.note(m.peer, ordinal, DevicePath::Copied);
+            }
+        }
+        m
+    }
+
+    /// For `recv`: places a segment of `event`'s message, which arrived whole, if the placer
+    /// wants one; the placement is kept here until it ends ([`ReceivePlacing::finish`]).
+    pub async fn place(&self, event: Event) -> Event {
+        let Some(placer) = self.placer() else {
+            return event;
+        };
+        let m = match event {
+            Event::Message(m) => m,
+            other => return other,
+        };
+        let chunk = self.chunk;
         let placing: Placing = Box::pin(async move {
             let mut m = m;
             let ordinal = place_arrived(&mut m, &*placer, chunk).await;
             (m, ordinal)
         });
         *lock(&self.slot) = Some(placing);
+        match self.finish().await {
+            Some(event) => event,
+            None => unreachable!("a placement was just started"),
+        }
     }
 
-    /// Finishes the placement under way, if any: the message, and the device it was placed on
-    /// (None if the placer left it in host memory).
-    pub async fn finish(&self) -> Option<(Incoming, Option<u32>)> {
+    /// For `recv`, first: ends the placement a dropped `recv` left, if any, and returns its
+    /// message.
+    pub async fn finish(&self) -> Option<Event> {
         let placing = lock(&self.slot).take()?;
         let mut back = PutBack {
             slot: &self.slot,
             placing: Some(placing),
         };
-        Some(poll_fn(|cx| back.poll(cx)).await)
+        let (m, ordinal) = poll_fn(|cx| back.poll(cx)).await;
+        if let Some(ordinal) = ordinal {
+            self.note(m.peer, ordinal, DevicePath::Copied);
+        }
+        Some(Event::Message(m))
     }
 }
 

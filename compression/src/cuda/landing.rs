@@ -19,7 +19,7 @@ use psnet_transport::device::{CopyFuture, DeviceError, StagingBuf};
 use psnet_transport::DeviceDest;
 
 use super::guarded;
-use super::staging::{AsyncCopy, Direction};
+use super::staging::{keep_in_pool, AsyncCopy, Direction};
 use super::CudaStager;
 use crate::error::CompressionError;
 
@@ -184,14 +184,7 @@ impl Drop for CudaLanding {
             let _ = self.stager.stream().synchronize();
         }
         if let Some(mem) = self.mem.take() {
-            let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
-            if pool.len() < POOL_MAX {
-                pool.push(mem);
-            } else if let Some(smallest) = (0..pool.len()).min_by_key(|&i| pool[i].len()) {
-                if pool[smallest].len() < mem.len() {
-                    pool[smallest] = mem;
-                }
-            }
+            keep_in_pool(&self.pool, mem, POOL_MAX, CudaSlice::len);
         }
     }
 }

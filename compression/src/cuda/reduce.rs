@@ -183,10 +183,7 @@ impl CudaReducer {
         dst: &mut CudaViewMut<'_, T>,
         src: &[u8],
     ) -> Result<(), CompressionError> {
-        check_kind::<T>(kind)?;
-        let n = dst.len();
-        CompressionError::check_len("received piece", n, n * kind.size(), src.len())?;
-        if n == 0 {
+        if !self.ready_for(kind, dst, src.len())? {
             return Ok(());
         }
         let mut scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
@@ -201,10 +198,6 @@ impl CudaReducer {
         let Some(scratch) = scratch.as_mut() else {
             unreachable!("allocated just above")
         };
-        // Work queued before on the buffer's own stream (where its owner writes it) first.
-        guarded("ordering after the buffer's stream", || {
-            self.stream.join(dst.stream())
-        })?;
         let mut landing = scratch.slice_mut(..src.len());
         guarded("copy to device", || {
             self.stream.memcpy_htod(src, &mut landing)
@@ -223,16 +216,31 @@ impl CudaReducer {
         dst: &mut CudaViewMut<'_, T>,
         src: &CudaView<'_, u8>,
     ) -> Result<(), CompressionError> {
+        if !self.ready_for(kind, dst, src.len())? {
+            return Ok(());
+        }
+        self.combine_from(kind, combine, remote_first, dst, src)
+    }
+
+    /// Checks that `dst` holds `kind`'s elements and `src_len` is their bytes, and orders the
+    /// reducer's stream after `dst`'s (where its owner writes it); false when there is
+    /// nothing to reduce.
+    fn ready_for<T: DeviceRepr>(
+        &self,
+        kind: DeviceElement,
+        dst: &CudaViewMut<'_, T>,
+        src_len: usize,
+    ) -> Result<bool, CompressionError> {
         check_kind::<T>(kind)?;
         let n = dst.len();
-        CompressionError::check_len("received piece", n, n * kind.size(), src.len())?;
+        CompressionError::check_len("received piece", n, n * kind.size(), src_len)?;
         if n == 0 {
-            return Ok(());
+            return Ok(false);
         }
         guarded("ordering after the buffer's stream", || {
             self.stream.join(dst.stream())
         })?;
-        self.combine_from(kind, combine, remote_first, dst, src)
+        Ok(true)
     }
 
     /// Runs the reduction kernel over `dst` and `src` (`dst.len()` elements of `kind`, sizes

@@ -397,14 +397,20 @@ impl DerefMut for Staging {
 impl Drop for Staging {
     fn drop(&mut self) {
         if let Some(buf) = self.buf.take() {
-            let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
-            if pool.len() < POOL_MAX {
-                pool.push(buf);
-            } else if let Some(smallest) = (0..pool.len()).min_by_key(|&i| pool[i].len()) {
-                if pool[smallest].len() < buf.len() {
-                    pool[smallest] = buf;
-                }
-            }
+            keep_in_pool(&self.pool, buf, POOL_MAX, PinnedHostSlice::len);
+        }
+    }
+}
+
+/// Keeps `item` in `pool` for reuse: at most `max` items, the largest ones (large messages
+/// need them; small ones fit any).
+pub(super) fn keep_in_pool<T>(pool: &Mutex<Vec<T>>, item: T, max: usize, len: fn(&T) -> usize) {
+    let mut pool = pool.lock().unwrap_or_else(|p| p.into_inner());
+    if pool.len() < max {
+        pool.push(item);
+    } else if let Some(smallest) = (0..pool.len()).min_by_key(|&i| len(&pool[i])) {
+        if len(&pool[smallest]) < len(&item) {
+            pool[smallest] = item;
         }
     }
 }

@@ -4,7 +4,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::device::yield_once;
-use crate::message::Incoming;
+use crate::message::{Event, Incoming};
 
 fn pattern(len: usize) -> Vec<u8> {
     (0..len).map(|i| (i * 13 + i / 253) as u8).collect()
@@ -235,20 +235,22 @@ fn a_placement_survives_a_dropped_finish() {
         placed: None,
     };
     let placer = Arc::new(KeepAll::default());
-    let slot = PlacingSlot::default();
-    slot.start(m, placer.clone(), 1000);
+    let placing = ReceivePlacing::new("test", 1000);
+    assert!(block_on(placing.finish()).is_none(), "nothing under way");
+    placing.set_placer(placer.clone());
     // Polled once (its first copy pending), then dropped: a recv cancelled half-way.
     {
-        let mut finishing = std::pin::pin!(slot.finish());
+        let mut placed = std::pin::pin!(placing.place(Event::Message(m)));
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        assert!(finishing.as_mut().poll(&mut cx).is_pending());
+        assert!(placed.as_mut().poll(&mut cx).is_pending());
     }
-    let (m, ordinal) = block_on(slot.finish()).expect("the placement is still there");
-    assert_eq!(ordinal, Some(0));
+    let Some(Event::Message(m)) = block_on(placing.finish()) else {
+        panic!("the placement is still there");
+    };
     assert_eq!(m.placed.map(|p| p.result), Some(Ok(())));
     assert!(m.segments[0].is_empty());
     assert_eq!(placer.0.lock().unwrap()[0].bytes(), data);
-    assert!(block_on(slot.finish()).is_none(), "finished once");
+    assert!(block_on(placing.finish()).is_none(), "finished once");
 }
 
 #[test]

@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use psnet_fallback_tcp::TcpTransport;
 use psnet_transport::codec::DataPath;
-use psnet_transport::device::{DevicePath, PathLog, DEFAULT_STAGE_CHUNK};
-use psnet_transport::placement::PlacingSlot;
+use psnet_transport::device::DEFAULT_STAGE_CHUNK;
+use psnet_transport::placement::ReceivePlacing;
 use psnet_transport::{
     Admission, Capabilities, Event, Incoming, NodeId, OutMessage, Placer, RegionKey, RegisteredBuf,
     Transport, TransportError,
@@ -108,46 +108,8 @@ struct Inner {
     /// `PSNET_RDMA_CONNECT=auto`: an rdma_cm connection that does not complete falls back to
     /// the socket handshake.
     cm_fallback: bool,
-    /// Chooses device memory for received segments (`Transport::set_placer`).
-    placer: std::sync::RwLock<Option<Arc<dyn Placer>>>,
-    /// The paths placed segments took, logged once per peer.
-    placed_paths: PathLog,
-    /// A received message being placed, kept across `recv` calls.
-    placing: PlacingSlot,
-}
-
-impl Inner {
-    /// Places the segment the placer chooses of a received message in its device memory.
-    /// Messages land whole in registered host buffers (the NIC does not write device memory
-    /// for a receiver yet), so the segment is copied there after it arrived. The placement is
-    /// kept by the transport until it ends, so a `recv` dropped meanwhile loses nothing.
-    async fn place(&self, event: Event) -> Event {
-        let placer = self
-            .placer
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        match (event, placer) {
-            (Event::Message(m), Some(placer)) => {
-                self.placing.start(m, placer, DEFAULT_STAGE_CHUNK);
-                match self.finish_placing().await {
-                    Some(placed) => placed,
-                    None => unreachable!("a placement was just started"),
-                }
-            }
-            (event, _) => event,
-        }
-    }
-
-    /// Ends the placement under way, if any.
-    async fn finish_placing(&self) -> Option<Event> {
-        let (m, ordinal) = self.placing.finish().await?;
-        if let Some(ordinal) = ordinal {
-            self.placed_paths
-                .note_received("rdma", m.peer, ordinal, DevicePath::Copied);
-        }
-        Some(Event::Message(m))
-    }
+    /// Received segments placed in device memory (`Transport::set_placer`).
+    placing: ReceivePlacing,
 }
 
 /// The RDMA transport.
@@ -263,9 +225,7 @@ impl VerbsTransport {
             config,
             cm,
             cm_fallback,
-            placer: std::sync::RwLock::new(None),
-            placed_paths: PathLog::default(),
-            placing: PlacingSlot::default(),
+            placing: ReceivePlacing::new("rdma", DEFAULT_STAGE_CHUNK),
         });
         let fd = sys::verbs::watch_channel(inner.dev.channel.clone())
             .map_err(|e| unavailable(format!("completion channel: {e}")))?;
@@ -496,7 +456,7 @@ impl Transport for VerbsTransport {
         if inner.is_closed() {
             return Err(TransportError::Closed);
         }
-        if let Some(placed) = inner.finish_placing().await {
+        if let Some(placed) = inner.placing.finish().await {
             return Ok(placed);
         }
         let mut rx = inner.inbox.rx.lock().await;
@@ -525,14 +485,16 @@ impl Transport for VerbsTransport {
                         inner.drained.notify_one();
                     }
                 }
-                Ok(inner.place(event).await)
+                // Messages land whole in registered host buffers (the NIC does not write
+                // device memory for a receiver yet): a placed segment is copied there now.
+                Ok(inner.placing.place(event).await)
             }
             _ => Err(TransportError::Closed),
         }
     }
 
     fn set_placer(&self, placer: Arc<dyn Placer>) -> bool {
-        *self.inner.placer.write().unwrap_or_else(|p| p.into_inner()) = Some(placer);
+        self.inner.placing.set_placer(placer);
         true
     }
 
