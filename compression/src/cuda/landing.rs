@@ -19,7 +19,7 @@ use psnet_transport::device::{CopyFuture, DeviceError, StagingBuf};
 use psnet_transport::DeviceDest;
 
 use super::guarded;
-use super::staging::{keep_in_pool, AsyncCopy, Direction};
+use super::staging::{keep_in_pool, take_from_pool, AsyncCopy, Direction};
 use super::CudaStager;
 use crate::error::CompressionError;
 
@@ -47,14 +47,7 @@ impl CudaLandings {
     /// A landing of `len` bytes: the smallest pooled allocation that holds it, or a new one
     /// (whole powers of two, so a pool of few sizes serves every message).
     pub fn take(&self, len: usize) -> Result<Arc<CudaLanding>, CompressionError> {
-        let pooled = {
-            let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
-            let at = (0..pool.len())
-                .filter(|&i| pool[i].len() >= len)
-                .min_by_key(|&i| pool[i].len());
-            at.map(|i| pool.swap_remove(i))
-        };
-        let mem = match pooled {
+        let mem = match take_from_pool(&self.pool, len, CudaSlice::len) {
             Some(mem) => mem,
             None => {
                 let size = len

@@ -101,15 +101,7 @@ impl CudaStager {
     }
 
     pub(super) fn take_staging(&self, len: usize) -> Result<Staging, DeviceError> {
-        let pooled = {
-            let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
-            // The smallest that fits: the large ones stay for large messages.
-            let at = (0..pool.len())
-                .filter(|&i| pool[i].len() >= len)
-                .min_by_key(|&i| pool[i].len());
-            at.map(|i| pool.swap_remove(i))
-        };
-        let mut buf = match pooled {
+        let mut buf = match take_from_pool(&self.pool, len, PinnedHostSlice::len) {
             Some(buf) => buf,
             None => {
                 // Whole powers of two from 64 KiB: a pool of few sizes serves every message.
@@ -400,6 +392,20 @@ impl Drop for Staging {
             keep_in_pool(&self.pool, buf, POOL_MAX, PinnedHostSlice::len);
         }
     }
+}
+
+/// The smallest item of `pool` holding `len` bytes, taken out of it: the large ones stay for
+/// large messages.
+pub(super) fn take_from_pool<T>(
+    pool: &Mutex<Vec<T>>,
+    len: usize,
+    size: fn(&T) -> usize,
+) -> Option<T> {
+    let mut pool = pool.lock().unwrap_or_else(|p| p.into_inner());
+    let at = (0..pool.len())
+        .filter(|&i| size(&pool[i]) >= len)
+        .min_by_key(|&i| size(&pool[i]));
+    at.map(|i| pool.swap_remove(i))
 }
 
 /// Keeps `item` in `pool` for reuse: at most `max` items, the largest ones (large messages
