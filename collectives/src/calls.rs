@@ -129,7 +129,7 @@ impl<T: Transport> Communicator<T> {
         }
     }
 
-    fn prepare_reduce_scatter<E: Element>(&self, len: usize, op: ReduceOp) -> Prepared {
+    pub(crate) fn prepare_reduce_scatter<E: Element>(&self, len: usize, op: ReduceOp) -> Prepared {
         self.check_op::<E>(op)?;
         let block = self.check_blocks(len, "reduce_scatter")?;
         let plan = plan::ring_reduce_scatter(
@@ -201,7 +201,7 @@ impl<T: Transport> Communicator<T> {
         }
     }
 
-    fn prepare_allgather<E: Element>(&self, len: usize) -> Prepared {
+    pub(crate) fn prepare_allgather<E: Element>(&self, len: usize) -> Prepared {
         let block = self.check_blocks(len, "allgather")?;
         let plan = plan::ring_allgather(
             self.rank,

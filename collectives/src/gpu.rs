@@ -235,14 +235,80 @@ impl<T: Transport> Communicator<T> {
     ) -> Result<(), CollectiveError> {
         let ticket = self.ticket();
         let prepared = self.prepare_broadcast::<E>(buf.len(), root);
+        self.on_device_only(stage, ticket, prepared, buf, "broadcast_device")
+            .await
+    }
+
+    /// Allgather in place of a GPU buffer (as [`Communicator::allgather_in_place`]): `buf`
+    /// holds one block per rank, this rank's block filled in; afterwards every block holds
+    /// its rank's. Pieces are sent from device memory and copied in on the device, by the
+    /// plan a host buffer gets (ranks gathering host buffers take part too). The stage must
+    /// be one [reducing on the device](GpuStage::reducing_on_device).
+    pub async fn allgather_in_place_device<E: Element + DeviceRepr + ValidAsZeroBits>(
+        &self,
+        stage: &GpuStage<E>,
+        buf: &mut CudaViewMut<'_, E>,
+    ) -> Result<(), CollectiveError> {
+        let ticket = self.ticket();
+        let prepared = self.prepare_allgather::<E>(buf.len());
+        self.on_device_only(stage, ticket, prepared, buf, "allgather_in_place_device")
+            .await
+    }
+
+    /// Reduce-scatter in place of a GPU buffer (as
+    /// [`Communicator::reduce_scatter_in_place`]): `buf` holds one block per rank; afterwards
+    /// block `rank` holds the reduction of every rank's block `rank`, with the bits the host
+    /// call gives. Reduced on the device by the host plan, so ranks reducing host buffers
+    /// take part too. The stage must be one [reducing on the
+    /// device](GpuStage::reducing_on_device).
+    pub async fn reduce_scatter_in_place_device<E: Element + DeviceRepr + ValidAsZeroBits>(
+        &self,
+        stage: &GpuStage<E>,
+        buf: &mut CudaViewMut<'_, E>,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        let ticket = self.ticket();
+        let prepared = self.prepare_reduce_scatter::<E>(buf.len(), op);
+        self.on_device_only(
+            stage,
+            ticket,
+            prepared,
+            buf,
+            "reduce_scatter_in_place_device",
+        )
+        .await?;
+        if op == ReduceOp::Avg {
+            let Some(on_device) = &stage.on_device else {
+                unreachable!("the call ran on the device")
+            };
+            let block = buf.len() / self.size();
+            let mut mine = buf.slice_mut(self.rank * block..(self.rank + 1) * block);
+            let divisor = divisor_bits(E::DTYPE, self.size());
+            on_device
+                .reducer
+                .divide(device_element(E::DTYPE), &mut mine, divisor)
+                .map_err(gpu_err)?;
+        }
+        Ok(())
+    }
+
+    /// Runs a prepared call on the device; with a stage that does not work on the device,
+    /// fails it (on every rank), naming `what`.
+    async fn on_device_only<E: Element + DeviceRepr>(
+        &self,
+        stage: &GpuStage<E>,
+        ticket: crate::comm::Ticket<'_, T>,
+        prepared: Result<(crate::wire::Call, Plan), CollectiveError>,
+        buf: &mut CudaViewMut<'_, E>,
+        what: &str,
+    ) -> Result<(), CollectiveError> {
         match &stage.on_device {
             Some(on_device) => self.run_on_device(ticket, prepared, on_device, buf).await,
             None => {
-                let refused = Err(CollectiveError::Invalid(
-                    "broadcast_device: the stage does not work on the device \
+                let refused = Err(CollectiveError::Invalid(format!(
+                    "{what}: the stage does not work on the device \
                      (GpuStage::reducing_on_device makes one that does)"
-                        .into(),
-                ));
+                )));
                 let nothing = |_: &Plan| -> Result<crate::pieces::HostPieces<'_, E>, _> {
                     unreachable!("a refused call runs no plan")
                 };

@@ -352,3 +352,82 @@ async fn a_gpu_broadcast_lands_the_roots_bits_on_every_rank() {
     let got: Vec<u32> = host.iter().map(|v| v.to_bits()).collect();
     assert!(got == want, "the host rank does not hold the root's values");
 }
+
+/// Allgather and reduce-scatter in place of GPU buffers, on the device, end with the bits the
+/// same calls on host buffers give (reduce-scatter: this rank's block), with a rank working
+/// on a host buffer taking part in each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn gathers_and_reduce_scatters_on_the_device_have_the_host_bits() {
+    if let Err(e) = device_count() {
+        eprintln!("gathers_and_reduce_scatters_on_the_device_have_the_host_bits: skipped: {e}");
+        return;
+    }
+    let (n, block) = (3, 333_335);
+    let len = n * block;
+    for op in [None, Some(ReduceOp::Sum), Some(ReduceOp::Avg)] {
+        // The reference: every rank on host buffers.
+        let net = MemNet::reliable();
+        let comms = world(&net, n).await;
+        let mut host: Vec<Vec<f32>> = (0..n).map(|r| values(r, len)).collect();
+        try_join_all(comms.iter().zip(host.iter_mut()).map(|(c, b)| async move {
+            match op {
+                None => c.allgather_in_place(b).await,
+                Some(op) => c.reduce_scatter_in_place(b, op).await,
+            }
+        }))
+        .await
+        .expect("host calls");
+
+        // Ranks 0 and 1 on the device, rank 2 on the host.
+        let net = MemNet::reliable();
+        let comms = world(&net, n).await;
+        let stages: Vec<GpuStage<f32>> = (0..2)
+            .map(|_| GpuStage::reducing_on_device(0).expect("a stage"))
+            .collect();
+        let mut device: Vec<_> = stages
+            .iter()
+            .enumerate()
+            .map(|(r, s)| s.stream().clone_htod(&values(r, len)).expect("upload"))
+            .collect();
+        let mut mixed = values(2, len);
+        {
+            let on_device = comms[..2]
+                .iter()
+                .zip(stages.iter().zip(device.iter_mut()))
+                .map(|(c, (s, d))| async move {
+                    let mut view = d.as_view_mut();
+                    match op {
+                        None => c.allgather_in_place_device(s, &mut view).await,
+                        Some(op) => c.reduce_scatter_in_place_device(s, &mut view, op).await,
+                    }
+                });
+            let on_host = async {
+                match op {
+                    None => comms[2].allgather_in_place(&mut mixed).await,
+                    Some(op) => comms[2].reduce_scatter_in_place(&mut mixed, op).await,
+                }
+            };
+            let (a, b) = tokio::join!(try_join_all(on_device), on_host);
+            a.expect("the device ranks");
+            b.expect("the host rank");
+        }
+        let mut got: Vec<Vec<f32>> = device
+            .iter()
+            .zip(&stages)
+            .map(|(d, s)| s.stream().clone_dtoh(d).expect("download"))
+            .collect();
+        got.push(mixed);
+        for (r, got) in got.iter().enumerate() {
+            // Allgather: the whole buffer; reduce-scatter: this rank's block.
+            let range = match op {
+                None => 0..len,
+                Some(_) => r * block..(r + 1) * block,
+            };
+            let same = got[range.clone()]
+                .iter()
+                .zip(&host[r][range])
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{op:?}: rank {r} differs from the host call");
+        }
+    }
+}

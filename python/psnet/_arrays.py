@@ -1,7 +1,8 @@
 """Arrays as psnet takes them: NumPy arrays, CPU torch tensors through the NumPy array that
 shares their memory (no copy), and CUDA torch tensors through a host copy made for the call
 (inside ``staged()``), copied back into the tensor when the call wrote it; or, for an
-allreduce of a contiguous CUDA tensor, by device pointer (``on_gpu``), reduced on its GPU."""
+allreduce, broadcast, allgather or reduce-scatter of contiguous CUDA tensors, by device
+pointer (``on_gpu``), on their GPU."""
 
 import contextvars
 
@@ -60,19 +61,18 @@ def on_gpu(x):
     return (x.data_ptr(), x.numel(), dtype, x.device.index)
 
 
-def _on_gpu_call(call, comm, x, arg):
-    """Runs ``call`` (``_psnet.allreduce_cuda`` or ``broadcast_cuda``) on ``x`` in place on
-    its GPU if psnet takes it there (see ``on_gpu``); False if the caller must stage it (not a
-    CUDA tensor psnet takes there, or, logged once, this process cannot: the other ranks take
-    part with it either way). Runs with ``x``'s device current, as torch's is again
-    afterwards."""
+def _on_gpu_call(call, comm, x, *args):
+    """Runs ``call`` (``_psnet.allreduce_cuda`` and its kin) on ``x`` in place on its GPU if
+    psnet takes it there (see ``on_gpu``); False if the caller must stage it (not a CUDA
+    tensor psnet takes there, or, logged once, this process cannot: the other ranks take part
+    with it either way). Runs with ``x``'s device current, as torch's is again afterwards."""
     gpu = on_gpu(x)
     if gpu is None:
         return False
     import torch
 
     with torch.cuda.device(x.device):
-        return call(comm, *gpu, arg)
+        return call(comm, *gpu, *args)
 
 
 def allreduce_on_gpu(comm, x, op):
@@ -83,6 +83,50 @@ def allreduce_on_gpu(comm, x, op):
 def broadcast_on_gpu(comm, x, root):
     """Broadcasts ``root``'s ``x`` into this rank's, on its GPU; False if it must be staged."""
     return _on_gpu_call(_psnet.broadcast_cuda, comm, x, root)
+
+
+def _gpu_pair(send, recv):
+    """Whether ``send`` and ``recv`` are contiguous CUDA tensors of one device and one type
+    that psnet may take where they lie (``PSNET_CUDA_TENSORS=device``)."""
+    for x in (send, recv):
+        if (not is_tensor(x) or getattr(x.device, "type", None) != "cuda"
+                or not hasattr(x, "data_ptr") or not x.is_contiguous()):
+            return False
+    return (send.device == recv.device and send.dtype == recv.dtype
+            and str(send.dtype).split(".")[-1] in _GPU_DTYPES
+            and _psnet.cuda_tensors() == "device")
+
+
+def allgather_on_gpu(comm, send, recv):
+    """Gathers every rank's ``send`` into ``recv`` (size x its elements, in rank order) on
+    their GPU: this rank's block is copied into ``recv``, then gathered in place. False if
+    they must be staged (``recv`` then holds this rank's block, which staging rewrites)."""
+    if not _gpu_pair(send, recv) or recv.numel() != comm.size * send.numel():
+        return False
+    import torch
+
+    n = send.numel()
+    with torch.no_grad():
+        recv.view(-1)[comm.rank * n:(comm.rank + 1) * n].copy_(send.view(-1))
+    return _on_gpu_call(_psnet.allgather_cuda, comm, recv)
+
+
+def reduce_scatter_on_gpu(comm, send, recv, op):
+    """Reduces ``send`` (size x ``recv``'s elements) across the ranks on their GPU and writes
+    this rank's block of the result into ``recv``: a copy of ``send`` is reduced in place.
+    False if they must be staged (nothing written)."""
+    if not _gpu_pair(send, recv) or send.numel() != comm.size * recv.numel():
+        return False
+    import torch
+
+    with torch.no_grad():
+        work = send.detach().clone()
+    if not _on_gpu_call(_psnet.reduce_scatter_cuda, comm, work, op):
+        return False
+    m = recv.numel()
+    with torch.no_grad():
+        recv.view(-1).copy_(work.view(-1)[comm.rank * m:(comm.rank + 1) * m])
+    return True
 
 
 def _check_dtype(x, what):

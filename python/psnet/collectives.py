@@ -11,8 +11,9 @@ also return the result, as Horovod's calls do; their arrays must be C-contiguous
 ``reduce_scatter`` return new arrays, tensors on the input's device for a tensor (or fill
 ``out``). ``allreduce`` of a contiguous CUDA tensor in place runs on its GPU: pieces are sent
 from device memory and reduced into the tensor by psnet's kernels, to the bits the same
-values give on the CPU; ``broadcast`` of one likewise copies the pieces in on the GPU
-(``PSNET_CUDA_TENSORS=staged`` stages them instead). Other CUDA tensors
+values give on the CPU; ``broadcast`` of one likewise copies the pieces in on the GPU, and
+``allgather`` and ``reduce_scatter`` of one (with ``out`` on the same GPU, or none) run there
+too (``PSNET_CUDA_TENSORS=staged`` stages them instead). Other CUDA tensors
 go through a host copy made for the call, and the result is copied back into them when the
 call ends (as gloo stages CUDA tensors); a CPU tensor's memory is used as it is.
 Element types: float32, float64, float16, int32, int64, uint8 (and bfloat16 for CUDA
@@ -26,11 +27,13 @@ import numpy as np
 
 from . import _psnet
 from ._arrays import (
+    allgather_on_gpu,
     allreduce_on_gpu,
     as_array,
     broadcast_on_gpu,
     is_tensor,
     readable,
+    reduce_scatter_on_gpu,
     staged,
     writable,
 )
@@ -105,6 +108,13 @@ def allgather(tensor, out=None):
     rank order, as a new array (a tensor on ``tensor``'s device for a torch tensor), or
     written into ``out``."""
     comm = _get()
+    if out is None and _on_cuda(tensor):
+        shape = (
+            (comm.size * tensor.shape[0],) + tuple(tensor.shape[1:]) if len(tensor.shape) else (comm.size,)
+        )
+        out = tensor.new_empty(shape)
+    if allgather_on_gpu(comm, tensor, out):
+        return out
     with staged():
         send = readable(tensor, "allgather")
         shape = (comm.size * send.shape[0],) + send.shape[1:] if send.ndim else (comm.size,)
@@ -123,6 +133,11 @@ def reduce_scatter(tensor, op="sum", out=None):
     """Reduces ``tensor`` across the ranks and returns this rank's block of the result: the
     first axis split into ``size()`` equal blocks (its length must divide)."""
     comm = _get()
+    n = comm.size
+    if out is None and _on_cuda(tensor) and len(tensor.shape) and tensor.shape[0] % n == 0:
+        out = tensor.new_empty((tensor.shape[0] // n,) + tuple(tensor.shape[1:]))
+    if out is not None and reduce_scatter_on_gpu(comm, tensor, out, op):
+        return out
     with staged():
         send = readable(tensor, "reduce_scatter")
         n = comm.size
@@ -146,6 +161,11 @@ def reduce(tensor, op="sum", root=0):
         target = writable(tensor, "reduce", back=comm.rank == root)
         comm.reduce(target.copy(), target, op, root)
     return tensor
+
+
+def _on_cuda(tensor):
+    """Whether ``tensor`` is a torch tensor on a CUDA device."""
+    return is_tensor(tensor) and getattr(tensor.device, "type", None) == "cuda"
 
 
 def _new_like(tensor, shape, dtype):

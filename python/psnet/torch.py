@@ -11,8 +11,9 @@ The process group runs psnet's collectives (RDMA or TCP, whichever the environme
 CPU and CUDA tensors: allreduce, broadcast, allgather, reduce_scatter, reduce, barrier. An
 allreduce of a contiguous CUDA tensor (DDP's buckets) runs on its GPU: pieces sent from device
 memory, reduced into the tensor by psnet's kernels, bfloat16 included; a broadcast of one
-(DDP's start) copies the pieces in on the GPU (``PSNET_CUDA_TENSORS=staged`` stages them
-instead). Other CUDA tensors are staged through a
+(DDP's start) copies the pieces in on the GPU, and ``all_gather_into_tensor`` and
+``reduce_scatter_tensor`` of contiguous CUDA tensors on one GPU (FSDP's calls) run there too
+(``PSNET_CUDA_TENSORS=staged`` stages them instead). Other CUDA tensors are staged through a
 page-locked host copy, as gloo stages them, and written back when the call ends. Rank 0 draws
 a free port on ``MASTER_ADDR`` (127.0.0.1 if unset) and hands it to the others through
 torch's store, so psnet never competes with the store for ``MASTER_PORT``. Each call
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from . import _psnet
-from ._arrays import allreduce_on_gpu, broadcast_on_gpu
+from ._arrays import allgather_on_gpu, allreduce_on_gpu, broadcast_on_gpu, reduce_scatter_on_gpu
 
 BACKEND = "psnet"
 
@@ -159,6 +160,8 @@ class ProcessGroupPsnet(dist.ProcessGroup):
         return _done(output_tensors)
 
     def _allgather_base(self, output, input, opts=None):
+        if allgather_on_gpu(self._comm, input, output):
+            return _done([output])
         with _Staged(input, "allgather") as send, _Staged(output, "allgather", True) as recv:
             self._comm.allgather(send.reshape(-1), recv.reshape(-1))
         return _done([output])
@@ -179,6 +182,8 @@ class ProcessGroupPsnet(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output, input, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if reduce_scatter_on_gpu(self._comm, input, output, op):
+            return _done([output])
         with _Staged(input, "reduce_scatter") as send, \
                 _Staged(output, "reduce_scatter", True) as recv:
             self._comm.reduce_scatter(send.reshape(-1), recv.reshape(-1), op)

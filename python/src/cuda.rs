@@ -3,6 +3,7 @@
 //! - `allreduce_cuda` runs an allreduce on the GPU (`GpuStage::reducing_on_device`): pieces
 //!   sent from device memory, received pieces reduced by kernels into the tensor;
 //!   `broadcast_cuda` a broadcast, received pieces copied into the tensor on the device;
+//!   `allgather_cuda` and `reduce_scatter_cuda` the same calls in place;
 //! - `kv_push_cuda`, `kv_pull_cuda`, `kv_pushpull_cuda` are the kv worker's calls on GPU
 //!   buffers (`GpuKv`): sent from device memory, or quantized on the GPU with the residual
 //!   kept there when compression is on; pulled values copied into the tensor.
@@ -76,6 +77,8 @@ pub(crate) fn cuda_tensors() -> PyResult<&'static str> {
 enum OnGpu {
     Allreduce(psnet_collectives::ReduceOp),
     Broadcast(usize),
+    AllgatherInPlace,
+    ReduceScatterInPlace(psnet_collectives::ReduceOp),
 }
 
 impl Comm {
@@ -112,6 +115,11 @@ impl Comm {
             match call {
                 OnGpu::Allreduce(op) => comm.allreduce_device(&stage, &mut view, op).await,
                 OnGpu::Broadcast(root) => comm.broadcast_device(&stage, &mut view, root).await,
+                OnGpu::AllgatherInPlace => comm.allgather_in_place_device(&stage, &mut view).await,
+                OnGpu::ReduceScatterInPlace(op) => {
+                    comm.reduce_scatter_in_place_device(&stage, &mut view, op)
+                        .await
+                }
             }
         })?;
         Ok(true)
@@ -172,14 +180,59 @@ pub(crate) fn allreduce_cuda(
     device: usize,
     op: &str,
 ) -> PyResult<bool> {
+    let op = reduction("allreduce", op, dtype)?;
+    comm.collective_cuda(py, ptr, numel, dtype, device, OnGpu::Allreduce(op))
+}
+
+/// `op` parsed, and refused where `dtype` cannot take it (avg of integers).
+fn reduction(what: &str, op: &str, dtype: &str) -> PyResult<psnet_collectives::ReduceOp> {
     let op: psnet_collectives::ReduceOp = op.parse().map_err(PyValueError::new_err)?;
     let float = matches!(dtype, "float32" | "float64" | "float16" | "bfloat16");
     if op == psnet_collectives::ReduceOp::Avg && !float {
         return Err(PyValueError::new_err(format!(
-            "allreduce: avg is for floating-point elements, not {dtype}"
+            "{what}: avg is for floating-point elements, not {dtype}"
         )));
     }
-    comm.collective_cuda(py, ptr, numel, dtype, device, OnGpu::Allreduce(op))
+    Ok(op)
+}
+
+/// Allgather in place of a contiguous CUDA tensor on its GPU: one block per rank, this rank's
+/// filled in; afterwards every block holds its rank's (see `allreduce_cuda`). `False` when
+/// this process cannot.
+#[pyfunction]
+pub(crate) fn allgather_cuda(
+    py: Python<'_>,
+    comm: &Comm,
+    ptr: u64,
+    numel: usize,
+    dtype: &str,
+    device: usize,
+) -> PyResult<bool> {
+    comm.collective_cuda(py, ptr, numel, dtype, device, OnGpu::AllgatherInPlace)
+}
+
+/// Reduce-scatter in place of a contiguous CUDA tensor on its GPU: one block per rank;
+/// afterwards block `rank` holds the reduction of every rank's (see `allreduce_cuda`).
+/// `False` when this process cannot.
+#[pyfunction]
+pub(crate) fn reduce_scatter_cuda(
+    py: Python<'_>,
+    comm: &Comm,
+    ptr: u64,
+    numel: usize,
+    dtype: &str,
+    device: usize,
+    op: &str,
+) -> PyResult<bool> {
+    let op = reduction("reduce_scatter", op, dtype)?;
+    comm.collective_cuda(
+        py,
+        ptr,
+        numel,
+        dtype,
+        device,
+        OnGpu::ReduceScatterInPlace(op),
+    )
 }
 
 /// Broadcasts `root`'s contiguous CUDA tensor into every rank's, in place on the GPU (see

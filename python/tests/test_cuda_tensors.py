@@ -226,6 +226,14 @@ def test_how_cuda_tensors_are_taken_comes_from_psnet_cuda_tensors(monkeypatch):
     namespace = {}
     exec(FAKE, namespace)
     assert on_gpu(namespace["FakeCuda"](torch.zeros(3))) is None
+    # Gathers and reduce-scatters too: host tensors and stand-ins are staged (the
+    # communicator is not even looked at).
+    from psnet._arrays import allgather_on_gpu, reduce_scatter_on_gpu
+    fake = namespace["FakeCuda"]
+    assert not allgather_on_gpu(None, torch.zeros(2), torch.zeros(4))
+    assert not allgather_on_gpu(None, fake(torch.zeros(2)), fake(torch.zeros(4)))
+    assert not reduce_scatter_on_gpu(None, torch.zeros(4), torch.zeros(2), "sum")
+    assert not reduce_scatter_on_gpu(None, fake(torch.zeros(4)), fake(torch.zeros(2)), "sum")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: real CUDA tensors are not tested")
@@ -280,6 +288,23 @@ if sys.argv[2] == "device":
     want = (inputs[0].bfloat16().float() + inputs[1].bfloat16().float()).bfloat16()
     want = (want.float() / 2.0).bfloat16()
     assert torch.equal(gpu.cpu().view(torch.int16), want.view(torch.int16)), "bfloat16 avg"
+    # Reduce-scatter and allgather on the GPU: the bits of the same calls on CPU tensors.
+    from psnet._arrays import allgather_on_gpu, reduce_scatter_on_gpu
+    for dtype, op in [(torch.float32, "sum"), (torch.float32, "avg"), (torch.float16, "max")]:
+        cpu = base[:3_000_000].to(dtype)
+        gpu = cpu.cuda()
+        rs_gpu, rs_cpu = psnet.reduce_scatter(gpu, op), psnet.reduce_scatter(cpu, op)
+        assert rs_gpu.device.type == "cuda" and rs_gpu.shape == (1_500_000,)
+        assert torch.equal(rs_gpu.cpu().view(torch.uint8), rs_cpu.view(torch.uint8)), (dtype, op)
+        ag_gpu, ag_cpu = psnet.allgather(gpu[:1000]), psnet.allgather(cpu[:1000])
+        assert ag_gpu.device.type == "cuda"
+        assert torch.equal(ag_gpu.cpu().view(torch.uint8), ag_cpu.view(torch.uint8)), dtype
+    # Taken on the GPU, not staged.
+    ones = torch.ones(2000, device="cuda")
+    assert allgather_on_gpu(_get(), ones[:1000], torch.empty(2000, device="cuda")), "staged"
+    half = torch.empty(1000, device="cuda")
+    assert reduce_scatter_on_gpu(_get(), ones, half, "sum"), "staged"
+    assert half.cpu().tolist() == [float(n)] * 1000
 np.savez(f"{out}/rank{r}.npz", **res)
 """
     out, _ = run_ranks(tmp_path, 2, job.replace("sys.argv[2]", repr(mode)),
