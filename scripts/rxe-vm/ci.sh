@@ -17,7 +17,7 @@ test_binaries() { # test_binaries TARGET... -> paths of the built test executabl
   cargo test --release --locked -p psnet-verbs $(printf -- '--test %s ' "$@") --no-run --message-format=json \
     | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p'
 }
-tests=$(test_binaries conformance offers rdma_cm device)
+tests=$(test_binaries conformance offers rdma_cm device landing)
 # Run after every other check: it takes the RDMA interface down and up.
 late=$(test_binaries events)
 mkdir -p "$SHARE/bin" "$SHARE/tests" "$SHARE/late"

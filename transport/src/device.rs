@@ -144,7 +144,7 @@ impl DeviceBytes for DeviceSlice<'_> {
 /// How a device segment travels to one peer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DevicePath {
-    /// The NIC reads the device memory itself (GPUDirect RDMA).
+    /// The NIC reads (sending) or writes (receiving) the device memory itself (GPUDirect RDMA).
     Direct,
     /// Copied to host buffers in chunks, each written while the next is copied.
     Staged,
@@ -156,7 +156,7 @@ pub enum DevicePath {
 impl fmt::Display for DevicePath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            DevicePath::Direct => "GPUDirect (the NIC reads device memory)",
+            DevicePath::Direct => "GPUDirect (the NIC reads or writes device memory itself)",
             DevicePath::Staged => "staged through host buffers, pipelined in chunks",
             DevicePath::Copied => "copied to host memory, then sent",
         })

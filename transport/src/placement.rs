@@ -14,7 +14,8 @@
 //!
 //! A transport that receives whole messages (the same-host shared-memory path, RDMA's
 //! registered buffers, the in-memory network) copies the segment there once it has arrived
-//! ([`place_arrived`]). A placement is an offer, never a promise: a transport without the
+//! ([`place_arrived`]); RDMA lets the sender's NIC write it in place where the destination is
+//! memory registered with the receiving transport for that ([`DeviceDest::nic`]). A placement is an offer, never a promise: a transport without the
 //! ability, or a placement whose length differs from the segment's, delivers host bytes as
 //! before (with `placed` unset), and the receiver copies them itself. Receivers must handle
 //! both.
@@ -48,7 +49,9 @@ pub trait DeviceDest: Send + Sync + fmt::Debug {
     fn ordinal(&self) -> u32;
 
     /// The NIC registration covering the whole region, if it has one (a transport whose NIC
-    /// can write device memory may place into it without staging).
+    /// can write device memory may place into it without staging). A transport uses it only
+    /// if the registration is one it made for peers' writes and covers the region; any other
+    /// answer gets the segment copied in.
     fn nic(&self) -> Option<NicRegion> {
         None
     }
@@ -225,11 +228,29 @@ pub async fn copy_into(
 /// in-memory network, a same-host shared-memory ring, RDMA's registered buffers): copies it
 /// into the device memory through staging buffers of `chunk` bytes, empties it and sets
 /// [`Incoming::placed`]. Returns the device's ordinal when it placed one, for the path log.
+/// A message the transport already placed (its NIC wrote the device memory) is left alone,
+/// and the placer is not asked again.
 pub async fn place_arrived(m: &mut Incoming, placer: &dyn Placer, chunk: usize) -> Option<u32> {
+    if m.placed.is_some() {
+        return None;
+    }
     let lens: SmallVec<[u64; 8]> = m.segments.iter().map(|s| s.len() as u64).collect();
-    let p = placer
-        .place(m.peer, &m.meta, &lens)
-        .filter(|p| fits(p, &lens))?;
+    let p = placer.place(m.peer, &m.meta, &lens)?;
+    place_decided(m, p, chunk).await
+}
+
+/// Places segment `p.segment` of `m`, which arrived whole in host memory, where the placer
+/// already said (a transport that asked it before the data came, and then could not let its
+/// NIC write there): as [`place_arrived`], without asking again. A placement that does not fit
+/// the message leaves it in host memory.
+pub async fn place_decided(m: &mut Incoming, p: Placement, chunk: usize) -> Option<u32> {
+    if m.placed.is_some() {
+        return None;
+    }
+    let lens: SmallVec<[u64; 8]> = m.segments.iter().map(|s| s.len() as u64).collect();
+    if !fits(&p, &lens) {
+        return None;
+    }
     let bytes = std::mem::take(&mut m.segments[p.segment]);
     let result = copy_into(&*p.dest, &bytes, chunk).await;
     m.placed = Some(Placed {
@@ -316,11 +337,28 @@ impl ReceivePlacing {
             other => return other,
         };
         let chunk = self.chunk;
-        let placing: Placing = Box::pin(async move {
+        self.run(Box::pin(async move {
             let mut m = m;
             let ordinal = place_arrived(&mut m, &*placer, chunk).await;
             (m, ordinal)
-        });
+        }))
+        .await
+    }
+
+    /// For `recv`: as [`ReceivePlacing::place`] for a message whose placement was decided
+    /// before its data arrived ([`place_decided`]); the placer is not asked again.
+    pub async fn place_as(&self, m: Incoming, decided: Placement) -> Event {
+        let chunk = self.chunk;
+        self.run(Box::pin(async move {
+            let mut m = m;
+            let ordinal = place_decided(&mut m, decided, chunk).await;
+            (m, ordinal)
+        }))
+        .await
+    }
+
+    /// Keeps `placing` here and runs it to its end (or until this `recv` is dropped).
+    async fn run(&self, placing: Placing) -> Event {
         *lock(&self.slot) = Some(placing);
         match self.finish().await {
             Some(event) => event,

@@ -7,7 +7,8 @@
 //!   and connection set-up (both handshakes as state machines, [`proto::handshake`]).
 //! - [`transport::VerbsTransport`] moves bytes: eager sends into pre-posted buffers for small
 //!   messages, a rendezvous (request-to-send, clear-to-send, RDMA WRITE WITH IMMEDIATE into a
-//!   pooled registered buffer of the receiver) for large ones.
+//!   pooled registered buffer of the receiver, and a segment the receiver places into memory
+//!   it registered for that) for large ones.
 //! - [`rdmacm`] is librdmacm, which connects the queue pairs (route from the interface's
 //!   address, psnet's handshake in the connection exchange's private data); [`control`] holds
 //!   that handshake and its socket twin as plain bytes.
@@ -30,7 +31,8 @@
 //!    and `gpu_path` (the GPUDirect path decision, re-exported by `gpu`);
 //! 2. `sys`, the FFI;
 //! 3. the safe faces of the FFI and the host: [`rdmacm`], [`cm`], [`discovery`], [`device`],
-//!    [`devices`], [`memory`], [`regcache`], the registrar, the settings, `gpu`;
+//!    [`devices`], [`memory`], [`regcache`], the registrar, the settings, `gpu`, and `landing`
+//!    (memory peers' NICs write placed segments into: [`HostLanding`], GPU regions);
 //! 4. [`proto`], the protocol's state machines (which read rdma_cm's event codes);
 //! 5. [`link`], one queue pair and its protocol state;
 //! 6. [`transport`], the connections, completion polling and device events, re-exported here.
@@ -54,6 +56,7 @@ pub mod events;
 pub mod gpu;
 #[cfg(feature = "cuda")]
 mod gpu_path;
+mod landing;
 pub mod link;
 pub mod memory;
 pub mod proto;
@@ -67,4 +70,5 @@ pub mod transport;
 
 pub use device::DeviceSpec;
 pub use error::VerbsError;
+pub use landing::HostLanding;
 pub use transport::{Handshake, VerbsConfig, VerbsTransport};

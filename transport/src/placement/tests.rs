@@ -254,6 +254,55 @@ fn a_placement_survives_a_dropped_finish() {
 }
 
 #[test]
+fn a_placement_decided_early_is_carried_out_without_asking_again() {
+    let data = pattern(5_000);
+    let message = || Incoming {
+        peer: NodeId(2),
+        meta: bytes::Bytes::from_static(b"m"),
+        segments: [bytes::Bytes::from(data.clone())].into_iter().collect(),
+        placed: None,
+    };
+    let placer = Arc::new(KeepAll::default());
+    let placing = ReceivePlacing::new("test", 700);
+    placing.set_placer(placer.clone());
+    // Decided when the request came: copied where it said, the placer not asked again.
+    let early = Arc::new(SimulatedLanding::new(data.len(), 1));
+    let decided = Placement {
+        segment: 0,
+        dest: early.clone(),
+    };
+    let Event::Message(m) = block_on(placing.place_as(message(), decided)) else {
+        panic!("a message");
+    };
+    assert_eq!(m.placed.map(|p| p.result), Some(Ok(())));
+    assert_eq!(early.bytes(), data);
+    assert!(placer.0.lock().unwrap().is_empty(), "the placer was asked");
+    // A decision of the wrong length leaves the message in host memory.
+    let short = Placement {
+        segment: 0,
+        dest: Arc::new(SimulatedLanding::new(data.len() - 1, 1)),
+    };
+    let Event::Message(m) = block_on(placing.place_as(message(), short)) else {
+        panic!("a message");
+    };
+    assert!(m.placed.is_none());
+    assert_eq!(m.segments[0], data);
+    // A message its transport already placed is delivered as it is.
+    let mut done = message();
+    done.segments[0] = bytes::Bytes::new();
+    done.placed = Some(Placed {
+        segment: 0,
+        len: data.len() as u64,
+        result: Ok(()),
+    });
+    let Event::Message(m) = block_on(placing.place(Event::Message(done.clone()))) else {
+        panic!("a message");
+    };
+    assert_eq!(m.placed, done.placed);
+    assert!(placer.0.lock().unwrap().is_empty(), "the placer was asked");
+}
+
+#[test]
 fn a_short_staging_buffer_is_a_device_error_not_a_panic() {
     #[derive(Debug)]
     struct Short(SimulatedLanding);

@@ -7,7 +7,7 @@
 //! [`VerbsError`]: super::VerbsError
 
 /// Wire version of the verbs protocol.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 
 /// A header that breaks the format or this side's limits.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

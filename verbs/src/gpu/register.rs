@@ -111,6 +111,17 @@ impl GpuRegion {
             .copy_from_device(self.driver, self.ctx, self.device, at, len)
     }
 
+    /// Makes a peer's RDMA writes into the GPU memory (a direct path) visible to kernels
+    /// launched from now on: call once the write landed (see [`Driver::flush_writes`]).
+    pub fn flush_nic_writes(&self) -> Result<(), GpuError> {
+        self.driver.flush_writes(self.ctx)
+    }
+
+    /// Whether [`GpuRegion::flush_nic_writes`] can work: peers may write this region.
+    pub fn can_flush_nic_writes(&self) -> bool {
+        self.driver.can_flush_writes()
+    }
+
     /// Copies bytes `[at, at + len)` of the staging buffer into the same bytes of the GPU
     /// buffer; nothing on direct paths. Call only once the NIC's write of them completed.
     pub fn copy_to_device_range(&self, at: usize, len: usize) -> Result<(), GpuError> {

@@ -9,6 +9,7 @@ use super::rendezvous::{track_send, write_groups};
 use super::{Link, PendingSend, State};
 use crate::error::VerbsError;
 use crate::proto::credits::Class;
+use crate::proto::destination::Destination;
 use crate::proto::offers::RemoteBuf;
 use crate::proto::wire::{self, Base, Cts, Kind};
 
@@ -25,17 +26,22 @@ impl Link {
         total: u64,
     ) -> Result<Option<u32>, VerbsError> {
         let gather = &pending.as_ref().expect("posted once").0;
-        let wrs = write_groups(gather, 0..gather.len(), self.max_sge as usize).len() as u32;
+        let wrs =
+            write_groups(gather, 0..gather.len(), self.max_sge as usize, 0, None).len() as u32;
         // The writes, then the direct message (one credit, one send buffer).
         if st.sq_free < wrs + 1 || st.free_slots.is_empty() || st.credits.available() < 2 {
             return Ok(None);
         }
         let offer = st.offers.take(offer.id).expect("offer just found");
-        let to = Cts {
-            addr: offer.addr,
-            rkey: offer.rkey,
-            len: offer.len,
-        };
+        let to = Destination::whole(
+            Cts {
+                addr: offer.addr,
+                rkey: offer.rkey,
+                len: offer.len,
+            },
+            total,
+        )
+        .map_err(|e| VerbsError::Protocol(format!("offered buffer: {e}")))?;
         let seq = track_send(st, pending, done, total, Some(to));
         if !self.post_writes(st, seq) {
             return Err(VerbsError::Internal(

@@ -22,18 +22,20 @@ use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
-use psnet_transport::{Incoming, Limits, NodeId, TransportError};
+use psnet_transport::{Limits, NodeId, TransportError};
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::queue_pair::{QueuePairAttribute, QueuePairState};
 use tokio::sync::{oneshot, Notify};
 
 use crate::device::Device;
 use crate::error::VerbsError;
+use crate::landing::{Arrival, Asked, Landings, NicPlacement};
 use crate::memory::{RecvPool, Region};
 use crate::proto::credits::Credits;
+use crate::proto::destination::Destination;
 use crate::proto::offers::{Offered, Offers};
 use crate::proto::order::Reorder;
-use crate::proto::wire::{Cts, DataHeader};
+use crate::proto::wire::{Cts, DataHeader, PlacedCts};
 use crate::sys::memory::{Slab, Slot};
 pub(crate) use crate::sys::verbs::{split_wr_id, wr_id, WorkCompletion, WrKind};
 use crate::sys::verbs::{Gather, QueuePair, INDEX_MASK};
@@ -97,7 +99,8 @@ struct OutRndv {
     /// Work requests of each batch of writes posted and not completed, in posting order (the
     /// last of a batch is signalled, and a queue pair completes in order).
     batches: VecDeque<u32>,
-    cts: Option<Cts>,
+    /// Where the writes go: known from the clear-to-send, or from the offer at once.
+    to: Option<Destination>,
     /// The immediate ending the writes (the rendezvous' seq); `None` for a write into an
     /// offered buffer, which a direct message follows instead.
     imm: Option<u32>,
@@ -113,6 +116,9 @@ pub struct LinkStats {
     pub sent_direct: u64,
     /// Large messages received into a buffer this side offered.
     pub received_direct: u64,
+    /// Large messages received with a segment the peer's NIC wrote straight into memory the
+    /// placer chose (zero-copy receive).
+    pub received_placed: u64,
     /// Buffers this side has offered and the peer has not written yet.
     pub offered_now: u64,
 }
@@ -123,6 +129,19 @@ struct InRndv {
     meta_len: usize,
     seg_lens: Vec<u64>,
     total: u64,
+    /// The segment the peer's NIC writes into memory the placer chose, not into `region`.
+    nic: Option<NicPlacement>,
+    /// What the placer said when the request came.
+    asked: Asked,
+}
+
+/// The answer to a request-to-send: where the sender writes.
+#[derive(Clone, Copy, Debug)]
+enum Grant {
+    /// All of the message into one host buffer.
+    Whole(Cts),
+    /// One segment into memory the placer chose, the rest into a host buffer.
+    Placed(PlacedCts),
 }
 
 struct DeferredRts {
@@ -143,8 +162,8 @@ struct State {
     remote_ready: bool,
     out: HashMap<u32, OutRndv>,
     inbound: HashMap<u32, InRndv>,
-    order: Reorder<Incoming>,
-    cts_backlog: VecDeque<(u32, Cts)>,
+    order: Reorder<Arrival>,
+    cts_backlog: VecDeque<(u32, Grant)>,
     write_backlog: VecDeque<u32>,
     deferred_rts: VecDeque<DeferredRts>,
     repost: Vec<Slot>,
@@ -245,7 +264,7 @@ pub(crate) struct Completion {
 /// The result of handling completions: messages now deliverable in order.
 #[derive(Default)]
 pub(crate) struct Progress {
-    pub delivered: Vec<Incoming>,
+    pub delivered: Vec<Arrival>,
     pub failure: Option<VerbsError>,
 }
 
@@ -272,6 +291,8 @@ pub struct Link {
     recv: Slab,
     send: Slab,
     pool: Arc<RecvPool>,
+    /// The placer, and the memory peers' NICs may write placed segments into.
+    landings: Arc<Landings>,
     dev: Arc<Device>,
     /// The paths device segments to this peer took, each logged once.
     device_paths: psnet_transport::device::PathLog,

@@ -6,6 +6,7 @@ use smallvec::SmallVec;
 
 use super::{wr_id, Link, Locked, Slot, WrKind, INLINE_INDEX};
 use crate::error::VerbsError;
+use crate::sys::verbs::WriteGroup;
 
 /// Bytes of an inline send kept in the request itself (larger inline limits spill to the heap).
 const INLINE_KEPT: usize = 128;
@@ -21,13 +22,11 @@ pub(crate) enum WorkRequest {
     /// free again as soon as they were copied here.
     SendInline(SmallVec<[u8; INLINE_KEPT]>),
     /// A batch of the RDMA writes of large send `seq` (its gather list is in `State::out`):
-    /// one per `(first, end, bytes)` group, into the peer's memory from `addr` on under
-    /// `rkey`; the last is signalled, and carries `imm` if given.
+    /// one per group, each into the peer's memory where it says; the last is signalled, and
+    /// carries `imm` if given.
     Writes {
         seq: u32,
-        groups: SmallVec<[(usize, usize, u64); 4]>,
-        rkey: u32,
-        addr: u64,
+        groups: SmallVec<[WriteGroup; 4]>,
         imm: Option<u32>,
     },
 }
@@ -59,13 +58,7 @@ impl Link {
                 WorkRequest::SendInline(bytes) => qp
                     .post_send_inline(wr_id(self.id, WrKind::Send, INLINE_INDEX), &bytes)
                     .map_err(|e| VerbsError::os("ibv_post_send", "post send", &e)),
-                WorkRequest::Writes {
-                    seq,
-                    groups,
-                    rkey,
-                    addr,
-                    imm,
-                } => match state.out.get(&seq) {
+                WorkRequest::Writes { seq, groups, imm } => match state.out.get(&seq) {
                     // The entries point into the sender's borrowed segments (kept alive by the
                     // pending send future: dropping it fails the link first) or into
                     // registrations held by `OutRndv` until the write completes.
@@ -74,8 +67,6 @@ impl Link {
                             wr_id(self.id, WrKind::Write, seq),
                             &out.gather,
                             &groups,
-                            rkey,
-                            addr,
                             imm,
                         )
                         .map_err(|e| VerbsError::os("ibv_post_send", "post RDMA write", &e)),

@@ -2,7 +2,7 @@
 //! requests deferred while the inbox was full, offers to make, writes and grants waiting for
 //! room, and credits to return.
 
-use super::{Link, Progress};
+use super::{Grant, Link, Progress};
 use crate::error::VerbsError;
 use crate::proto::credits::Class;
 use crate::proto::wire::{self, Base, Cts, Kind};
@@ -49,14 +49,13 @@ impl Link {
                 }
                 st.write_backlog.pop_front();
             }
-            while let Some(&(seq, cts)) = st.cts_backlog.front() {
+            while let Some(&(seq, grant)) = st.cts_backlog.front() {
                 let posted = self.try_post_small(&mut st, Class::Normal, |buf, credits| {
-                    let base = Base {
-                        kind: Kind::Cts,
-                        credits,
-                        seq,
-                    };
-                    wire::put_cts(buf, base, cts)
+                    let base = |kind| Base { kind, credits, seq };
+                    match grant {
+                        Grant::Whole(cts) => wire::put_cts(buf, base(Kind::Cts), cts),
+                        Grant::Placed(cts) => wire::put_placed_cts(buf, base(Kind::CtsPlaced), cts),
+                    }
                 });
                 if !posted {
                     break;

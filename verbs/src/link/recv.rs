@@ -7,12 +7,17 @@ use psnet_transport::{Incoming, NodeId};
 use sideway::ibverbs::completion::{WorkCompletionOperationType, WorkCompletionStatus};
 use smallvec::SmallVec;
 
+use psnet_transport::device::DevicePath;
+use psnet_transport::Placed;
+
 use super::{
-    Completion, DeferredRts, InRndv, Link, Slot, State, WorkRequest, WrKind, INLINE_INDEX,
+    Completion, DeferredRts, Grant, InRndv, Link, Slot, State, WorkRequest, WrKind, INLINE_INDEX,
 };
 use crate::error::VerbsError;
+use crate::landing::{Arrival, Asked, Decision};
+use crate::proto::destination::Destination;
 use crate::proto::offers::{RemoteBuf, PER_CLASS};
-use crate::proto::wire::{self, Cts, Kind};
+use crate::proto::wire::{self, Cts, Kind, PlacedCts};
 
 impl Link {
     /// Posts receive buffer `slot`; it is read again only once its completion returns it.
@@ -104,21 +109,27 @@ impl Link {
                 self.on_direct(st, base.seq, bytes)?;
                 Ok(true)
             }
-            Kind::Cts => {
-                let cts = wire::parse_cts(bytes)?;
+            Kind::Cts | Kind::CtsPlaced => {
                 let out = st.out.get_mut(&base.seq).ok_or_else(|| {
                     VerbsError::Protocol(format!(
                         "clear-to-send for unknown rendezvous {}",
                         base.seq
                     ))
                 })?;
-                if out.cts.is_some() || cts.len < out.total {
-                    return Err(VerbsError::Protocol(format!(
-                        "bad clear-to-send for rendezvous {} ({} bytes offered, {} needed)",
-                        base.seq, cts.len, out.total
-                    )));
-                }
-                out.cts = Some(cts);
+                let to = if out.to.is_some() {
+                    Err("a second one".to_string())
+                } else if base.kind == Kind::Cts {
+                    Destination::whole(wire::parse_cts(bytes)?, out.total)
+                } else {
+                    let cts = wire::parse_placed_cts(bytes)?;
+                    Destination::placed(cts, out.total, out.gather.lens())
+                };
+                out.to = Some(to.map_err(|e| {
+                    VerbsError::Protocol(format!(
+                        "bad clear-to-send for rendezvous {}: {e}",
+                        base.seq
+                    ))
+                })?);
                 st.write_backlog.push_back(base.seq);
                 Ok(false)
             }
@@ -133,7 +144,7 @@ impl Link {
                 }
                 let body = Bytes::copy_from_slice(&bytes[at..at + payload]);
                 let msg = split_message(self.peer, &body, h.meta_len as usize, &h.seg_lens);
-                st.order.push_ready(msg);
+                st.order.push_ready(Arrival::plain(msg));
                 Ok(true)
             }
             Kind::Rts => {
@@ -177,11 +188,36 @@ impl Link {
             meta_len as u64
         };
         let total = remote_meta + rts.header.seg_lens.iter().sum::<u64>();
-        let region = self.pool.take(total as usize)?;
-        let cts = Cts {
+        let seg_lens = rts.header.seg_lens;
+        // The placer is asked now only if its segment may go straight where it belongs; then
+        // the metadata must have come with the request (it names the message).
+        let decision = match &rts.meta {
+            Some(meta) => self.landings.decide(self.peer, meta, &seg_lens),
+            None => Decision::NotAsked,
+        };
+        let (nic, asked) = match decision {
+            Decision::NotAsked => (None, Asked::No),
+            Decision::Copy(answer) => (None, Asked::Answered(answer)),
+            Decision::Nic(nic) => (Some(nic), Asked::Answered(None)),
+        };
+        let host_len = total - nic.as_ref().map_or(0, |n| n.len);
+        let region = self.pool.take(host_len as usize)?;
+        let host = Cts {
             addr: region.addr(),
             rkey: region.rkey(),
-            len: total,
+            len: host_len,
+        };
+        let grant = match &nic {
+            Some(n) => Grant::Placed(PlacedCts {
+                host,
+                at: seg_lens[..n.segment].iter().sum(),
+                to: Cts {
+                    addr: n.addr,
+                    rkey: n.rkey,
+                    len: n.len,
+                },
+            }),
+            None => Grant::Whole(host),
         };
         st.inbound.insert(
             rts.seq,
@@ -189,11 +225,13 @@ impl Link {
                 region,
                 meta: rts.meta,
                 meta_len,
-                seg_lens: rts.header.seg_lens,
+                seg_lens,
                 total,
+                nic,
+                asked,
             },
         );
-        st.cts_backlog.push_back((rts.seq, cts));
+        st.cts_backlog.push_back((rts.seq, grant));
         Ok(())
     }
 
@@ -218,18 +256,34 @@ impl Link {
                 region.len()
             )));
         }
+        // A message the NIC could have written where the placer wants it came past the
+        // request-to-send: it is copied there, and its size is not offered again, so the next
+        // one asks (and is written in place).
+        let (asked, offer_again) = match self.landings.decide(self.peer, &meta, &h.seg_lens) {
+            Decision::NotAsked => (Asked::No, true),
+            Decision::Copy(answer) => (Asked::Answered(answer), true),
+            Decision::Nic(nic) => {
+                let p = nic.placement();
+                // Dropped here: the memory is free for the copy.
+                drop(nic);
+                (Asked::Answered(Some(p)), false)
+            }
+        };
         // The peer's writes into the region were posted before this message on the same
         // reliable-connected queue pair, so they are placed; the offer was redeemed above, so
         // the peer will not write it again and it is offered to no one else.
         let body = self.pool.into_bytes(region, total as usize);
-        st.order.push_ready(Incoming {
+        let msg = Incoming {
             peer: self.peer,
             meta,
             segments: split_segments(&body, 0, &h.seg_lens),
             placed: None,
-        });
+        };
+        st.order.push_ready(Arrival { msg, asked });
         st.stats.received_direct += 1;
-        self.want_offer(st, class);
+        if offer_again {
+            self.want_offer(st, class);
+        }
         Ok(())
     }
 
@@ -255,24 +309,51 @@ impl Link {
                 inbound.total
             )));
         }
+        let InRndv {
+            region,
+            meta,
+            meta_len,
+            mut seg_lens,
+            total,
+            nic,
+            asked,
+        } = inbound;
         // A message like this one is likely to come again (the same key): offer its size in
-        // advance, if the sender can use an offer (its metadata travels in the message).
-        if inbound.meta.is_some() {
-            self.want_offer(st, inbound.region.len() as u64);
+        // advance, if the sender can use an offer (its metadata travels in the message) and
+        // the message was not placed (an offered buffer would take the next one past the
+        // placer).
+        if meta.is_some() && nic.is_none() {
+            self.want_offer(st, region.len() as u64);
         }
+        // The placed segment is not in the host buffer: the rest is, in order.
+        let placed = nic.map(|n| {
+            st.stats.received_placed += 1;
+            seg_lens[n.segment] = 0;
+            let result = n.landed();
+            self.landings
+                .placing
+                .note(self.peer, n.dest.ordinal(), DevicePath::Direct);
+            Placed {
+                segment: n.segment,
+                len: n.len,
+                result,
+            }
+        });
+        let host_len = total - placed.as_ref().map_or(0, |p| p.len);
         // The write-with-immediate completed, so the sender's writes into the region are done,
         // and it was offered for this rendezvous only.
-        let body = self.pool.into_bytes(inbound.region, inbound.total as usize);
-        let msg = match inbound.meta {
+        let body = self.pool.into_bytes(region, host_len as usize);
+        let mut msg = match meta {
             Some(meta) => Incoming {
                 peer: self.peer,
                 meta,
-                segments: split_segments(&body, 0, &inbound.seg_lens),
+                segments: split_segments(&body, 0, &seg_lens),
                 placed: None,
             },
-            None => split_message(self.peer, &body, inbound.meta_len, &inbound.seg_lens),
+            None => split_message(self.peer, &body, meta_len, &seg_lens),
         };
-        if !st.order.complete(seq, msg) {
+        msg.placed = placed;
+        if !st.order.complete(seq, Arrival { msg, asked }) {
             return Err(VerbsError::Protocol(format!(
                 "rendezvous {seq} completed twice"
             )));

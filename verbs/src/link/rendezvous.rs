@@ -15,9 +15,10 @@ use super::device_send::direct_lkey;
 use super::{lost, Link, OutRndv, PendingSend, State, WorkRequest, SEQ_MASK};
 use crate::error::VerbsError;
 use crate::proto::credits::Class;
-use crate::proto::wire::{self, Base, Cts, Kind};
+use crate::proto::destination::Destination;
+use crate::proto::wire::{self, Base, Kind};
 use crate::registrar::Registrar;
-use crate::sys::verbs::Gather;
+use crate::sys::verbs::{Gather, WriteGroup};
 
 /// Largest byte count one work request carries (providers limit a message to 2 GiB).
 const MAX_WR_BYTES: u64 = 1 << 30;
@@ -257,7 +258,7 @@ impl Link {
             return;
         };
         out.ready = ready.clamp(out.ready, out.gather.len());
-        if out.cts.is_some() && !self.post_writes(st, started.seq) {
+        if out.to.is_some() && !self.post_writes(st, started.seq) {
             // No queue room now: completions will make some (`pump`).
             st.write_backlog.push_back(started.seq);
         }
@@ -289,24 +290,40 @@ impl Link {
         if out.posted == out.ready {
             return true;
         }
-        let to = out.cts.expect("writes follow a clear-to-send or an offer");
-        let groups = write_groups(&out.gather, out.posted..out.ready, max_sge);
+        let to = out.to.expect("writes follow a clear-to-send or an offer");
+        let groups = write_groups(
+            &out.gather,
+            out.posted..out.ready,
+            max_sge,
+            out.written,
+            to.edges(),
+        );
         let wrs = groups.len() as u32;
         if st.sq_free < wrs {
             return false;
         }
         // The immediate ends the last batch only: the peer takes the message once it lands.
         let last = out.ready == out.gather.len();
-        let addr = to.addr + out.written;
-        out.written += groups.iter().map(|g| g.2).sum::<u64>();
+        out.written += groups.iter().map(|g| g.bytes).sum::<u64>();
         out.posted = out.ready;
         out.batches.push_back(wrs);
         st.sq_free -= wrs;
+        let groups = groups
+            .iter()
+            .map(|g| {
+                let (rkey, remote) = to.locate(g.off);
+                WriteGroup {
+                    first: g.first,
+                    end: g.end,
+                    bytes: g.bytes,
+                    rkey,
+                    remote,
+                }
+            })
+            .collect();
         st.wrs.push(WorkRequest::Writes {
             seq,
             groups,
-            rkey: to.rkey,
-            addr,
             imm: if last { out.imm } else { None },
         });
         true
@@ -339,7 +356,7 @@ pub(super) fn track_send(
     pending: &mut PendingSend,
     done: &mut Option<oneshot::Sender<Result<(), VerbsError>>>,
     total: u64,
-    to: Option<Cts>,
+    to: Option<Destination>,
 ) -> u32 {
     let seq = st.next_seq;
     st.next_seq = (seq + 1) & SEQ_MASK;
@@ -356,36 +373,65 @@ pub(super) fn track_send(
             written: 0,
             batches: VecDeque::new(),
             imm: to.is_none().then_some(seq),
-            cts: to,
+            to,
             done: done.take(),
         },
     );
     seq
 }
 
-/// Groups gather entries `entries` into RDMA writes of at most `max_sge` entries and
-/// [`MAX_WR_BYTES`] each: `(first, end, bytes)` per write.
+/// One RDMA write of a batch: gather entries `first..end`, `bytes` in all, starting at byte
+/// `off` of the message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Group {
+    pub first: usize,
+    pub end: usize,
+    pub bytes: u64,
+    pub off: u64,
+}
+
+/// Groups gather entries `entries`, the first of which starts at message byte `from`, into
+/// RDMA writes of at most `max_sge` entries and [`MAX_WR_BYTES`] each, none crossing an edge of
+/// the destination (`edges`: where a placed range starts and ends).
 pub(super) fn write_groups(
     gather: &Gather,
     entries: std::ops::Range<usize>,
     max_sge: usize,
-) -> SmallVec<[(usize, usize, u64); 4]> {
+    from: u64,
+    edges: Option<(u64, u64)>,
+) -> SmallVec<[Group; 4]> {
+    let is_edge = |off: u64| edges.is_some_and(|(a, b)| off == a || off == b);
     let mut groups = SmallVec::new();
-    let (mut start, mut bytes) = (entries.start, 0u64);
+    let mut group = Group {
+        first: entries.start,
+        end: entries.start,
+        bytes: 0,
+        off: from,
+    };
+    let mut off = from;
     let lens = gather
         .lens()
         .enumerate()
         .skip(entries.start)
         .take(entries.len());
     for (i, len) in lens {
-        if i > start && (i - start == max_sge.max(1) || bytes + len > MAX_WR_BYTES) {
-            groups.push((start, i, bytes));
-            start = i;
-            bytes = 0;
+        let full = i - group.first == max_sge.max(1) || group.bytes + len > MAX_WR_BYTES;
+        if i > group.first && (full || is_edge(off)) {
+            groups.push(Group { end: i, ..group });
+            group = Group {
+                first: i,
+                end: i,
+                bytes: 0,
+                off,
+            };
         }
-        bytes += len;
+        group.bytes += len;
+        off += len;
     }
-    groups.push((start, entries.end, bytes));
+    groups.push(Group {
+        end: entries.end,
+        ..group
+    });
     groups
 }
 
@@ -402,19 +448,26 @@ mod tests {
         g
     }
 
+    fn tuples(groups: &[Group]) -> Vec<(usize, usize, u64)> {
+        groups.iter().map(|g| (g.first, g.end, g.bytes)).collect()
+    }
+
     #[test]
     fn groups_cover_exactly_the_entries_asked_for() {
         let g = gather(&[5, 7, 9, 11, 13]);
         assert_eq!(
-            write_groups(&g, 0..5, 2).as_slice(),
-            &[(0, 2, 12), (2, 4, 20), (4, 5, 13)]
+            tuples(&write_groups(&g, 0..5, 2, 0, None)),
+            [(0, 2, 12), (2, 4, 20), (4, 5, 13)]
         );
         // A staged send's later batch: entries 1..5 only, grouped from entry 1.
+        let later = write_groups(&g, 1..5, 2, 5, None);
+        assert_eq!(tuples(&later), [(1, 3, 16), (3, 5, 24)]);
         assert_eq!(
-            write_groups(&g, 1..5, 2).as_slice(),
-            &[(1, 3, 16), (3, 5, 24)]
+            later[1].off,
+            5 + 16,
+            "where each write starts in the message"
         );
-        assert_eq!(write_groups(&g, 3..4, 30).as_slice(), &[(3, 4, 11)]);
+        assert_eq!(tuples(&write_groups(&g, 3..4, 30, 21, None)), [(3, 4, 11)]);
     }
 
     #[test]
@@ -422,9 +475,27 @@ mod tests {
         let half = MAX_WR_BYTES / 2 + 1;
         let g = gather(&[half, half, 10, half]);
         assert_eq!(
-            write_groups(&g, 0..4, 30).as_slice(),
-            &[(0, 1, half), (1, 3, half + 10), (3, 4, half)]
+            tuples(&write_groups(&g, 0..4, 30, 0, None)),
+            [(0, 1, half), (1, 3, half + 10), (3, 4, half)]
         );
-        assert_eq!(write_groups(&g, 2..4, 30).as_slice(), &[(2, 4, 10 + half)]);
+        assert_eq!(
+            tuples(&write_groups(&g, 2..4, 30, 2 * half, None)),
+            [(2, 4, 10 + half)]
+        );
+    }
+
+    #[test]
+    fn no_write_crosses_a_placed_range_edge() {
+        // Entries of 5, 7, 9, 11, 13 bytes; the placed range is the 9-byte entry (12..21).
+        let g = gather(&[5, 7, 9, 11, 13]);
+        let groups = write_groups(&g, 0..5, 30, 0, Some((12, 21)));
+        assert_eq!(tuples(&groups), [(0, 2, 12), (2, 3, 9), (3, 5, 24)]);
+        assert_eq!(
+            groups.iter().map(|g| g.off).collect::<Vec<_>>(),
+            [0, 12, 21]
+        );
+        // A later batch that starts on an edge.
+        let later = write_groups(&g, 2..5, 30, 12, Some((12, 21)));
+        assert_eq!(tuples(&later), [(2, 3, 9), (3, 5, 24)]);
     }
 }

@@ -15,6 +15,7 @@ use tokio::sync::Notify;
 use super::{Link, LinkParams, LinkStats, Locked, QpInfo, State};
 use crate::device::Device;
 use crate::error::VerbsError;
+use crate::landing::Landings;
 use crate::memory::{self, RecvPool};
 use crate::proto::credits::Credits;
 use crate::proto::offers::{Offered, Offers};
@@ -24,15 +25,16 @@ use crate::sys::verbs::{QueuePair, WrKind};
 
 impl Link {
     /// A queue pair in INIT with all receive buffers posted.
-    pub fn new(
+    pub(crate) fn new(
         dev: Arc<Device>,
         pool: Arc<RecvPool>,
+        landings: Arc<Landings>,
         id: u32,
         peer: NodeId,
         nonce: u64,
         params: LinkParams,
-        tag: u32,
     ) -> Result<Link, VerbsError> {
+        let tag = landings.tag();
         let (recv, recv_slots) = Slab::new(
             &dev.pd,
             params.recv_depth,
@@ -122,6 +124,7 @@ impl Link {
             recv,
             send,
             pool,
+            landings,
             dev,
         };
         {

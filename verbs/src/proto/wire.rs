@@ -8,6 +8,9 @@
 //!   [`RTS_META_INLINE`] is set, a direct message always carries the metadata;
 //! - [`Kind::Cts`] and [`Kind::Offer`]: then `addr u64 | rkey u32 | len u64` (a buffer of the
 //!   receiver's);
+//! - [`Kind::CtsPlaced`]: a clear-to-send as above (the host buffer), then `at u64 | addr u64
+//!   | rkey u32 | len u64`: the message's bytes `at..at + len` go to that memory (a segment the
+//!   receiver places in device memory its NIC can write), the rest to the host buffer in order;
 //! - [`Kind::Credit`]: nothing more.
 //!
 //! `credits` returns receive buffers to the peer (piggybacked on every message). `seq` names a
@@ -24,6 +27,8 @@ pub const BASE_LEN: usize = 8;
 pub const DATA_HEADER_LEN: usize = BASE_LEN + 8;
 /// Bytes of a clear-to-send.
 pub const CTS_LEN: usize = BASE_LEN + 20;
+/// Bytes of a clear-to-send that places a segment.
+pub const CTS_PLACED_LEN: usize = CTS_LEN + 28;
 /// Request-to-send flag: the metadata follows the header instead of being written remotely.
 pub const RTS_META_INLINE: u16 = 1;
 
@@ -45,6 +50,9 @@ pub enum Kind {
     /// A message whose segments were just written into an offered buffer; carries the header
     /// and the metadata.
     Direct = 6,
+    /// Clear to send, with one segment's bytes going to other memory of the receiver (device
+    /// memory its NIC writes): [`PlacedCts`].
+    CtsPlaced = 7,
 }
 
 /// The common header.
@@ -92,6 +100,18 @@ pub struct Cts {
     pub len: u64,
 }
 
+/// A clear-to-send that places a segment: the message's bytes `at..at + to.len` go to `to`,
+/// the others, in order, to `host`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlacedCts {
+    /// The receiver's host buffer for the bytes before and after the placed range.
+    pub host: Cts,
+    /// Where the placed range starts in the message's bytes.
+    pub at: u64,
+    /// The memory the placed range is written to (its length is the range's).
+    pub to: Cts,
+}
+
 /// Writes the common header into `out[..BASE_LEN]`.
 pub fn put_base(out: &mut [u8], base: Base) {
     out[0] = base.kind as u8;
@@ -130,6 +150,16 @@ pub fn put_cts(out: &mut [u8], base: Base, cts: Cts) -> usize {
     CTS_LEN
 }
 
+/// Writes a clear-to-send that places a segment; returns the bytes written.
+pub fn put_placed_cts(out: &mut [u8], base: Base, cts: PlacedCts) -> usize {
+    put_cts(out, base, cts.host);
+    out[28..36].copy_from_slice(&cts.at.to_le_bytes());
+    out[36..44].copy_from_slice(&cts.to.addr.to_le_bytes());
+    out[44..48].copy_from_slice(&cts.to.rkey.to_le_bytes());
+    out[48..56].copy_from_slice(&cts.to.len.to_le_bytes());
+    CTS_PLACED_LEN
+}
+
 fn need(buf: &[u8], n: usize) -> Result<(), WireError> {
     if buf.len() < n {
         return Err(WireError::Truncated {
@@ -162,6 +192,7 @@ pub fn parse_base(buf: &[u8]) -> Result<Base, WireError> {
         4 => Kind::Credit,
         5 => Kind::Offer,
         6 => Kind::Direct,
+        7 => Kind::CtsPlaced,
         k => return Err(WireError::UnknownKind(k)),
     };
     if buf[1] != VERSION {
@@ -228,6 +259,20 @@ pub fn parse_cts(buf: &[u8]) -> Result<Cts, WireError> {
     })
 }
 
+/// Reads a clear-to-send that places a segment.
+pub fn parse_placed_cts(buf: &[u8]) -> Result<PlacedCts, WireError> {
+    need(buf, CTS_PLACED_LEN)?;
+    Ok(PlacedCts {
+        host: parse_cts(buf)?,
+        at: u64_at(buf, 28),
+        to: Cts {
+            addr: u64_at(buf, 36),
+            rkey: u32_at(buf, 44),
+            len: u64_at(buf, 48),
+        },
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -262,6 +307,25 @@ mod tests {
             prop_assert_eq!(parse_cts(&buf).unwrap(), Cts { addr, rkey, len });
         }
 
+        #[test]
+        fn placed_cts_roundtrips(credits: u16, seq: u32, host in (any::<u64>(), any::<u32>(), any::<u64>()),
+                                 at: u64, to in (any::<u64>(), any::<u32>(), any::<u64>())) {
+            let cts = PlacedCts {
+                host: Cts { addr: host.0, rkey: host.1, len: host.2 },
+                at,
+                to: Cts { addr: to.0, rkey: to.1, len: to.2 },
+            };
+            let base = Base { kind: Kind::CtsPlaced, credits, seq };
+            let mut buf = [0u8; CTS_PLACED_LEN];
+            prop_assert_eq!(put_placed_cts(&mut buf, base, cts), CTS_PLACED_LEN);
+            prop_assert_eq!(parse_base(&buf).unwrap(), base);
+            prop_assert_eq!(parse_placed_cts(&buf).unwrap(), cts);
+            // Cut short anywhere, it is refused.
+            for n in 0..CTS_PLACED_LEN {
+                prop_assert!(parse_placed_cts(&buf[..n]).is_err());
+            }
+        }
+
         /// Any bytes parse to a header or an error, never a panic.
         #[test]
         fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
@@ -271,6 +335,7 @@ mod tests {
                         let _ = parse_data_header(&bytes, &Limits::default());
                     }
                     Kind::Cts | Kind::Offer => { let _ = parse_cts(&bytes); }
+                    Kind::CtsPlaced => { let _ = parse_placed_cts(&bytes); }
                     Kind::Credit => {}
                 }
             }

@@ -41,12 +41,17 @@ const REQUIRED: &[&str] = &[
 /// The dma-buf export (CUDA 11.7+ drivers); its absence only rules out the dma-buf path.
 const DMABUF_EXPORT: &str = "cuMemGetHandleForAddressRange";
 
+/// The flush of GPUDirect RDMA writes (CUDA 11.3+ drivers); its absence rules out peers'
+/// NICs writing GPU memory that kernels then read.
+const FLUSH_WRITES: &str = "cuFlushGPUDirectRDMAWrites";
+
 /// A loaded, initialised CUDA driver with at least one device.
 #[derive(Debug)]
 pub struct Driver {
     version: i32,
     devices: usize,
     dmabuf_export: bool,
+    flush_writes: bool,
 }
 
 /// `rc` as the driver names it (`CUDA_ERROR_INVALID_VALUE: invalid argument`).
@@ -100,6 +105,7 @@ impl Driver {
             )));
         }
         let dmabuf_export = has(DMABUF_EXPORT);
+        let flush_writes = has(FLUSH_WRITES);
         // SAFETY: cuInit takes a flags word (must be 0); its symbol was found above.
         match unsafe { sys::cuInit(0) } {
             CUresult::CUDA_SUCCESS => {}
@@ -130,6 +136,7 @@ impl Driver {
             version,
             devices,
             dmabuf_export,
+            flush_writes,
         })
     }
 
@@ -256,6 +263,33 @@ impl Driver {
         }
         // SAFETY: the driver just created this descriptor for us; nothing else owns it.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Whether the driver can flush GPUDirect RDMA writes ([`Driver::flush_writes`]).
+    pub fn can_flush_writes(&self) -> bool {
+        self.flush_writes
+    }
+
+    /// Makes the NIC's writes into `ctx`'s memory so far visible to work then launched in it
+    /// (`cuFlushGPUDirectRDMAWrites`, to the owner): call after a peer's RDMA write into GPU
+    /// memory landed and before a kernel reads it.
+    pub fn flush_writes(&self, ctx: Context) -> Result<(), GpuError> {
+        if !self.flush_writes {
+            return Err(GpuError::Cuda(format!(
+                "libcuda lacks {FLUSH_WRITES} (CUDA 11.3 or newer is needed for peers to write \
+                 GPU memory)"
+            )));
+        }
+        let _current = self.make_current(ctx)?;
+        // SAFETY: takes two enum values and touches no memory of ours; the symbol was found
+        // at load (`flush_writes`).
+        let rc = unsafe {
+            sys::cuFlushGPUDirectRDMAWrites(
+                sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+                sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER,
+            )
+        };
+        check(rc, "cuFlushGPUDirectRDMAWrites")
     }
 
     /// Makes `ctx` current on this thread until the guard is dropped.

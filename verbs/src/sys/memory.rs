@@ -355,3 +355,84 @@ impl Drop for Lent {
         }
     }
 }
+
+/// Registered memory that a peer writes by RDMA while it is lent to it, and the CPU reads and
+/// writes only while it is not: the memory behind a host landing (a received segment the
+/// NIC writes straight into memory the receiver keeps).
+pub struct LandingMemory {
+    region: Region,
+    /// Whether a peer was given the memory for a write that has not landed yet. CPU accesses
+    /// hold this lock, so lending waits for one under way and none starts while lent.
+    lent: std::sync::Mutex<bool>,
+}
+
+impl LandingMemory {
+    /// `len` zeroed bytes, registered with `pd` for remote writes.
+    pub fn new(pd: &Arc<ProtectionDomain>, len: usize) -> Result<LandingMemory, VerbsError> {
+        Ok(LandingMemory {
+            region: Region::new(pd, len)?,
+            lent: std::sync::Mutex::new(false),
+        })
+    }
+
+    /// The first byte's address, as the NIC names it.
+    pub fn addr(&self) -> u64 {
+        self.region.addr()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.region.len()
+    }
+
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.region.lkey()
+    }
+
+    /// Remote key, given to a peer with the memory.
+    pub fn rkey(&self) -> u32 {
+        self.region.rkey()
+    }
+
+    fn lent(&self) -> std::sync::MutexGuard<'_, bool> {
+        self.lent.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Lends the memory to one peer's write; false if it is lent already.
+    pub fn lend(&self) -> bool {
+        let mut lent = self.lent();
+        !std::mem::replace(&mut *lent, true)
+    }
+
+    /// Takes the memory back: the write landed, or the receive ended without it (its link
+    /// failed, and a queue pair in error accepts no more writes).
+    pub fn take_back(&self) {
+        *self.lent() = false;
+    }
+
+    /// Copies bytes `at..at + out.len()` into `out`; false while lent or out of range.
+    pub fn read(&self, at: usize, out: &mut [u8]) -> bool {
+        let lent = self.lent();
+        if *lent || at.checked_add(out.len()).is_none_or(|end| end > self.len()) {
+            return false;
+        }
+        // SAFETY: in range (checked); not lent, so no write of a peer is expected, and CPU
+        // accesses are serialised by the lock held here. A peer that writes with a key it
+        // was given earlier anyway changes the bytes read (see `into_bytes`).
+        out.copy_from_slice(unsafe { self.region.bytes(at, out.len()) });
+        true
+    }
+
+    /// Copies `src` into bytes `at..at + src.len()`; false while lent or out of range.
+    pub fn write(&self, at: usize, src: &[u8]) -> bool {
+        let lent = self.lent();
+        if *lent || at.checked_add(src.len()).is_none_or(|end| end > self.len()) {
+            return false;
+        }
+        // SAFETY: in range (checked); the lock held here makes this the only CPU access, and
+        // the memory is not lent, so no work request of this side uses it.
+        unsafe { self.region.bytes_mut(at, src.len()) }.copy_from_slice(src);
+        true
+    }
+}

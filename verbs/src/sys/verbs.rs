@@ -255,6 +255,17 @@ pub(crate) fn poll(cq: &BasicCompletionQueue, mut each: impl FnMut(WorkCompletio
     handled
 }
 
+/// One RDMA write: gather entries `first..end` (`bytes` in all), into the peer's memory at
+/// `remote` under `rkey`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct WriteGroup {
+    pub first: usize,
+    pub end: usize,
+    pub bytes: u64,
+    pub rkey: u32,
+    pub remote: u64,
+}
+
 /// The local memory a chain of RDMA writes reads: (address, length, key) entries, in order.
 #[derive(Clone, Default)]
 pub(crate) struct Gather {
@@ -397,9 +408,9 @@ impl QueuePair {
         guard.post()
     }
 
-    /// Posts one RDMA write per `(first, end, bytes)` group of `gather`'s entries, into the
-    /// peer's memory from `remote` on (key `rkey`); the last is signalled and carries `imm`
-    /// (WRITE WITH IMMEDIATE) if given. All carry `wr_id`.
+    /// Posts one RDMA write per group of `gather`'s entries ([`WriteGroup`]: its entries, into
+    /// the peer's memory at its address under its key); the last is signalled and carries
+    /// `imm` (WRITE WITH IMMEDIATE) if given. All carry `wr_id`.
     ///
     /// The gather names memory by address, so this is where sys trusts its caller: the link
     /// keeps every entry's memory valid until the last write completes or the link fails.
@@ -412,14 +423,11 @@ impl QueuePair {
         &mut self,
         wr_id: u64,
         gather: &Gather,
-        groups: &[(usize, usize, u64)],
-        rkey: u32,
-        remote: u64,
+        groups: &[WriteGroup],
         imm: Option<u32>,
     ) -> Result<(), PostSendError> {
         let mut guard = self.qp.start_post_send();
-        let mut remote = remote;
-        for (n, &(from, to, bytes)) in groups.iter().enumerate() {
+        for (n, g) in groups.iter().enumerate() {
             let last = n + 1 == groups.len();
             let flags = if last {
                 WorkRequestFlags::Signaled
@@ -428,14 +436,13 @@ impl QueuePair {
             };
             let wr = guard.construct_wr(wr_id, flags);
             let wr = match imm {
-                Some(imm) if last => wr.setup_write_imm(rkey, remote, imm.to_be()),
-                _ => wr.setup_write(rkey, remote),
+                Some(imm) if last => wr.setup_write_imm(g.rkey, g.remote, imm.to_be()),
+                _ => wr.setup_write(g.rkey, g.remote),
             };
             // SAFETY: the entries point into memory the caller keeps valid until the writes
             // complete (see above); the NIC only reads it, and checks each key against its
             // registration.
-            unsafe { wr.setup_sge_list(&gather.sges[from..to]) };
-            remote += bytes;
+            unsafe { wr.setup_sge_list(&gather.sges[g.first..g.end]) };
         }
         guard.post()
     }

@@ -26,3 +26,29 @@ impl VerbsTransport {
         })
     }
 }
+
+impl VerbsTransport {
+    /// Lets peers' NICs write received segments straight into `region` (GPUDirect RDMA
+    /// receive): a placer whose destination reports the returned [`NicRegion`] (or a part of
+    /// it: the key and an address inside) from [`DeviceDest::nic`] gets such segments written
+    /// there with no copy, flushed to the GPU before the message is delivered. The transport
+    /// keeps only a weak reference: once `region` is dropped, segments placed in its memory
+    /// are copied in instead (and a receive under way keeps it alive until its write lands).
+    ///
+    /// None on the staged path (the registration covers a host buffer, not the GPU memory)
+    /// or where the driver cannot flush such writes (CUDA older than 11.3).
+    ///
+    /// [`NicRegion`]: psnet_transport::device::NicRegion
+    /// [`DeviceDest::nic`]: psnet_transport::DeviceDest::nic
+    pub fn accept_writes(
+        &self,
+        region: &std::sync::Arc<GpuRegion>,
+    ) -> Option<psnet_transport::device::NicRegion> {
+        if !region.path().is_direct() || !region.can_flush_nic_writes() {
+            return None;
+        }
+        let weak: std::sync::Weak<dyn crate::landing::NicTarget> =
+            std::sync::Arc::downgrade(region) as std::sync::Weak<GpuRegion>;
+        Some(self.inner.landings.accept(region.lkey(), weak))
+    }
+}

@@ -27,13 +27,14 @@ use psnet_transport::codec::DataPath;
 use psnet_transport::device::DEFAULT_STAGE_CHUNK;
 use psnet_transport::placement::ReceivePlacing;
 use psnet_transport::{
-    Admission, Capabilities, Event, Incoming, NodeId, OutMessage, Placer, RegionKey, RegisteredBuf,
+    Admission, Capabilities, Event, NodeId, OutMessage, Placer, RegionKey, RegisteredBuf,
     Transport, TransportError,
 };
 use tokio::sync::{mpsc, watch, Notify};
 
 use crate::device::Device;
 use crate::error::VerbsError;
+use crate::landing::{Arrival, Asked, HostLanding, Landings};
 use crate::link::{Link, LinkParams};
 use crate::memory::RecvPool;
 use crate::proto::handshake::Links;
@@ -58,9 +59,13 @@ use progress::poll_loop;
 /// How long `shutdown` waits, at most, for posted sends to complete.
 const SHUTDOWN_LINGER: Duration = Duration::from_secs(1);
 
+/// An event for `recv`, the bytes it counts against the inbox's bound, and what the placer
+/// said about it before its data came.
+type InboxItem = (Event, usize, Asked);
+
 struct Inbox {
-    tx: mpsc::UnboundedSender<(Event, usize)>,
-    rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<(Event, usize)>>,
+    tx: mpsc::UnboundedSender<InboxItem>,
+    rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<InboxItem>>,
     bytes: AtomicUsize,
     limit: usize,
 }
@@ -70,14 +75,15 @@ impl Inbox {
         self.bytes.load(Ordering::Acquire) >= self.limit
     }
 
-    fn push_message(&self, m: Incoming) {
+    fn push_message(&self, arrival: Arrival) {
+        let Arrival { msg: m, asked } = arrival;
         let n = m.meta.len() + m.segments.iter().map(|s| s.len()).sum::<usize>();
         self.bytes.fetch_add(n, Ordering::AcqRel);
-        let _ = self.tx.send((Event::Message(m), n));
+        let _ = self.tx.send((Event::Message(m), n, asked));
     }
 
     fn push_event(&self, e: Event) {
-        let _ = self.tx.send((e, 0));
+        let _ = self.tx.send((e, 0, Asked::No));
     }
 }
 
@@ -108,8 +114,9 @@ struct Inner {
     /// `PSNET_RDMA_CONNECT=auto`: an rdma_cm connection that does not complete falls back to
     /// the socket handshake.
     cm_fallback: bool,
-    /// Received segments placed in device memory (`Transport::set_placer`).
-    placing: ReceivePlacing,
+    /// Received segments placed in device memory (`Transport::set_placer`), and the memory
+    /// registered for peers' NICs to write them into.
+    landings: Arc<Landings>,
 }
 
 /// The RDMA transport.
@@ -225,7 +232,10 @@ impl VerbsTransport {
             config,
             cm,
             cm_fallback,
-            placing: ReceivePlacing::new("rdma", DEFAULT_STAGE_CHUNK),
+            landings: Arc::new(Landings::new(
+                ReceivePlacing::new("rdma", DEFAULT_STAGE_CHUNK),
+                tag,
+            )),
         });
         let fd = sys::verbs::watch_channel(inner.dev.channel.clone())
             .map_err(|e| unavailable(format!("completion channel: {e}")))?;
@@ -263,6 +273,14 @@ impl VerbsTransport {
     /// buffer), or `None` if no queue pair to `peer` exists.
     pub fn link_stats(&self, peer: NodeId) -> Option<crate::link::LinkStats> {
         lock(&self.inner.links).get(peer).map(|c| c.link().stats())
+    }
+
+    /// `len` bytes of host memory registered with this transport's NIC, into which a peer's
+    /// NIC writes a segment the placer puts there, with no copy ([`HostLanding`]: answer a
+    /// [`Placer`] with it).
+    pub fn host_landing(&self, len: usize) -> Result<Arc<HostLanding>, TransportError> {
+        HostLanding::new(&self.inner.dev.pd, len, &self.inner.landings)
+            .map_err(VerbsError::into_unavailable)
     }
 
     /// How this node connects queue pairs ([`Handshake::Auto`] resolved at bind).
@@ -304,11 +322,11 @@ impl Inner {
         let link = Arc::new(Link::new(
             self.dev.clone(),
             self.pool.clone(),
+            self.landings.clone(),
             id,
             peer,
             nonce,
             self.params.clone(),
-            self.registrar.tag,
         )?);
         lock(&self.by_id).insert(id, link.clone());
         Ok(link)
@@ -456,7 +474,7 @@ impl Transport for VerbsTransport {
         if inner.is_closed() {
             return Err(TransportError::Closed);
         }
-        if let Some(placed) = inner.placing.finish().await {
+        if let Some(placed) = inner.landings.placing.finish().await {
             return Ok(placed);
         }
         let mut rx = inner.inbox.rx.lock().await;
@@ -478,23 +496,28 @@ impl Transport for VerbsTransport {
         };
         drop(rx);
         match next {
-            Some((event, n)) if !inner.is_closed() => {
+            Some((event, n, asked)) if !inner.is_closed() => {
                 if n > 0 {
                     let before = inner.inbox.bytes.fetch_sub(n, Ordering::AcqRel);
                     if before >= inner.inbox.limit && before - n < inner.inbox.limit {
                         inner.drained.notify_one();
                     }
                 }
-                // Messages land whole in registered host buffers (the NIC does not write
-                // device memory for a receiver yet): a placed segment is copied there now.
-                Ok(inner.placing.place(event).await)
+                // A segment the NIC did not write where the placer said (`landing`) landed
+                // in a registered host buffer with the rest: it is copied there now.
+                let placing = &inner.landings.placing;
+                Ok(match (event, asked) {
+                    (event, Asked::No) => placing.place(event).await,
+                    (Event::Message(m), Asked::Answered(Some(p))) => placing.place_as(m, p).await,
+                    (event, Asked::Answered(_)) => event,
+                })
             }
             _ => Err(TransportError::Closed),
         }
     }
 
     fn set_placer(&self, placer: Arc<dyn Placer>) -> bool {
-        self.inner.placing.set_placer(placer);
+        self.inner.landings.placing.set_placer(placer);
         true
     }
 
