@@ -288,7 +288,12 @@ impl<T: Transport> Communicator<T> {
         }
     }
 
-    fn prepare_reduce<E: Element>(&self, count: usize, op: ReduceOp, root: usize) -> Prepared {
+    pub(crate) fn prepare_reduce<E: Element>(
+        &self,
+        count: usize,
+        op: ReduceOp,
+        root: usize,
+    ) -> Prepared {
         self.check_op::<E>(op)?;
         self.check_root(root)?;
         let plan = plan::tree_reduce(

@@ -292,6 +292,35 @@ impl<T: Transport> Communicator<T> {
         Ok(())
     }
 
+    /// Reduce in place of a GPU buffer (as [`Communicator::reduce`]): `root`'s `buf` ends with
+    /// the reduction of every rank's, with the bits the host call gives; the other ranks'
+    /// are used as scratch. Reduced on the device by the host plan, so ranks reducing host
+    /// buffers take part too. The stage must be one [reducing on the
+    /// device](GpuStage::reducing_on_device).
+    pub async fn reduce_device<E: Element + DeviceRepr + ValidAsZeroBits>(
+        &self,
+        stage: &GpuStage<E>,
+        buf: &mut CudaViewMut<'_, E>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), CollectiveError> {
+        let ticket = self.ticket();
+        let prepared = self.prepare_reduce::<E>(buf.len(), op, root);
+        self.on_device_only(stage, ticket, prepared, buf, "reduce_device")
+            .await?;
+        if op == ReduceOp::Avg && self.rank == root {
+            let Some(on_device) = &stage.on_device else {
+                unreachable!("the call ran on the device")
+            };
+            let divisor = divisor_bits(E::DTYPE, self.size());
+            on_device
+                .reducer
+                .divide(device_element(E::DTYPE), buf, divisor)
+                .map_err(gpu_err)?;
+        }
+        Ok(())
+    }
+
     /// Runs a prepared call on the device; with a stage that does not work on the device,
     /// fails it (on every rank), naming `what`.
     async fn on_device_only<E: Element + DeviceRepr>(

@@ -431,3 +431,66 @@ async fn gathers_and_reduce_scatters_on_the_device_have_the_host_bits() {
         }
     }
 }
+
+/// A reduce of GPU buffers on the device ends with the bits the host reduce gives on the
+/// root, whether the root reduces a GPU buffer or a host one, with a rank working on a host
+/// buffer taking part.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reduces_on_the_device_have_the_host_bits() {
+    if let Err(e) = device_count() {
+        eprintln!("reduces_on_the_device_have_the_host_bits: skipped: {e}");
+        return;
+    }
+    let (n, len) = (3, 700_001);
+    for (op, root) in [(ReduceOp::Sum, 1), (ReduceOp::Avg, 0), (ReduceOp::Sum, 2)] {
+        // The reference: every rank on host buffers.
+        let net = MemNet::reliable();
+        let comms = world(&net, n).await;
+        let mut host: Vec<Vec<f32>> = (0..n).map(|r| values(r, len)).collect();
+        try_join_all(
+            comms
+                .iter()
+                .zip(host.iter_mut())
+                .map(|(c, b)| c.reduce(b, op, root)),
+        )
+        .await
+        .expect("host calls");
+
+        // Ranks 0 and 1 on the device, rank 2 on the host.
+        let net = MemNet::reliable();
+        let comms = world(&net, n).await;
+        let stages: Vec<GpuStage<f32>> = (0..2)
+            .map(|_| GpuStage::reducing_on_device(0).expect("a stage"))
+            .collect();
+        let mut device: Vec<_> = stages
+            .iter()
+            .enumerate()
+            .map(|(r, s)| s.stream().clone_htod(&values(r, len)).expect("upload"))
+            .collect();
+        let mut mixed = values(2, len);
+        {
+            let on_device = comms[..2]
+                .iter()
+                .zip(stages.iter().zip(device.iter_mut()))
+                .map(|(c, (s, d))| async move {
+                    c.reduce_device(s, &mut d.as_view_mut(), op, root).await
+                });
+            let on_host = comms[2].reduce(&mut mixed, op, root);
+            let (a, b) = tokio::join!(try_join_all(on_device), on_host);
+            a.expect("the device ranks");
+            b.expect("the host rank");
+        }
+        let got = match root {
+            2 => mixed,
+            r => stages[r].stream().clone_dtoh(&device[r]).expect("download"),
+        };
+        let same = got
+            .iter()
+            .zip(&host[root])
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same,
+            "{op:?} to {root}: the root differs from the host reduce"
+        );
+    }
+}

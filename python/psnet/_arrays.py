@@ -129,6 +129,20 @@ def reduce_scatter_on_gpu(comm, send, recv, op):
     return True
 
 
+def reduce_on_gpu(comm, x, op, root):
+    """Reduces every rank's ``x`` into ``root``'s on their GPU, leaving the other ranks' ``x``
+    unchanged (they reduce a copy); False if it must be staged (nothing changed)."""
+    if on_gpu(x) is None:
+        return False
+    import torch
+
+    work = x
+    if comm.rank != root:
+        with torch.no_grad():
+            work = x.detach().clone()
+    return _on_gpu_call(_psnet.reduce_cuda, comm, work, op, root)
+
+
 def _check_dtype(x, what):
     if str(getattr(x, "dtype", "")) == "torch.bfloat16":
         raise TypeError(f"{what}: bfloat16 tensors are not supported yet")

@@ -12,8 +12,8 @@ also return the result, as Horovod's calls do; their arrays must be C-contiguous
 ``out``). ``allreduce`` of a contiguous CUDA tensor in place runs on its GPU: pieces are sent
 from device memory and reduced into the tensor by psnet's kernels, to the bits the same
 values give on the CPU; ``broadcast`` of one likewise copies the pieces in on the GPU, and
-``allgather`` and ``reduce_scatter`` of one (with ``out`` on the same GPU, or none) run there
-too (``PSNET_CUDA_TENSORS=staged`` stages them instead). Other CUDA tensors
+``allgather`` and ``reduce_scatter`` of one (with ``out`` on the same GPU, or none), and
+``reduce`` of one, run there too (``PSNET_CUDA_TENSORS=staged`` stages them instead). Other CUDA tensors
 go through a host copy made for the call, and the result is copied back into them when the
 call ends (as gloo stages CUDA tensors); a CPU tensor's memory is used as it is.
 Element types: float32, float64, float16, int32, int64, uint8 (and bfloat16 for CUDA
@@ -33,6 +33,7 @@ from ._arrays import (
     broadcast_on_gpu,
     is_tensor,
     readable,
+    reduce_on_gpu,
     reduce_scatter_on_gpu,
     staged,
     writable,
@@ -157,6 +158,8 @@ def reduce(tensor, op="sum", root=0):
     """Reduces ``tensor`` across the ranks into ``root``'s ``tensor`` (in place there; the
     other ranks' are unchanged). Returns ``tensor``."""
     comm = _get()
+    if reduce_on_gpu(comm, tensor, op, root):
+        return tensor
     with staged():
         target = writable(tensor, "reduce", back=comm.rank == root)
         comm.reduce(target.copy(), target, op, root)

@@ -39,7 +39,13 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from . import _psnet
-from ._arrays import allgather_on_gpu, allreduce_on_gpu, broadcast_on_gpu, reduce_scatter_on_gpu
+from ._arrays import (
+    allgather_on_gpu,
+    allreduce_on_gpu,
+    broadcast_on_gpu,
+    reduce_on_gpu,
+    reduce_scatter_on_gpu,
+)
 
 BACKEND = "psnet"
 
@@ -146,18 +152,39 @@ class ProcessGroupPsnet(dist.ProcessGroup):
     def reduce(self, tensors, opts=None):
         op, root = _op(opts.reduceOp), opts.rootRank
         for t in tensors:
+            if reduce_on_gpu(self._comm, t, op, root):
+                continue
             with _Staged(t, "reduce", write=True) as a:
                 self._comm.reduce(a.copy(), a, op, root)
         return _done(tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         for outs, inp in zip(output_tensors, input_tensors):
+            if self._allgather_list_on_gpu(outs, inp):
+                continue
             with _Staged(inp, "allgather") as send:
                 recv = np.empty(len(outs) * send.size, dtype=send.dtype)
                 self._comm.allgather(send.reshape(-1), recv)
             for r, out in enumerate(outs):
                 out.copy_(torch.from_numpy(recv[r * send.size:(r + 1) * send.size]).view_as(out))
         return _done(output_tensors)
+
+    def _allgather_list_on_gpu(self, outs, inp):
+        """Gathers ``inp`` into the list ``outs`` (one per rank) on their GPU, through one
+        contiguous tensor there; False if they must be staged."""
+        if (not _on_cuda(inp) or len(outs) != self._comm.size
+                or any(not _on_cuda(o) or o.device != inp.device or o.dtype != inp.dtype
+                       or o.numel() != inp.numel() for o in outs)):
+            return False
+        send = inp.contiguous()
+        recv = send.new_empty((len(outs) * send.numel(),))
+        if not allgather_on_gpu(self._comm, send.view(-1), recv):
+            return False
+        n = send.numel()
+        with torch.no_grad():
+            for r, out in enumerate(outs):
+                out.copy_(recv[r * n:(r + 1) * n].view_as(out))
+        return True
 
     def _allgather_base(self, output, input, opts=None):
         if allgather_on_gpu(self._comm, input, output):
@@ -172,6 +199,8 @@ class ProcessGroupPsnet(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         for out, ins in zip(output_tensors, input_tensors):
+            if self._reduce_scatter_list_on_gpu(out, ins, op):
+                continue
             parts = []
             for t in ins:
                 with _Staged(t, "reduce_scatter") as a:
@@ -179,6 +208,17 @@ class ProcessGroupPsnet(dist.ProcessGroup):
             with _Staged(out, "reduce_scatter", write=True) as recv:
                 self._comm.reduce_scatter(np.concatenate(parts), recv.reshape(-1), op)
         return _done(output_tensors)
+
+    def _reduce_scatter_list_on_gpu(self, out, ins, op):
+        """Reduces the list ``ins`` (one block per rank) into ``out`` on their GPU, through
+        one contiguous tensor there; False if they must be staged."""
+        if (not _on_cuda(out) or not out.is_contiguous() or len(ins) != self._comm.size
+                or any(not _on_cuda(t) or t.device != out.device or t.dtype != out.dtype
+                       or t.numel() != out.numel() for t in ins)):
+            return False
+        with torch.no_grad():
+            send = torch.cat([t.reshape(-1) for t in ins])
+        return reduce_scatter_on_gpu(self._comm, send, out.view(-1), op)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -195,6 +235,13 @@ class ProcessGroupPsnet(dist.ProcessGroup):
     def barrier(self, opts=None):
         self._comm.barrier()
         return _done(None)
+
+
+def _on_cuda(t):
+    """Whether ``t`` is a CUDA tensor psnet may take where it lies (by device pointer, with
+    ``PSNET_CUDA_TENSORS=device``): worth gathering a list into one tensor on the GPU for."""
+    return (getattr(getattr(t, "device", None), "type", None) == "cuda"
+            and hasattr(t, "data_ptr") and _psnet.cuda_tensors() == "device")
 
 
 def _free_port(host):

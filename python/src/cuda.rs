@@ -3,7 +3,7 @@
 //! - `allreduce_cuda` runs an allreduce on the GPU (`GpuStage::reducing_on_device`): pieces
 //!   sent from device memory, received pieces reduced by kernels into the tensor;
 //!   `broadcast_cuda` a broadcast, received pieces copied into the tensor on the device;
-//!   `allgather_cuda` and `reduce_scatter_cuda` the same calls in place;
+//!   `allgather_cuda`, `reduce_scatter_cuda` and `reduce_cuda` the same calls in place;
 //! - `kv_push_cuda`, `kv_pull_cuda`, `kv_pushpull_cuda` are the kv worker's calls on GPU
 //!   buffers (`GpuKv`): sent from device memory, or quantized on the GPU with the residual
 //!   kept there when compression is on; pulled values copied into the tensor.
@@ -79,6 +79,7 @@ enum OnGpu {
     Broadcast(usize),
     AllgatherInPlace,
     ReduceScatterInPlace(psnet_collectives::ReduceOp),
+    Reduce(psnet_collectives::ReduceOp, usize),
 }
 
 impl Comm {
@@ -120,6 +121,7 @@ impl Comm {
                     comm.reduce_scatter_in_place_device(&stage, &mut view, op)
                         .await
                 }
+                OnGpu::Reduce(op, root) => comm.reduce_device(&stage, &mut view, op, root).await,
             }
         })?;
         Ok(true)
@@ -233,6 +235,31 @@ pub(crate) fn reduce_scatter_cuda(
         device,
         OnGpu::ReduceScatterInPlace(op),
     )
+}
+
+/// Reduces every rank's contiguous CUDA tensor into `root`'s, in place on the GPU (see
+/// `allreduce_cuda`); the other ranks' tensors are used as scratch. `False` when this
+/// process cannot.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn reduce_cuda(
+    py: Python<'_>,
+    comm: &Comm,
+    ptr: u64,
+    numel: usize,
+    dtype: &str,
+    device: usize,
+    op: &str,
+    root: usize,
+) -> PyResult<bool> {
+    let op = reduction("reduce", op, dtype)?;
+    if root >= comm.comm.size() {
+        return Err(PyValueError::new_err(format!(
+            "reduce: root {root} is not a rank of {} ranks",
+            comm.comm.size()
+        )));
+    }
+    comm.collective_cuda(py, ptr, numel, dtype, device, OnGpu::Reduce(op, root))
 }
 
 /// Broadcasts `root`'s contiguous CUDA tensor into every rank's, in place on the GPU (see

@@ -46,6 +46,7 @@ fn _psnet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda::broadcast_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::allgather_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::reduce_scatter_cuda, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::reduce_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::kv_push_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::kv_pull_cuda, m)?)?;

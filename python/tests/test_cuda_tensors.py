@@ -234,6 +234,9 @@ def test_how_cuda_tensors_are_taken_comes_from_psnet_cuda_tensors(monkeypatch):
     assert not allgather_on_gpu(None, fake(torch.zeros(2)), fake(torch.zeros(4)))
     assert not reduce_scatter_on_gpu(None, torch.zeros(4), torch.zeros(2), "sum")
     assert not reduce_scatter_on_gpu(None, fake(torch.zeros(4)), fake(torch.zeros(2)), "sum")
+    from psnet._arrays import reduce_on_gpu
+    assert not reduce_on_gpu(None, torch.zeros(4), "sum", 0)
+    assert not reduce_on_gpu(None, fake(torch.zeros(4)), "sum", 0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: real CUDA tensors are not tested")
@@ -305,6 +308,20 @@ if sys.argv[2] == "device":
     half = torch.empty(1000, device="cuda")
     assert reduce_scatter_on_gpu(_get(), ones, half, "sum"), "staged"
     assert half.cpu().tolist() == [float(n)] * 1000
+    # A reduce on the GPU: the root's bits are the CPU reduce's, the other rank's tensor
+    # is unchanged; taken on the GPU, not staged.
+    from psnet._arrays import reduce_on_gpu
+    for dtype, op, root in [(torch.float32, "sum", 1), (torch.float16, "avg", 0)]:
+        cpu = base.to(dtype)
+        gpu = cpu.cuda()
+        psnet.reduce(gpu, op, root=root)
+        psnet.reduce(cpu, op, root=root)
+        assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8)), (dtype, op)
+        if r != root:
+            assert torch.equal(gpu.cpu().view(torch.uint8), base.to(dtype).view(torch.uint8))
+    tens = torch.full((1000,), 10.0, device="cuda")
+    assert reduce_on_gpu(_get(), tens, "sum", 0), "staged"
+    assert tens.cpu().tolist() == [10.0 * n if r == 0 else 10.0] * 1000
 np.savez(f"{out}/rank{r}.npz", **res)
 """
     out, _ = run_ranks(tmp_path, 2, job.replace("sys.argv[2]", repr(mode)),

@@ -156,6 +156,16 @@ assert flat.cpu().tolist() == [0.0, 0.0, 1.0, 1.0], flat
 out = torch.empty(2, device="cuda")
 dist.reduce_scatter_tensor(out, torch.arange(4, dtype=torch.float32, device="cuda") + r)
 assert out.cpu().tolist() == [2.0 * r * 2 + 1.0, 2.0 * r * 2 + 3.0], out
+# The list forms (gathered through one tensor on the GPU in device mode), and reduce.
+outs = [torch.empty(3, device="cuda") for _ in range(n)]
+dist.all_gather(outs, torch.full((3,), float(r) + 0.5, device="cuda"))
+assert [o.cpu().tolist() for o in outs] == [[0.5] * 3, [1.5] * 3], outs
+rs = torch.empty(2, device="cuda")
+dist.reduce_scatter(rs, [torch.full((2,), float(r + 1 + k), device="cuda") for k in range(n)])
+assert rs.cpu().tolist() == [3.0 + 2 * r] * 2, rs
+red = torch.full((5,), float(r + 1), device="cuda")
+dist.reduce(red, dst=0)
+assert red.cpu().tolist() == ([3.0] * 5 if r == 0 else [float(r + 1)] * 5), red
 dist.destroy_process_group()
 """.replace("MODE", repr(mode)), env=env)
 
