@@ -271,7 +271,7 @@ crate::declare_env_vars! {
     PSNET_COLL_AHEAD_BYTES = "PSNET_COLL_AHEAD_BYTES", "1073741824",
         "collectives: bytes that may arrive for calls this rank has not made yet (other ranks running ahead, as a broadcast's root may); more fails the communicator";
     PSNET_CUDA_TENSORS = "PSNET_CUDA_TENSORS", "device",
-        "Python: how allreduce, broadcast and a dist kvstore take contiguous CUDA tensors: device (sent from GPU memory; reduced, or quantized, on the GPU by psnet's kernels) or staged (copied to host memory for the call and back)";
+        "Python: how the collectives and a dist kvstore take contiguous CUDA tensors: device (sent from GPU memory; reduced, or quantized, on the GPU by psnet's kernels) or staged (copied to host memory for the call and back)";
     // Read by `psnet-launch --role-from-env` under mpirun or srun (set by them, not by users).
     OMPI_COMM_WORLD_RANK = "OMPI_COMM_WORLD_RANK", "",
         "Open MPI's rank of this process (psnet-launch --role-from-env: 0 scheduler, then servers, then workers)";
