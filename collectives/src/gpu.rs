@@ -213,13 +213,23 @@ impl<T: Transport> Communicator<T> {
         let prepared = self.prepare_allreduce::<E>(buf.len(), op);
         self.run_on_device(ticket, prepared, on_device, buf).await?;
         if op == ReduceOp::Avg {
-            let divisor = divisor_bits(E::DTYPE, self.size());
-            on_device
-                .reducer
-                .divide(device_element(E::DTYPE), buf, divisor)
-                .map_err(gpu_err)?;
+            self.divide_on_device(on_device, buf)?;
         }
         Ok(())
+    }
+
+    /// Avg's last step on the device: `buf` divided by the number of ranks, as the host
+    /// path divides.
+    fn divide_on_device<E: Element + DeviceRepr>(
+        &self,
+        on_device: &OnDevice,
+        buf: &mut CudaViewMut<'_, E>,
+    ) -> Result<(), CollectiveError> {
+        let divisor = divisor_bits(E::DTYPE, self.size());
+        on_device
+            .reducer
+            .divide(device_element(E::DTYPE), buf, divisor)
+            .map_err(gpu_err)
     }
 
     /// Broadcast of a GPU buffer: every rank's `buf` ends with `root`'s. Pieces are sent
@@ -283,11 +293,7 @@ impl<T: Transport> Communicator<T> {
             };
             let block = buf.len() / self.size();
             let mut mine = buf.slice_mut(self.rank * block..(self.rank + 1) * block);
-            let divisor = divisor_bits(E::DTYPE, self.size());
-            on_device
-                .reducer
-                .divide(device_element(E::DTYPE), &mut mine, divisor)
-                .map_err(gpu_err)?;
+            self.divide_on_device(on_device, &mut mine)?;
         }
         Ok(())
     }
@@ -312,11 +318,7 @@ impl<T: Transport> Communicator<T> {
             let Some(on_device) = &stage.on_device else {
                 unreachable!("the call ran on the device")
             };
-            let divisor = divisor_bits(E::DTYPE, self.size());
-            on_device
-                .reducer
-                .divide(device_element(E::DTYPE), buf, divisor)
-                .map_err(gpu_err)?;
+            self.divide_on_device(on_device, buf)?;
         }
         Ok(())
     }

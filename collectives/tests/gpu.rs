@@ -22,6 +22,25 @@ async fn world(net: &MemNet, n: usize) -> Vec<Communicator<MemTransport>> {
 /// Elements per chunk of the GPU stage.
 const CHUNK: usize = 64 << 10;
 
+/// Stages reducing on the device for ranks 0 and 1, and their `values` in GPU memory.
+#[allow(clippy::type_complexity)]
+fn two_device_ranks(
+    len: usize,
+) -> (
+    Vec<GpuStage<f32>>,
+    Vec<psnet_compression::cuda::cudarc::driver::CudaSlice<f32>>,
+) {
+    let stages: Vec<GpuStage<f32>> = (0..2)
+        .map(|_| GpuStage::reducing_on_device(0).expect("a stage"))
+        .collect();
+    let device = stages
+        .iter()
+        .enumerate()
+        .map(|(r, s)| s.stream().clone_htod(&values(r, len)).expect("upload"))
+        .collect();
+    (stages, device)
+}
+
 fn values(rank: usize, len: usize) -> Vec<f32> {
     let mut rng = fastrand::Rng::with_seed(rank as u64 + 7);
     (0..len).map(|_| rng.f32() * 2.0 - 1.0).collect()
@@ -322,14 +341,7 @@ async fn a_gpu_broadcast_lands_the_roots_bits_on_every_rank() {
     let (n, len, root) = (3, 1_000_003, 1);
     let net = MemNet::reliable();
     let comms = world(&net, n).await;
-    let stages: Vec<GpuStage<f32>> = (0..2)
-        .map(|_| GpuStage::reducing_on_device(0).expect("a stage"))
-        .collect();
-    let mut device: Vec<_> = stages
-        .iter()
-        .enumerate()
-        .map(|(r, s)| s.stream().clone_htod(&values(r, len)).expect("upload"))
-        .collect();
+    let (stages, mut device) = two_device_ranks(len);
     let mut host = values(2, len);
     {
         let on_device =
@@ -381,14 +393,7 @@ async fn gathers_and_reduce_scatters_on_the_device_have_the_host_bits() {
         // Ranks 0 and 1 on the device, rank 2 on the host.
         let net = MemNet::reliable();
         let comms = world(&net, n).await;
-        let stages: Vec<GpuStage<f32>> = (0..2)
-            .map(|_| GpuStage::reducing_on_device(0).expect("a stage"))
-            .collect();
-        let mut device: Vec<_> = stages
-            .iter()
-            .enumerate()
-            .map(|(r, s)| s.stream().clone_htod(&values(r, len)).expect("upload"))
-            .collect();
+        let (stages, mut device) = two_device_ranks(len);
         let mut mixed = values(2, len);
         {
             let on_device = comms[..2]
@@ -459,14 +464,7 @@ async fn reduces_on_the_device_have_the_host_bits() {
         // Ranks 0 and 1 on the device, rank 2 on the host.
         let net = MemNet::reliable();
         let comms = world(&net, n).await;
-        let stages: Vec<GpuStage<f32>> = (0..2)
-            .map(|_| GpuStage::reducing_on_device(0).expect("a stage"))
-            .collect();
-        let mut device: Vec<_> = stages
-            .iter()
-            .enumerate()
-            .map(|(r, s)| s.stream().clone_htod(&values(r, len)).expect("upload"))
-            .collect();
+        let (stages, mut device) = two_device_ranks(len);
         let mut mixed = values(2, len);
         {
             let on_device = comms[..2]

@@ -253,12 +253,7 @@ pub(crate) fn reduce_cuda(
     root: usize,
 ) -> PyResult<bool> {
     let op = reduction("reduce", op, dtype)?;
-    if root >= comm.comm.size() {
-        return Err(PyValueError::new_err(format!(
-            "reduce: root {root} is not a rank of {} ranks",
-            comm.comm.size()
-        )));
-    }
+    check_root("reduce", root, comm)?;
     comm.collective_cuda(py, ptr, numel, dtype, device, OnGpu::Reduce(op, root))
 }
 
@@ -274,13 +269,19 @@ pub(crate) fn broadcast_cuda(
     device: usize,
     root: usize,
 ) -> PyResult<bool> {
+    check_root("broadcast", root, comm)?;
+    comm.collective_cuda(py, ptr, numel, dtype, device, OnGpu::Broadcast(root))
+}
+
+/// Refuses a root that is not a rank of `comm`.
+fn check_root(what: &str, root: usize, comm: &Comm) -> PyResult<()> {
     if root >= comm.comm.size() {
         return Err(PyValueError::new_err(format!(
-            "broadcast: root {root} is not a rank of {} ranks",
+            "{what}: root {root} is not a rank of {} ranks",
             comm.comm.size()
         )));
     }
-    comm.collective_cuda(py, ptr, numel, dtype, device, OnGpu::Broadcast(root))
+    Ok(())
 }
 
 /// One `GpuKv` per device, made on first use and kept for the worker's life: it holds the
