@@ -338,7 +338,7 @@ async fn read_placed(
             .placing
             .note(conn.peer, dest.ordinal(), DevicePath::Staged);
         let mut source = SocketSource { read, buf };
-        let result = stream_from_source(dest, inbox.placing.chunk(), &mut source)
+        let result = stream_from_source(dest, len, inbox.placing.chunk(), &mut source)
             .await
             .map_err(|e| ReadEnd::Failed(e.to_string()))?;
         if let Err(e) = &result {

@@ -1,6 +1,6 @@
 //! The header of every message on a verbs queue pair (`psnet_verbs::proto::wire`): the common
 //! header, eager / request-to-send / direct headers (checked against the transport limits),
-//! clear-to-send and offers. No RDMA device is needed: these are plain functions over bytes.
+//! clear-to-send (whole, or placing a segment elsewhere) and offers. No RDMA device is needed: these are plain functions over bytes.
 //!
 //! Input: `settings u8 | message bytes`; settings bits 0-1 choose the limits, the rest the
 //! receive depth for the credits check. Every parser runs on every input (the receiver picks
@@ -16,8 +16,9 @@ use libfuzzer_sys::fuzz_target;
 use psnet_fuzz::{largest_allocation, limits, Input, TrackingAlloc};
 use psnet_verbs::proto::credits::{Class, Credits};
 use psnet_verbs::proto::wire::{
-    parse_base, parse_cts, parse_data_header, put_base, put_cts, put_data_header, Base, DataHeader,
-    Kind, WireError, BASE_LEN, CTS_LEN, DATA_HEADER_LEN, VERSION,
+    parse_base, parse_cts, parse_data_header, parse_placed_cts, put_base, put_cts,
+    put_data_header, put_placed_cts, Base, DataHeader, Kind, WireError, BASE_LEN, CTS_LEN,
+    CTS_PLACED_LEN, DATA_HEADER_LEN, VERSION,
 };
 
 #[global_allocator]
@@ -57,7 +58,7 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!((*got, *need), (bytes.len(), BASE_LEN));
         }
         Err(WireError::Version(v)) => assert!(*v != VERSION),
-        Err(WireError::UnknownKind(k)) => assert!(!(1..=6).contains(k)),
+        Err(WireError::UnknownKind(k)) => assert!(!(1..=7).contains(k)),
         Err(WireError::Limit(_)) => panic!("the common header has no limits"),
     }
     // Any kind byte, so that put_* can write a header whatever the input's.
@@ -111,5 +112,19 @@ fuzz_target!(|data: &[u8]| {
             );
         }
         Err(e) => assert!(bytes.len() < CTS_LEN, "{e}"),
+    }
+
+    match parse_placed_cts(bytes) {
+        Ok(cts) => {
+            let mut encoded = [0u8; CTS_PLACED_LEN];
+            put_placed_cts(&mut encoded, *base.as_ref().unwrap_or(&kind_base), cts);
+            let from = if base.is_ok() { 0 } else { BASE_LEN };
+            assert_eq!(
+                &encoded[from..],
+                &bytes[from..CTS_PLACED_LEN],
+                "placed cts does not encode back"
+            );
+        }
+        Err(e) => assert!(bytes.len() < CTS_PLACED_LEN, "{e}"),
     }
 });

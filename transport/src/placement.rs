@@ -79,7 +79,8 @@ pub struct Placement {
 pub trait Placer: Send + Sync {
     /// Called once per data message from `peer`, when its metadata has arrived and its
     /// segments (of `seg_lens` bytes) have not; None leaves the message in host memory. Called
-    /// on the transport's receiving tasks: it must be quick and must not block.
+    /// on the transport's receiving tasks (RDMA: its completion poller, holding the link's
+    /// lock): it must be quick, must not block, and must not call into the transport.
     fn place(&self, peer: NodeId, meta: &[u8], seg_lens: &[u64]) -> Option<Placement>;
 }
 
@@ -113,18 +114,29 @@ pub trait ChunkSource: Send {
     ) -> impl Future<Output = io::Result<()>> + Send + 'b;
 }
 
-/// Reads `dest.len()` bytes from `source` into `dest` through two staging buffers of `chunk`
-/// bytes: chunk k is copied to the device while chunk k+1 is read.
+/// Reads the segment's `total` bytes from `source` into `dest` through two staging buffers of
+/// `chunk` bytes: chunk k is copied to the device while chunk k+1 is read.
 ///
 /// The outer error is the source's (the connection failed); the inner one is the device's.
 /// After a device error the rest of the bytes are still read and dropped, so the source
-/// stays at the next message.
+/// stays at the next message. A destination whose length is not `total` (any more: it is a
+/// trait object) is a device error, never a read of another number of bytes.
 pub async fn stream_from_source(
     dest: &dyn DeviceDest,
+    total: usize,
     chunk: usize,
     source: &mut impl ChunkSource,
 ) -> io::Result<Result<(), DeviceError>> {
-    let total = dest.len();
+    if dest.len() != total {
+        drain(source, total, chunk.max(1)).await?;
+        return Ok(Err(DeviceError {
+            ordinal: dest.ordinal(),
+            reason: format!(
+                "the destination is {} bytes for a segment of {total}",
+                dest.len()
+            ),
+        }));
+    }
     if total == 0 {
         return Ok(Ok(()));
     }
@@ -215,7 +227,7 @@ pub async fn copy_into(
     chunk: usize,
 ) -> Result<(), DeviceError> {
     let mut source = SliceSource(bytes);
-    match stream_from_source(dest, chunk, &mut source).await {
+    match stream_from_source(dest, bytes.len(), chunk, &mut source).await {
         Ok(result) => result,
         Err(e) => Err(DeviceError {
             ordinal: dest.ordinal(),

@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
 use psnet_transport::device::{DeviceError, NicRegion, StagingBuf};
-use psnet_transport::placement::{fits, ReceivePlacing};
+use psnet_transport::placement::ReceivePlacing;
 use psnet_transport::{DeviceDest, Incoming, NodeId, Placement, RegionKey};
 
 use crate::error::VerbsError;
@@ -105,21 +105,33 @@ impl NicPlacement {
 
     /// Makes the landed write visible to the memory's readers.
     pub fn landed(&self) -> Result<(), DeviceError> {
-        self.claim.target.landed().map_err(|reason| DeviceError {
-            ordinal: self.dest.ordinal(),
-            reason,
-        })
+        let target =
+            self.claim.target.upgrade().ok_or_else(|| {
+                "the memory was dropped before the write into it landed".to_string()
+            });
+        target
+            .and_then(|t| t.landed())
+            .map_err(|reason| DeviceError {
+                ordinal: self.dest.ordinal(),
+                reason,
+            })
     }
 }
 
-/// A claimed target, released when the receive ends however it ends.
+/// A claimed target, released when the receive ends however it ends. Held weakly: the
+/// transport never keeps memory registered (nor, for a GPU region, the promise that its
+/// memory is allocated) past its owner's last reference. Memory dropped while a peer's write
+/// is on its way is deregistered first, so that write fails (and its link with it) instead of
+/// landing.
 struct Claim {
-    target: Arc<dyn NicTarget>,
+    target: Weak<dyn NicTarget>,
 }
 
 impl Drop for Claim {
     fn drop(&mut self) {
-        self.target.release();
+        if let Some(target) = self.target.upgrade() {
+            target.release();
+        }
     }
 }
 
@@ -187,20 +199,33 @@ impl Landings {
         let Some(placer) = self.placing.placer() else {
             return Decision::NotAsked;
         };
-        let Some(p) = placer.place(peer, meta, seg_lens) else {
-            return Decision::Copy(None);
-        };
-        match self.resolve(&p, seg_lens) {
-            Some(nic) => Decision::Nic(nic),
-            None => Decision::Copy(Some(p)),
+        // The placer and its destinations are the application's code, run here on the
+        // completion poller: a panic in them must not stop every link's progress.
+        let asked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let p = placer.place(peer, meta, seg_lens)?;
+            Some(match self.resolve(&p, seg_lens) {
+                Some(nic) => Decision::Nic(nic),
+                None => Decision::Copy(Some(p)),
+            })
+        }));
+        match asked {
+            Ok(Some(decision)) => decision,
+            Ok(None) => Decision::Copy(None),
+            Err(_) => {
+                tracing::error!(%peer, "the placer (or its destination) panicked; the message \
+                    stays in host memory");
+                Decision::Copy(None)
+            }
         }
     }
 
     /// The NIC placement of `p`, if its destination is memory of this transport's table that
     /// still lives, covers it, and can take a write now.
     fn resolve(&self, p: &Placement, seg_lens: &[u64]) -> Option<NicPlacement> {
-        let len = p.dest.len();
-        if len == 0 || !fits(p, seg_lens) {
+        // The destination's length is asked once: a trait object may answer differently
+        // each time, and the segment's length from the request is what the writes use.
+        let len = *seg_lens.get(p.segment)?;
+        if len == 0 || p.dest.len() as u64 != len {
             return None;
         }
         let nic = p.dest.nic()?;
@@ -212,18 +237,20 @@ impl Landings {
         let within = nic
             .addr
             .checked_sub(start)
-            .and_then(|off| off.checked_add(len as u64))
+            .and_then(|off| off.checked_add(len))
             .is_some_and(|end| end <= size as u64);
         if !within || !target.claim() {
             return None;
         }
         Some(NicPlacement {
             segment: p.segment,
-            len: len as u64,
+            len,
             addr: nic.addr,
             rkey: target.rkey(),
             dest: p.dest.clone(),
-            claim: Claim { target },
+            claim: Claim {
+                target: Arc::downgrade(&target),
+            },
         })
     }
 }
@@ -526,6 +553,41 @@ mod tests {
         // Memory dropped: copied in instead.
         drop(target);
         assert!(copy(&l));
+    }
+
+    #[test]
+    fn a_panicking_placer_leaves_the_message_in_host_memory() {
+        struct Panics;
+        impl Placer for Panics {
+            fn place(&self, _: NodeId, _: &[u8], _: &[u64]) -> Option<Placement> {
+                panic!("a placer bug")
+            }
+        }
+        let placing = ReceivePlacing::new("test", 1024);
+        placing.set_placer(Arc::new(Panics));
+        let l = Landings::new(placing, TAG);
+        let target = Arc::new(Target::default());
+        l.accept(9, Arc::downgrade(&target) as Weak<Target>);
+        assert!(matches!(
+            l.decide(NodeId(1), b"m", &LENS),
+            Decision::Copy(None)
+        ));
+    }
+
+    #[test]
+    fn memory_dropped_before_its_write_landed_is_reported_and_not_kept() {
+        let (l, placer) = landings();
+        let target = Arc::new(Target::default());
+        l.accept(9, Arc::downgrade(&target) as Weak<Target>);
+        with_dest(&placer, 1000, nic(9, 0x10000));
+        let Decision::Nic(placed) = l.decide(NodeId(1), b"m", &LENS) else {
+            panic!("a NIC placement");
+        };
+        // The receive does not keep the memory alive: its owner's drop ends it.
+        drop(target);
+        let err = placed.landed().expect_err("the memory is gone");
+        assert_eq!(err.ordinal, 3);
+        assert!(err.reason.contains("dropped"), "{err}");
     }
 
     #[test]

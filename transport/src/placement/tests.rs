@@ -104,7 +104,7 @@ fn each_chunk_is_copied_to_the_device_while_the_next_is_read() {
         log: log.clone(),
     };
     let mut feed = Feed::new(data.clone(), 3, log.clone());
-    block_on(stream_from_source(&dest, chunk, &mut feed))
+    block_on(stream_from_source(&dest, dest.len(), chunk, &mut feed))
         .expect("source")
         .expect("device");
     assert_eq!(dest.inner.bytes(), data);
@@ -134,7 +134,7 @@ fn a_device_error_still_reads_every_byte_off_the_source() {
     tail.extend_from_slice(b"next message");
     let dest = SimulatedLanding::new(1000, 3).failing_from(450);
     let mut feed = Feed::new(tail, 1, Arc::default());
-    let err = block_on(stream_from_source(&dest, 100, &mut feed))
+    let err = block_on(stream_from_source(&dest, dest.len(), 100, &mut feed))
         .expect("the source is fine")
         .expect_err("the device fails");
     assert_eq!(err.ordinal, 3);
@@ -145,10 +145,25 @@ fn a_device_error_still_reads_every_byte_off_the_source() {
 }
 
 #[test]
+fn a_destination_of_another_length_is_a_device_error_and_the_segment_is_still_read() {
+    let mut tail = pattern(1000);
+    tail.extend_from_slice(b"next message");
+    let dest = SimulatedLanding::new(999, 4);
+    let mut feed = Feed::new(tail, 0, Arc::default());
+    let err = block_on(stream_from_source(&dest, 1000, 64, &mut feed))
+        .expect("the source is fine")
+        .expect_err("the lengths differ");
+    assert_eq!(err.ordinal, 4);
+    assert_eq!(feed.at, 1000, "the segment was not read whole");
+    assert_eq!(dest.copies(), 0);
+}
+
+#[test]
 fn a_source_error_is_returned_as_such() {
     let dest = SimulatedLanding::new(500, 0);
     let mut feed = Feed::new(pattern(250), 0, Arc::default());
-    let err = block_on(stream_from_source(&dest, 100, &mut feed)).expect_err("source ends");
+    let err =
+        block_on(stream_from_source(&dest, dest.len(), 100, &mut feed)).expect_err("source ends");
     assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
 }
 
@@ -190,7 +205,7 @@ proptest! {
         let mut with_next = data.clone();
         with_next.extend_from_slice(&[0xAB; 7]);
         let mut feed = Feed::new(with_next, yields, Arc::default());
-        let result = block_on(stream_from_source(&dest, chunk, &mut feed)).expect("source");
+        let result = block_on(stream_from_source(&dest, dest.len(), chunk, &mut feed)).expect("source");
         // Every byte of the segment is consumed, whatever the device did.
         prop_assert_eq!(feed.at, len);
         let chunk = chunk.min(len.max(1));
@@ -322,7 +337,7 @@ fn a_short_staging_buffer_is_a_device_error_not_a_panic() {
     }
     let dest = Short(SimulatedLanding::new(300, 2));
     let mut feed = Feed::new(pattern(310), 0, Arc::default());
-    let err = block_on(stream_from_source(&dest, 100, &mut feed))
+    let err = block_on(stream_from_source(&dest, dest.len(), 100, &mut feed))
         .expect("the source is fine")
         .expect_err("refused");
     assert!(err.reason.contains("staging buffer"), "{err}");

@@ -94,7 +94,7 @@ struct OutRndv {
     ready: usize,
     /// Gather entries already posted as writes (a prefix of the ready ones).
     posted: usize,
-    /// Bytes of the destination those writes cover: where the next batch starts.
+    /// Bytes of the message those writes cover: where the next batch starts in it.
     written: u64,
     /// Work requests of each batch of writes posted and not completed, in posting order (the
     /// last of a batch is signalled, and a queue pair completes in order).
@@ -236,6 +236,12 @@ impl Guard<'_> {
         if let Err(e) = self.locked.qp.modify(&err) {
             tracing::debug!(peer = %self.link.peer, error = %e, "queue pair to ERROR");
         }
+        // Receives that will not land now: their buffers go back (deregistered, if the pool
+        // does not keep them) and memory lent for placed writes is free again. The queue
+        // pair is in error, so the peer can no longer write any of it through this link.
+        let st = &mut self.locked.state;
+        st.inbound.clear();
+        st.cts_backlog.clear();
         true
     }
 }

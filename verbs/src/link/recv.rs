@@ -236,7 +236,8 @@ impl Link {
     }
 
     /// A direct message: the peer wrote its segments into offer `id`, which is handed on and
-    /// replaced by a fresh offer of the same size.
+    /// replaced by a fresh offer of the same size, unless the NIC could have written the
+    /// message where the placer wants it (then the next one of its size asks first).
     fn on_direct(&self, st: &mut State, id: u32, bytes: &[u8]) -> Result<(), VerbsError> {
         let (h, at) = wire::parse_data_header(bytes, &self.params.limits)?;
         let meta_len = h.meta_len as usize;

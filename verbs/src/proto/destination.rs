@@ -21,6 +21,7 @@ impl Destination {
         if host.len < total {
             return Err(format!("{} bytes offered, {total} needed", host.len));
         }
+        addressable(host)?;
         Ok(Destination { host, placed: None })
     }
 
@@ -63,6 +64,8 @@ impl Destination {
                 cts.at
             ));
         }
+        addressable(cts.host)?;
+        addressable(cts.to)?;
         Ok(Destination {
             host: cts.host,
             placed: Some((cts.at, cts.to)),
@@ -83,6 +86,16 @@ impl Destination {
             _ => (self.host.rkey, self.host.addr + off),
         }
     }
+}
+
+/// Refuses a buffer whose end would not be an address (so that no write's address wraps).
+fn addressable(buf: Cts) -> Result<(), String> {
+    buf.addr.checked_add(buf.len).map(|_| ()).ok_or_else(|| {
+        format!(
+            "a buffer of {} bytes at {:#x} runs past the address space",
+            buf.len, buf.addr
+        )
+    })
 }
 
 #[cfg(test)]
@@ -123,6 +136,18 @@ mod tests {
         assert!(Destination::placed(placed(40, 30, 15), 45, lens).is_err());
         assert!(Destination::placed(placed(u64::MAX, 2, 45), 45, lens).is_err());
         assert!(Destination::placed(placed(10, 30, 14), 45, lens).is_err());
+        // Buffers whose end is past the address space.
+        let wraps = PlacedCts {
+            to: cts(u64::MAX - 10, 2, 30),
+            ..placed(10, 30, 15)
+        };
+        assert!(Destination::placed(wraps, 45, lens).is_err());
+        let wraps = PlacedCts {
+            host: cts(u64::MAX - 10, 1, 15),
+            ..placed(10, 30, 15)
+        };
+        assert!(Destination::placed(wraps, 45, lens).is_err());
+        assert!(Destination::whole(cts(u64::MAX, 1, 2), 2).is_err());
         // The first and the last segment.
         assert!(Destination::placed(placed(0, 10, 35), 45, lens).is_ok());
         assert!(Destination::placed(placed(40, 5, 40), 45, lens).is_ok());

@@ -399,14 +399,20 @@ impl LandingMemory {
         self.lent.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Lends the memory to one peer's write; false if it is lent already.
+    /// Lends the memory to one peer's write; false if it is lent already, or if the CPU is
+    /// reading or writing it right now (lending runs on the completion poller, which must
+    /// not wait for a copy).
     pub fn lend(&self) -> bool {
-        let mut lent = self.lent();
+        let mut lent = match self.lent.try_lock() {
+            Ok(lent) => lent,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
         !std::mem::replace(&mut *lent, true)
     }
 
     /// Takes the memory back: the write landed, or the receive ended without it (its link
-    /// failed, and a queue pair in error accepts no more writes).
+    /// failed: the queue pair, moved to error first, accepts no more writes).
     pub fn take_back(&self) {
         *self.lent() = false;
     }

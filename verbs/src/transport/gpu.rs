@@ -32,8 +32,13 @@ impl VerbsTransport {
     /// receive): a placer whose destination reports the returned [`NicRegion`] (or a part of
     /// it: the key and an address inside) from [`DeviceDest::nic`] gets such segments written
     /// there with no copy, flushed to the GPU before the message is delivered. The transport
-    /// keeps only a weak reference: once `region` is dropped, segments placed in its memory
-    /// are copied in instead (and a receive under way keeps it alive until its write lands).
+    /// keeps only weak references: once `region` is dropped, segments placed in its memory
+    /// are copied in instead, and a write on its way then fails (the registration goes first)
+    /// and its link with it. Drop the region only once its receives ended.
+    ///
+    /// `region` must be registered with this transport ([`VerbsTransport::register_gpu`]).
+    /// The placer must not name memory that a receive under way is already being written
+    /// into (two writes would interleave); each receive holds its destination until it lands.
     ///
     /// None on the staged path (the registration covers a host buffer, not the GPU memory)
     /// or where the driver cannot flush such writes (CUDA older than 11.3).
