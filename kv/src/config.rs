@@ -17,9 +17,13 @@ pub use psnet_config::env::{
     DMLC_NUM_SERVER, DMLC_NUM_WORKER, DMLC_PS_ROOT_PORT, DMLC_PS_ROOT_URI, DMLC_ROLE,
     DMLC_SERVER_ID, DMLC_WORKER_ID, MXNET_KVSTORE_BIGARRAY_BOUND, PSNET_BOOTSTRAP_TIMEOUT,
     PSNET_CHECKPOINT_DIR, PSNET_CHECKPOINT_EVERY, PSNET_CHECKPOINT_FSYNC,
-    PSNET_KV_SERVER_KEY_BYTES, PSNET_RECOVERY_TIMEOUT, PS_HEARTBEAT_INTERVAL, PS_HEARTBEAT_TIMEOUT,
-    PS_RESEND, PS_RESEND_TIMEOUT,
+    PSNET_KV_SERVER_KEY_BYTES, PSNET_PARTITION_BYTES, PSNET_RECOVERY_TIMEOUT,
+    PS_HEARTBEAT_INTERVAL, PS_HEARTBEAT_TIMEOUT, PS_RESEND, PS_RESEND_TIMEOUT,
 };
+
+/// `PSNET_PARTITION_BYTES`'s default: pieces of 256 KiB (measured on the 4-host 1 Gbit/s rig,
+/// `scripts/bench-cluster.sh`).
+pub const DEFAULT_PARTITION_BYTES: usize = 256 * 1024;
 
 /// Everything a kv node needs to join a job.
 #[derive(Clone, Debug)]
@@ -38,6 +42,10 @@ pub struct KvConfig {
     pub heartbeat_timeout: Option<Duration>,
     /// Elements from which an array is split over all servers.
     pub bigarray_bound: usize,
+    /// A server's share larger than this many bytes goes as pieces of about this size
+    /// (`PSNET_PARTITION_BYTES`; 0: one piece per share). See
+    /// [`crate::proto::worker::Layout`].
+    pub partition_bytes: usize,
     /// How long registration may take.
     pub bootstrap_timeout: Duration,
     /// Transport preference (None: `PSNET_TRANSPORT`).
@@ -181,6 +189,7 @@ impl KvConfig {
             heartbeat_interval: Some(Duration::from_secs(1)),
             heartbeat_timeout: Some(Duration::from_secs(10)),
             bigarray_bound: 1_000_000,
+            partition_bytes: DEFAULT_PARTITION_BYTES,
             bootstrap_timeout: Duration::from_secs(120),
             transport: None,
             loopback: true,
@@ -197,7 +206,7 @@ impl KvConfig {
 
     /// Reads `DMLC_ROLE`, `DMLC_PS_ROOT_URI`, `DMLC_PS_ROOT_PORT`, `DMLC_NUM_SERVER`,
     /// `DMLC_NUM_WORKER`, `PS_HEARTBEAT_INTERVAL`, `PS_HEARTBEAT_TIMEOUT`,
-    /// `MXNET_KVSTORE_BIGARRAY_BOUND`, `PSNET_BOOTSTRAP_TIMEOUT`, `PS_RESEND`,
+    /// `MXNET_KVSTORE_BIGARRAY_BOUND`, `PSNET_PARTITION_BYTES`, `PSNET_BOOTSTRAP_TIMEOUT`, `PS_RESEND`,
     /// `PS_RESEND_TIMEOUT`, `PSNET_KV_SERVER_KEY_BYTES`, `DMLC_WORKER_ID` / `DMLC_SERVER_ID`,
     /// `PSNET_CHECKPOINT_DIR`, `PSNET_CHECKPOINT_EVERY`, `PSNET_CHECKPOINT_FSYNC`,
     /// `PSNET_RECOVERY_TIMEOUT`. A missing or malformed variable is an error naming it.
@@ -227,6 +236,7 @@ impl KvConfig {
             heartbeat_interval: seconds(PS_HEARTBEAT_INTERVAL)?,
             heartbeat_timeout: seconds(PS_HEARTBEAT_TIMEOUT)?,
             bigarray_bound: bound,
+            partition_bytes: PSNET_PARTITION_BYTES.parse_or_default()?,
             bootstrap_timeout: seconds(PSNET_BOOTSTRAP_TIMEOUT)?
                 .unwrap_or(Duration::from_secs(u64::from(u32::MAX))),
             transport: env::PSNET_TRANSPORT.parse()?,
@@ -288,6 +298,12 @@ impl KvConfig {
     pub fn heartbeats(mut self, interval: Option<Duration>, timeout: Option<Duration>) -> Self {
         self.heartbeat_interval = interval;
         self.heartbeat_timeout = timeout;
+        self
+    }
+
+    /// Sets `PSNET_PARTITION_BYTES` (0: one piece per server's share).
+    pub fn partition_bytes(mut self, bytes: usize) -> Self {
+        self.partition_bytes = bytes;
         self
     }
 

@@ -209,7 +209,7 @@ impl<'w, T: Transport> GpuKv<'w, T> {
             .map(|p| Outgoing {
                 to: shared.servers[p.server],
                 ask: Ask::Pull {
-                    key,
+                    key: p.slot,
                     n_elems: p.len as u64,
                 },
                 value: None,

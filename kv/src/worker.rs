@@ -76,7 +76,8 @@ impl<T: Transport> Worker<T> {
             config.heartbeat_timeout,
             crate::clock::now(),
         )
-        .with_recovery(config.recovery_timeout.is_some());
+        .with_recovery(config.recovery_timeout.is_some())
+        .with_partition_bytes(config.partition_bytes);
         let shared = Arc::new(Shared {
             link: joined.link,
             admission: joined.admission,
@@ -286,7 +287,7 @@ impl<T: Transport> Worker<T> {
         {
             let mut state = self.shared.state();
             for (&key, v) in keys.iter().zip(values) {
-                state.define_key(key, v.len(), V::DTYPE);
+                state.define_key(key, v.len(), V::DTYPE)?;
             }
         }
         tracing::debug!(rank = self.shared.rank, keys = keys.len(), "init");
@@ -306,10 +307,10 @@ impl<T: Transport> Worker<T> {
             }
             let requests = parts
                 .iter()
-                .map(|(key, v, p)| Outgoing {
+                .map(|(_, v, p)| Outgoing {
                     to: self.shared.servers[p.server],
                     ask: Ask::Push {
-                        key: *key,
+                        key: p.slot,
                         flags,
                         n_elems: p.len as u64,
                     },
@@ -355,7 +356,7 @@ impl<T: Transport> Worker<T> {
                 Outgoing {
                     to: self.shared.servers[p.server],
                     ask: Ask::Push {
-                        key: pp.key,
+                        key: p.slot,
                         flags: pp.flags,
                         n_elems: p.len as u64,
                     },
@@ -411,10 +412,10 @@ impl<T: Transport> Worker<T> {
         }
         let requests = parts
             .iter()
-            .map(|&(_, key, p)| Outgoing {
+            .map(|&(_, _, p)| Outgoing {
                 to: self.shared.servers[p.server],
                 ask: Ask::Pull {
-                    key,
+                    key: p.slot,
                     n_elems: p.len as u64,
                 },
                 value: None,

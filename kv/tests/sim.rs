@@ -79,6 +79,9 @@ struct Plan {
     /// Element counts of the keys 0, 1, ...; the last is sharded over all servers.
     lens: Vec<usize>,
     max_delay: Duration,
+    /// `PSNET_PARTITION_BYTES`: 0 (MXNet's layout) or pieces of 128 or 256 elements, so
+    /// that the sharded key goes as several pieces spread over the servers.
+    partition_bytes: usize,
 }
 
 impl Plan {
@@ -92,8 +95,9 @@ impl Plan {
             servers: rng.u32(1..=3),
             workers: rng.u32(min_workers..=3),
             rounds: rng.u32(2..=5),
-            lens: vec![rng.usize(1..BIGARRAY_BOUND), rng.usize(BIGARRAY_BOUND..200)],
+            lens: vec![rng.usize(1..BIGARRAY_BOUND), rng.usize(BIGARRAY_BOUND..600)],
             max_delay: Duration::from_micros(rng.u64(0..=3000)),
+            partition_bytes: [0, 512, 1024][rng.usize(0..3)],
         }
     }
 
@@ -135,6 +139,7 @@ impl Plan {
         KvConfig::local(role, root, self.servers, self.workers)
             .heartbeats(Some(self.heartbeat().0), Some(self.heartbeat().1))
             .bigarray_bound(BIGARRAY_BOUND)
+            .partition_bytes(self.partition_bytes)
             .bootstrap_timeout(Duration::from_secs(60))
             .resend(resend)
     }
@@ -605,6 +610,7 @@ fn the_reference_sums_in_rank_order() {
         rounds: 1,
         lens: vec![1],
         max_delay: Duration::ZERO,
+        partition_bytes: 0,
     };
     let r = reference(&plan);
     let g: Vec<f32> = (0..3).map(|rank| grad(&plan, rank, 0, 0)[0]).collect();

@@ -46,33 +46,91 @@ struct Waiting {
     tx: oneshot::Sender<Reply>,
 }
 
-/// One server's share of a key.
+/// One server's share of a key, or one piece of a partitioned key ([`Layout`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Part {
     /// The server's rank.
     pub server: usize,
-    /// The share's first element.
+    /// The part's first element.
     pub offset: usize,
     /// Its element count.
     pub len: usize,
+    /// The key the server stores this part under: the key itself for a share and for a
+    /// key's first piece, [`piece_key`] for its other pieces.
+    pub slot: u64,
 }
 
 /// How a key is laid out over the servers.
+///
+/// Without partitioning (`PSNET_PARTITION_BYTES=0`), or for a key of at most that many
+/// bytes: MXNet's placement and sharding, one part per server's share. A larger key is cut
+/// into pieces of about `PSNET_PARTITION_BYTES` (multiples of [`PIECE_ALIGN`] elements), as
+/// BytePS partitions its tensors, and piece `g` goes to server `(server_for(key) + g) mod
+/// servers`. A server stores, sums, updates and answers each piece on its own, under a key of
+/// its own ([`piece_key`]), so the answers to a key's first pieces go down while its later
+/// pieces still go up, and every server carries an equal share of the bytes. Every update
+/// psnet's servers run is element-wise and every piece starts on a compressed word, so the
+/// values are bit for bit those of MXNet's layout.
 #[derive(Clone, Debug)]
 pub struct Layout {
     /// Elements in the key.
     pub len: usize,
     /// Their type.
     pub dtype: Dtype,
-    /// Each server's share.
+    /// The parts, in element order.
     pub parts: Vec<Part>,
 }
 
-/// One server's part of a push, ready to send.
+/// Pieces start at multiples of this many elements: whole compressed words for 2-bit (16 a
+/// word) and 1-bit (32), and whole cache lines.
+pub const PIECE_ALIGN: usize = 128;
+
+/// Piece `g` of key `k` is stored under `k + g * 2^PIECE_SHIFT`; a partitioned job's keys
+/// stay below `2^PIECE_SHIFT`.
+pub const PIECE_SHIFT: u32 = 48;
+
+/// The most pieces one key is cut into (larger keys get larger pieces).
+const MAX_PIECES: usize = 1 << 16;
+
+/// The key piece `piece` of `key` is stored under (`key` itself for piece 0).
+pub fn piece_key(key: u64, piece: usize) -> u64 {
+    key | ((piece as u64) << PIECE_SHIFT)
+}
+
+/// The key whose piece is stored under `slot`.
+pub fn key_of_slot(slot: u64) -> u64 {
+    slot & ((1u64 << PIECE_SHIFT) - 1)
+}
+
+/// The pieces of a key of `len` elements of `elem_bytes` bytes, cut at about `piece_bytes`
+/// (at least [`PIECE_ALIGN`] elements), spread over `servers` servers from `first`.
+fn pieces(
+    key: u64,
+    len: usize,
+    elem_bytes: usize,
+    piece_bytes: usize,
+    first: usize,
+    servers: usize,
+) -> Vec<Part> {
+    let mut piece = (piece_bytes / elem_bytes.max(1) / PIECE_ALIGN * PIECE_ALIGN).max(PIECE_ALIGN);
+    if len.div_ceil(piece) > MAX_PIECES {
+        piece = len.div_ceil(MAX_PIECES).next_multiple_of(PIECE_ALIGN);
+    }
+    (0..len.div_ceil(piece))
+        .map(|g| Part {
+            server: (first + g) % servers.max(1),
+            offset: g * piece,
+            len: piece.min(len - g * piece),
+            slot: piece_key(key, g),
+        })
+        .collect()
+}
+
+/// One part of a push, ready to send.
 pub struct PreparedPart {
     /// The key.
     pub key: u64,
-    /// Its range and server.
+    /// Its range, server and the key it is stored under.
     pub part: Part,
     /// The push's flags.
     pub flags: PushFlags,
@@ -86,6 +144,8 @@ pub struct WorkerState {
     servers: Vec<NodeId>,
     num_workers: u32,
     placement: Placement,
+    /// `PSNET_PARTITION_BYTES`: the size of a share's pieces (0: whole shares).
+    partition_bytes: usize,
     heartbeat_timeout: Option<Duration>,
     next_ts: u64,
     /// Requests waiting for an answer, by request id.
@@ -144,6 +204,7 @@ impl WorkerState {
             servers,
             num_workers,
             placement,
+            partition_bytes: 0,
             heartbeat_timeout,
             next_ts: 1,
             pending: HashMap::new(),
@@ -163,6 +224,13 @@ impl WorkerState {
             caught_up: now,
             waiting_since: None,
         }
+    }
+
+    /// Cuts every key defined from now on of more than `bytes` into pieces of about `bytes`
+    /// (`PSNET_PARTITION_BYTES`; 0, the default here: MXNet's shares). See [`Layout`].
+    pub fn with_partition_bytes(mut self, bytes: usize) -> Self {
+        self.partition_bytes = bytes;
+        self
     }
 
     /// Holds requests to a lost server until the scheduler says it rejoined or failed
@@ -232,31 +300,54 @@ impl WorkerState {
         (c, self.compression_epoch)
     }
 
-    /// Lays `key` out over the servers for `len` elements of type `dtype` (compressed parts
-    /// when compression is on, as MXNet splits them).
-    pub fn define_key(&mut self, key: u64, len: usize, dtype: Dtype) {
-        let part = |server, offset, len| Part {
+    /// Lays `key` out over the servers for `len` elements of type `dtype` ([`Layout`]:
+    /// MXNet's shares, compressed ones when compression is on, or pieces).
+    pub fn define_key(&mut self, key: u64, len: usize, dtype: Dtype) -> Result<(), KvError> {
+        if self.partition_bytes > 0 && key_of_slot(key) != key {
+            return Err(KvError::Invalid(format!(
+                "key {key}: keys from 2^{PIECE_SHIFT} up are where the pieces of partitioned \
+                 keys are stored (PSNET_PARTITION_BYTES={}); use smaller keys or set \
+                 PSNET_PARTITION_BYTES=0",
+                self.partition_bytes
+            )));
+        }
+        let whole = |server, offset, len| Part {
             server,
             offset,
             len,
+            slot: key,
         };
-        let parts = match self.compressor.as_ref().filter(|_| dtype == Dtype::F32) {
-            Some(c) => self
-                .placement
-                .compressed_parts(key, len, c.scheme().factor())
-                .iter()
-                .map(|p| part(p.server, p.offset, p.len))
-                .collect(),
-            None => self
-                .placement
-                .parts(key, len)
-                .iter()
-                .map(|p| part(p.server, p.offset, p.len))
-                .collect(),
+        let parts = if self.partition_bytes > 0
+            && len.saturating_mul(dtype.size()) > self.partition_bytes
+        {
+            pieces(
+                key,
+                len,
+                dtype.size(),
+                self.partition_bytes,
+                self.placement.server_for(key),
+                self.placement.num_servers(),
+            )
+        } else {
+            match self.compressor.as_ref().filter(|_| dtype == Dtype::F32) {
+                Some(c) => self
+                    .placement
+                    .compressed_parts(key, len, c.scheme().factor())
+                    .iter()
+                    .map(|p| whole(p.server, p.offset, p.len))
+                    .collect(),
+                None => self
+                    .placement
+                    .parts(key, len)
+                    .iter()
+                    .map(|p| whole(p.server, p.offset, p.len))
+                    .collect(),
+            }
         };
         self.keys.insert(key, Layout { len, dtype, parts });
         // An init starts the key's updates again on every server.
-        self.acknowledged.retain(|(_, k), _| *k != key);
+        self.acknowledged.retain(|(_, k), _| key_of_slot(*k) != key);
+        Ok(())
     }
 
     /// How many servers a key of `len` elements is spread over (1 below

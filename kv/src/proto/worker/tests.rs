@@ -162,8 +162,8 @@ fn keys_are_laid_out_and_checked() {
         s.layout(3, 4, Dtype::F32),
         Err(KvError::UnknownKey(3))
     ));
-    s.define_key(3, 4, Dtype::F32);
-    s.define_key(4, 250, Dtype::F32);
+    s.define_key(3, 4, Dtype::F32).unwrap();
+    s.define_key(4, 250, Dtype::F32).unwrap();
     assert_eq!(s.layout(3, 4, Dtype::F32).unwrap().parts.len(), 1);
     let big = s.layout(4, 250, Dtype::F32).unwrap();
     assert_eq!(big.parts.len(), 2, "sharded over both servers");
@@ -355,7 +355,7 @@ fn requests_to_a_lost_server_wait_for_it_and_pushes_go_again_with_their_place() 
         "S1's request is none of S0's business"
     );
     // A key defined again (an init) starts its count again.
-    s.define_key(3, 4, Dtype::F32);
+    s.define_key(3, 4, Dtype::F32).unwrap();
     let (_, mut again) = s.begin_request(S0, push(3)).unwrap();
     s.handle_received(lost(S0), now);
     s.handle_received(rejoined(S0), now);
@@ -392,4 +392,137 @@ fn a_lost_server_that_does_not_rejoin_fails_what_waits_on_it() {
     let (_, mut rx) = s.begin_request(S0, Asked::Other).unwrap();
     s.handle_received(lost(S0), now);
     assert!(rx.try_recv().unwrap().is_err());
+}
+
+fn partitioned(servers: usize, bound: usize, bytes: usize) -> WorkerState {
+    let ids = (0..servers as u32)
+        .map(|r| node_id(Role::Server, r))
+        .collect();
+    WorkerState::new(
+        0,
+        ids,
+        2,
+        Placement::new(servers, bound).unwrap(),
+        None,
+        Instant::now(),
+    )
+    .with_partition_bytes(bytes)
+}
+
+#[test]
+fn large_keys_go_as_pieces_spread_over_the_servers() {
+    // 128 f32 elements a piece (512 bytes); key 1 starts on server 9973 % 2 = 1.
+    let mut s = partitioned(2, 1_000_000, 512);
+    s.define_key(1, 600, Dtype::F32).unwrap();
+    let parts = &s.layout(1, 600, Dtype::F32).unwrap().parts;
+    let got: Vec<(usize, usize, usize, u64)> = parts
+        .iter()
+        .map(|p| (p.server, p.offset, p.len, p.slot))
+        .collect();
+    let piece = |g: u64| 1 | (g << PIECE_SHIFT);
+    assert_eq!(
+        got,
+        [
+            (1, 0, 128, 1),
+            (0, 128, 128, piece(1)),
+            (1, 256, 128, piece(2)),
+            (0, 384, 128, piece(3)),
+            (1, 512, 88, piece(4)),
+        ]
+    );
+    // A key of at most PSNET_PARTITION_BYTES keeps MXNet's layout: key 3 on server 1.
+    s.define_key(3, 128, Dtype::F32).unwrap();
+    let small = &s.layout(3, 128, Dtype::F32).unwrap().parts;
+    assert_eq!(small.len(), 1);
+    assert_eq!((small[0].server, small[0].slot), (1, 3));
+    // f16 pieces hold twice the elements.
+    s.define_key(4, 600, Dtype::F16).unwrap();
+    let half = &s.layout(4, 600, Dtype::F16).unwrap().parts;
+    assert_eq!(
+        half.iter().map(|p| p.len).collect::<Vec<_>>(),
+        [256, 256, 88]
+    );
+    // Keys from 2^48 would meet the pieces: refused, naming the variable.
+    let err = s.define_key(1 << PIECE_SHIFT, 4, Dtype::F32).unwrap_err();
+    assert!(err.to_string().contains("PSNET_PARTITION_BYTES"), "{err}");
+    // Without partitioning they are taken, and every key has MXNet's shares.
+    let mut whole = partitioned(2, 100, 0);
+    whole.define_key(1 << PIECE_SHIFT, 4, Dtype::F32).unwrap();
+    whole.define_key(1, 600, Dtype::F32).unwrap();
+    let shares = &whole.layout(1, 600, Dtype::F32).unwrap().parts;
+    assert_eq!(
+        shares
+            .iter()
+            .map(|p| (p.server, p.len, p.slot))
+            .collect::<Vec<_>>(),
+        [(0, 300, 1), (1, 300, 1)]
+    );
+}
+
+#[test]
+fn pieces_of_a_key_are_pushed_with_their_own_compressed_codes() {
+    let mut s = partitioned(2, 1_000_000, 512);
+    let c: Arc<dyn Compressor> = Arc::from(
+        psnet_compression::CompressionParams::two_bit(0.5)
+            .unwrap()
+            .compressor()
+            .unwrap()
+            .unwrap(),
+    );
+    s.set_compressor(Some(c.clone()));
+    s.define_key(1, 300, Dtype::F32).unwrap();
+    let values: Vec<f32> = (0..300).map(|i| (i % 7) as f32 - 3.0).collect();
+    let parts = s.prepare_push(1, &values, true).unwrap();
+    assert_eq!(parts.len(), 3);
+    // The pieces' codes, end to end, are the codes of the whole array: every piece starts
+    // on a compressed word.
+    let mut residual = vec![0.0; 300];
+    let mut whole = vec![0u8; c.compressed_len(300)];
+    c.quantize(&values, &mut residual, &mut whole).unwrap();
+    let joined: Vec<u8> = parts
+        .iter()
+        .flat_map(|p| p.compressed.clone().unwrap())
+        .collect();
+    assert_eq!(joined, whole);
+}
+
+proptest::proptest! {
+    #[test]
+    fn every_layout_covers_the_key_once_in_order(
+        len in 0usize..5000,
+        servers in 1usize..5,
+        bytes in 0usize..3000,
+        key in 0u64..1000,
+        half in proptest::bool::ANY,
+    ) {
+        let dtype = if half { Dtype::F16 } else { Dtype::F32 };
+        let mut s = partitioned(servers, 700, bytes);
+        s.define_key(key, len, dtype).unwrap();
+        let parts = &s.layout(key, len, dtype).unwrap().parts;
+        let mut next = 0;
+        let mut slots = std::collections::HashSet::new();
+        for p in parts {
+            proptest::prop_assert_eq!(p.offset, next);
+            next += p.len;
+            proptest::prop_assert!(p.server < servers);
+            proptest::prop_assert_eq!(key_of_slot(p.slot), key);
+            proptest::prop_assert!(slots.insert((p.server, p.slot)), "one slot twice on a server");
+            if parts.len() > 1 && bytes > 0 && len * dtype.size() > bytes {
+                proptest::prop_assert_eq!(p.offset % PIECE_ALIGN, 0);
+                proptest::prop_assert!(p.len > 0);
+            }
+        }
+        proptest::prop_assert_eq!(next, len);
+        if bytes == 0 || len * dtype.size() <= bytes {
+            let mxnet: Vec<(usize, usize, usize)> = Placement::new(servers, 700)
+                .unwrap()
+                .parts(key, len)
+                .iter()
+                .map(|p| (p.server, p.offset, p.len))
+                .collect();
+            let ours: Vec<(usize, usize, usize)> =
+                parts.iter().map(|p| (p.server, p.offset, p.len)).collect();
+            proptest::prop_assert_eq!(ours, mxnet);
+        }
+    }
 }
