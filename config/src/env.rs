@@ -213,8 +213,8 @@ crate::declare_env_vars! {
         "seconds of silence after which the scheduler declares a node dead (0: never)";
     MXNET_KVSTORE_BIGARRAY_BOUND = "MXNET_KVSTORE_BIGARRAY_BOUND", "1000000",
         "arrays with at least this many elements are split over all servers";
-    PSNET_PARTITION_BYTES = "PSNET_PARTITION_BYTES", "262144",
-        "a server's share of a key larger than this many bytes goes as pieces of about this size (multiples of 128 elements), each stored, summed and answered on its own, so that the answers to a key's first pieces travel while its later pieces are still pushed (BytePS's BYTEPS_PARTITION_BYTES); 0: one piece per share. Keys of 2^48 and above are then refused: the pieces of key k are stored under k + j * 2^48";
+    PSNET_PARTITION_BYTES = "PSNET_PARTITION_BYTES", "",
+        "a kv key larger than this many bytes goes as pieces of about this size (multiples of 128 elements), spread over the servers in turn, each stored, summed and answered on its own, so that the answers to a key's first pieces travel while its later pieces are still pushed (BytePS's BYTEPS_PARTITION_BYTES); 0: MXNet's layout. Unset: 131072 when the job's servers and workers are on more than one host, 0 when they are all on one. With pieces, keys of 2^48 and above are refused: the pieces of key k are stored under k + j * 2^48";
     PSNET_BOOTSTRAP_TIMEOUT = "PSNET_BOOTSTRAP_TIMEOUT", "120",
         "seconds the scheduler waits for every node to register (and nodes for their rank)";
     PS_RESEND = "PS_RESEND", "0",

@@ -21,9 +21,11 @@ pub use psnet_config::env::{
     PS_HEARTBEAT_INTERVAL, PS_HEARTBEAT_TIMEOUT, PS_RESEND, PS_RESEND_TIMEOUT,
 };
 
-/// `PSNET_PARTITION_BYTES`'s default: pieces of 256 KiB (measured on the 4-host 1 Gbit/s rig,
-/// `scripts/bench-cluster.sh`).
-pub const DEFAULT_PARTITION_BYTES: usize = 256 * 1024;
+/// The size of a key's pieces when `PSNET_PARTITION_BYTES` is unset and the job spans more
+/// than one host: on the 4-host 1 Gbit/s rig, psnet-train's communication per epoch was 1.21x
+/// the full-duplex wire bound with 64 KiB, 1.22x with 128 KiB, 1.30x with 256 KiB and 1.75x
+/// unpartitioned (`scripts/bench-cluster.sh`); smaller pieces cost more per message.
+pub const DEFAULT_PARTITION_BYTES: usize = 128 * 1024;
 
 /// Everything a kv node needs to join a job.
 #[derive(Clone, Debug)]
@@ -42,10 +44,12 @@ pub struct KvConfig {
     pub heartbeat_timeout: Option<Duration>,
     /// Elements from which an array is split over all servers.
     pub bigarray_bound: usize,
-    /// A server's share larger than this many bytes goes as pieces of about this size
-    /// (`PSNET_PARTITION_BYTES`; 0: one piece per share). See
+    /// A key larger than this many bytes goes as pieces of about this size
+    /// (`PSNET_PARTITION_BYTES`; 0: MXNet's layout). None (unset): [`DEFAULT_PARTITION_BYTES`]
+    /// when the job's servers and workers are on more than one host, 0 when they are all on
+    /// one, where the link costs nothing and pieces only add messages. See
     /// [`crate::proto::worker::Layout`].
-    pub partition_bytes: usize,
+    pub partition_bytes: Option<usize>,
     /// How long registration may take.
     pub bootstrap_timeout: Duration,
     /// Transport preference (None: `PSNET_TRANSPORT`).
@@ -189,7 +193,7 @@ impl KvConfig {
             heartbeat_interval: Some(Duration::from_secs(1)),
             heartbeat_timeout: Some(Duration::from_secs(10)),
             bigarray_bound: 1_000_000,
-            partition_bytes: DEFAULT_PARTITION_BYTES,
+            partition_bytes: None,
             bootstrap_timeout: Duration::from_secs(120),
             transport: None,
             loopback: true,
@@ -236,7 +240,7 @@ impl KvConfig {
             heartbeat_interval: seconds(PS_HEARTBEAT_INTERVAL)?,
             heartbeat_timeout: seconds(PS_HEARTBEAT_TIMEOUT)?,
             bigarray_bound: bound,
-            partition_bytes: PSNET_PARTITION_BYTES.parse_or_default()?,
+            partition_bytes: PSNET_PARTITION_BYTES.parse()?,
             bootstrap_timeout: seconds(PSNET_BOOTSTRAP_TIMEOUT)?
                 .unwrap_or(Duration::from_secs(u64::from(u32::MAX))),
             transport: env::PSNET_TRANSPORT.parse()?,
@@ -301,9 +305,10 @@ impl KvConfig {
         self
     }
 
-    /// Sets `PSNET_PARTITION_BYTES` (0: one piece per server's share).
+    /// Sets `PSNET_PARTITION_BYTES` (0: MXNet's layout), in place of the default chosen by
+    /// the job's hosts.
     pub fn partition_bytes(mut self, bytes: usize) -> Self {
-        self.partition_bytes = bytes;
+        self.partition_bytes = Some(bytes);
         self
     }
 

@@ -77,7 +77,7 @@ impl<T: Transport> Worker<T> {
             crate::clock::now(),
         )
         .with_recovery(config.recovery_timeout.is_some())
-        .with_partition_bytes(config.partition_bytes);
+        .with_partition_bytes(partition_bytes(config, &joined.nodes));
         let shared = Arc::new(Shared {
             link: joined.link,
             admission: joined.admission,
@@ -558,4 +558,63 @@ pub(crate) fn fill<V: Value>(
     }
     value::copy_from_le(out, &bytes);
     Ok(())
+}
+
+/// `PSNET_PARTITION_BYTES` as set, else [`crate::config::DEFAULT_PARTITION_BYTES`] when the
+/// job's servers and workers listen on more than one address (more than one host), else 0.
+/// Every worker reads the same table from the scheduler, so all choose alike.
+fn partition_bytes(config: &KvConfig, nodes: &[crate::proto::msg::NodeInfo]) -> usize {
+    config.partition_bytes.unwrap_or_else(|| {
+        let hosts: std::collections::BTreeSet<std::net::IpAddr> = nodes
+            .iter()
+            .filter(|n| n.role != Role::Scheduler)
+            .map(|n| n.addr.ip())
+            .collect();
+        if hosts.len() > 1 {
+            crate::config::DEFAULT_PARTITION_BYTES
+        } else {
+            0
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::msg::NodeInfo;
+    use psnet_transport::{Proof, PROOF_LEN};
+
+    fn node(role: Role, rank: u32, addr: &str) -> NodeInfo {
+        NodeInfo {
+            id: NodeId(0),
+            role,
+            rank,
+            addr: addr.parse().unwrap(),
+            token: Proof([0; PROOF_LEN]),
+        }
+    }
+
+    #[test]
+    fn keys_go_in_pieces_by_default_only_across_hosts() {
+        let root = "127.0.0.1:9000".parse().unwrap();
+        let config = KvConfig::local(Role::Worker, root, 1, 1);
+        // The scheduler's host does not count: it carries no values.
+        let one_host = [
+            node(Role::Scheduler, 0, "10.0.0.9:9000"),
+            node(Role::Server, 0, "10.0.0.1:9001"),
+            node(Role::Worker, 0, "10.0.0.1:9002"),
+        ];
+        assert_eq!(partition_bytes(&config, &one_host), 0);
+        let two_hosts = [
+            node(Role::Server, 0, "10.0.0.1:9001"),
+            node(Role::Worker, 0, "10.0.0.2:9002"),
+        ];
+        assert_eq!(
+            partition_bytes(&config, &two_hosts),
+            crate::config::DEFAULT_PARTITION_BYTES
+        );
+        let set = config.partition_bytes(4096);
+        assert_eq!(partition_bytes(&set, &one_host), 4096);
+        assert_eq!(partition_bytes(&set.partition_bytes(0), &two_hosts), 0);
+    }
 }

@@ -5,6 +5,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 __version__: str
+BUILD_PROFILE: str  # "release" or "debug": benchmarks refuse "debug"
 
 class PsnetError(RuntimeError): ...
 class KvError(PsnetError): ...

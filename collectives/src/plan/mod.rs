@@ -202,7 +202,9 @@ impl Plan {
         self.left
     }
 
-    /// Every piece this plan receives: the sender's rank, the tag and the length in bytes.
+    /// Every piece this plan receives: the sender's rank, the tag and the length in bytes
+    /// (the device calls place exactly these).
+    #[cfg(feature = "cuda")]
     pub(crate) fn receives(&self) -> impl Iterator<Item = (usize, u64, usize)> + '_ {
         self.ops.iter().filter_map(|op| match op.kind {
             Kind::Recv { from, .. } => {

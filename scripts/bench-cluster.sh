@@ -1,0 +1,246 @@
+#!/usr/bin/env bash
+# psnet where the link is the bottleneck: the emulated cluster (scripts/cluster/rig.sh, HOSTS
+# network namespaces, every eth0 shaped both ways to RATE), jobs started across its hosts by
+# psnet-launch --launcher ssh (and mpirun) through the rig's ssh stand-in. Prints, per section
+# and in one run, psnet beside its reference and beside the wire bound: the bytes the busiest
+# link must carry (in its busier direction, or both directions one after the other where the
+# protocol makes them wait for each other) over RATE. Latency is not emulated (no netem here).
+#
+#   bash scripts/bench-cluster.sh [SECTION...]     SECTION: raw train kv allreduce (default all)
+#
+# raw        iperf3 between two hosts, one way and both ways at once (the link as TCP sees it)
+# train      psnet-train seconds of communication per epoch, 2 servers + 2 workers: MXNet's key
+#            layout (PSNET_PARTITION_BYTES=0), the default, 2-bit and 1-bit; the bound is the
+#            busiest link's bytes in its busier direction (counted by the kernel) per epoch
+# kv         one key per op, push / pull / push then pull / pushpull, psnet's Python kvstore
+#            against MXNet 1.9.1 (scripts/bench-mxnet.py, one script for both), uncompressed and
+#            2-bit, KV_SIZES at each of KV_SHAPES (servers x workers; servers on hosts of their
+#            own, workers over the other hosts in turn, so 2x4 puts two workers on each)
+# allreduce  psnet-perf allreduce, one rank per host, against Open MPI (mpi4py, btl tcp,self)
+#            started by mpirun through the ssh stand-in; busbw against the link's rate
+#
+# Settings (environment): HOSTS (4), RATE (1gbit), EPOCHS (2), SAMPLES (4096), AR_ITERS (10), KV_SIZES
+# (4M,16M), KV_SHAPES ("2x2 2x4"), KV_ITERS (20 timed operations of each kind per size; the
+# median is reported), AR_MIN / AR_MAX (1M / 64M), MXNET_PY (target/mxnet-venv's
+# python; made with python3.10, mxnet==1.9.1 and numpy==1.23.5 when missing; MXNET=0 skips),
+# KEEP (a directory for the logs). Release builds only: the binaries are built here with
+# --release, the Python wheel with maturin --release, and a debug wheel is refused.
+# Needs root; the rig is named `bench` and torn down at exit, after a failure too.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+HOSTS=${HOSTS:-4}
+RATE=${RATE:-1gbit}
+EPOCHS=${EPOCHS:-2}
+SAMPLES=${SAMPLES:-4096}
+KV_SIZES=${KV_SIZES:-4M,16M}
+KV_SHAPES=${KV_SHAPES:-"2x2 2x4"}
+KV_ITERS=${KV_ITERS:-20}
+AR_MIN=${AR_MIN:-1M}
+AR_MAX=${AR_MAX:-64M}
+AR_ITERS=${AR_ITERS:-10}
+TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
+B=$TARGET/release
+RIG="$ROOT/scripts/cluster/rig.sh"
+export PSNET_CLUSTER=bench
+SECTIONS=("$@")
+[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(raw train kv allreduce)
+LOGS=${KEEP:-$(mktemp -d)}
+mkdir -p "$LOGS"
+say() { echo "bench-cluster: $*" >&2; }
+wants() { local s; for s in "${SECTIONS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+[ "$(id -u)" = 0 ] || { say "needs root (network namespaces)"; exit 1; }
+
+say "release build (benchmarks never use a debug build)"
+cargo build --release --locked -q -p psnet-train -p psnet-perf -p psnet-launch
+
+bash "$RIG" up --name bench --hosts "$HOSTS" --rate "$RATE" >&2
+trap 'bash "$RIG" down --name bench >/dev/null 2>&1 || true' EXIT
+RATE_BITS=$(awk -v r="${RATE,,}" 'BEGIN { n = r + 0; u = substr(r, length(n "") + 1);
+  m = (u == "gbit") ? 1e9 : (u == "mbit") ? 1e6 : (u == "kbit") ? 1e3 : 1; printf "%.0f", n * m }')
+addr_of() { awk -v h="$1" '$1 == h { print $3 }' "/run/psnet-cluster/bench/hosts"; }
+on() { local h=$1; shift; bash "$RIG" exec --name bench "$h" "$@"; }
+
+# The busiest link in its busier direction between two `rig.sh counters` snapshots, in bytes.
+busiest() { # BEFORE AFTER
+  awk 'NR == FNR { tx[$1] = $2; rx[$1] = $3; next }
+       { t = $2 - tx[$1]; r = $3 - rx[$1]; m = (t > r) ? t : r; if (m > best) best = m }
+       END { printf "%.0f", best }' "$1" "$2"
+}
+ms_of_bytes() { awk -v b="$1" -v r="$RATE_BITS" 'BEGIN { printf "%.1f", b * 8 / r * 1000 }'; }
+
+# A hostfile for S servers on hosts of their own and W workers over the other hosts in turn
+# (psnet-launch gives servers, then workers, the hostfile's lines in order).
+hostfile() { # S W FILE
+  local s=$1 w=$2 f=$3 all=() rest=() i
+  for ((i = 1; i < HOSTS; i++)); do all+=("h$i"); done
+  all+=(h0)
+  [ "$s" -lt "$HOSTS" ] || { say "$s servers need more than $HOSTS hosts"; return 1; }
+  : > "$f"
+  for ((i = 0; i < s; i++)); do echo "${all[$i]}" >> "$f"; done
+  rest=("${all[@]:$s}")
+  for ((i = 0; i < w; i++)); do echo "${rest[$((i % ${#rest[@]}))]}" >> "$f"; done
+}
+
+launch() { # S W HOSTFILE ENV... -- CMD...
+  local s=$1 w=$2 hf=$3; shift 3
+  local envs=()
+  while [ "$1" != -- ]; do envs+=("$1"); shift; done
+  shift
+  on h0 env DMLC_INTERFACE=eth0 "${envs[@]}" timeout -k 5 900 "$B/psnet-launch" --launcher ssh \
+    -H "$hf" -s "$s" -n "$w" -- "$@"
+}
+
+echo "# psnet on the emulated cluster: $HOSTS hosts, eth0 $RATE each way (tc tbf), latency not emulated"
+echo "# $(date -u +%FT%TZ), $(nproc) CPUs shared by every host; logs in $LOGS"
+
+if wants raw; then
+  echo
+  echo "## raw TCP between two hosts (iperf3)"
+  if command -v iperf3 >/dev/null; then
+    a2=$(addr_of h2)
+    for mode in "" --bidir; do
+      on h2 timeout 30 iperf3 -s -1 -B "$a2" >/dev/null 2>&1 &
+      sleep 0.5
+      rate=$(on h1 timeout 30 iperf3 -c "$a2" -t 4 -f m $mode 2>&1 | awk '/receiver/ { v = $(NF-2) " " $(NF-1); print v }' | paste -sd' ')
+      wait
+      echo "iperf3 ${mode:-one way}: $rate (receiver)"
+    done
+  else
+    echo "SKIPPED: no iperf3 (apt-get install iperf3)"
+  fi
+fi
+
+if wants train; then
+  echo
+  echo "## psnet-train, 2 servers + 2 workers (one per host), $EPOCHS epochs of $SAMPLES samples"
+  printf '%-34s %14s %16s %8s %10s\n' "run" "comm s/epoch" "bound s/epoch" "ratio" "loss"
+  hostfile 2 2 "$LOGS/train.hosts"
+  for run in "mxnet-layout:PSNET_PARTITION_BYTES=0:none" "default::none" \
+             "2bit::2bit" "1bit::1bit"; do
+    IFS=: read -r name env comp <<< "$run"
+    bash "$RIG" counters --name bench > "$LOGS/c0"
+    launch 2 2 "$LOGS/train.hosts" ${env:+"$env"} -- "$B/psnet-train" --epochs "$EPOCHS" \
+      --samples "$SAMPLES" --compression "$comp" > "$LOGS/train.$name.log" 2>&1 \
+      || { say "psnet-train $name failed:"; tail -20 "$LOGS/train.$name.log" >&2; exit 1; }
+    bash "$RIG" counters --name bench > "$LOGS/c1"
+    comm=$(grep -o 'communication [0-9.]* s of [0-9.]* s' "$LOGS/train.$name.log" | grep -v "^$" | head -n "$EPOCHS" \
+      | awk '{ s += $2 } END { printf "%.2f", s / NR }')
+    loss=$(grep -o 'loss [0-9.]*' "$LOGS/train.$name.log" | tail -1 | cut -d' ' -f2)
+    bound=$(awk -v b="$(busiest "$LOGS/c0" "$LOGS/c1")" -v r="$RATE_BITS" -v e="$EPOCHS" \
+      'BEGIN { printf "%.2f", b * 8 / r / e }')
+    printf '%-34s %14s %16s %8s %10s\n' "$name ($comp)" "$comm" "$bound" \
+      "$(awk -v a="$comm" -v b="$bound" 'BEGIN { printf "%.2fx", a / b }')" "$loss"
+  done
+  echo "(bound: the busiest link's bytes in its busier direction over the whole job, set-up included, per epoch, over $RATE)"
+fi
+
+if wants kv; then
+  echo
+  echo "## kv, one key, per worker: psnet's Python kvstore against MXNet 1.9.1 (scripts/bench-mxnet.py)"
+  VENV=$TARGET/bench-venv
+  if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
+  "$VENV/bin/pip" install -q --disable-pip-version-check "maturin>=1.9.4,<2" "numpy>=1.21"
+  rm -rf "$TARGET/bench-wheels"
+  "$VENV/bin/maturin" build --release --locked -q -m python/Cargo.toml -o "$TARGET/bench-wheels" >&2
+  "$VENV/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps "$TARGET"/bench-wheels/psnet-*.whl
+  profile=$("$VENV/bin/python" -c 'import psnet._psnet as p; print(getattr(p, "BUILD_PROFILE", "unknown"))')
+  [ "$profile" = release ] || { say "the psnet wheel is a $profile build: refused"; exit 1; }
+  MXNET_PY=${MXNET_PY:-$TARGET/mxnet-venv/bin/python}
+  if [ "${MXNET:-1}" != 0 ] && [ ! -x "$MXNET_PY" ]; then
+    py310=$(command -v python3.10 || ls /root/.pyenv/versions/3.10*/bin/python 2>/dev/null | head -1 || true)
+    if [ -n "$py310" ]; then
+      "$py310" -m venv "$TARGET/mxnet-venv" && "$TARGET/mxnet-venv/bin/pip" install -q \
+        --disable-pip-version-check mxnet==1.9.1 numpy==1.23.5 || true
+    fi
+  fi
+  libs=(psnet)
+  if [ "${MXNET:-1}" != 0 ] && "$MXNET_PY" -c 'import mxnet' 2>/dev/null; then libs+=(mxnet)
+  else echo "SKIPPED MXNet: no MXNet 1.9.1 at $MXNET_PY (python3.10 -m venv; pip install mxnet==1.9.1 numpy==1.23.5)"; fi
+  printf '%-6s %-6s %-5s %9s  %-10s %9s %9s %7s\n' shape comp lib size op ms bound_ms ratio
+  for shape in $KV_SHAPES; do
+    s=${shape%x*}; w=${shape#*x}
+    hostfile "$s" "$w" "$LOGS/kv.hosts"
+    # Workers per host: the most any host has.
+    k=$(tail -n "$w" "$LOGS/kv.hosts" | sort | uniq -c | awk '{ if ($1 > m) m = $1 } END { print m }')
+    for comp in none 2bit; do
+      for lib in "${libs[@]}"; do
+        py=$VENV/bin/python; [ "$lib" = mxnet ] && py=$MXNET_PY
+        out="$LOGS/kv.$shape.$comp.$lib"
+        launch "$s" "$w" "$LOGS/kv.hosts" PS_VERBOSE=0 -- "$py" "$ROOT/scripts/bench-mxnet.py" "$KV_SIZES" \
+          --lib "$lib" --compression "$comp" --iters "$KV_ITERS" > "$out.log" 2>&1 \
+          || { say "kv $lib $shape $comp failed:"; tail -20 "$out.log" >&2; continue; }
+        grep -h '"results"' "$out.log" | sed 's/^\[[^]]*\] //' | tail -1 > "$out.json"
+        python3 - "$out.json" "$s" "$w" "$k" "$comp" "$RATE_BITS" "$shape" "$lib" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+s, w, k = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+comp, rate, shape, lib = sys.argv[5], float(sys.argv[6]), sys.argv[7], sys.argv[8]
+for r in doc["results"]:
+    b = r["bytes"]
+    # The busiest link carries, each way, what its workers send or what its server receives.
+    load = max(k * b, w * b / s)
+    up = load / 16 if comp == "2bit" else load  # MXNet pulls full weights
+    bound = {"push": up, "pull": load, "push+pull": up + load,
+             # one pushpull: pieces' answers overlap later pieces' pushes (psnet)
+             "pushpull1": max(up, load)}
+    for op in ("push", "pull", "push+pull", "pushpull1"):
+        if f"{op}_ms" not in r:
+            continue
+        bms = bound[op] * 8 / rate * 1e3
+        print(f"{shape:<6} {comp:<6} {lib:<5} {b >> 20:>7}Mi  {op:<10} {r[op + '_ms']:9.1f} {bms:9.1f} {r[op + '_ms'] / bms:6.2f}x")
+PY
+      done
+    done
+  done
+  echo "(bound: per op, the bytes the busiest link carries each way (max of a worker host's and a server's share) over $RATE; push then pull waits for the push, so its bound is their sum; 2-bit pushes 1/16 of the bytes, pulls are full)"
+fi
+
+if wants allreduce; then
+  echo
+  echo "## allreduce, float32 sum, $HOSTS ranks (one per host): psnet against Open MPI"
+  port=29400
+  root="$(addr_of h0):$port"
+  for ((i = 0; i < HOSTS; i++)); do
+    on "h$i" env PSNET_RANK=$i PSNET_WORLD_SIZE=$HOSTS PSNET_ROOT_ADDR="$root" DMLC_INTERFACE=eth0 \
+      timeout -k 5 600 "$B/psnet-perf" allreduce -b "$AR_MIN" -e "$AR_MAX" -n "$AR_ITERS" -w 3 --json \
+      > "$LOGS/ar.psnet.$i" 2> "$LOGS/ar.psnet.$i.err" &
+  done
+  wait
+  grep -h '"in_place":true' "$LOGS/ar.psnet.0" > "$LOGS/ar.psnet.json" || true
+  # Debian's mpi4py belongs to Debian's python3, whatever python3 is first on PATH.
+  MPI_PY=${MPI_PY:-/usr/bin/python3}
+  if command -v mpirun >/dev/null && "$MPI_PY" -c 'import mpi4py, numpy' 2>/dev/null; then
+    hosts=$(for ((i = 0; i < HOSTS; i++)); do printf 'h%d,' "$i"; done)
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 on h0 timeout -k 5 600 mpirun \
+      --allow-run-as-root --mca plm_rsh_agent "$ROOT/scripts/cluster/bin/ssh" -H "${hosts%,}" \
+      -np "$HOSTS" --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include eth0 \
+      --mca oob_tcp_if_include eth0 "$MPI_PY" "$ROOT/scripts/bench-mpi-allreduce.py" \
+      -b "$AR_MIN" -e "$AR_MAX" -n "$AR_ITERS" -w 3 > "$LOGS/ar.mpi.json" 2> "$LOGS/ar.mpi.err" \
+      || { say "Open MPI's run failed:"; tail -5 "$LOGS/ar.mpi.err" >&2; }
+  else
+    echo "SKIPPED Open MPI: needs openmpi-bin, python3-mpi4py, python3-numpy"
+    : > "$LOGS/ar.mpi.json"
+  fi
+  python3 - "$LOGS/ar.psnet.json" "$LOGS/ar.mpi.json" "$RATE_BITS" <<'PY'
+import json, sys
+def rows(path):
+    out = {}
+    for line in open(path):
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if "busbw_gb_s" in r:
+            out[r["bytes"]] = r
+    return out
+ps, mpi, link = rows(sys.argv[1]), rows(sys.argv[2]), float(sys.argv[3]) / 8 / 1e9
+print(f"{'bytes':>10} {'psnet busbw GB/s':>17} {'of link':>8} {'Open MPI busbw':>15} {'psnet/MPI':>10} {'wrong':>6}")
+for b in sorted(ps):
+    p = ps[b]["busbw_gb_s"]
+    m = mpi.get(b, {}).get("busbw_gb_s")
+    print(f"{b:>10} {p:>17.4f} {p / link:>8.2f} {m if m else float('nan'):>15.4f} "
+          f"{(p / m if m else float('nan')):>10.2f} {ps[b].get('wrong', 0):>6}")
+print(f"(link: {link:.4f} GB/s each way; busbw = algbw x 2(n-1)/n, nccl-tests' definition)")
+PY
+fi
