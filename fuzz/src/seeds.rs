@@ -126,7 +126,12 @@ fn kv() -> Vec<Seed> {
                 role: Role::Worker,
                 addr,
                 rank_hint: Some(3),
+                recovery: Some([7; 32]),
             },
+        ),
+        (
+            "recovery_key",
+            Msg::RecoveryKey { commit: [9; 32] },
         ),
         (
             "assign",

@@ -76,6 +76,7 @@ pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joine
             role: config.role,
             addr: listen,
             rank_hint: config.rank_hint,
+            recovery: recovery_credential(config),
         },
         None,
     )
@@ -255,5 +256,23 @@ impl Heard {
                 limit.as_secs_f64()
             )
         })
+    }
+}
+
+/// The recovery credential a server shows when it registers: the one its rank keeps in its
+/// checkpoint directory, where it names its rank (`DMLC_SERVER_ID`) and the file exists. Only
+/// a running job that lost that rank reads it ([`crate::proto::recovery`]).
+fn recovery_credential(config: &KvConfig) -> Option<[u8; crate::proto::recovery::CREDENTIAL_LEN]> {
+    let (Role::Server, Some(dir), Some(rank)) =
+        (config.role, &config.checkpoint_dir, config.rank_hint)
+    else {
+        return None;
+    };
+    match crate::checkpoint::read_credential(dir, rank) {
+        Ok(credential) => credential,
+        Err(e) => {
+            tracing::warn!(error = %e, "no recovery credential to show");
+            None
+        }
     }
 }

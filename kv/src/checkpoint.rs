@@ -37,7 +37,9 @@
 //!
 //! A server restarted with its rank while the job waits for it (`PSNET_RECOVERY_TIMEOUT`)
 //! loads its shard with [`load_shard`] and rejoins the running job (see
-//! [`crate::proto::scheduler`]).
+//! [`crate::proto::scheduler`]). It must show the scheduler the recovery credential its rank
+//! keeps beside the shard, `server-<r>.credential` (32 random bytes, readable by the job's
+//! user only, replaced at every start and rejoin; see [`crate::proto::recovery`]).
 //!
 //! Snapshots come every `PSNET_CHECKPOINT_EVERY` updates of a key and when a worker asks
 //! (`Worker::save_checkpoint`); with `PSNET_CHECKPOINT_EVERY=0` the journal grows until a
@@ -62,6 +64,7 @@ use std::io::{self, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 
 use crate::error::KvError;
+use crate::proto::recovery::CREDENTIAL_LEN;
 use crate::proto::server::ServerState;
 
 /// The CRC-32 (IEEE, as zlib's) the files' headers and records carry.
@@ -96,6 +99,53 @@ pub fn snapshot_path(dir: &Path, rank: u32) -> PathBuf {
 /// `dir/server-<rank>.journal`.
 pub fn journal_path(dir: &Path, rank: u32) -> PathBuf {
     dir.join(format!("server-{rank}.journal"))
+}
+
+/// Where server rank `rank` keeps its recovery credential.
+pub fn credential_path(dir: &Path, rank: u32) -> PathBuf {
+    dir.join(format!("server-{rank}.credential"))
+}
+
+/// Server rank `rank`'s recovery credential, if its file exists; a file of another length is
+/// an error naming it.
+pub fn read_credential(dir: &Path, rank: u32) -> Result<Option<[u8; CREDENTIAL_LEN]>, KvError> {
+    let path = credential_path(dir, rank);
+    match fs::read(&path) {
+        Ok(bytes) => bytes.as_slice().try_into().map(Some).map_err(|_| {
+            KvError::Checkpoint(format!(
+                "{}: a recovery credential is {CREDENTIAL_LEN} bytes, this file has {}",
+                path.display(),
+                bytes.len()
+            ))
+        }),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(io_error("read", &path, e)),
+    }
+}
+
+/// Makes `credential` server rank `rank`'s, readable and writable by this user only: written
+/// aside, flushed, renamed into place.
+pub fn write_credential(
+    dir: &Path,
+    rank: u32,
+    credential: &[u8; CREDENTIAL_LEN],
+) -> Result<(), KvError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = credential_path(dir, rank);
+    let tmp = dir.join(format!("server-{rank}.credential.tmp"));
+    let _ = fs::remove_file(&tmp);
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .and_then(|mut f| {
+            f.write_all(credential)?;
+            f.sync_all()
+        })
+        .map_err(|e| io_error("write", &tmp, e))?;
+    fs::rename(&tmp, &path).map_err(|e| io_error("rename into place", &path, e))?;
+    sync_dir(dir)
 }
 
 fn io_error(what: &str, path: &Path, e: io::Error) -> KvError {

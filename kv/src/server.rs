@@ -13,6 +13,7 @@ use crate::config::KvConfig;
 use crate::error::KvError;
 use crate::proto::ids::{self, describe, Role, SCHEDULER};
 use crate::proto::msg::Msg;
+use crate::proto::recovery;
 use crate::proto::server::{Output, Push, ServerState};
 use crate::reliable::Link;
 use crate::wire::Received;
@@ -57,6 +58,16 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
             }
         }
     };
+    if let Some(dir) = &config.checkpoint_dir {
+        if let Err(e) = commit_recovery(&link, dir, joined.rank).await {
+            let reason = format!(
+                "server {} cannot keep a recovery credential: {e}",
+                joined.rank
+            );
+            leave(&link, num_workers, &reason, period).await;
+            return Err(e);
+        }
+    }
     let mut heartbeat = tokio::time::interval(heartbeat_period(config));
     let worker_rank = |id: NodeId| match ids::role_rank(id) {
         Some((Role::Worker, r)) => Some(r),
@@ -175,6 +186,21 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
 
 /// The shard of a server that took back a lost server's rank: its checkpoint, without
 /// which it cannot rejoin (it would answer with values the job never had).
+/// Draws this rank's recovery credential, keeps it beside the shard, and commits to it at
+/// the scheduler: only a server that can read it may take this rank back if this one is
+/// lost ([`crate::proto::recovery`]).
+async fn commit_recovery<T: Transport>(
+    link: &Link<T>,
+    dir: &std::path::Path,
+    rank: u32,
+) -> Result<(), KvError> {
+    let credential = recovery::fresh();
+    crate::checkpoint::write_credential(dir, rank, &credential)?;
+    let commit = recovery::commitment(&credential);
+    link.send(SCHEDULER, &Msg::RecoveryKey { commit }, None)
+        .await
+}
+
 fn reload(config: &KvConfig, rank: u32, num_workers: u32) -> Result<ServerState, KvError> {
     let Some(dir) = &config.checkpoint_dir else {
         return Err(KvError::Checkpoint(

@@ -367,6 +367,7 @@ async fn a_second_registration_is_refused_and_the_job_goes_on() {
             role,
             addr,
             rank_hint: hint,
+            recovery: None,
         };
         job.rogue.send(SCHEDULER, &again, &[]).await;
         let (from, msg, _) = job.rogue.next().await;

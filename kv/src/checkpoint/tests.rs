@@ -260,3 +260,30 @@ fn the_journal_reader_takes_any_bytes() {
         fuzz_journal_file(&bad);
     }
 }
+
+#[test]
+fn recovery_credentials_are_kept_for_this_user_only_and_checked_for_length() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("psnet-cred-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    assert_eq!(read_credential(&dir, 3).unwrap(), None, "none yet");
+    let c = crate::proto::recovery::fresh();
+    write_credential(&dir, 3, &c).unwrap();
+    assert_eq!(read_credential(&dir, 3).unwrap(), Some(c));
+    let mode = std::fs::metadata(credential_path(&dir, 3))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    let again = crate::proto::recovery::fresh();
+    write_credential(&dir, 3, &again).unwrap();
+    assert_eq!(read_credential(&dir, 3).unwrap(), Some(again), "replaced");
+    std::fs::write(credential_path(&dir, 4), b"short").unwrap();
+    let err = read_credential(&dir, 4).unwrap_err().to_string();
+    assert!(
+        err.contains("server-4.credential") && err.contains("32 bytes"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -16,10 +16,11 @@ use psnet_transport::le::{LeReader, LeWriter, Truncated};
 use psnet_transport::{NodeId, Proof, PROOF_LEN};
 
 use super::ids::{Group, Role};
+use super::recovery::CREDENTIAL_LEN;
 use crate::value::Dtype;
 
 /// The kv protocol version in every message.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// Longest string field (reasons, optimizer and compression specs).
 pub const MAX_STRING: usize = 64 << 10;
 /// Most nodes in an assignment.
@@ -148,6 +149,16 @@ pub enum Msg {
         addr: SocketAddr,
         /// The rank it wishes (`DMLC_WORKER_ID` / `DMLC_SERVER_ID`).
         rank_hint: Option<u32>,
+        /// A restarted server's recovery credential for its rank (read from its checkpoint
+        /// directory): a lost rank is given back only to a server that shows the credential
+        /// whose commitment the lost server sent ([`Msg::RecoveryKey`]).
+        recovery: Option<[u8; CREDENTIAL_LEN]>,
+    },
+    /// Server to scheduler, once assigned (or reassigned): the commitment to the recovery
+    /// credential it keeps in its checkpoint directory ([`super::recovery`]).
+    RecoveryKey {
+        /// `commitment(credential)`.
+        commit: [u8; CREDENTIAL_LEN],
     },
     /// Scheduler to node: your id, and everyone.
     Assign {
@@ -462,6 +473,9 @@ impl<'a> Reader<'a> {
             .parse()
             .map_err(|_| DecodeError::Invalid("bad socket address"))
     }
+    fn credential(&mut self) -> Result<[u8; CREDENTIAL_LEN], DecodeError> {
+        Ok(self.take(CREDENTIAL_LEN)?.try_into().expect("taken"))
+    }
     fn role(&mut self) -> Result<Role, DecodeError> {
         Role::from_code(self.u8()?).ok_or(DecodeError::Invalid("unknown role"))
     }
@@ -487,6 +501,7 @@ impl Msg {
     fn tag(&self) -> u8 {
         match self {
             Msg::Register { .. } => 1,
+            Msg::RecoveryKey { .. } => 18,
             Msg::Assign { .. } => 2,
             Msg::Barrier { .. } => 3,
             Msg::BarrierDone { .. } => 4,
@@ -531,10 +546,23 @@ impl Msg {
                 role,
                 addr,
                 rank_hint,
+                recovery,
             } => {
                 w.u8(role.code())
                     .addr(*addr)
                     .u32(rank_hint.unwrap_or(NO_RANK_HINT));
+                match recovery {
+                    Some(c) => {
+                        w.u8(1);
+                        w.0.bytes(c);
+                    }
+                    None => {
+                        w.u8(0);
+                    }
+                }
+            }
+            Msg::RecoveryKey { commit } => {
+                w.0.bytes(commit);
             }
             Msg::Assign { your_id, nodes } | Msg::Reassign { your_id, nodes } => {
                 w.u64(your_id.0).u32(nodes.len().min(MAX_NODES) as u32);
@@ -600,6 +628,14 @@ impl Msg {
                 role: r.role()?,
                 addr: r.addr()?,
                 rank_hint: Some(r.u32()?).filter(|&h| h != NO_RANK_HINT),
+                recovery: match r.u8()? {
+                    0 => None,
+                    1 => Some(r.credential()?),
+                    _ => return Err(DecodeError::Invalid("bad recovery flag")),
+                },
+            },
+            18 => Msg::RecoveryKey {
+                commit: r.credential()?,
             },
             tag @ (2 | 17) => {
                 let your_id = NodeId(r.u64()?);

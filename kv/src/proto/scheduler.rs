@@ -11,9 +11,10 @@
 //!
 //! With a recovery timeout ([`SchedulerState::with_recovery`], `PSNET_RECOVERY_TIMEOUT`), a
 //! lost server is not declared failed at once: its rank is held for the timeout, and a
-//! server that registers meanwhile (restarted with the same `DMLC_SERVER_ID`, or any server
-//! when it names none) takes the lost one's id back with a fresh token (`Reassign`); every
-//! other member learns its new address and token (`Rejoined`). Past the timeout the loss is
+//! server that registers meanwhile showing the lost server's recovery credential (from its
+//! checkpoint directory, see [`super::recovery`]) takes the lost one's id back with a fresh
+//! token (`Reassign`); every other member learns its new address and token (`Rejoined`).
+//! Any other server's registration is refused and logged. Past the timeout the loss is
 //! declared as any other. Workers are not recovered: a lost worker ends the job.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -24,6 +25,7 @@ use psnet_transport::{NodeId, Proof};
 
 use super::ids::{self, describe, Group, Role, SCHEDULER};
 use super::msg::{Msg, NodeInfo, NO_REQUEST};
+use super::recovery::{Credentials, CREDENTIAL_LEN};
 
 /// What the scheduler knows about one assigned node.
 #[derive(Debug)]
@@ -62,6 +64,8 @@ pub struct SchedulerState {
     /// Servers that took their id back, announced to the workers once they connect under it
     /// (before that, a worker dialling the new address would find a node without the id).
     rejoining: BTreeMap<NodeId, NodeInfo>,
+    /// The servers' commitments to their recovery credentials.
+    credentials: Credentials,
 }
 
 impl SchedulerState {
@@ -95,6 +99,7 @@ impl SchedulerState {
             recovery: None,
             recovering: BTreeMap::new(),
             rejoining: BTreeMap::new(),
+            credentials: Credentials::default(),
         }
     }
 
@@ -161,6 +166,30 @@ impl SchedulerState {
         rank_hint: Option<u32>,
         now: Instant,
     ) {
+        self.handle_register_proving(from, role, addr, rank_hint, None, now)
+    }
+
+    /// A server assigned its id committed to its recovery credential. Taken only from a
+    /// server member under its own id; anything else is refused and logged.
+    pub fn handle_recovery_key(&mut self, from: NodeId, commit: [u8; CREDENTIAL_LEN]) {
+        let is_server = matches!(ids::role_rank(from), Some((Role::Server, _)));
+        if !is_server || !self.members.contains_key(&from) {
+            tracing::warn!(node = %describe(from), "refused: only a server of the job commits to a recovery credential, for its own rank");
+            return;
+        }
+        self.credentials.commit(from, commit);
+    }
+
+    /// [`Self::handle_register`], with the recovery credential a restarted server shows.
+    pub fn handle_register_proving(
+        &mut self,
+        from: NodeId,
+        role: Role,
+        addr: SocketAddr,
+        rank_hint: Option<u32>,
+        recovery: Option<[u8; CREDENTIAL_LEN]>,
+        now: Instant,
+    ) {
         if self.members.contains_key(&from) {
             // A member has its id (and its token): nothing to register, nothing changes.
             let reason = format!(
@@ -173,7 +202,7 @@ impl SchedulerState {
             return;
         }
         if self.is_assigned() && role == Role::Server && ids::is_provisional(from) {
-            return self.handle_rejoin(from, addr, rank_hint, now);
+            return self.handle_rejoin(from, addr, rank_hint, recovery.as_ref(), now);
         }
         let limit = match role {
             Role::Server => self.num_servers,
@@ -285,23 +314,37 @@ impl SchedulerState {
     }
 
     /// A server registers while the job runs: it takes back the id of a lost server whose
-    /// rank is held (the one it wishes, or the lowest), with a fresh token.
-    fn handle_rejoin(&mut self, from: NodeId, addr: SocketAddr, hint: Option<u32>, now: Instant) {
-        let held = match hint {
-            Some(rank) => {
-                Some(ids::node_id(Role::Server, rank)).filter(|id| self.recovering.contains_key(id))
-            }
+    /// rank is held (the one it wishes, or any), with a fresh token, if its recovery
+    /// credential is the one that server committed to.
+    fn handle_rejoin(
+        &mut self,
+        from: NodeId,
+        addr: SocketAddr,
+        hint: Option<u32>,
+        credential: Option<&[u8; CREDENTIAL_LEN]>,
+        now: Instant,
+    ) {
+        let wished = hint.map(|rank| ids::node_id(Role::Server, rank));
+        let held = match wished {
+            Some(id) => Some(id).filter(|id| self.recovering.contains_key(id)),
             None => self.recovering.keys().next().copied(),
         };
-        let Some(id) = held.filter(|_| !self.shutting_down) else {
+        let refuse = |s: &mut Self, reason: String| {
+            tracing::warn!(%addr, %reason, "refusing a server's registration");
+            s.out
+                .push_back((from, Msg::NodeFailed { id: from, reason }));
+        };
+        let Some(_) = held.filter(|_| !self.shutting_down) else {
             let waiting: Vec<String> = self.recovering.keys().map(|id| describe(*id)).collect();
             let reason = match (self.recovery, waiting.is_empty(), hint) {
                 (None, _, _) => format!(
-                    "the job already has its {} server(s), and lost servers are not replaced                      (PSNET_RECOVERY_TIMEOUT is 0)",
+                    "the job already has its {} server(s), and lost servers are not replaced \
+                     (PSNET_RECOVERY_TIMEOUT is 0)",
                     self.num_servers
                 ),
                 (Some(_), true, _) => format!(
-                    "the job already has its {} server(s) and none is lost: a server may                      rejoin only in place of a lost one",
+                    "the job already has its {} server(s) and none is lost: a server may \
+                     rejoin only in place of a lost one",
                     self.num_servers
                 ),
                 (Some(_), false, Some(rank)) => format!(
@@ -310,10 +353,17 @@ impl SchedulerState {
                 ),
                 (Some(_), false, None) => "the job is ending".into(),
             };
-            tracing::warn!(%addr, %reason, "refusing a server's registration");
-            self.out
-                .push_back((from, Msg::NodeFailed { id: from, reason }));
-            return;
+            return refuse(self, reason);
+        };
+        let held: Vec<NodeId> = self.recovering.keys().copied().collect();
+        let id = match self.credentials.take(held, wished, credential) {
+            Ok(id) => id,
+            Err(why) => {
+                let reason = format!(
+                    "a server at {addr} asked for the rank of a lost server and was refused: {why}"
+                );
+                return refuse(self, reason);
+            }
         };
         let (lost, _) = self.recovering.remove(&id).expect("held");
         let token = (self.tokens)();

@@ -56,6 +56,7 @@ impl Rogue {
             role: Role::Worker,
             addr: t.listen_addr(),
             rank_hint: Some(rank),
+            recovery: None,
         };
         let meta = register.encode();
         t.send(SCHEDULER, OutMessage::new(&meta, &[]))

@@ -91,6 +91,9 @@ pub async fn restarted_server_job(plan: Arc<Plan>) -> Result<(), String> {
                 return Err(killed);
             }
             tokio::time::sleep(restart_after).await;
+            if with_impostor(&plan) {
+                impostor(&plan, &net, root, rank).await;
+            }
             let mut c = config(&plan, Role::Server, root, &dir);
             c.rank_hint = Some(rank);
             let t = net.bind(NodeId(0));
@@ -124,6 +127,31 @@ pub async fn restarted_server_job(plan: Arc<Plan>) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// One seed in three: before the real server is restarted, a server of another checkpoint
+/// directory (a stranger, or a member holding the job's secret) registers wishing the lost
+/// rank.
+fn with_impostor(plan: &Plan) -> bool {
+    (plan.seed / 7) % 3 == 0
+}
+
+/// A server over a checkpoint directory of its own asks for `rank` while the job holds it:
+/// the scheduler must refuse it for want of the lost server's recovery credential, whether
+/// its directory has none or another's.
+async fn impostor(plan: &Plan, net: &MemNet, root: std::net::SocketAddr, rank: u32) {
+    let other = CheckpointDir::new(plan.seed ^ 0x5eed_0000);
+    std::fs::create_dir_all(&other.0).unwrap();
+    if plan.seed % 2 == 0 {
+        let forged = [0x42; psnet_kv::proto::recovery::CREDENTIAL_LEN];
+        psnet_kv::checkpoint::write_credential(&other.0, rank, &forged).unwrap();
+    }
+    let mut c = config(plan, Role::Server, root, &other);
+    c.rank_hint = Some(rank);
+    match run_server(&c, net.bind(NodeId(0))).await {
+        Err(e) if e.to_string().contains("recovery credential") => {}
+        other => panic!("an impostor for server {rank} was not refused: {other:?}"),
+    }
 }
 
 /// One seed in five never restarts the server: the job must fail, every worker naming it,

@@ -15,12 +15,15 @@ fn samples() -> Vec<Msg> {
             role: Role::Worker,
             addr,
             rank_hint: None,
+            recovery: None,
         },
         Msg::Register {
             role: Role::Server,
             addr,
             rank_hint: Some(3),
+            recovery: Some([3; 32]),
         },
+        Msg::RecoveryKey { commit: [4; 32] },
         Msg::Assign {
             your_id: NodeId(9),
             nodes: vec![NodeInfo {

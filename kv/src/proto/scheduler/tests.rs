@@ -423,6 +423,8 @@ fn a_lost_server_rank_is_held_and_a_restarted_server_takes_it_back() {
     let t0 = Instant::now();
     let mut s = assigned(t0).with_recovery(Some(Duration::from_secs(30)));
     let s1 = node_id(Role::Server, 1);
+    let credential = crate::proto::recovery::fresh();
+    s.handle_recovery_key(s1, crate::proto::recovery::commitment(&credential));
     assert!(!s.takes_registrations());
     s.handle_lost(s1, "killed");
     assert!(
@@ -450,7 +452,24 @@ fn a_lost_server_rank_is_held_and_a_restarted_server_takes_it_back() {
             if *to == provisional_id(a) && reason.contains("server 0") && reason.contains("not lost")),
         "{out:?}"
     );
-    s.handle_register(provisional_id(b), Role::Server, b, None, t0);
+    // Without the lost server's credential, or with another, a server is refused.
+    for shown in [None, Some(crate::proto::recovery::fresh())] {
+        s.handle_register_proving(provisional_id(b), Role::Server, b, None, shown, t0);
+        let out = drain(&mut s);
+        assert!(
+            matches!(&out[..], [(to, Msg::NodeFailed { reason, .. })]
+                if *to == provisional_id(b) && reason.contains("recovery credential")),
+            "{out:?}"
+        );
+    }
+    s.handle_register_proving(
+        provisional_id(b),
+        Role::Server,
+        b,
+        None,
+        Some(credential),
+        t0,
+    );
     let out = drain(&mut s);
     let [(to, Msg::Reassign { your_id, nodes })] = &out[..] else {
         panic!("{out:?}");
@@ -520,4 +539,52 @@ fn without_recovery_a_server_registering_late_is_refused_naming_the_setting() {
         matches!(&out[..], [(_, Msg::NodeFailed { reason, .. })] if reason.contains("PSNET_RECOVERY_TIMEOUT")),
         "{out:?}"
     );
+}
+
+/// The attack of the second hardening round: a stranger (or a member holding the job's
+/// secret) registering as a server while a lost server's rank is held used to get that rank
+/// and every node's token. Now only the credential the lost server committed to takes it,
+/// once; a commitment is taken only from a server for itself.
+#[test]
+fn a_lost_rank_goes_only_to_its_credential_once() {
+    use crate::proto::recovery::{commitment, fresh};
+    let t0 = Instant::now();
+    let mut s = assigned(t0).with_recovery(Some(Duration::from_secs(30)));
+    let (s0, s1) = (node_id(Role::Server, 0), node_id(Role::Server, 1));
+    let (c0, c1) = (fresh(), fresh());
+    s.handle_recovery_key(s0, commitment(&c0));
+    s.handle_recovery_key(s1, commitment(&c1));
+    // A worker (or anyone else) cannot commit for a server.
+    let forged = fresh();
+    s.handle_recovery_key(node_id(Role::Worker, 0), commitment(&forged));
+    s.handle_recovery_key(provisional_id(addr(9999)), commitment(&forged));
+    s.handle_lost(s0, "killed");
+    s.handle_lost(s1, "killed");
+    drain(&mut s);
+    let stranger = addr(9600);
+    for (hint, shown) in [(None, None), (Some(0), Some(forged)), (Some(0), Some(c1))] {
+        s.handle_register_proving(
+            provisional_id(stranger),
+            Role::Server,
+            stranger,
+            hint,
+            shown,
+            t0,
+        );
+        let out = drain(&mut s);
+        assert!(
+            matches!(&out[..], [(_, Msg::NodeFailed { reason, .. })] if reason.contains("refused")),
+            "{hint:?}: {out:?}"
+        );
+    }
+    // s1's credential, without a wish, takes s1's rank, not s0's.
+    let a = addr(9700);
+    s.handle_register_proving(provisional_id(a), Role::Server, a, None, Some(c1), t0);
+    assert!(matches!(&drain(&mut s)[..], [(_, Msg::Reassign { your_id, .. })] if *your_id == s1));
+    // Replayed by someone who saw it: refused (the rejoined server commits anew).
+    let b = addr(9800);
+    s.handle_register_proving(provisional_id(b), Role::Server, b, None, Some(c1), t0);
+    assert!(matches!(&drain(&mut s)[..], [(_, Msg::NodeFailed { .. })]));
+    s.handle_register_proving(provisional_id(b), Role::Server, b, Some(0), Some(c0), t0);
+    assert!(matches!(&drain(&mut s)[..], [(_, Msg::Reassign { your_id, .. })] if *your_id == s0));
 }
