@@ -126,7 +126,7 @@ pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joine
     }
     // Reconnect to the scheduler under the assigned id. From here on, messages go through
     // the link (PS_RESEND, if on, covers every message between assigned ids).
-    let admission = Arc::new(JobAdmission::member(&nodes));
+    let admission = Arc::new(JobAdmission::member(id, &nodes));
     transport.set_admission(admission.clone());
     transport.set_local_id(id);
     let link = Link::new(Arc::new(transport), config.resend);

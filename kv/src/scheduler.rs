@@ -107,14 +107,14 @@ impl<T: Transport> Scheduler<T> {
                         // Where to redial nodes whose connection drops (PS_RESEND), and the
                         // tokens they will prove their assigned ids with.
                         link.learn_nodes(nodes);
-                        admission.learn(nodes);
+                        admission.learn_tokens(&state.member_infos());
                     }
                     // A restarted server: its new address and token, and (PS_RESEND) a
                     // fresh start with the new process.
                     Msg::Reassign { your_id, nodes } => {
                         if let Some(node) = nodes.iter().find(|n| n.id == *your_id) {
                             link.rejoined(node);
-                            admission.learn(std::slice::from_ref(node));
+                            admission.learn_tokens(std::slice::from_ref(node));
                         }
                     }
                     _ => {}

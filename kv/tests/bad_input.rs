@@ -133,10 +133,11 @@ async fn huge_claimed_counts_are_refused_without_allocating() {
         let e = refused(r.request(s, pull, &[]).await);
         assert_names(&e, &["key 1", &format!("pulled {n} elements")]);
     }
-    // Values that do arrive are bounded by the server's PSNET_KV_SERVER_KEY_BYTES.
+    // Values that do arrive are bounded by the server's PSNET_KV_SERVER_KEY_BYTES
+    // (`proto/server/tests.rs`); this rogue, worker 1, may not initialize keys at all.
     let big = vec![0u8; 2 << 20];
     let e = refused(r.request(s, init_msg(3, (2 << 20) / 4), &[&big]).await);
-    assert_names(&e, &["key 3", "PSNET_KV_SERVER_KEY_BYTES=1048576"]);
+    assert_names(&e, &["key 3", "only worker 0 initializes"]);
     end_round_and_job(job, go, honest).await;
     assert!(
         peak_bytes() < HUGE,
@@ -467,4 +468,48 @@ async fn oversize_frames_are_refused_by_the_servers_listener() {
         "the process held {} bytes at once",
         peak_bytes()
     );
+}
+
+/// The second hardening round: every `Assign` carried every node's token, so a member could
+/// dial a server as worker 0 (and `init` or set the optimizer as it), or as the scheduler
+/// (and send `Shutdown`). A member now holds only commitments to the others' tokens, which
+/// do not pass as them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_cannot_speak_as_another_member_or_the_scheduler() {
+    use psnet_transport::codec::{self, DataPath};
+    use psnet_transport::{FrameKind, OutMessage};
+    let job = Job::start(Setup::default()).await;
+    let (go, gate) = oneshot::channel();
+    let honest = honest_round(&job, gate);
+    job.rogue.barrier(Group::WORKERS).await;
+    let server = job.rogue.servers()[0];
+    let target = job.rogue.addr_of(server);
+    let worker0 = psnet_kv::proto::ids::node_id(Role::Worker, 0);
+    for id in [worker0, SCHEDULER] {
+        let learned = job.rogue.nodes.iter().find(|n| n.id == id).unwrap().token;
+        let hello = codec::encode_hello_proved(id, DataPath::Tcp, Some(&learned));
+        let frame = codec::encode_frame(
+            FrameKind::Hello,
+            &OutMessage::new(&hello, &[]),
+            &Limits::default(),
+        )
+        .unwrap();
+        let mut s = tokio::net::TcpStream::connect(target).await.unwrap();
+        s.write_all(&frame).await.unwrap();
+        let mut buf = bytes::BytesMut::new();
+        let answer = loop {
+            if let Some(f) = codec::decode_frame(&mut buf, &Limits::default()).unwrap() {
+                break f;
+            }
+            let read =
+                tokio::time::timeout(std::time::Duration::from_secs(10), s.read_buf(&mut buf))
+                    .await
+                    .expect("an answer to the hello")
+                    .unwrap();
+            assert!(read > 0, "closed without an answer");
+        };
+        assert_eq!(answer.kind, FrameKind::HelloReject, "{id:?} was let in");
+        assert_names(&String::from_utf8_lossy(&answer.meta), &["wrong job token"]);
+    }
+    end_round_and_job(job, go, honest).await;
 }

@@ -1,7 +1,13 @@
 //! Who may connect to a node of a kv job: the scheduler issues every node a random token with
-//! its id, every node learns the tokens of the job from its assignment, and from then on a
-//! connection must prove the id it claims. An id the job never assigned, or a known id with
-//! the wrong token, is refused by the transport before any message is read.
+//! its id, and from then on a connection must prove the id it claims with that token. An id
+//! the job never assigned, or a known id with the wrong token, is refused by the transport
+//! before any message is read.
+//!
+//! A node learns only its own token. Of every other node it learns a commitment
+//! ([`commitment`]: a hash of the token), which checks a presented token without giving the
+//! means to present it: a member of the job cannot claim another member's id, nor the
+//! scheduler's (before, every `Assign` carried every token, so any member could speak as any
+//! other, send `Shutdown` as the scheduler or `init` as worker 0).
 //!
 //! Registration is the one door without a token: the scheduler lets in provisional ids (a
 //! node that has not been assigned yet), and only ever takes `Register` from them. Servers
@@ -11,14 +17,45 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-use psnet_transport::{Admission, NodeId, Proof};
+use psnet_transport::{Admission, NodeId, Proof, PROOF_LEN};
+use sha2::{Digest, Sha256};
 
 use super::ids::{self, describe};
 use super::msg::NodeInfo;
 
+/// The commitment other nodes keep for `token`: the first bytes of a SHA-256 of it.
+pub fn commitment(token: &Proof) -> Proof {
+    let mut h = Sha256::new();
+    h.update(b"psnet kv node token v1");
+    h.update(token.0);
+    let digest = h.finalize();
+    let mut c = [0u8; PROOF_LEN];
+    c.copy_from_slice(&digest[..PROOF_LEN]);
+    Proof(c)
+}
+
+/// `nodes` as `to` receives them: its own entry with its token, every other entry with the
+/// commitment to its token.
+pub fn as_seen_by(to: NodeId, nodes: &[NodeInfo]) -> Vec<NodeInfo> {
+    nodes
+        .iter()
+        .map(|n| NodeInfo {
+            token: if n.id == to {
+                n.token
+            } else {
+                commitment(&n.token)
+            },
+            ..n.clone()
+        })
+        .collect()
+}
+
 /// The admission policy of one node of a kv job.
 pub struct JobAdmission {
-    tokens: Mutex<HashMap<NodeId, Proof>>,
+    /// This node's id and token, presented when it dials.
+    own: Mutex<Option<(NodeId, Proof)>>,
+    /// Every known node's commitment.
+    commits: Mutex<HashMap<NodeId, Proof>>,
     registrations: AtomicBool,
 }
 
@@ -27,26 +64,53 @@ impl JobAdmission {
     /// prove themselves. `own` is the scheduler's token.
     pub fn scheduler(own: Proof) -> Self {
         JobAdmission {
-            tokens: Mutex::new(HashMap::from([(ids::SCHEDULER, own)])),
+            own: Mutex::new(Some((ids::SCHEDULER, own))),
+            commits: Mutex::new(HashMap::from([(ids::SCHEDULER, commitment(&own))])),
             registrations: AtomicBool::new(true),
         }
     }
 
-    /// A server's or worker's policy, from the nodes of its assignment.
-    pub fn member(nodes: &[NodeInfo]) -> Self {
+    /// A server's or worker's policy, from its assignment: `nodes` as it received them (its
+    /// own entry with its token, the others with commitments).
+    pub fn member(own: NodeId, nodes: &[NodeInfo]) -> Self {
         let admission = JobAdmission {
-            tokens: Mutex::new(HashMap::new()),
+            own: Mutex::new(None),
+            commits: Mutex::new(HashMap::new()),
             registrations: AtomicBool::new(false),
         };
-        admission.learn(nodes);
+        admission.learn_own(own, nodes);
         admission
     }
 
-    /// Adds (or replaces) the tokens of `nodes`.
-    pub fn learn(&self, nodes: &[NodeInfo]) {
-        let mut tokens = self.lock();
+    /// Takes this node's token from its own entry in `nodes` (an assignment or a
+    /// reassignment) and the other entries' commitments.
+    pub fn learn_own(&self, own: NodeId, nodes: &[NodeInfo]) {
+        let mut commits = lock(&self.commits);
         for n in nodes {
-            tokens.insert(n.id, n.token);
+            if n.id == own {
+                *lock(&self.own) = Some((own, n.token));
+                commits.insert(n.id, commitment(&n.token));
+            } else {
+                commits.insert(n.id, n.token);
+            }
+        }
+    }
+
+    /// Adds (or replaces) the commitments of `nodes`, entries that carry commitments (a
+    /// `Rejoined` announcement).
+    pub fn learn(&self, nodes: &[NodeInfo]) {
+        let mut commits = lock(&self.commits);
+        for n in nodes {
+            commits.insert(n.id, n.token);
+        }
+    }
+
+    /// Adds (or replaces) the commitments to the tokens `nodes` carry (the scheduler, which
+    /// issued them).
+    pub fn learn_tokens(&self, nodes: &[NodeInfo]) {
+        let mut commits = lock(&self.commits);
+        for n in nodes {
+            commits.insert(n.id, commitment(&n.token));
         }
     }
 
@@ -60,16 +124,17 @@ impl JobAdmission {
     pub fn set_registrations(&self, open: bool) {
         self.registrations.store(open, Ordering::Release);
     }
+}
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<NodeId, Proof>> {
-        // Single inserts and lookups: a poisoned map is still consistent.
-        self.tokens.lock().unwrap_or_else(|p| p.into_inner())
-    }
+/// Single inserts and lookups: a poisoned lock's data is still consistent.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Admission for JobAdmission {
     fn proof(&self, local: NodeId) -> Option<Proof> {
-        self.lock().get(&local).copied()
+        let own = *lock(&self.own);
+        own.filter(|(id, _)| *id == local).map(|(_, token)| token)
     }
 
     fn admit(&self, peer: NodeId, proof: Option<&Proof>) -> Result<(), String> {
@@ -82,13 +147,13 @@ impl Admission for JobAdmission {
                 ))
             };
         }
-        let tokens = self.lock();
-        let Some(token) = tokens.get(&peer) else {
+        let commits = lock(&self.commits);
+        let Some(commit) = commits.get(&peer) else {
             return Err(format!("{} was never assigned in this job", describe(peer)));
         };
         match proof {
             None => Err(format!("{} came without its job token", describe(peer))),
-            Some(p) if !p.matches(token) => {
+            Some(p) if !commitment(p).matches(commit) => {
                 Err(format!("{} came with a wrong job token", describe(peer)))
             }
             Some(_) => Ok(()),
@@ -118,6 +183,30 @@ mod tests {
     use super::*;
     use crate::proto::ids::{node_id, provisional_id, Role, SCHEDULER};
 
+    /// The second hardening round's finding: every member held every token, so worker 1
+    /// could speak as worker 0 or as the scheduler. A member now knows its own token and
+    /// only commitments to the others'.
+    #[test]
+    fn a_member_learns_no_other_nodes_token() {
+        let (w0, w1) = (node_id(Role::Worker, 0), node_id(Role::Worker, 1));
+        let all = [info(SCHEDULER, 1), info(w0, 2), info(w1, 3)];
+        let seen = as_seen_by(w1, &all);
+        let tokens: Vec<Proof> = seen.iter().map(|n| n.token).collect();
+        assert!(!tokens.contains(&Proof([1; 16])) && !tokens.contains(&Proof([2; 16])));
+        assert!(tokens.contains(&Proof([3; 16])), "its own");
+        let a = JobAdmission::member(w1, &seen);
+        assert_eq!(a.proof(w1), Some(Proof([3; 16])));
+        assert_eq!(a.proof(w0), None, "cannot present another's id");
+        assert_eq!(a.proof(SCHEDULER), None);
+        // What it received for the scheduler and worker 0 does not pass as their tokens.
+        for (id, n) in [(SCHEDULER, 0), (w0, 1)] {
+            assert!(a.admit(id, Some(&seen[n].token)).is_err());
+        }
+        // Their real tokens do.
+        assert!(a.admit(SCHEDULER, Some(&Proof([1; 16]))).is_ok());
+        assert!(a.admit(w0, Some(&Proof([2; 16]))).is_ok());
+    }
+
     fn info(id: NodeId, token: u8) -> NodeInfo {
         NodeInfo {
             id,
@@ -131,7 +220,7 @@ mod tests {
     #[test]
     fn members_admit_only_assigned_ids_with_their_token() {
         let w0 = node_id(Role::Worker, 0);
-        let a = JobAdmission::member(&[info(SCHEDULER, 1), info(w0, 2)]);
+        let a = JobAdmission::member(w0, &as_seen_by(w0, &[info(SCHEDULER, 1), info(w0, 2)]));
         assert_eq!(a.proof(w0), Some(Proof([2; 16])));
         assert!(a.admit(w0, Some(&Proof([2; 16]))).is_ok());
         let wrong = a.admit(w0, Some(&Proof([3; 16]))).unwrap_err();
@@ -152,7 +241,7 @@ mod tests {
         assert_eq!(s.proof(SCHEDULER), Some(Proof([9; 16])));
         let w0 = node_id(Role::Worker, 0);
         assert!(s.admit(w0, Some(&Proof([4; 16]))).is_err());
-        s.learn(&[info(w0, 4)]);
+        s.learn_tokens(&[info(w0, 4)]);
         assert!(s.admit(w0, Some(&Proof([4; 16]))).is_ok());
         s.close_registrations();
         assert!(s

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use psnet_transport::{NodeId, Proof};
 
+use super::admission::as_seen_by;
 use super::ids::{self, describe, Group, Role, SCHEDULER};
 use super::msg::{Msg, NodeInfo, NO_REQUEST};
 use super::recovery::{Credentials, CREDENTIAL_LEN};
@@ -307,7 +308,7 @@ impl SchedulerState {
                 prov,
                 Msg::Assign {
                     your_id: id,
-                    nodes: nodes.clone(),
+                    nodes: as_seen_by(id, &nodes),
                 },
             ));
         }
@@ -375,11 +376,18 @@ impl SchedulerState {
         member.last_seen = now;
         let info = member.info.clone();
         tracing::warn!(node = %describe(id), %addr, %lost, "a restarted server took its rank back");
-        let mut nodes = vec![self.own_info()];
-        nodes.extend(self.members.values().map(|m| m.info.clone()));
+        let nodes = as_seen_by(id, &self.member_infos());
         self.out
             .push_back((from, Msg::Reassign { your_id: id, nodes }));
         self.rejoining.insert(id, info);
+    }
+
+    /// Every node, the scheduler first, with the tokens it issued (to be masked per
+    /// recipient with [`as_seen_by`] before they leave).
+    pub fn member_infos(&self) -> Vec<NodeInfo> {
+        let mut nodes = vec![self.own_info()];
+        nodes.extend(self.members.values().map(|m| m.info.clone()));
+        nodes
     }
 
     /// The scheduler as the nodes' lists name it.
@@ -400,10 +408,12 @@ impl SchedulerState {
             m.last_seen = now;
         }
         if let Some(info) = self.rejoining.remove(&from) {
+            // Its commitment, not its token: see `admission`.
+            let node = as_seen_by(SCHEDULER, std::slice::from_ref(&info)).remove(0);
             for to in self.alive() {
                 if matches!(ids::role_rank(to), Some((Role::Worker, _))) {
                     self.out
-                        .push_back((to, Msg::Rejoined { node: info.clone() }));
+                        .push_back((to, Msg::Rejoined { node: node.clone() }));
                 }
             }
         }

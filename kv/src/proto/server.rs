@@ -214,6 +214,10 @@ pub struct ServerState {
     seq: u64,
     /// Checkpoints on: a snapshot every this many updates of a key (0: only on request).
     checkpoint_every: Option<u64>,
+    /// The commands worker 0 has given (optimizer, mode): from then on another worker's
+    /// command of the kind is answered only if it agrees with what is in force, and changes
+    /// nothing ([`Self::handle_command_request`]).
+    set_by_rank0: std::collections::BTreeSet<u8>,
 }
 
 impl std::fmt::Debug for ServerState {
@@ -247,6 +251,7 @@ impl ServerState {
             out: VecDeque::new(),
             seq: 0,
             checkpoint_every: None,
+            set_by_rank0: Default::default(),
         }
     }
 
@@ -367,14 +372,57 @@ impl ServerState {
                 None => self.queue_snapshot(Some((rank, ts))),
             };
         }
+        if rank != 0 && self.set_by_rank0.contains(&kind.code()) {
+            // MXNet's workers each send the optimizer (and psnet's the mode): worker 0's
+            // decides; another's must agree with it, and changes nothing. A different one
+            // (a member holding a worker's token sending lr=1000, say) is refused.
+            return match self.disagreement(kind, body) {
+                None => self.out.push_back(Output::Done {
+                    rank,
+                    ts,
+                    value: None,
+                }),
+                Some(reason) => {
+                    tracing::warn!(worker = rank, ?kind, %reason, "refused a command that disagrees with worker 0's");
+                    self.fail(rank, ts, reason)
+                }
+            };
+        }
         match self.handle_command(kind, body) {
-            Ok(()) => self.out.push_back(Output::Done {
-                rank,
-                ts,
-                value: None,
-            }),
+            Ok(()) => {
+                if rank == 0 && kind != CommandKind::SetCompression {
+                    self.set_by_rank0.insert(kind.code());
+                }
+                self.out.push_back(Output::Done {
+                    rank,
+                    ts,
+                    value: None,
+                })
+            }
             Err(reason) => self.fail(rank, ts, reason),
         }
+    }
+
+    /// Why `body` is not the `kind` in force (None: it is).
+    fn disagreement(&self, kind: CommandKind, body: &str) -> Option<String> {
+        let agrees = match kind {
+            CommandKind::SetOptimizer => {
+                OptimizerSpec::parse(body).is_ok_and(|s| Some(s) == self.optimizer)
+            }
+            CommandKind::SetMode => {
+                body == match self.mode {
+                    Mode::Sync => "sync",
+                    Mode::Async => "async",
+                }
+            }
+            _ => true,
+        };
+        (!agrees).then(|| {
+            format!(
+                "{kind:?} {body:?} is not the one in force, which worker 0 set: only worker 0 \
+                 sets it, the others' must agree"
+            )
+        })
     }
 
     /// A worker's command: optimizer, compression, mode, checkpoint. `Err` is the reason to
@@ -580,6 +628,20 @@ impl ServerState {
                     p.key, p.n_elems
                 ),
             );
+        }
+        if p.rank != 0 {
+            // MXNet: only worker 0 pushes a key's initial value; the others' init values are
+            // ignored. Anything else sending one is refused, after the checks above.
+            let reason = format!(
+                "key {}: an init from worker {}: only worker 0 initializes keys",
+                p.key, p.rank
+            );
+            tracing::warn!(
+                worker = p.rank,
+                key = p.key,
+                "refused an init from a worker other than 0"
+            );
+            return self.fail(p.rank, p.ts, reason);
         }
         if let Err(reason) = self.apply_init(p.key, dtype, &p.payload) {
             return self.fail(p.rank, p.ts, reason);

@@ -74,7 +74,7 @@ impl Rogue {
             }
         };
         assert_eq!(ids::role_rank(id), Some((Role::Worker, rank)));
-        t.set_admission(Arc::new(JobAdmission::member(&nodes)));
+        t.set_admission(Arc::new(JobAdmission::member(id, &nodes)));
         t.set_local_id(id);
         t.disconnect(SCHEDULER);
         t.connect(SCHEDULER, root)

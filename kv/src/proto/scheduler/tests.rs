@@ -24,6 +24,13 @@ fn assigned(now: Instant) -> SchedulerState {
     s
 }
 
+fn out_id(m: &Msg) -> NodeId {
+    match m {
+        Msg::Assign { your_id, .. } => *your_id,
+        other => panic!("{other:?}"),
+    }
+}
+
 /// Distinct, predictable tokens.
 fn counter() -> Box<dyn FnMut() -> psnet_transport::Proof + Send> {
     let mut n = 0u8;
@@ -220,7 +227,26 @@ fn every_node_gets_its_own_token_and_heartbeats_are_answered() {
         3,
         "scheduler, server and worker tokens differ"
     );
-    assert_eq!(nodes[0].token, s.token());
+    // Only commitments to the others' tokens, the scheduler's included (see `admission`).
+    assert_eq!(
+        nodes[0].token,
+        crate::proto::admission::commitment(&s.token())
+    );
+    let Msg::Assign {
+        your_id,
+        nodes: other,
+    } = &out[1].1
+    else {
+        panic!("{out:?}")
+    };
+    let own = |list: &[NodeInfo], id| list.iter().find(|n| n.id == id).unwrap().token;
+    let first = out_id(&out[0].1);
+    assert_eq!(
+        own(nodes, *your_id),
+        crate::proto::admission::commitment(&own(other, *your_id)),
+        "each node's own entry has its token, the others see its commitment"
+    );
+    assert_ne!(first, *your_id);
     let w0 = node_id(Role::Worker, 0);
     s.handle_heartbeat(w0, now);
     assert!(matches!(drain(&mut s)[..], [(to, Msg::Heartbeat)] if to == w0));
@@ -486,9 +512,14 @@ fn a_lost_server_rank_is_held_and_a_restarted_server_takes_it_back() {
         told,
         vec![node_id(Role::Worker, 0), node_id(Role::Worker, 1)]
     );
+    // The workers learn its commitment, never its token (see `admission`).
+    let announced = NodeInfo {
+        token: crate::proto::admission::commitment(&info.token),
+        ..info.clone()
+    };
     assert!(out
         .iter()
-        .all(|(_, m)| matches!(m, Msg::Rejoined { node } if *node == info)));
+        .all(|(_, m)| matches!(m, Msg::Rejoined { node } if *node == announced)));
     // A member again: a second registration is refused; its silence counts again.
     s.handle_register(provisional_id(a), Role::Server, a, None, t0);
     assert!(

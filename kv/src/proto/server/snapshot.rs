@@ -7,7 +7,7 @@ use psnet_transport::le::{LeReader, LeWriter};
 
 use super::{KeyState, Mode, ServerState};
 use crate::error::KvError;
-use crate::proto::msg::MAX_STRING;
+use crate::proto::msg::{CommandKind, MAX_STRING};
 use crate::proto::sum;
 use crate::updater::OptimizerSpec;
 use crate::value::Dtype;
@@ -155,6 +155,9 @@ impl ServerState {
                 updater.import_state(&mut r).map_err(bad)?;
                 s.updater = Some(updater);
                 s.optimizer = Some(spec);
+                // The optimizer in force is worker 0's (it overrides any other's): after a
+                // restart the others' must still agree with it.
+                s.set_by_rank0.insert(CommandKind::SetOptimizer.code());
             }
             other => return Err(bad(format_args!("optimizer flag {other}"))),
         }

@@ -440,3 +440,43 @@ fn unreadable_requests_are_answered_for_their_id_or_no_request() {
         }
     }
 }
+
+/// The second hardening round: a member holding a worker's token sent `init` or a
+/// `SetOptimizer` with lr=1000, and servers took them from any worker at any time.
+#[test]
+fn only_worker_0_initializes_and_sets_what_the_others_must_agree_with() {
+    let mut s = ServerState::new(2);
+    let mut p = push(1, 1, 3, &[9.0]);
+    p.flags.init = true;
+    s.handle_push(p);
+    assert!(failed_reason(&drain(&mut s)).contains("only worker 0 initializes"));
+    init(&mut s, 3, &[1.0]);
+    let sgd = r#"{"type":"sgd","learning_rate":0.1}"#;
+    let bad = r#"{"type":"sgd","learning_rate":1000}"#;
+    // Before worker 0 speaks, another worker's optimizer is taken (MXNet: every worker sends
+    // it); worker 0's then decides.
+    s.handle_command_request(1, 2, CommandKind::SetOptimizer, bad);
+    assert!(matches!(drain(&mut s)[..], [Output::Done { rank: 1, .. }]));
+    s.handle_command_request(0, 3, CommandKind::SetOptimizer, sgd);
+    assert!(matches!(drain(&mut s)[..], [Output::Done { rank: 0, .. }]));
+    // From then on the others must agree, and agreeing changes nothing.
+    s.handle_command_request(1, 4, CommandKind::SetOptimizer, bad);
+    assert!(failed_reason(&drain(&mut s)).contains("worker 0"));
+    s.handle_command_request(1, 5, CommandKind::SetOptimizer, sgd);
+    assert!(matches!(drain(&mut s)[..], [Output::Done { rank: 1, .. }]));
+    s.handle_command_request(1, 6, CommandKind::SetMode, "async");
+    assert!(
+        matches!(drain(&mut s)[..], [Output::Done { .. }]),
+        "mode not yet set by worker 0"
+    );
+    s.handle_command_request(0, 7, CommandKind::SetMode, "sync");
+    drain(&mut s);
+    s.handle_command_request(1, 8, CommandKind::SetMode, "async");
+    assert!(failed_reason(&drain(&mut s)).contains("worker 0"));
+    // One round at lr 0.1 proves worker 0's optimizer is the one in force.
+    s.handle_push(push(0, 9, 3, &[1.0]));
+    s.handle_push(push(1, 10, 3, &[1.0]));
+    drain(&mut s);
+    let v = s.value(3).unwrap()[0];
+    assert!((v - 0.8).abs() < 1e-6, "lr 0.1 on a sum of 2 from 1: {v}");
+}
