@@ -44,7 +44,8 @@ fn check_bounds(msg: &Msg) {
         Msg::BarrierFailed { reason, .. }
         | Msg::NodeFailed { reason, .. }
         | Msg::Leaving { reason }
-        | Msg::Failed { reason, .. } => assert!(reason.len() <= MAX_STRING),
+        | Msg::Failed { reason, .. }
+        | Msg::PeerFailed { reason, .. } => assert!(reason.len() <= MAX_STRING),
         Msg::Command { body, .. } => assert!(body.len() <= MAX_STRING),
         _ => {}
     }

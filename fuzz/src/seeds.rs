@@ -134,6 +134,14 @@ fn kv() -> Vec<Seed> {
             Msg::RecoveryKey { commit: [9; 32] },
         ),
         (
+            "peer_failed",
+            Msg::PeerFailed {
+                ts: 3,
+                lost: NodeId(11),
+                reason: "gone".into(),
+            },
+        ),
+        (
             "assign",
             Msg::Assign {
                 your_id: NodeId(9),

@@ -269,6 +269,15 @@ fn flush<T: Transport>(
                 value.and_then(|k| state.answer_value(k)),
             ),
             Output::Failed { rank, ts, reason } => (rank, Msg::Failed { ts, reason }, None),
+            Output::PeerFailed {
+                rank,
+                ts,
+                lost,
+                reason,
+            } => {
+                let lost = ids::node_id(Role::Worker, lost);
+                (rank, Msg::PeerFailed { ts, lost, reason }, None)
+            }
             Output::Journal(record) => {
                 checkpoint_files(&mut files)?.append(&record)?;
                 continue;

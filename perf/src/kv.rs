@@ -218,7 +218,10 @@ pub fn run_worker(
         };
         let (servers, workers, rank) = (kv.num_servers(), kv.num_workers(), kv.rank());
         let transport = kv.transport_name();
-        kv.finalize().await.map_err(|e| e.to_string())?;
+        // A failed measurement (an init the servers refused, say) ends this process at once,
+        // without `finalize`: the other workers may wait in a barrier this one never
+        // reaches, and its exit is what ends the job. The figures are printed before
+        // `finalize`, which a failure elsewhere can still turn into an error.
         let rows = rows?;
         let gpu_rows = gpu_rows.transpose()?;
         if rank == 0 {
@@ -255,7 +258,7 @@ pub fn run_worker(
                 }
             }
         }
-        Ok(())
+        kv.finalize().await.map_err(|e| e.to_string())
     })
 }
 

@@ -537,6 +537,38 @@ fn kv_goodput_launches_a_job_and_reports_every_size() {
     );
 }
 
+/// The second hardening round: with inits the servers refuse (PSNET_KV_SERVER_KEY_BYTES),
+/// worker 0 called `finalize` before reporting and the job hung, the other worker waiting in
+/// the init's barrier. It now exits non-zero at once, naming the limit.
+#[test]
+fn kv_with_refused_inits_fails_naming_the_limit_instead_of_hanging() {
+    let start = std::time::Instant::now();
+    let out = perf()
+        .args([
+            "kv",
+            "--servers",
+            "1",
+            "--workers",
+            "2",
+            "--sizes",
+            "1M",
+            "-n",
+            "2",
+        ])
+        .env("PSNET_KV_SERVER_KEY_BYTES", "4096")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("PSNET_KV_SERVER_KEY_BYTES"), "{err}");
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(60),
+        "took {:?}",
+        start.elapsed()
+    );
+}
+
 /// Sends kept in flight (`--tx-depth`) all arrive, whole and counted, whatever the depth;
 /// a depth of 0 is refused.
 #[test]

@@ -61,7 +61,7 @@ fn write(s: &mut ServerState, files: &mut ShardFiles) -> usize {
             }
             Output::Snapshot { bytes, .. } => files.write_snapshot(&bytes).unwrap(),
             Output::Done { .. } => files.sync().unwrap(),
-            Output::Failed { reason, .. } => panic!("{reason}"),
+            Output::Failed { reason, .. } | Output::PeerFailed { reason, .. } => panic!("{reason}"),
         }
     }
     records

@@ -260,6 +260,16 @@ pub enum Msg {
         /// Why.
         reason: String,
     },
+    /// Server to worker: request `ts` cannot complete because node `lost` of the job is gone
+    /// (a `dist_sync` round that waited for it): the worker fails on another's account.
+    PeerFailed {
+        /// Request id.
+        ts: u64,
+        /// The node that is gone.
+        lost: NodeId,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// Malformed kv metadata.
@@ -515,6 +525,7 @@ impl Msg {
             Msg::Pull { .. } => 12,
             Msg::Done { .. } => 13,
             Msg::Failed { .. } => 14,
+            Msg::PeerFailed { .. } => 19,
             Msg::Leaving { .. } => 15,
             Msg::Rejoined { .. } => 16,
             Msg::Reassign { .. } => 17,
@@ -609,6 +620,9 @@ impl Msg {
             Msg::Failed { ts, reason } => {
                 w.u64(*ts).str(reason);
             }
+            Msg::PeerFailed { ts, lost, reason } => {
+                w.u64(*ts).u64(lost.0).str(reason);
+            }
         }
         w.0.into_vec()
     }
@@ -698,6 +712,11 @@ impl Msg {
             13 => Msg::Done { ts: r.u64()? },
             14 => Msg::Failed {
                 ts: r.u64()?,
+                reason: r.str()?,
+            },
+            19 => Msg::PeerFailed {
+                ts: r.u64()?,
+                lost: NodeId(r.u64()?),
                 reason: r.str()?,
             },
             tag => return Err(DecodeError::UnknownTag(tag)),

@@ -108,6 +108,17 @@ pub enum Output {
         /// Why, naming the key and what was wrong.
         reason: String,
     },
+    /// Request `ts` of worker `rank` cannot complete because worker `lost` is gone.
+    PeerFailed {
+        /// Worker rank.
+        rank: u32,
+        /// Request id.
+        ts: u64,
+        /// The lost worker's rank.
+        lost: u32,
+        /// Why, naming the key and the loss.
+        reason: String,
+    },
     /// With checkpoints on: append this record to the journal before sending any output that
     /// follows (the answers that acknowledge its change follow it). See
     /// [`ServerState::apply_journal`] for its format.
@@ -541,9 +552,10 @@ impl ServerState {
         }
         // The loss itself is logged by the node; these are its consequences.
         for (r, ts, key) in failed {
-            self.out.push_back(Output::Failed {
+            self.out.push_back(Output::PeerFailed {
                 rank: r,
                 ts,
+                lost: rank,
                 reason: format!("dist_sync round of key {key} cannot complete: {reason}"),
             });
         }
@@ -565,6 +577,18 @@ impl ServerState {
         }
         if let Err(reason) = self.check(&p) {
             return self.fail(p.rank, p.ts, reason);
+        }
+        if self.mode == Mode::Sync {
+            // The round can never complete: the pusher fails on the lost worker's account.
+            if let Some((&lost, why)) = self.dead.iter().next() {
+                let reason = format!("dist_sync round of key {} cannot complete: {why}", p.key);
+                return self.out.push_back(Output::PeerFailed {
+                    rank: p.rank,
+                    ts: p.ts,
+                    lost,
+                    reason,
+                });
+            }
         }
         match self.mode {
             Mode::Async => self.apply_async(p),
@@ -704,15 +728,7 @@ impl ServerState {
                 k.dtype, p.flags.dtype
             ));
         }
-        self.check_payload(key, n, k.dtype, p.flags.compressed, p.payload.len())?;
-        if self.mode == Mode::Sync {
-            if let Some((_, why)) = self.dead.iter().next() {
-                return Err(format!(
-                    "dist_sync round of key {key} cannot complete: {why}"
-                ));
-            }
-        }
-        Ok(())
+        self.check_payload(key, n, k.dtype, p.flags.compressed, p.payload.len())
     }
 }
 

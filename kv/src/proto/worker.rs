@@ -523,7 +523,7 @@ impl WorkerState {
     /// control only from the scheduler.
     pub fn entitled(&self, from: NodeId, msg: &Msg) -> bool {
         match msg {
-            Msg::Done { ts } | Msg::Failed { ts, .. } => {
+            Msg::Done { ts } | Msg::Failed { ts, .. } | Msg::PeerFailed { ts, .. } => {
                 self.pending.get(ts).is_none_or(|w| w.to == from)
             }
             Msg::NodeFailed { .. }
@@ -557,6 +557,16 @@ impl WorkerState {
                             *self.acknowledged.entry((w.to, key)).or_default() += 1;
                         }
                         let _ = w.tx.send(Ok(value));
+                    }
+                }
+                // A round that waited for a worker now gone: this worker fails on that
+                // one's account (exit 2, the launcher blames the lost one).
+                Msg::PeerFailed { ts, lost, reason } => {
+                    if let Some(w) = self.pending.remove(&ts) {
+                        let _ = w.tx.send(Err(KvError::NodeLost {
+                            node: describe(lost),
+                            reason: format!("{reason} (answered by {})", describe(from)),
+                        }));
                     }
                 }
                 Msg::Failed { ts, reason } => match self.pending.remove(&ts) {

@@ -24,6 +24,11 @@ fn samples() -> Vec<Msg> {
             recovery: Some([3; 32]),
         },
         Msg::RecoveryKey { commit: [4; 32] },
+        Msg::PeerFailed {
+            ts: 5,
+            lost: NodeId(11),
+            reason: "worker 1 (node 11) is gone".into(),
+        },
         Msg::Assign {
             your_id: NodeId(9),
             nodes: vec![NodeInfo {

@@ -125,7 +125,10 @@ pub(super) fn drain(s: &mut ServerState, mut disk: Option<&mut Disk>) -> Vec<Ans
                     ),
                 })
             }
-            Output::Failed { rank, ts, reason } => answers.push(Answer {
+            Output::Failed { rank, ts, reason }
+            | Output::PeerFailed {
+                rank, ts, reason, ..
+            } => answers.push(Answer {
                 rank,
                 ts,
                 result: Err(reason),

@@ -24,7 +24,7 @@ fn kinds(out: &[Output]) -> String {
             Output::Journal(_) => 'J',
             Output::Snapshot { .. } => 'S',
             Output::Done { .. } => 'D',
-            Output::Failed { .. } => 'F',
+            Output::Failed { .. } | Output::PeerFailed { .. } => 'F',
         })
         .collect()
 }

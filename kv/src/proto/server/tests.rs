@@ -38,6 +38,7 @@ pub(super) fn drain(state: &mut ServerState) -> Vec<Output> {
 pub(super) fn failed_reason(out: &[Output]) -> String {
     match out {
         [Output::Failed { reason, .. }] => reason.clone(),
+        [Output::PeerFailed { reason, .. }] => reason.clone(),
         other => panic!("expected one failure, got {other:?}"),
     }
 }
@@ -217,10 +218,28 @@ fn lost_worker_fails_waiting_rounds_and_later_pushes() {
     init(&mut s, 1, &[0.0]);
     s.handle_push(push(0, 1, 1, &[1.0]));
     s.handle_worker_lost(1, "connection closed by the peer");
-    let reason = failed_reason(&drain(&mut s));
+    // On the lost worker's account (the pusher exits 2, the "peer failed" code).
+    let out = drain(&mut s);
+    assert!(
+        matches!(
+            out[..],
+            [Output::PeerFailed {
+                rank: 0,
+                lost: 1,
+                ..
+            }]
+        ),
+        "{out:?}"
+    );
+    let reason = failed_reason(&out);
     assert!(reason.contains("worker 1 (node 11) is gone"), "{reason}");
     s.handle_push(push(0, 2, 1, &[1.0]));
-    assert!(failed_reason(&drain(&mut s)).contains("worker 1 (node 11)"));
+    let out = drain(&mut s);
+    assert!(
+        matches!(out[..], [Output::PeerFailed { lost: 1, .. }]),
+        "{out:?}"
+    );
+    assert!(failed_reason(&out).contains("worker 1 (node 11)"));
     s.handle_pull(0, 3, 1, 1);
     assert_eq!(
         drain(&mut s),

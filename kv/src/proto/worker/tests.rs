@@ -526,3 +526,29 @@ proptest::proptest! {
         }
     }
 }
+
+/// The second hardening round: a worker failing because another worker died exited 1 (its
+/// own fault) instead of 2 ("peer failed"), so the launcher could blame it.
+#[test]
+fn a_round_failed_by_another_workers_loss_is_that_workers_failure() {
+    let now = Instant::now();
+    let mut s = state(now);
+    let (ts, mut rx) = s.begin_request(S0, Asked::Other).unwrap();
+    let w1 = node_id(Role::Worker, 1);
+    s.handle_received(
+        msg(
+            S0,
+            Msg::PeerFailed {
+                ts,
+                lost: w1,
+                reason: "dist_sync round of key 1 cannot complete: worker 1 is gone".into(),
+            },
+        ),
+        now,
+    );
+    let err = rx.try_recv().unwrap().unwrap_err();
+    assert!(err.is_peer_failure(), "{err}");
+    assert_eq!(err.exit_code(), crate::error::EXIT_PEER_FAILED);
+    let text = err.to_string();
+    assert!(text.contains("worker 1 (node 11)") && text.contains("server 0"), "{text}");
+}
