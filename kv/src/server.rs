@@ -230,6 +230,9 @@ async fn leave<T: Transport>(link: &Link<T>, workers: u32, reason: &str, within:
         reason: reason.to_string(),
     };
     let sends = async {
+        // The scheduler first: a server that says why it stops is not waited for to
+        // restart, and every node's error names its reason.
+        let _ = link.send(SCHEDULER, &msg, None).await;
         for rank in 0..workers {
             let _ = link
                 .send(ids::node_id(Role::Worker, rank), &msg, None)

@@ -524,7 +524,9 @@ impl SchedulerState {
         let why = self.leaving.remove(&id).map(|w| format!("it left: {w}"));
         let reason = why.as_deref().unwrap_or(reason);
         let server = matches!(ids::role_rank(id), Some((Role::Server, _)));
-        if let (Some(timeout), true) = (self.recovery, server) {
+        // A server that said why it stops (it cannot write its checkpoint, or cannot reload
+        // it to rejoin) will not be back: the job ends now, with its reason.
+        if let (Some(timeout), true, None) = (self.recovery, server, &why) {
             tracing::warn!(node = %describe(id), %reason, timeout_s = timeout.as_secs_f64(),
                 "server lost: holding its rank for it to restart (PSNET_RECOVERY_TIMEOUT)");
             self.rejoining.remove(&id);

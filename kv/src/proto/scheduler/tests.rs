@@ -619,3 +619,32 @@ fn a_lost_rank_goes_only_to_its_credential_once() {
     s.handle_register_proving(provisional_id(b), Role::Server, b, Some(0), Some(c0), t0);
     assert!(matches!(&drain(&mut s)[..], [(_, Msg::Reassign { your_id, .. })] if *your_id == s0));
 }
+
+/// The second hardening round: a server that could not reload its checkpoint (or write
+/// one) stopped with the cause, while the others waited out the recovery timeout and then
+/// dropped the cause. A server that says why it stops is declared failed at once, with it.
+#[test]
+fn a_server_that_says_why_it_stops_is_not_waited_for() {
+    let t0 = Instant::now();
+    let mut s = assigned(t0).with_recovery(Some(Duration::from_secs(60)));
+    let s0 = node_id(Role::Server, 0);
+    s.handle_leaving(
+        s0,
+        "server 0 cannot rejoin: checksum mismatch in server-0.snapshot".into(),
+    );
+    s.handle_lost(s0, "connection closed by the peer");
+    assert!(s.recovering().is_empty(), "its rank is not held");
+    let out = drain(&mut s);
+    assert_eq!(out.len(), 3, "every other member is told at once: {out:?}");
+    for (_, m) in &out {
+        let Msg::NodeFailed { id, reason } = m else {
+            panic!("{m:?}")
+        };
+        assert_eq!(*id, s0);
+        assert!(reason.contains("checksum mismatch"), "{reason}");
+    }
+    // A server lost without a word is still held for its restart.
+    let s1 = node_id(Role::Server, 1);
+    s.handle_lost(s1, "connection reset");
+    assert_eq!(s.recovering(), vec![s1]);
+}

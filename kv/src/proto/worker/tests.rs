@@ -550,5 +550,8 @@ fn a_round_failed_by_another_workers_loss_is_that_workers_failure() {
     assert!(err.is_peer_failure(), "{err}");
     assert_eq!(err.exit_code(), crate::error::EXIT_PEER_FAILED);
     let text = err.to_string();
-    assert!(text.contains("worker 1 (node 11)") && text.contains("server 0"), "{text}");
+    assert!(
+        text.contains("worker 1 (node 11)") && text.contains("server 0"),
+        "{text}"
+    );
 }
