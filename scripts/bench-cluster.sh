@@ -6,7 +6,7 @@
 # link must carry (in its busier direction, or both directions one after the other where the
 # protocol makes them wait for each other) over RATE. Latency is not emulated (no netem here).
 #
-#   bash scripts/bench-cluster.sh [SECTION...]     SECTION: raw train kv allreduce (default all)
+#   bash scripts/bench-cluster.sh [SECTION...]     SECTION: raw train kv allreduce ddp (default all)
 #
 # raw        iperf3 between two hosts, one way and both ways at once (the link as TCP sees it)
 # train      psnet-train seconds of communication per epoch, 2 servers + 2 workers: MXNet's key
@@ -18,6 +18,10 @@
 #            own, workers over the other hosts in turn, so 2x4 puts two workers on each)
 # allreduce  psnet-perf allreduce, one rank per host, against Open MPI (mpi4py, btl tcp,self)
 #            started by mpirun through the ssh stand-in; busbw against the link's rate
+# ddp        a DDP step (python/benchmarks/ddp_step.py's MLP, 9.45 M parameters, CPU), one rank
+#            per host, on psnet's torch.distributed backend against gloo (sockets only:
+#            PSNET_SHM_RING=0); needs torch in target/bench-venv (PSNET_TORCH, default
+#            torch==2.15.0, is installed there when missing; none skips)
 #
 # Settings (environment): HOSTS (4), RATE (1gbit), EPOCHS (2), SAMPLES (4096), AR_ITERS (10), KV_SIZES
 # (4M,16M), KV_SHAPES ("2x2 2x4"), KV_ITERS (20 timed operations of each kind per size; the
@@ -44,7 +48,7 @@ B=$TARGET/release
 RIG="$ROOT/scripts/cluster/rig.sh"
 export PSNET_CLUSTER=bench
 SECTIONS=("$@")
-[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(raw train kv allreduce)
+[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(raw train kv allreduce ddp)
 LOGS=${KEEP:-$(mktemp -d)}
 mkdir -p "$LOGS"
 say() { echo "bench-cluster: $*" >&2; }
@@ -89,6 +93,22 @@ launch() { # S W HOSTFILE ENV... -- CMD...
   shift
   on h0 env DMLC_INTERFACE=eth0 "${envs[@]}" timeout -k 5 900 "$B/psnet-launch" --launcher ssh \
     -H "$hf" -s "$s" -n "$w" -- "$@"
+}
+
+VENV=$TARGET/bench-venv
+WHEEL_BUILT=
+# psnet's Python package, release build, in $VENV (a debug wheel is refused).
+release_wheel() {
+  [ -z "$WHEEL_BUILT" ] || return 0
+  if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
+  "$VENV/bin/pip" install -q --disable-pip-version-check "maturin>=1.9.4,<2" "numpy>=1.21"
+  rm -rf "$TARGET/bench-wheels"
+  "$VENV/bin/maturin" build --release --locked -q -m python/Cargo.toml -o "$TARGET/bench-wheels" >&2
+  "$VENV/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps "$TARGET"/bench-wheels/psnet-*.whl
+  local profile
+  profile=$("$VENV/bin/python" -c 'import psnet._psnet as p; print(getattr(p, "BUILD_PROFILE", "unknown"))')
+  [ "$profile" = release ] || { say "the psnet wheel is a $profile build: refused"; exit 1; }
+  WHEEL_BUILT=1
 }
 
 echo "# psnet on the emulated cluster: $HOSTS hosts, eth0 $RATE each way (tc tbf), latency not emulated"
@@ -138,14 +158,7 @@ fi
 if wants kv; then
   echo
   echo "## kv, one key, per worker: psnet's Python kvstore against MXNet 1.9.1 (scripts/bench-mxnet.py)"
-  VENV=$TARGET/bench-venv
-  if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
-  "$VENV/bin/pip" install -q --disable-pip-version-check "maturin>=1.9.4,<2" "numpy>=1.21"
-  rm -rf "$TARGET/bench-wheels"
-  "$VENV/bin/maturin" build --release --locked -q -m python/Cargo.toml -o "$TARGET/bench-wheels" >&2
-  "$VENV/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps "$TARGET"/bench-wheels/psnet-*.whl
-  profile=$("$VENV/bin/python" -c 'import psnet._psnet as p; print(getattr(p, "BUILD_PROFILE", "unknown"))')
-  [ "$profile" = release ] || { say "the psnet wheel is a $profile build: refused"; exit 1; }
+  release_wheel
   MXNET_PY=${MXNET_PY:-$TARGET/mxnet-venv/bin/python}
   if [ "${MXNET:-1}" != 0 ] && [ ! -x "$MXNET_PY" ]; then
     py310=$(command -v python3.10 || ls /root/.pyenv/versions/3.10*/bin/python 2>/dev/null | head -1 || true)
@@ -244,3 +257,40 @@ for b in sorted(ps):
 print(f"(link: {link:.4f} GB/s each way; busbw = algbw x 2(n-1)/n, nccl-tests' definition)")
 PY
 fi
+
+if wants ddp; then
+  echo
+  echo "## DDP step, $HOSTS ranks (one per host): psnet's torch.distributed backend against gloo"
+  release_wheel
+  TORCH=${PSNET_TORCH:-torch==2.15.0}
+  if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null && [ "$TORCH" != none ]; then
+    "$VENV/bin/pip" install -q --disable-pip-version-check "$TORCH" || true
+  fi
+  if ! "$VENV/bin/python" -c 'import torch, psnet.torch' 2>/dev/null; then
+    echo "SKIPPED: no torch in $VENV (PSNET_TORCH=$TORCH)"
+  else
+    "$VENV/bin/python" python/benchmarks/ddp_step.py --write-step "$LOGS/ddp_step.py"
+    port=29700
+    printf '%-8s %12s %16s\n' backend "ms per step" "allreduce bound"
+    declare -A step_ms
+    for backend in psnet gloo psnet gloo; do
+      port=$((port + 1))
+      for ((i = 0; i < HOSTS; i++)); do
+        on "h$i" env RANK=$i WORLD_SIZE=$HOSTS LOCAL_RANK=0 MASTER_ADDR="$(addr_of h0)" \
+          MASTER_PORT=$port DMLC_INTERFACE=eth0 GLOO_SOCKET_IFNAME=eth0 PSNET_SHM_RING=0 \
+          OMP_NUM_THREADS=1 timeout -k 5 600 "$VENV/bin/python" "$LOGS/ddp_step.py" 10 "$backend" \
+          > "$LOGS/ddp.$backend.$port.$i" 2>&1 &
+      done
+      wait
+      ms=$(sed -n 's/.*ms_per_step=\([0-9.]*\).*/\1/p' "$LOGS/ddp.$backend.$port.0")
+      params=$(sed -n 's/.*params=\([0-9]*\).*/\1/p' "$LOGS/ddp.$backend.$port.0")
+      [ -n "$ms" ] || { say "DDP on $backend failed:"; tail -5 "$LOGS/ddp.$backend.$port.0" >&2; continue; }
+      # A ring allreduce of the float32 gradients: 2(n-1)/n of them over each link.
+      bound=$(awk -v p="$params" -v n="$HOSTS" -v r="$RATE_BITS" 'BEGIN { printf "%.0f", p * 4 * 2 * (n - 1) / n * 8 / r * 1000 }')
+      printf '%-8s %12s %16s\n' "$backend" "$ms" "$bound ms"
+      step_ms[$backend]="${step_ms[$backend]:-} $ms"
+    done
+    echo "psnet runs:${step_ms[psnet]:-}; gloo runs:${step_ms[gloo]:-} (alternating, 10 timed steps each)"
+  fi
+fi
+

@@ -64,7 +64,15 @@ def main():
     p = argparse.ArgumentParser(description="DDP step time: psnet against gloo")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--write-step", metavar="PATH",
+                   help="only write the per-rank step script to PATH (run as `python PATH STEPS "
+                        "BACKEND` under torch.distributed's env:// variables, as "
+                        "scripts/bench-cluster.sh does on each host) and exit")
     args = p.parse_args()
+    if args.write_step:
+        with open(args.write_step, "w") as f:
+            f.write(STEP)
+        return
     script = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"psnet-ddp-step-{os.getpid()}.py")
     with open(script, "w") as f:
         f.write(STEP)
