@@ -113,6 +113,10 @@ release_wheel() {
 
 echo "# psnet on the emulated cluster: $HOSTS hosts, eth0 $RATE each way (tc tbf), latency not emulated"
 echo "# $(date -u +%FT%TZ), $(nproc) CPUs shared by every host; logs in $LOGS"
+# The congestion control matters here: on this rig psnet-train was 1.22x the wire bound with
+# BBR and 1.11x with cubic (PSNET_TCP_CONGESTION=cubic), the allreduce 0.86-0.96 of the link
+# with BBR and 0.95-0.96 with cubic. Every side of a comparison runs with the system's.
+echo "# TCP congestion control: $(sysctl -n net.ipv4.tcp_congestion_control 2>/dev/null || echo unknown) (the system's, for every side)"
 
 if wants raw; then
   echo
