@@ -6,6 +6,39 @@ this process) apply them to each key's value when its gradients arrive.
 """
 
 import json
+import warnings
+
+# MXNet's optimizer arguments that change nothing on psnet's servers for dense keys:
+# lazy_update acts on row_sparse gradients only; multi_precision=True is what psnet's servers
+# always do (a float32 master copy of every float16 / bfloat16 key).
+_ACCEPTED = ("multi_precision", "lazy_update")
+# MXNet's arguments psnet's servers do not run: refused by name rather than ignored.
+_UNSUPPORTED = {
+    "lr_scheduler": "learning-rate schedules (set the optimizer again with the new rate)",
+    "param_idx2name": "per-parameter names (psnet's servers see keys)",
+    "param_dict": "per-parameter settings",
+    "sym": "a symbol's attributes",
+    "begin_num_update": "a starting update count",
+}
+
+
+def _check_mxnet_args(name, extra):
+    """Takes MXNet's arguments that have psnet's meaning; anything else is a clear error."""
+    for arg, value in extra.items():
+        if arg in _ACCEPTED:
+            if arg == "multi_precision" and not value:
+                warnings.warn(
+                    f"{name}: multi_precision=False: psnet's servers always update float16 "
+                    "keys through a float32 master copy (MXNet's multi_precision=True); float32 "
+                    "keys are unaffected", stacklevel=3)
+            continue
+        if arg in _UNSUPPORTED and extra[arg] is not None:
+            raise ValueError(f"{name}: {arg} is not supported by psnet's servers: "
+                             f"{_UNSUPPORTED[arg]}")
+        if arg not in _UNSUPPORTED:
+            raise ValueError(
+                f"{name}: unknown argument {arg!r}; psnet takes its own parameters and MXNet's "
+                f"{', '.join(_ACCEPTED)}")
 
 
 class Optimizer:
@@ -13,7 +46,8 @@ class Optimizer:
 
     type = None
 
-    def __init__(self, **params):
+    def __init__(self, mxnet_args=None, **params):
+        _check_mxnet_args(type(self).__name__, mxnet_args or {})
         self.params = {k: v for k, v in params.items() if v is not None}
 
     def spec(self):
@@ -31,8 +65,8 @@ class SGD(Optimizer):
     type = "sgd"
 
     def __init__(self, learning_rate=0.01, momentum=0.0, wd=0.0, rescale_grad=1.0,
-                 clip_gradient=None):
-        super().__init__(learning_rate=learning_rate, momentum=momentum, wd=wd,
+                 clip_gradient=None, **mxnet_args):
+        super().__init__(mxnet_args, learning_rate=learning_rate, momentum=momentum, wd=wd,
                          rescale_grad=rescale_grad, clip_gradient=clip_gradient)
 
 
@@ -42,8 +76,8 @@ class Adam(Optimizer):
     type = "adam"
 
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0,
-                 rescale_grad=1.0, clip_gradient=None):
-        super().__init__(learning_rate=learning_rate, beta1=beta1, beta2=beta2,
+                 rescale_grad=1.0, clip_gradient=None, **mxnet_args):
+        super().__init__(mxnet_args, learning_rate=learning_rate, beta1=beta1, beta2=beta2,
                          epsilon=epsilon, wd=wd, rescale_grad=rescale_grad,
                          clip_gradient=clip_gradient)
 
@@ -53,8 +87,8 @@ class Test(Optimizer):
 
     type = "test"
 
-    def __init__(self, rescale_grad=1.0):
-        super().__init__(rescale_grad=rescale_grad)
+    def __init__(self, rescale_grad=1.0, **mxnet_args):
+        super().__init__(mxnet_args, rescale_grad=rescale_grad)
 
 
 _BY_NAME = {"sgd": SGD, "adam": Adam, "test": Test}

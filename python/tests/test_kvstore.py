@@ -257,6 +257,26 @@ def _role_of(pid):
     return None
 
 
+def test_mxnet_optimizer_arguments_are_taken_by_name_or_refused_by_name():
+    # MXNet's nightly test creates its optimizer this way: it raised TypeError before.
+    opt = psnet.optimizer.create("test", rescale_grad=2, multi_precision=True)
+    kv = psnet.kvstore.create("local")
+    kv.init(1, np.ones(3, dtype=np.float32))
+    kv.set_optimizer(opt)
+    kv.push(1, np.ones(3, dtype=np.float32))
+    out = np.empty(3, dtype=np.float32)
+    kv.pull(1, out=out)
+    np.testing.assert_array_equal(out, np.full(3, 3.0))  # w += g * rescale_grad
+    psnet.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=1e-4, lazy_update=True)
+    psnet.optimizer.create("adam", learning_rate=0.01, clip_gradient=1.0, lr_scheduler=None)
+    with pytest.warns(UserWarning, match="float32 master copy"):
+        psnet.optimizer.create("sgd", multi_precision=False)
+    with pytest.raises(ValueError, match="lr_scheduler is not supported"):
+        psnet.optimizer.create("sgd", lr_scheduler=object())
+    with pytest.raises(ValueError, match="unknown argument 'nesterov'"):
+        psnet.optimizer.SGD(nesterov=True)
+
+
 def test_local_store_sums_device_lists_and_applies_its_optimizer():
     kv = psnet.kvstore.create("local")
     assert (kv.type, kv.rank, kv.num_workers) == ("local", 0, 1)
