@@ -60,6 +60,8 @@ pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joine
     let deadline = Instant::now() + config.bootstrap_timeout;
     let listen = transport.listen_addr();
     transport.set_local_id(ids::provisional_id(listen));
+    // Until the table arrives nobody's claim can be checked: take none (but the scheduler's).
+    transport.set_admission(Arc::new(JobAdmission::joining()));
     transport
         .connect(SCHEDULER, config.root)
         .await

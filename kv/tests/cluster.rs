@@ -271,3 +271,56 @@ async fn wished_ranks_from_the_launcher_are_the_ranks() {
     server.await.unwrap().expect("server ends");
     scheduler.await.unwrap().expect("scheduler ends");
 }
+
+/// The second hardening round: without a secret, a process saying hello to a worker as
+/// server 0 before the scheduler had told the worker who server 0 is was believed, and kept
+/// as server 0 afterwards (the workers never reached the real one). A node without its
+/// assignment now takes no claim but the scheduler's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn before_its_assignment_a_node_takes_no_claim_of_an_id() {
+    use psnet_kv::{run_server, KvConfig, Role, Scheduler, Worker};
+    use psnet_transport::{FrameKind, NodeId, Transport};
+    let config =
+        |role, root| KvConfig::local(role, root, 1, 1).bootstrap_timeout(Duration::from_secs(30));
+    let sched = Scheduler::new(
+        &config(Role::Scheduler, "127.0.0.1:0".parse().unwrap()),
+        common::tcp(psnet_kv::proto::ids::SCHEDULER, 0).await,
+    );
+    let root = sched.addr();
+    let scheduler = tokio::spawn(sched.run());
+    // The worker registers and waits: the job's server has not started yet.
+    let t = common::tcp(NodeId(0), 0).await;
+    let victim = t.listen_addr();
+    let c = config(Role::Worker, root);
+    let worker = tokio::spawn(async move { Worker::join(&c, t).await });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    // Claims of server 0 (node 8) and of worker 0 (node 9), before anyone is assigned.
+    let mut refused = Vec::new();
+    for id in [8, 9] {
+        loop {
+            let (kind, reason) = forged_hello(victim, id).await;
+            // Until the worker is bound its listener may not answer hellos yet.
+            if kind == FrameKind::HelloReject && reason.contains("no assignment yet") {
+                refused.push(id);
+                break;
+            }
+            assert_ne!(kind, FrameKind::HelloAck, "node {id} was let in: {reason}");
+            assert!(tokio::time::Instant::now() < deadline, "{kind:?}: {reason}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(refused, [8, 9]);
+    // The real server starts; the job runs, and the worker reaches it.
+    let server = {
+        let c = config(Role::Server, root);
+        tokio::spawn(async move { run_server(&c, common::tcp(NodeId(0), 0).await).await })
+    };
+    let w = worker.await.unwrap().expect("the worker joins");
+    w.init(&[1], &[&[0.0; 4]]).await.unwrap();
+    let mut out = vec![0.0; 4];
+    w.pushpull(1, &[1.0; 4], &mut out).await.unwrap();
+    assert_eq!(out, vec![1.0; 4]);
+    w.finalize().await.unwrap();
+    server.await.unwrap().unwrap();
+    scheduler.await.unwrap().unwrap();
+}

@@ -57,6 +57,8 @@ pub struct JobAdmission {
     /// Every known node's commitment.
     commits: Mutex<HashMap<NodeId, Proof>>,
     registrations: AtomicBool,
+    /// A node waiting for its assignment: it takes no connection but the scheduler's.
+    joining: bool,
 }
 
 impl JobAdmission {
@@ -67,6 +69,21 @@ impl JobAdmission {
             own: Mutex::new(Some((ids::SCHEDULER, own))),
             commits: Mutex::new(HashMap::from([(ids::SCHEDULER, commitment(&own))])),
             registrations: AtomicBool::new(true),
+            joining: false,
+        }
+    }
+
+    /// A server's or worker's policy before its assignment: it knows nobody's token, so it
+    /// takes no claim of any id but the scheduler's, which it dials itself. (Before, a
+    /// process claiming to be server 0 was believed by a worker that had no table yet, and
+    /// kept as server 0 afterwards.) Replaced by [`Self::member`] once the table arrives;
+    /// the connection to the scheduler is then made again and checked.
+    pub fn joining() -> Self {
+        JobAdmission {
+            own: Mutex::new(None),
+            commits: Mutex::new(HashMap::new()),
+            registrations: AtomicBool::new(false),
+            joining: true,
         }
     }
 
@@ -77,6 +94,7 @@ impl JobAdmission {
             own: Mutex::new(None),
             commits: Mutex::new(HashMap::new()),
             registrations: AtomicBool::new(false),
+            joining: false,
         };
         admission.learn_own(own, nodes);
         admission
@@ -138,6 +156,17 @@ impl Admission for JobAdmission {
     }
 
     fn admit(&self, peer: NodeId, proof: Option<&Proof>) -> Result<(), String> {
+        if self.joining {
+            return if peer == ids::SCHEDULER {
+                Ok(())
+            } else {
+                Err(format!(
+                    "this node has no assignment yet: it takes no connection but the \
+                     scheduler's, and {} is not it",
+                    describe(peer)
+                ))
+            };
+        }
         if ids::is_provisional(peer) {
             return if self.registrations.load(Ordering::Acquire) {
                 Ok(())
@@ -182,6 +211,19 @@ pub fn random_token() -> Proof {
 mod tests {
     use super::*;
     use crate::proto::ids::{node_id, provisional_id, Role, SCHEDULER};
+
+    #[test]
+    fn a_node_without_its_assignment_takes_only_the_scheduler() {
+        let a = JobAdmission::joining();
+        assert!(a.admit(SCHEDULER, None).is_ok());
+        for id in [node_id(Role::Server, 0), node_id(Role::Worker, 1)] {
+            let err = a.admit(id, Some(&Proof([1; 16]))).unwrap_err();
+            assert!(err.contains("no assignment yet"), "{err}");
+        }
+        let prov = provisional_id("127.0.0.1:5".parse().unwrap());
+        assert!(a.admit(prov, None).is_err());
+        assert_eq!(a.proof(SCHEDULER), None);
+    }
 
     /// The second hardening round's finding: every member held every token, so worker 1
     /// could speak as worker 0 or as the scheduler. A member now knows its own token and
