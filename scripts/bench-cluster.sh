@@ -10,7 +10,8 @@
 #
 # raw        iperf3 between two hosts, one way and both ways at once (the link as TCP sees it)
 # train      psnet-train seconds of communication per epoch, 2 servers + 2 workers: MXNet's key
-#            layout (PSNET_PARTITION_BYTES=0), the default, 2-bit and 1-bit; the bound is the
+#            layout (PSNET_PARTITION_BYTES=0), the default, the default with a job secret (every
+#            frame tagged), 2-bit and 1-bit; the bound is the
 #            busiest link's bytes in its busier direction (counted by the kernel) per epoch
 # kv         one key per op, push / pull / push then pull / pushpull, psnet's Python kvstore
 #            against MXNet 1.9.1 (scripts/bench-mxnet.py, one script for both), uncompressed and
@@ -140,8 +141,10 @@ if wants train; then
   echo "## psnet-train, 2 servers + 2 workers (one per host), $EPOCHS epochs of $SAMPLES samples"
   printf '%-34s %14s %16s %8s %10s\n' "run" "comm s/epoch" "bound s/epoch" "ratio" "loss"
   hostfile 2 2 "$LOGS/train.hosts"
+  # With a job secret every frame carries a session tag: its cost, in the same run.
+  (umask 077; echo "bench-cluster secret $$ $RANDOM" > "$LOGS/secret")
   for run in "mxnet-layout:PSNET_PARTITION_BYTES=0:none" "default::none" \
-             "2bit::2bit" "1bit::1bit"; do
+             "secret:PSNET_SECRET_FILE=$LOGS/secret:none" "2bit::2bit" "1bit::1bit"; do
     IFS=: read -r name env comp <<< "$run"
     bash "$RIG" counters --name bench > "$LOGS/c0"
     launch 2 2 "$LOGS/train.hosts" ${env:+"$env"} -- "$B/psnet-train" --epochs "$EPOCHS" \

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use psnet_transport::codec::{FrameHeader, HeaderBuf};
 use psnet_transport::device::{prefetch, ChunkSink, StreamError};
+use psnet_transport::session::{FrameMac, Sealer, TAG_LEN};
 use psnet_transport::{FrameKind, Limits, NodeId, OutMessage, Segment};
 use smallvec::SmallVec;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -59,6 +60,7 @@ impl Conn {
         same_host: bool,
         writer: OwnedWriteHalf,
         control_socket: std::net::TcpStream,
+        sealer: Option<Sealer>,
     ) -> Self {
         Conn {
             peer,
@@ -67,6 +69,7 @@ impl Conn {
                 half: writer,
                 socket_data: 0,
                 queue: None,
+                sealer,
             }),
             control_socket,
             broken: AtomicBool::new(false),
@@ -326,6 +329,7 @@ impl Conn {
         meta: &[u8],
         segments: &[Segment<'_>],
     ) -> io::Result<()> {
+        let tag: [u8; TAG_LEN];
         let mut slices: SmallVec<[IoSlice<'_>; 8]> = SmallVec::new();
         slices.push(IoSlice::new(header));
         if !meta.is_empty() {
@@ -347,6 +351,14 @@ impl Conn {
                 io::ErrorKind::BrokenPipe,
                 "connection closed",
             ));
+        }
+        if let Some(sealer) = writer.sealer.as_mut() {
+            let mut mac = sealer.frame();
+            for slice in &slices {
+                mac.update(slice);
+            }
+            tag = mac.tag();
+            slices.push(IoSlice::new(&tag));
         }
         let mut guard = PartialWriteGuard {
             conn: self,
@@ -402,6 +414,7 @@ impl Conn {
         let mut ready = ready.into_iter();
         before_header().await?;
         let mut sink = SocketSink {
+            mac: writer.sealer.as_mut().map(Sealer::frame),
             writer: &mut writer.half,
             guard: PartialWriteGuard {
                 conn: self,
@@ -420,6 +433,9 @@ impl Conn {
                 },
             }
         }
+        if let Some(mac) = sink.mac.take() {
+            sink.write(&mac.tag()).await?;
+        }
         sink.guard.done = true;
         Ok(())
     }
@@ -427,6 +443,8 @@ impl Conn {
 
 /// The socket as the staging pipeline's sink; a failed write closes the connection.
 struct SocketSink<'a, 'c> {
+    /// The frame's tag so far, with a job secret.
+    mac: Option<FrameMac>,
     writer: &'a mut OwnedWriteHalf,
     guard: PartialWriteGuard<'c>,
 }
@@ -437,6 +455,9 @@ impl ChunkSink for SocketSink<'_, '_> {
             return Ok(());
         }
         self.guard.started = true;
+        if let Some(mac) = self.mac.as_mut() {
+            mac.update(bytes);
+        }
         self.writer
             .write_all(bytes)
             .await
@@ -468,4 +489,6 @@ pub(crate) struct Writer {
     pub(crate) socket_data: u64,
     /// The message queue, once this side has started using it (written its first record).
     pub(crate) queue: Option<Arc<SendQueue>>,
+    /// With a job secret: tags every frame written ([`psnet_transport::session`]).
+    pub(crate) sealer: Option<Sealer>,
 }

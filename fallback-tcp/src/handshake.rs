@@ -1,12 +1,14 @@
 //! Opening a connection: with a job secret both sides first prove they know it
 //! ([`psnet_transport::auth`]); then the dialler says who it is, the acceptor agrees or
-//! refuses.
+//! refuses. With a secret the hello and its answer are sealed under the connection's session
+//! keys ([`psnet_transport::session`]): the tokens they carry never cross the wire in clear.
 
 use std::io;
 
 use bytes::BytesMut;
 use psnet_transport::auth::{self, Acceptor, Dialler, Secret};
 use psnet_transport::codec::{self, DataPath, Frame, Hello};
+use psnet_transport::session::{Opener, Role, Sealer, Session, SessionBase, TAG_LEN};
 use psnet_transport::{FrameKind, Limits, NodeId, OutMessage, Proof};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -57,6 +59,54 @@ pub(crate) async fn write_frame(
     stream.write_all(&encode(kind, meta)?).await
 }
 
+/// Reads a sealed handshake frame's tag (right behind the frame) and opens the frame's body.
+async fn read_sealed(
+    stream: &mut TcpStream,
+    frame: &Frame,
+    mut buf: BytesMut,
+    opener: &mut Opener,
+    from: &str,
+) -> io::Result<(Vec<u8>, BytesMut)> {
+    while buf.len() < TAG_LEN {
+        if stream.read_buf(&mut buf).await? == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "peer closed the connection during the handshake",
+            ));
+        }
+    }
+    let tag = buf.split_to(TAG_LEN);
+    let plain = opener
+        .open_handshake(frame.kind, &frame.meta, &tag)
+        .map_err(|e| invalid(format!("the {from}'s {:?}: {e}", frame.kind)))?;
+    Ok((plain, buf))
+}
+
+/// Session keys of an accepted connection: the base its later keys derive from, and the
+/// sealer for its answer.
+pub(crate) struct AcceptedSession {
+    pub(crate) base: SessionBase,
+    sealer: Sealer,
+}
+
+/// Writes the acceptor's `HelloAck`, sealed where the connection has a session.
+pub(crate) async fn write_ack(
+    stream: &mut TcpStream,
+    ack: &[u8],
+    session: Option<&mut AcceptedSession>,
+) -> io::Result<()> {
+    match session {
+        None => write_frame(stream, FrameKind::HelloAck, ack).await,
+        Some(s) => {
+            let bytes = s
+                .sealer
+                .seal_handshake(FrameKind::HelloAck, ack)
+                .map_err(|e| invalid(e.to_string()))?;
+            stream.write_all(&bytes).await
+        }
+    }
+}
+
 /// A fresh buffer for the first handshake read.
 fn fresh() -> BytesMut {
     BytesMut::with_capacity(4096)
@@ -78,14 +128,16 @@ pub(crate) async fn dial(
     path: DataPath,
     proof: Option<&Proof>,
     secret: Option<&Secret>,
-) -> io::Result<(Answer, BytesMut)> {
-    let hello = encode(
-        FrameKind::Hello,
-        &codec::encode_hello_proved(local, path, proof),
-    )?;
+) -> io::Result<(Answer, BytesMut, Option<SessionBase>)> {
+    let hello_body = codec::encode_hello_proved(local, path, proof);
     let mut buf = fresh();
+    let mut session = None;
     match secret {
-        None => stream.write_all(&hello).await?,
+        None => {
+            stream
+                .write_all(&encode(FrameKind::Hello, &hello_body)?)
+                .await?
+        }
         Some(secret) => {
             let nonce = auth::fresh_nonce().map_err(|e| invalid(e.to_string()))?;
             let (dialler, opening) = Dialler::start(secret, nonce);
@@ -98,6 +150,7 @@ pub(crate) async fn dial(
                     return Ok((
                         Answer::Reject(String::from_utf8_lossy(&frame.meta).into_owned()),
                         buf,
+                        None,
                     ))
                 }
                 other => {
@@ -112,31 +165,48 @@ pub(crate) async fn dial(
                     // Tell the acceptor, so that its log names this address too.
                     let reason = e.to_string();
                     let _ = write_frame(stream, FrameKind::HelloReject, reason.as_bytes()).await;
-                    return Ok((Answer::Reject(reason), buf));
+                    return Ok((Answer::Reject(reason), buf, None));
                 }
             };
-            // The hello rides right behind the proof: no extra round trip.
+            let base = dialler.session_base(&frame.meta);
+            let (mut sealer, opener) = Session::opening(&base, Role::Dialler);
+            // The hello rides right behind the proof, sealed: no extra round trip, and its
+            // token is not in clear.
             let mut both = encode(FrameKind::AuthProof, &proof)?;
-            both.extend_from_slice(&hello);
+            both.extend_from_slice(
+                &sealer
+                    .seal_handshake(FrameKind::Hello, &hello_body)
+                    .map_err(|e| invalid(e.to_string()))?,
+            );
             stream.write_all(&both).await?;
+            session = Some((base, opener));
         }
     }
-    let (frame, rest) = read_frame(stream, buf).await?;
+    let (frame, mut rest) = read_frame(stream, buf).await?;
     let answer = match frame.kind {
         FrameKind::HelloAck => {
-            Answer::Ack(codec::decode_hello(&frame.meta).map_err(|e| invalid(e.to_string()))?)
+            let body = match session.as_mut() {
+                None => frame.meta.to_vec(),
+                Some((_, opener)) => {
+                    let (plain, after) =
+                        read_sealed(stream, &frame, rest, opener, "acceptor").await?;
+                    rest = after;
+                    plain
+                }
+            };
+            Answer::Ack(codec::decode_hello(&body).map_err(|e| invalid(e.to_string()))?)
         }
         FrameKind::HelloReject => Answer::Reject(String::from_utf8_lossy(&frame.meta).into_owned()),
         other => return Err(invalid(format!("expected a hello answer, got {other:?}"))),
     };
-    Ok((answer, rest))
+    Ok((answer, rest, session.map(|(base, _)| base)))
 }
 
 /// How a connection opened, seen from the acceptor.
 pub(crate) enum Opening {
-    /// The dialler's hello (after it proved the secret, where the job has one), and the bytes
-    /// read past it.
-    Hello(Hello, BytesMut),
+    /// The dialler's hello (after it proved the secret, where the job has one), the bytes
+    /// read past it, and the connection's session where the job has a secret.
+    Hello(Hello, BytesMut, Option<AcceptedSession>),
     /// Refuse it with this reason (sent back and logged with the dialler's address).
     Refuse(String),
 }
@@ -148,8 +218,9 @@ pub(crate) async fn accept_opening(
     secret: Option<&Secret>,
 ) -> io::Result<Opening> {
     let (frame, mut buf) = read_frame(stream, fresh()).await?;
-    let hello_frame = match (frame.kind, secret) {
-        (FrameKind::Hello, None) => frame,
+    let mut session = None;
+    let hello_body = match (frame.kind, secret) {
+        (FrameKind::Hello, None) => frame.meta.to_vec(),
         (FrameKind::Hello, Some(_)) => return Ok(Opening::Refuse(auth::REFUSE_NO_PROOF.into())),
         (FrameKind::AuthHello, None) => {
             return Ok(Opening::Refuse(auth::REFUSE_UNEXPECTED_PROOF.into()))
@@ -177,20 +248,21 @@ pub(crate) async fn accept_opening(
             if let Err(e) = acceptor.handle_proof(&proof.meta) {
                 return Ok(Opening::Refuse(e.to_string()));
             }
+            let base = acceptor.session_base();
+            let (sealer, mut opener) = Session::opening(&base, Role::Acceptor);
             let (hello, rest) = read_frame(stream, rest).await?;
+            if hello.kind != FrameKind::Hello {
+                return Err(invalid(format!("expected a hello, got {:?}", hello.kind)));
+            }
+            let (plain, rest) = read_sealed(stream, &hello, rest, &mut opener, "dialler").await?;
             buf = rest;
-            hello
+            session = Some(AcceptedSession { base, sealer });
+            plain
         }
         (other, _) => return Err(invalid(format!("expected a hello, got {other:?}"))),
     };
-    if hello_frame.kind != FrameKind::Hello {
-        return Err(invalid(format!(
-            "expected a hello, got {:?}",
-            hello_frame.kind
-        )));
-    }
-    let hello = codec::decode_hello(&hello_frame.meta).map_err(|e| invalid(e.to_string()))?;
-    Ok(Opening::Hello(hello, buf))
+    let hello = codec::decode_hello(&hello_body).map_err(|e| invalid(e.to_string()))?;
+    Ok(Opening::Hello(hello, buf, session))
 }
 
 /// Why two nodes whose data paths differ cannot talk.

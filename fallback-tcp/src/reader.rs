@@ -8,6 +8,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use psnet_transport::codec::FrameHeader;
 use psnet_transport::device::DevicePath;
 use psnet_transport::placement::{self, stream_from_source, ChunkSource};
+use psnet_transport::session::{FrameMac, Opener, TAG_LEN};
 use psnet_transport::{FrameKind, Incoming, Limits, Placed, Placer};
 use smallvec::SmallVec;
 use tokio::io::AsyncReadExt;
@@ -43,6 +44,7 @@ pub(crate) enum ReadEnd {
 /// Reads frames until the connection ends. `buf` holds bytes already read by the handshake.
 /// Once the peer's same-host queue is mapped, its messages are delivered too, and everything
 /// it held is delivered before the end is reported.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn read_loop(
     read: OwnedReadHalf,
     buf: BytesMut,
@@ -51,6 +53,7 @@ pub(crate) async fn read_loop(
     limits: Limits,
     inflight: &Inflight,
     spin: Duration,
+    opener: Option<Opener>,
 ) -> ReadEnd {
     let mut link = QueueLink::default();
     let end = read_frames(
@@ -62,6 +65,7 @@ pub(crate) async fn read_loop(
         inflight,
         spin,
         &mut link,
+        opener,
     )
     .await;
     // Whether this side closed the connection (`disconnect`, a refusal, a failed write)
@@ -101,6 +105,7 @@ async fn read_frames(
     inflight: &Inflight,
     spin: Duration,
     link: &mut QueueLink,
+    mut opener: Option<Opener>,
 ) -> ReadEnd {
     let mut large = LargeBuffers::default();
     // The peer's shared-memory ring, once it offered one.
@@ -122,6 +127,10 @@ async fn read_frames(
                 Err(e) => return ReadEnd::Failed(e.to_string()),
             }
         };
+        let mut mac = opener.as_mut().map(Opener::frame);
+        if let Some(mac) = mac.as_mut() {
+            mac.update(&buf[..header_len]);
+        }
         buf.advance(header_len);
         let is_data = matches!(header.kind, FrameKind::Data | FrameKind::ShmData);
         if is_data && link.is_started() && !link.wait_wanted().await {
@@ -132,7 +141,7 @@ async fn read_frames(
         if header.kind == FrameKind::Data {
             if let Some(placer) = inbox.placing.placer() {
                 let placed = read_placed(
-                    &mut read, &mut buf, &header, &*placer, &conn, inbox, inflight,
+                    &mut read, &mut buf, &header, &*placer, &conn, inbox, inflight, &mut mac,
                 )
                 .await;
                 match placed {
@@ -164,13 +173,22 @@ async fn read_frames(
             }
             let body = big.split().freeze();
             large.give_back(big, size);
+            if let Some(mac) = mac.as_mut() {
+                mac.update(&body);
+            }
             body
         } else {
             if let Err(e) = fill(&mut read, &mut buf, body_len).await {
                 return ReadEnd::Failed(e.to_string());
             }
+            if let Some(mac) = mac.as_mut() {
+                mac.update(&buf[..body_len]);
+            }
             buf.split_to(body_len).freeze()
         };
+        if let Err(end) = check_tag(&mut read, &mut buf, mac, &conn).await {
+            return end;
+        }
         let frame = header.split_body(body);
         let segments = match frame.kind {
             FrameKind::Data => frame.segments,
@@ -288,6 +306,7 @@ async fn deliver(msg: Incoming, body_len: usize, link: &mut QueueLink, inbox: &A
 /// memory; if so, reads the frame with that segment streamed there (chunk k copied to the
 /// device while chunk k+1 is read off the socket) and returns the message. `Ok(None)`: the
 /// frame is left in host memory, its metadata read into `buf`.
+#[allow(clippy::too_many_arguments)]
 async fn read_placed(
     read: &mut OwnedReadHalf,
     buf: &mut BytesMut,
@@ -296,6 +315,7 @@ async fn read_placed(
     conn: &Conn,
     inbox: &Inbox,
     inflight: &Inflight,
+    mac: &mut Option<FrameMac>,
 ) -> Result<Option<Incoming>, ReadEnd> {
     let meta_len = header.meta_len as usize;
     fill(read, buf, meta_len)
@@ -307,6 +327,9 @@ async fn read_placed(
     else {
         return Ok(None);
     };
+    if let Some(mac) = mac.as_mut() {
+        mac.update(&buf[..meta_len]);
+    }
     let meta = buf.split_to(meta_len).freeze();
     // The other segments land in host memory, bounded as any large body is.
     let host_len = header
@@ -330,6 +353,9 @@ async fn read_placed(
             fill(read, buf, len)
                 .await
                 .map_err(|e| ReadEnd::Failed(e.to_string()))?;
+            if let Some(mac) = mac.as_mut() {
+                mac.update(&buf[..len]);
+            }
             segments.push(buf.split_to(len).freeze());
             continue;
         }
@@ -337,7 +363,11 @@ async fn read_placed(
         inbox
             .placing
             .note(conn.peer, dest.ordinal(), DevicePath::Staged);
-        let mut source = SocketSource { read, buf };
+        let mut source = SocketSource {
+            read,
+            buf,
+            mac: mac.as_mut(),
+        };
         let result = stream_from_source(dest, len, inbox.placing.chunk(), &mut source)
             .await
             .map_err(|e| ReadEnd::Failed(e.to_string()))?;
@@ -351,6 +381,9 @@ async fn read_placed(
             result,
         });
     }
+    // Delivered only once the whole frame checks out; bytes already placed in device
+    // memory belong to a message that never arrives.
+    check_tag(read, buf, mac.take(), conn).await?;
     Ok(Some(Incoming {
         peer: conn.peer,
         meta,
@@ -363,6 +396,8 @@ async fn read_placed(
 struct SocketSource<'r> {
     read: &'r mut OwnedReadHalf,
     buf: &'r mut BytesMut,
+    /// The frame's tag so far, with a job secret.
+    mac: Option<&'r mut FrameMac>,
 }
 
 impl ChunkSource for SocketSource<'_> {
@@ -379,8 +414,33 @@ impl ChunkSource for SocketSource<'_> {
                 }
             })?;
         }
+        if let Some(mac) = self.mac.as_mut() {
+            mac.update(out);
+        }
         Ok(())
     }
+}
+
+/// With a job secret, reads the frame's tag and checks it: a frame changed, dropped, replayed
+/// or reordered on the path ends the connection, naming the peer.
+async fn check_tag(
+    read: &mut OwnedReadHalf,
+    buf: &mut BytesMut,
+    mac: Option<FrameMac>,
+    conn: &Conn,
+) -> Result<(), ReadEnd> {
+    let Some(mac) = mac else {
+        return Ok(());
+    };
+    fill(read, buf, TAG_LEN)
+        .await
+        .map_err(|e| ReadEnd::Failed(e.to_string()))?;
+    let checked = mac.check(&buf[..TAG_LEN]);
+    buf.advance(TAG_LEN);
+    checked.map_err(|e| {
+        tracing::error!(peer = %conn.peer, seq = e.seq, "a frame fails its session tag");
+        ReadEnd::Refused(format!("from {}: {e}", conn.peer))
+    })
 }
 
 /// The budget of bytes that large frames still being received may hold, shared by every

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use bytes::BytesMut;
 use psnet_transport::codec::FrameHeader;
 use psnet_transport::device::{DevicePath, PathLog, StreamError};
+use psnet_transport::session::{Role, Session, SessionBase};
 use psnet_transport::{
     Admission, Capabilities, Event, FrameKind, NodeId, OutMessage, Placer, Proof, RegisteredBuf,
     Transport, TransportError,
@@ -249,8 +250,22 @@ impl Inner {
         side: Side,
         stream: TcpStream,
         leftover: BytesMut,
+        session: Option<SessionBase>,
     ) -> io::Result<bool> {
         let addr = stream.peer_addr()?;
+        // Every frame from here on is tagged under keys bound to both ends' ids.
+        let (sealer, opener) = match session {
+            None => (None, None),
+            Some(base) => {
+                let local = self.local();
+                let (role, dialler, acceptor) = match side {
+                    Side::Dialled => (Role::Dialler, local, peer),
+                    Side::Accepted(_) => (Role::Acceptor, peer, local),
+                };
+                let (sealer, opener) = Session::bound(&base, role, dialler, acceptor);
+                (Some(sealer), Some(opener))
+            }
+        };
         let control = stream.into_std()?;
         let dup = control.try_clone()?;
         let stream = TcpStream::from_std(control)?;
@@ -262,6 +277,7 @@ impl Inner {
             same_host,
             write,
             dup,
+            sealer,
         ));
         match side {
             Side::Dialled => self.peers.install_dialled(peer, conn.clone()),
@@ -286,6 +302,7 @@ impl Inner {
                 inner.config.limits,
                 &inner.inflight,
                 inner.config.shm_spin,
+                opener,
             )
             .await;
             inner.connection_ended(&reader_conn, end);

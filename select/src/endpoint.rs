@@ -153,7 +153,7 @@ pub fn tcp_config_from_env(bind: SocketAddr) -> Result<TcpConfig, ConfigError> {
         })?),
     };
     config.secret = crate::secret::secret_from_env()?;
-    crate::secret::note_open_job(config.secret.as_ref());
+    crate::secret::note_open_job(config.secret.as_ref(), bind.ip());
     Ok(config)
 }
 
@@ -206,6 +206,16 @@ pub fn verbs_config_from_env(
     };
     let mut config = VerbsConfig::new(bind, spec);
     config.tcp = tcp_config_from_env(bind)?;
+    if config.tcp.secret.is_some() {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            tracing::warn!(
+                "PSNET_SECRET authenticates and tags RDMA's control connections, but the bytes \
+                 of its queue pairs carry no tag: a process able to inject RoCE packets on the \
+                 path is not stopped (RELIABILITY.md, \"Not covered yet\")"
+            );
+        });
+    }
     config.eager_bytes = env::PSNET_RDMA_EAGER.parse_or_default()?;
     config.recv_depth = env::PSNET_RDMA_RECV_DEPTH.parse_or_default()?;
     config.reg_cache = env::PSNET_RDMA_REG_CACHE.parse_or_default()?;

@@ -73,14 +73,25 @@ fn warn_if_others_can_read(path: &str) {
 fn warn_if_others_can_read(_path: &str) {}
 
 /// Says once per process that the job is open, when it has no secret.
-pub(crate) fn note_open_job(secret: Option<&Secret>) {
+pub(crate) fn note_open_job(secret: Option<&Secret>, listen: std::net::IpAddr) {
     static ONCE: Once = Once::new();
     if secret.is_none() {
         ONCE.call_once(|| {
-            tracing::info!(
-                "no PSNET_SECRET or PSNET_SECRET_FILE: this job is open, any process that \
-                 reaches its addresses may join it"
-            );
+            if listen.is_loopback() {
+                // Only this host reaches it: not worth a warning on every local run.
+                tracing::info!(
+                    "no PSNET_SECRET or PSNET_SECRET_FILE: this job is open to any process \
+                     of this host"
+                );
+            } else {
+                tracing::warn!(
+                    address = %listen,
+                    "no PSNET_SECRET or PSNET_SECRET_FILE: this job is open. Any process that \
+                     reaches its addresses can join it and change the model, and any on the \
+                     network path can read and rewrite its messages; set PSNET_SECRET_FILE on \
+                     shared networks"
+                );
+            }
         });
     }
 }

@@ -14,12 +14,16 @@
 //! another connection, and the labels differ by role, so an acceptor's answer cannot be
 //! reflected back to it as a dialler's proof. MACs are compared in constant time. The dialler
 //! may send its hello right behind its proof; the acceptor reads nothing of it until the proof
-//! checks out. This module only computes and checks messages; transports move them.
+//! checks out. The exchange also leaves both ends a session secret nobody else knows
+//! (`session_base`), from which [`crate::session`] derives the keys that tag every later frame.
+//! This module only computes and checks messages; transports move them.
 
 use std::fmt;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+
+use crate::session::SessionBase;
 
 /// Bytes of a nonce.
 pub const NONCE_LEN: usize = 32;
@@ -38,8 +42,9 @@ pub const MAX_SECRET_LEN: usize = 4096;
 
 const ACCEPTOR_LABEL: &[u8] = b"psnet-auth-v1 acceptor";
 const DIALLER_LABEL: &[u8] = b"psnet-auth-v1 dialler";
+const SESSION_LABEL: &[u8] = b"psnet-auth-v1 session";
 
-type HmacSha256 = Hmac<Sha256>;
+pub(crate) type HmacSha256 = Hmac<Sha256>;
 
 /// Why an acceptor with a secret refuses a dialler that opened without one.
 pub const REFUSE_NO_PROOF: &str = "this job requires its shared secret (PSNET_SECRET or \
@@ -175,6 +180,13 @@ impl Dialler {
             .into_bytes();
         Ok(proof.into())
     }
+
+    /// The connection's session secret, once [`Self::handle_challenge`] accepted `challenge`:
+    /// known only to the two ends of this exchange (see [`crate::session`]).
+    pub fn session_base(&self, challenge: &[u8]) -> SessionBase {
+        let their_nonce = &challenge[..NONCE_LEN.min(challenge.len())];
+        SessionBase::from_mac(self.secret.mac(SESSION_LABEL, &self.nonce, their_nonce))
+    }
 }
 
 /// The acceptor's side of one exchange, between its challenge and the dialler's proof.
@@ -235,6 +247,15 @@ impl Acceptor {
             .mac(DIALLER_LABEL, &self.dialler_nonce, &self.nonce)
             .verify_slice(proof)
             .map_err(|_| AuthError::WrongSecret("dialler"))
+    }
+
+    /// The connection's session secret (the dialler derives the same one), once
+    /// [`Self::handle_proof`] accepted the dialler.
+    pub fn session_base(&self) -> SessionBase {
+        SessionBase::from_mac(
+            self.secret
+                .mac(SESSION_LABEL, &self.dialler_nonce, &self.nonce),
+        )
     }
 }
 

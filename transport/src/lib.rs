@@ -38,6 +38,7 @@ mod memory;
 mod message;
 mod node;
 pub mod placement;
+pub mod session;
 
 pub use admission::{Admission, Proof, PROOF_LEN};
 pub use caps::Capabilities;

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use psnet_transport::codec::Hello;
+use psnet_transport::session::SessionBase;
 use psnet_transport::{FrameKind, NodeId, TransportError};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{sleep, timeout, Instant};
@@ -63,7 +64,7 @@ impl Inner {
             peer,
             token,
         };
-        let (mut stream, answer, leftover) =
+        let (mut stream, answer, leftover, session) =
             self.dial(peer, addr, deadline, refusal_is_final).await?;
         if let (Answer::Ack(hello), Some(admission)) = (&answer, self.admission()) {
             if hello.id == peer {
@@ -90,7 +91,7 @@ impl Inner {
             }
             Answer::Ack(Hello { id, .. }) if id == peer => {
                 let installed = self
-                    .install(peer, Side::Dialled, stream, leftover)
+                    .install(peer, Side::Dialled, stream, leftover, session)
                     .map_err(|e| TransportError::Connect {
                         peer,
                         addr,
@@ -128,14 +129,14 @@ impl Inner {
         addr: SocketAddr,
         deadline: Instant,
         refusal_is_final: bool,
-    ) -> Result<(TcpStream, Answer, BytesMut), TransportError> {
+    ) -> Result<(TcpStream, Answer, BytesMut, Option<SessionBase>), TransportError> {
         let mut backoff = Duration::from_millis(20);
         loop {
             let attempt = async {
                 let mut stream = TcpStream::connect(addr).await?;
                 tune(&stream, &self.config)?;
                 let proof = self.own_proof();
-                let (answer, rest) = handshake::dial(
+                let (answer, rest, session) = handshake::dial(
                     &mut stream,
                     self.local(),
                     self.config.data_path,
@@ -143,11 +144,11 @@ impl Inner {
                     self.config.secret.as_ref(),
                 )
                 .await?;
-                Ok::<_, io::Error>((stream, answer, rest))
+                Ok::<_, io::Error>((stream, answer, rest, session))
             };
             let left = deadline.saturating_duration_since(Instant::now());
             let err = match timeout(left, attempt).await {
-                Ok(Ok((stream, answer, rest))) => return Ok((stream, answer, rest)),
+                Ok(Ok(opened)) => return Ok(opened),
                 Ok(Err(e)) => e,
                 Err(_) => io::Error::new(io::ErrorKind::TimedOut, "connect timed out"),
             };
@@ -203,8 +204,8 @@ impl Inner {
         )
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no hello in time"))??;
-        let (hello, leftover) = match opening {
-            Opening::Hello(hello, leftover) => (hello, leftover),
+        let (hello, leftover, mut session) = match opening {
+            Opening::Hello(hello, leftover, session) => (hello, leftover, session),
             Opening::Refuse(reason) => {
                 let from = stream
                     .peer_addr()
@@ -267,8 +268,9 @@ impl Inner {
                     self.config.data_path,
                     proof.as_ref(),
                 );
-                handshake::write_frame(&mut stream, FrameKind::HelloAck, &ack).await?;
-                self.install(peer, Side::Accepted(token), stream, leftover)?;
+                handshake::write_ack(&mut stream, &ack, session.as_mut()).await?;
+                let base = session.map(|s| s.base);
+                self.install(peer, Side::Accepted(token), stream, leftover, base)?;
                 drop(guard);
                 Ok(())
             }

@@ -1,0 +1,268 @@
+//! Authenticated sessions: what every frame of a connection carries once the two ends proved
+//! the job's secret to each other ([`crate::auth`]).
+//!
+//! The exchange leaves both ends with a [`SessionBase`] nobody else knows: an HMAC under the
+//! job's secret of both fresh nonces. From it each direction of the connection gets keys of
+//! its own, so a frame cannot be reflected back to its sender:
+//!
+//! - the opening keys protect the hello and its answer. Their bodies carry the nodes' tokens,
+//!   so they are sealed (encrypted and authenticated) and never cross the wire in clear;
+//! - once both hellos are through, the keys are derived again with both node ids mixed in
+//!   ([`Session::bound`]): every later frame is bound to the two nodes it is between.
+//!
+//! Every frame after the opening ends in a [`TAG_LEN`]-byte tag, a keyed BLAKE3 of the frame's
+//! sequence number in its direction, its header, metadata and segments. The sequence number is
+//! not sent: each end counts, so a frame altered, dropped, replayed or reordered on the path
+//! fails its tag, and the connection ends naming the peer. The job is identified by its secret:
+//! jobs that must not accept each other's nodes use different secrets.
+//!
+//! What the tag does not cover is said in RELIABILITY.md: the bytes of the same-host
+//! shared-memory paths (no network path to be on), and the in-process network.
+//!
+//! Plain functions and state over byte slices: transports move the bytes.
+
+use std::fmt;
+
+use hmac::Mac;
+
+use crate::auth::HmacSha256;
+use crate::codec::{self, CodecError};
+use crate::message::OutMessage;
+use crate::node::NodeId;
+use crate::FrameKind;
+use crate::Limits;
+
+/// Bytes of a frame's tag.
+pub const TAG_LEN: usize = 16;
+
+const BASE_LEN: usize = 32;
+
+/// The secret two ends of one connection share after the exchange. Never printed.
+#[derive(Clone)]
+pub struct SessionBase([u8; BASE_LEN]);
+
+impl SessionBase {
+    pub(crate) fn from_mac(mac: HmacSha256) -> Self {
+        SessionBase(mac.finalize().into_bytes().into())
+    }
+
+    /// A base from raw bytes, for tests and in-process transports.
+    pub fn from_bytes(bytes: [u8; BASE_LEN]) -> Self {
+        SessionBase(bytes)
+    }
+}
+
+impl fmt::Debug for SessionBase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("SessionBase(..)")
+    }
+}
+
+/// Which end of the connection this is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The end that dialled.
+    Dialler,
+    /// The end that accepted.
+    Acceptor,
+}
+
+/// A frame that fails its tag.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "frame {seq} of this connection fails its session tag: it was altered, replayed, \
+     reordered or dropped on the path, or the sender does not hold this session's key"
+)]
+pub struct TagMismatch {
+    /// The frame's sequence number in its direction.
+    pub seq: u64,
+}
+
+/// One direction's keys and the number of the next frame.
+struct Direction {
+    mac_key: [u8; 32],
+    enc_key: [u8; 32],
+    seq: u64,
+}
+
+impl Direction {
+    fn derive(stage: &str, from: Role, material: &[u8]) -> Self {
+        let way = match from {
+            Role::Dialler => "dialler to acceptor",
+            Role::Acceptor => "acceptor to dialler",
+        };
+        Direction {
+            mac_key: blake3::derive_key(
+                &format!("psnet 2026-11 session {stage} mac {way}"),
+                material,
+            ),
+            enc_key: blake3::derive_key(
+                &format!("psnet 2026-11 session {stage} cipher {way}"),
+                material,
+            ),
+            seq: 0,
+        }
+    }
+
+    fn next_frame(&mut self) -> FrameMac {
+        let seq = self.seq;
+        self.seq += 1;
+        let mut hasher = blake3::Hasher::new_keyed(&self.mac_key);
+        hasher.update(&seq.to_le_bytes());
+        FrameMac { hasher, seq }
+    }
+
+    /// XORs `bytes` with frame `seq`'s keystream (BLAKE3's keyed output stream).
+    fn apply_keystream(&self, seq: u64, bytes: &mut [u8]) {
+        let mut stream = blake3::Hasher::new_keyed(&self.enc_key);
+        stream.update(&seq.to_le_bytes());
+        let mut reader = stream.finalize_xof();
+        let mut block = [0u8; 64];
+        for chunk in bytes.chunks_mut(block.len()) {
+            reader.fill(&mut block[..chunk.len()]);
+            for (b, k) in chunk.iter_mut().zip(block.iter()) {
+                *b ^= k;
+            }
+        }
+    }
+}
+
+/// The keys of one connection end: a [`Sealer`] for what it sends, an [`Opener`] for what
+/// it receives.
+pub struct Session;
+
+impl Session {
+    /// The keys for the hello and its answer, before either end knows who the other is.
+    pub fn opening(base: &SessionBase, role: Role) -> (Sealer, Opener) {
+        Self::pair("opening", role, &base.0)
+    }
+
+    /// The keys for every frame after the hellos, bound to both node ids.
+    pub fn bound(
+        base: &SessionBase,
+        role: Role,
+        dialler: NodeId,
+        acceptor: NodeId,
+    ) -> (Sealer, Opener) {
+        let mut material = Vec::with_capacity(BASE_LEN + 16);
+        material.extend_from_slice(&base.0);
+        material.extend_from_slice(&dialler.0.to_le_bytes());
+        material.extend_from_slice(&acceptor.0.to_le_bytes());
+        Self::pair("bound", role, &material)
+    }
+
+    fn pair(stage: &str, role: Role, material: &[u8]) -> (Sealer, Opener) {
+        let other = match role {
+            Role::Dialler => Role::Acceptor,
+            Role::Acceptor => Role::Dialler,
+        };
+        (
+            Sealer(Direction::derive(stage, role, material)),
+            Opener(Direction::derive(stage, other, material)),
+        )
+    }
+}
+
+/// The tag of one frame being computed (sending) or checked (receiving): feed it the frame's
+/// bytes in order.
+pub struct FrameMac {
+    hasher: blake3::Hasher,
+    seq: u64,
+}
+
+impl FrameMac {
+    /// The next bytes of the frame.
+    pub fn update(&mut self, bytes: &[u8]) {
+        // BLAKE3 hashes large inputs several blocks at a time with SIMD; feed large
+        // segments whole.
+        self.hasher.update(bytes);
+    }
+
+    /// The frame's sequence number.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// The tag to send after the frame.
+    pub fn tag(&self) -> [u8; TAG_LEN] {
+        let mut tag = [0u8; TAG_LEN];
+        tag.copy_from_slice(&self.hasher.finalize().as_bytes()[..TAG_LEN]);
+        tag
+    }
+
+    /// Checks the tag received after the frame, in time independent of where it differs.
+    pub fn check(&self, tag: &[u8]) -> Result<(), TagMismatch> {
+        let ours = self.tag();
+        let same = tag.len() == TAG_LEN
+            && ours.iter().zip(tag).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
+        if same {
+            Ok(())
+        } else {
+            Err(TagMismatch { seq: self.seq })
+        }
+    }
+}
+
+/// What one end sends: numbers its frames and tags them.
+pub struct Sealer(Direction);
+
+impl Sealer {
+    /// Starts the next frame's tag.
+    pub fn frame(&mut self) -> FrameMac {
+        self.0.next_frame()
+    }
+
+    /// A whole handshake frame of `kind` whose body is `plain` encrypted, then its tag: the
+    /// bytes to write.
+    pub fn seal_handshake(&mut self, kind: FrameKind, plain: &[u8]) -> Result<Vec<u8>, CodecError> {
+        let mut mac = self.frame();
+        let mut body = plain.to_vec();
+        self.0.apply_keystream(mac.seq, &mut body);
+        let mut bytes =
+            codec::encode_frame(kind, &OutMessage::new(&body, &[]), &HANDSHAKE)?.to_vec();
+        mac.update(&bytes);
+        bytes.extend_from_slice(&mac.tag());
+        Ok(bytes)
+    }
+}
+
+/// What one end receives: checks each frame's tag against its own count.
+pub struct Opener(Direction);
+
+impl Opener {
+    /// Starts checking the next frame.
+    pub fn frame(&mut self) -> FrameMac {
+        self.0.next_frame()
+    }
+
+    /// Checks a sealed handshake frame (`kind` and encrypted `body`, as decoded) against its
+    /// `tag`; returns the body in clear.
+    pub fn open_handshake(
+        &mut self,
+        kind: FrameKind,
+        body: &[u8],
+        tag: &[u8],
+    ) -> Result<Vec<u8>, TagMismatch> {
+        let mut mac = self.frame();
+        let seq = mac.seq;
+        // Frames are canonical (reserved bits zero, no segments), so the bytes that were
+        // tagged are the ones re-encoded here.
+        let bytes = codec::encode_frame(kind, &OutMessage::new(body, &[]), &HANDSHAKE)
+            .map_err(|_| TagMismatch { seq })?;
+        mac.update(&bytes);
+        mac.check(tag)?;
+        let mut plain = body.to_vec();
+        self.0.apply_keystream(seq, &mut plain);
+        Ok(plain)
+    }
+}
+
+/// Handshake frames are small.
+const HANDSHAKE: Limits = Limits {
+    max_meta: 1024,
+    max_segments: 0,
+    max_message: 1024,
+};
+
+#[cfg(test)]
+mod tests;

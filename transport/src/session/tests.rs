@@ -1,0 +1,161 @@
+use super::*;
+use proptest::prelude::*;
+
+fn base(b: u8) -> SessionBase {
+    SessionBase::from_bytes([b; BASE_LEN])
+}
+
+fn tagged(sealer: &mut Sealer, frame: &[u8]) -> (Vec<u8>, [u8; TAG_LEN]) {
+    let mut mac = sealer.frame();
+    mac.update(frame);
+    (frame.to_vec(), mac.tag())
+}
+
+/// Feeds `received` to a fresh opener; returns the frames accepted before the first failure,
+/// and whether one failed.
+fn receive(opener: &mut Opener, received: &[(Vec<u8>, [u8; TAG_LEN])]) -> (Vec<Vec<u8>>, bool) {
+    let mut accepted = Vec::new();
+    for (bytes, tag) in received {
+        let mut mac = opener.frame();
+        // Fed in two pieces: the split must not matter.
+        let cut = bytes.len() / 3;
+        mac.update(&bytes[..cut]);
+        mac.update(&bytes[cut..]);
+        if mac.check(tag).is_err() {
+            return (accepted, true);
+        }
+        accepted.push(bytes.clone());
+    }
+    (accepted, false)
+}
+
+#[derive(Clone, Debug)]
+enum Attack {
+    FlipBody { frame: usize, byte: usize, bit: u8 },
+    FlipTag { frame: usize, byte: usize, bit: u8 },
+    Drop { frame: usize },
+    Replay { frame: usize, at: usize },
+    Swap { a: usize, b: usize },
+}
+
+fn attack() -> impl Strategy<Value = Attack> {
+    prop_oneof![
+        (any::<usize>(), any::<usize>(), 0u8..8).prop_map(|(frame, byte, bit)| Attack::FlipBody {
+            frame,
+            byte,
+            bit
+        }),
+        (any::<usize>(), any::<usize>(), 0u8..8).prop_map(|(frame, byte, bit)| Attack::FlipTag {
+            frame,
+            byte,
+            bit
+        }),
+        any::<usize>().prop_map(|frame| Attack::Drop { frame }),
+        (any::<usize>(), any::<usize>()).prop_map(|(frame, at)| Attack::Replay { frame, at }),
+        (any::<usize>(), any::<usize>()).prop_map(|(a, b)| Attack::Swap { a, b }),
+    ]
+}
+
+proptest! {
+    /// Whatever the path does to a stream of frames (a bit flipped in a frame or its tag, a
+    /// frame dropped, replayed or two swapped), the receiver accepts an unchanged prefix of
+    /// what was sent and then detects it: never a changed frame, never a silent gap.
+    #[test]
+    fn any_change_on_the_path_is_detected(
+        frames in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 1..300), 2..12),
+        attack in attack(),
+        key in any::<u8>(),
+    ) {
+        let (mut sealer, _) = Session::bound(&base(key), Role::Dialler, NodeId(1), NodeId(2));
+        let (_, mut opener) = Session::bound(&base(key), Role::Acceptor, NodeId(1), NodeId(2));
+        let sent: Vec<_> = frames.iter().map(|f| tagged(&mut sealer, f)).collect();
+        let mut wire = sent.clone();
+        let n = wire.len();
+        let changed = match attack {
+            Attack::FlipBody { frame, byte, bit } => {
+                let f = &mut wire[frame % n].0;
+                let i = byte % f.len();
+                f[i] ^= 1 << bit;
+                true
+            }
+            Attack::FlipTag { frame, byte, bit } => {
+                wire[frame % n].1[byte % TAG_LEN] ^= 1 << bit;
+                true
+            }
+            Attack::Drop { frame } => {
+                // A dropped last frame is indistinguishable from one not yet sent; the next
+                // frame reveals the gap, so drop one that has a successor.
+                wire.remove(frame % (n - 1));
+                true
+            }
+            Attack::Replay { frame, at } => {
+                let f = frame % n;
+                let at = f + 1 + at % (n - f);
+                let copy = wire[f].clone();
+                wire.insert(at, copy);
+                true
+            }
+            Attack::Swap { a, b } => {
+                let (a, b) = (a % n, b % n);
+                wire.swap(a, b);
+                a != b && frames[a] != frames[b]
+            }
+        };
+        let (accepted, failed) = receive(&mut opener, &wire);
+        prop_assert!(accepted.len() <= frames.len());
+        prop_assert_eq!(&accepted[..], &frames[..accepted.len()], "only frames as sent are accepted");
+        if changed {
+            prop_assert!(failed, "the change was detected");
+        }
+    }
+
+    #[test]
+    fn a_sealed_hello_opens_only_as_sent(
+        plain in proptest::collection::vec(any::<u8>(), 1..100),
+        flip in any::<(usize, u8)>(),
+    ) {
+        let (mut sealer, _) = Session::opening(&base(3), Role::Dialler);
+        let (_, mut opener) = Session::opening(&base(3), Role::Acceptor);
+        let mut bytes = sealer.seal_handshake(FrameKind::Hello, &plain).unwrap();
+        let (body, tag) = bytes[codec::PREFIX_LEN..].split_at(plain.len());
+        prop_assert_ne!(body, &plain[..], "the body is not sent in clear");
+        prop_assert_eq!(opener.open_handshake(FrameKind::Hello, body, tag).unwrap(), plain.clone());
+        // Any bit of the frame or its tag flipped: refused.
+        let i = codec::PREFIX_LEN + flip.0 % (bytes.len() - codec::PREFIX_LEN);
+        bytes[i] ^= 1 << (flip.1 % 8);
+        let (_, mut fresh) = Session::opening(&base(3), Role::Acceptor);
+        let (body, tag) = bytes[codec::PREFIX_LEN..].split_at(plain.len());
+        prop_assert!(fresh.open_handshake(FrameKind::Hello, body, tag).is_err());
+    }
+}
+
+#[test]
+fn keys_differ_by_direction_by_ids_and_by_base() {
+    let frame = b"the same frame".as_slice();
+    let (mut d_send, mut d_recv) = Session::bound(&base(1), Role::Dialler, NodeId(1), NodeId(2));
+    // Reflected back to its sender: refused.
+    let reflected = tagged(&mut d_send, frame);
+    assert!(receive(&mut d_recv, &[reflected]).1);
+    // Bound to other ids: refused (a session cannot be moved to another pair of nodes).
+    let (mut other_ids, _) = Session::bound(&base(1), Role::Dialler, NodeId(1), NodeId(3));
+    let (_, mut a_recv) = Session::bound(&base(1), Role::Acceptor, NodeId(1), NodeId(2));
+    assert!(receive(&mut a_recv, &[tagged(&mut other_ids, frame)]).1);
+    // Another connection's base: refused.
+    let (mut other_base, _) = Session::bound(&base(2), Role::Dialler, NodeId(1), NodeId(2));
+    let (_, mut a_recv) = Session::bound(&base(1), Role::Acceptor, NodeId(1), NodeId(2));
+    assert!(receive(&mut a_recv, &[tagged(&mut other_base, frame)]).1);
+    // The opening keys are not the bound ones.
+    let (mut opening, _) = Session::opening(&base(1), Role::Dialler);
+    let (_, mut a_recv) = Session::bound(&base(1), Role::Acceptor, NodeId(1), NodeId(2));
+    assert!(receive(&mut a_recv, &[tagged(&mut opening, frame)]).1);
+    // And the right keys pass, with the failure naming the frame's number.
+    let (mut d_send, _) = Session::bound(&base(1), Role::Dialler, NodeId(1), NodeId(2));
+    let (_, mut a_recv) = Session::bound(&base(1), Role::Acceptor, NodeId(1), NodeId(2));
+    let first = tagged(&mut d_send, frame);
+    let second = tagged(&mut d_send, frame);
+    assert_eq!(receive(&mut a_recv, &[first.clone(), second]).0.len(), 2);
+    let mut mac = a_recv.frame();
+    mac.update(&first.0);
+    assert_eq!(mac.check(&first.1), Err(TagMismatch { seq: 2 }));
+    assert_eq!(format!("{:?}", base(9)), "SessionBase(..)");
+}
