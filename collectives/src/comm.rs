@@ -42,6 +42,9 @@ pub struct Communicator<T: Transport> {
     pub(crate) mailbox: Arc<Mailbox>,
     /// The task reading the transport, shared with the communicators split from this one.
     reader: Arc<Reader>,
+    /// The task sending heartbeats and watching for silent ranks (`liveness.rs`), shared
+    /// like the reader; `None` without a heartbeat timeout.
+    watcher: Option<Arc<Reader>>,
     /// Device memory for the pieces of calls on the device, placed by the transport; shared,
     /// as the transport is, with the communicators split from this one.
     #[cfg(feature = "cuda")]
@@ -117,6 +120,7 @@ impl<T: Transport> Communicator<T> {
             transport,
             mailbox,
             reader,
+            watcher: None,
             #[cfg(feature = "cuda")]
             placing: Arc::default(),
             comm: 0,
@@ -132,6 +136,16 @@ impl<T: Transport> Communicator<T> {
         };
         let (id, local) = crate::join::join(&comm, root).await?;
         comm.comm = id;
+        if let (Some(timeout), true) = (comm.config.heartbeat_timeout, size > 1) {
+            let others = (0..size).filter(|&r| r != rank).map(node_of).collect();
+            comm.watcher = Some(Arc::new(Reader(tokio::spawn(crate::liveness::watch(
+                comm.transport.clone(),
+                comm.mailbox.clone(),
+                others,
+                id,
+                timeout,
+            )))));
+        }
         comm.all_local = local.len() == size;
         // Ranks that outnumber the CPUs they may use between them spin too, but give their
         // CPU away between polls, as Open MPI's yield_when_idle does when oversubscribed: a
@@ -314,6 +328,7 @@ impl<T: Transport> Communicator<T> {
             transport: self.transport.clone(),
             mailbox: self.mailbox.clone(),
             reader: self.reader.clone(),
+            watcher: self.watcher.clone(),
             #[cfg(feature = "cuda")]
             placing: self.placing.clone(),
             comm: child_id(self.comm, split, colour),

@@ -72,6 +72,10 @@ pub struct Config {
     /// How long one call may wait for other ranks before failing, naming them; `None`: for
     /// ever. It includes the time the other ranks take to reach the call.
     pub call_timeout: Option<Duration>,
+    /// A rank heard from neither by a message nor by a heartbeat for this long is lost, named
+    /// with the reason (`PSNET_COLL_HEARTBEAT_TIMEOUT`); heartbeats go every quarter of it.
+    /// `None`: no heartbeats, a stopped rank is noticed by `call_timeout` only.
+    pub heartbeat_timeout: Option<Duration>,
     /// Bytes that may arrive for calls this rank has not made yet (other ranks running
     /// ahead); more fails the communicator instead of exhausting memory.
     pub ahead_bytes: usize,
@@ -89,6 +93,7 @@ impl Default for Config {
             piece_bytes: 1 << 20,
             join_timeout: Duration::from_secs(120),
             call_timeout: Some(Duration::from_secs(600)),
+            heartbeat_timeout: Some(Duration::from_secs(10)),
             ahead_bytes: 1 << 30,
             spin: Duration::from_micros(50),
         }

@@ -33,11 +33,12 @@ fn settings<T: Transport>(comm: &Communicator<T>) -> String {
     let c = &comm.config;
     format!(
         "PSNET_ALGO={} PSNET_COLL_SMALL={} PSNET_COLL_SMALL_SHM={} PSNET_COLL_PIECE={} \
-         max_message={} same_host_shm={}",
+         PSNET_COLL_HEARTBEAT_TIMEOUT={:?} max_message={} same_host_shm={}",
         c.algo,
         c.small_bytes,
         c.small_shm_bytes,
         c.piece_bytes,
+        c.heartbeat_timeout,
         comm.transport.capabilities().max_message,
         comm.transport.capabilities().same_host_shm
     )

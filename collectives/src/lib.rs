@@ -29,6 +29,7 @@ mod error;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod join;
+mod liveness;
 mod mailbox;
 mod order;
 mod owned;

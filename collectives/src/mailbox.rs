@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use bytes::Bytes;
 use psnet_transport::{Event, NodeId, Placed, Transport};
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use crate::payload::Payload;
 use crate::wire::{Header, Kind};
@@ -63,8 +64,10 @@ pub(crate) struct Mail {
     pub overflow: Option<String>,
     /// Joining messages (hello, table), in arrival order.
     pub joining: Vec<Arrival>,
-    /// Peers whose connection was lost, and why.
+    /// Peers whose connection was lost, or that fell silent (`liveness.rs`), and why.
     pub lost: HashMap<NodeId, String>,
+    /// When each peer was last heard from: any message, or its connection opening.
+    pub last_heard: HashMap<NodeId, Instant>,
     /// Communicators a peer aborted: who, and why.
     pub aborted: HashMap<u32, (NodeId, String)>,
     /// Peers that sent something unreadable, and what.
@@ -143,8 +146,13 @@ pub(crate) async fn read_all<T: Transport>(transport: Arc<T>, mailbox: Arc<Mailb
         let mut mail = mailbox.lock();
         match event {
             Ok(Event::Message(m)) => match Header::decode(&m.meta) {
+                Ok(header) if header.kind == Kind::Heartbeat => {
+                    mail.last_heard.insert(m.peer, Instant::now());
+                    continue;
+                }
                 Ok(header) if m.segments.len() <= 1 => {
                     let data = m.segments.into_iter().next().unwrap_or_default();
+                    mail.last_heard.insert(m.peer, Instant::now());
                     let arrival = Arrival {
                         from: m.peer,
                         header,
@@ -158,6 +166,7 @@ pub(crate) async fn read_all<T: Transport>(transport: Arc<T>, mailbox: Arc<Mailb
                             mail.aborted.entry(header.comm).or_insert((m.peer, why));
                         }
                         Kind::Hello | Kind::Table => mail.joining.push(arrival),
+                        Kind::Heartbeat => unreachable!("taken above"),
                     }
                 }
                 Ok(_) => {
@@ -170,11 +179,14 @@ pub(crate) async fn read_all<T: Transport>(transport: Arc<T>, mailbox: Arc<Mailb
                 }
             },
             Ok(Event::PeerLost { peer, reason }) => {
-                mail.lost.insert(peer, reason);
+                mail.lost.entry(peer).or_insert(reason);
             }
             // A collective's messages lost with a connection are not sent again: a peer lost
             // once stays lost for every call, even if it connects again.
-            Ok(Event::PeerConnected { .. }) => continue,
+            Ok(Event::PeerConnected { peer, .. }) => {
+                mail.last_heard.insert(peer, Instant::now());
+                continue;
+            }
             Err(e) => {
                 mail.closed = Some(e.to_string());
                 drop(mail);

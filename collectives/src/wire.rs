@@ -13,8 +13,9 @@ use crate::element::{DType, ReduceOp};
 
 const MAGIC: u16 = 0x4c43;
 /// 2: forming a communicator ends with an allgather of the ranks' CPU masks (`cpus.rs`), a
-/// call that ranks of version 1 do not make.
-const VERSION: u8 = 2;
+/// call that ranks of version 1 do not make. 3: heartbeats (`liveness.rs`), which a rank of
+/// version 2 would take for a malformed message.
+const VERSION: u8 = 3;
 /// Bytes of a header.
 pub(crate) const HEADER_LEN: usize = 40;
 
@@ -95,9 +96,17 @@ pub(crate) enum Kind {
     Hello,
     /// Joining: every rank's address (segment: one address per line, in rank order).
     Table,
+    /// The sender is alive (`liveness.rs`); no segment.
+    Heartbeat,
 }
 
-const KINDS: [Kind; 4] = [Kind::Data, Kind::Abort, Kind::Hello, Kind::Table];
+const KINDS: [Kind; 5] = [
+    Kind::Data,
+    Kind::Abort,
+    Kind::Hello,
+    Kind::Table,
+    Kind::Heartbeat,
+];
 
 /// A message's header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -212,7 +221,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn headers_round_trip(kind in 0usize..4, comm: u32, seq: u64, tag: u64, coll in 0usize..7,
+        fn headers_round_trip(kind in 0usize..5, comm: u32, seq: u64, tag: u64, coll in 0usize..7,
                               dtype in 0usize..7, op in 0usize..5, count: u64, root: u32) {
             let h = Header {
                 kind: KINDS[kind],
@@ -233,11 +242,11 @@ mod tests {
     #[test]
     fn a_header_of_another_version_is_refused_naming_both() {
         let mut bytes = control(Kind::Hello, 7).encode();
-        assert_eq!(bytes[2], 2, "the version byte");
-        bytes[2] = 1;
+        assert_eq!(bytes[2], 3, "the version byte");
+        bytes[2] = 2;
         let err = Header::decode(&bytes).unwrap_err();
         assert!(
-            err.contains("version 2") && err.contains("version 1)"),
+            err.contains("version 3") && err.contains("version 2)"),
             "{err}"
         );
     }

@@ -760,3 +760,55 @@ fn once_formed_only_members_with_the_secret_may_connect() {
         assert!(bufs.iter().all(|b| b == &want));
     });
 }
+
+/// Rank 2 is frozen (SIGSTOP, as the in-memory network models it: its connections stay up,
+/// it reads and sends nothing) before an allreduce. Returns each waiting rank's error and
+/// how long (simulated) the call took.
+fn frozen_rank_2(config: Config) -> (Vec<String>, Duration) {
+    let rt = runtime();
+    rt.block_on(async {
+        let net = MemNet::reliable();
+        let comms = world(&net, 3, config).await;
+        assert!(net.freeze(node_of(2), true));
+        let started = tokio::time::Instant::now();
+        let (mut a, mut b) = (vec![1i64; 1000], vec![2i64; 1000]);
+        let (ra, rb) = tokio::join!(
+            comms[0].allreduce(&mut a, ReduceOp::Sum),
+            comms[1].allreduce(&mut b, ReduceOp::Sum)
+        );
+        let errors = [ra, rb]
+            .into_iter()
+            .map(|r| r.expect_err("a frozen rank fails the call").to_string())
+            .collect();
+        (errors, started.elapsed())
+    })
+}
+
+#[test]
+fn a_frozen_rank_is_named_within_the_heartbeat_timeout() {
+    let (errors, took) = frozen_rank_2(Config {
+        heartbeat_timeout: Some(Duration::from_secs(10)),
+        ..Config::default()
+    });
+    for e in &errors {
+        assert!(
+            e.contains("rank 2") && e.contains("PSNET_COLL_HEARTBEAT_TIMEOUT"),
+            "{e}"
+        );
+    }
+    // The timeout, plus at most one heartbeat interval to notice it (simulated time).
+    assert!(took <= Duration::from_millis(12_600), "{took:?}");
+}
+
+#[test]
+fn without_heartbeats_a_frozen_rank_is_noticed_by_the_call_timeout_only() {
+    let (errors, took) = frozen_rank_2(Config {
+        heartbeat_timeout: None,
+        call_timeout: Some(Duration::from_secs(60)),
+        ..Config::default()
+    });
+    for e in &errors {
+        assert!(!e.contains("PSNET_COLL_HEARTBEAT_TIMEOUT"), "{e}");
+    }
+    assert!(took >= Duration::from_secs(60), "{took:?}");
+}

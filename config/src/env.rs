@@ -268,6 +268,8 @@ crate::declare_env_vars! {
         "collectives: seconds the ranks wait for each other to join before naming the missing ones";
     PSNET_COLL_TIMEOUT = "PSNET_COLL_TIMEOUT", "600",
         "collectives: seconds one call may wait for the other ranks (including for them to reach it) before failing, naming the ranks it waits for; 0: for ever";
+    PSNET_COLL_HEARTBEAT_TIMEOUT = "PSNET_COLL_HEARTBEAT_TIMEOUT", "10",
+        "collectives: seconds (a fraction allowed) after which a rank heard from by neither a message nor a heartbeat is lost, named with the reason, instead of waiting PSNET_COLL_TIMEOUT for a stopped or frozen process; heartbeats go every quarter of it on each open connection; 0: none";
     PSNET_COLL_SPIN_US = "PSNET_COLL_SPIN_US", "50",
         "collectives: microseconds a call waiting for other ranks polls before it sleeps (0: sleep at once); with more ranks on the host than cores it yields its core (sched_yield) between polls";
     PSNET_COLL_AHEAD_BYTES = "PSNET_COLL_AHEAD_BYTES", "1073741824",

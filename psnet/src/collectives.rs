@@ -168,8 +168,8 @@ fn resolve(what: &str, text: &str) -> Result<SocketAddr, CollectiveError> {
 }
 
 /// The settings from `PSNET_ALGO`, `PSNET_COLL_SMALL`, `PSNET_COLL_SMALL_SHM`, `PSNET_COLL_PIECE`,
-/// `PSNET_COLL_JOIN_TIMEOUT`, `PSNET_COLL_TIMEOUT`, `PSNET_COLL_SPIN_US` and
-/// `PSNET_COLL_AHEAD_BYTES`.
+/// `PSNET_COLL_JOIN_TIMEOUT`, `PSNET_COLL_TIMEOUT`, `PSNET_COLL_HEARTBEAT_TIMEOUT`,
+/// `PSNET_COLL_SPIN_US` and `PSNET_COLL_AHEAD_BYTES`.
 pub fn config_from_env() -> Result<Config, CollectiveError> {
     let bad = |e: psnet_config::ConfigError| CollectiveError::Invalid(e.to_string());
     let call_timeout = env::PSNET_COLL_TIMEOUT
@@ -201,7 +201,29 @@ pub fn config_from_env() -> Result<Config, CollectiveError> {
                 .parse_or_default::<u64>()
                 .map_err(bad)?,
         ),
+        heartbeat_timeout: heartbeat_timeout()?,
     })
+}
+
+/// `PSNET_COLL_HEARTBEAT_TIMEOUT`: seconds (a fraction allowed), 0 for none.
+fn heartbeat_timeout() -> Result<Option<Duration>, CollectiveError> {
+    let secs: f64 = env::PSNET_COLL_HEARTBEAT_TIMEOUT
+        .parse_or_default()
+        .map_err(|e| CollectiveError::Invalid(e.to_string()))?;
+    let invalid =
+        |why: &str| CollectiveError::Invalid(format!("PSNET_COLL_HEARTBEAT_TIMEOUT={secs}: {why}"));
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(invalid("seconds, 0 or more"));
+    }
+    if secs == 0.0 {
+        return Ok(None);
+    }
+    if secs < 0.1 {
+        return Err(invalid(
+            "at least 0.1 s: shorter ones take a busy rank for a dead one",
+        ));
+    }
+    Ok(Some(Duration::from_secs_f64(secs)))
 }
 
 /// The address this rank listens at: `DMLC_NODE_HOST` / `DMLC_INTERFACE` if set; otherwise

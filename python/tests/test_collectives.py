@@ -155,6 +155,40 @@ def test_a_rank_that_dies_is_named_by_the_others(tmp_path):
         assert "rank 2" in out, out
 
 
+def test_a_frozen_rank_is_named_within_the_heartbeat_timeout(tmp_path):
+    """Rank 2 stops itself (SIGSTOP) before an allreduce: its connections stay open, so
+    only heartbeats tell. The others raise naming it within PSNET_COLL_HEARTBEAT_TIMEOUT,
+    not after the 600 s call timeout."""
+    import time
+
+    ranks = Ranks(tmp_path, 3, """
+        import os, signal, time, numpy as np, psnet
+        psnet.init()
+        psnet.allreduce(np.zeros(4, dtype=np.float32))
+        if psnet.rank() == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        started = time.monotonic()
+        try:
+            psnet.allreduce(np.zeros(1 << 16, dtype=np.float32))
+        except psnet.PeerLostError as e:
+            print(f"lost after {time.monotonic() - started:.1f} s:", e, flush=True)
+            raise SystemExit(3)
+    """, env={"PSNET_COLL_HEARTBEAT_TIMEOUT": "2"})
+    try:
+        deadline = time.monotonic() + 60
+        results = {}
+        for r in (0, 1):
+            left = max(1.0, deadline - time.monotonic())
+            out, _ = ranks.procs[r].communicate(timeout=left)
+            results[r] = (ranks.procs[r].returncode, out)
+    finally:
+        ranks.kill()
+    for r in (0, 1):
+        rc, out = results[r]
+        assert rc == 3, f"rank {r} exited {rc}:\n{out}"
+        assert "rank 2" in out and "PSNET_COLL_HEARTBEAT_TIMEOUT" in out, out
+
+
 def test_ctrl_c_in_a_waiting_call_raises_keyboard_interrupt(tmp_path):
     import signal
     import time
