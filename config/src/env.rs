@@ -179,6 +179,8 @@ crate::declare_env_vars! {
         "TCP: bytes per chunk when device (GPU) memory in a message is staged through page-locked host buffers, sent or received into device memory; two chunks are in flight, one crossing PCIe while the other is written or read off the socket (at least 4096).";
     PSNET_INBOX_BYTES = "PSNET_INBOX_BYTES", "268435456",
         "Bytes of received messages that may wait for the application before connections stop reading (back-pressure).";
+    PSNET_FRAME_STALL_TIMEOUT = "PSNET_FRAME_STALL_TIMEOUT", "60",
+        "Seconds a frame being received may go without a byte before its connection is closed, naming the stall, and its share of PSNET_RECV_INFLIGHT_BYTES is given back (a connection may be idle between frames for ever)";
     PSNET_RECV_INFLIGHT_BYTES = "PSNET_RECV_INFLIGHT_BYTES", "2147483648",
         "Bytes of large incoming frames not yet complete that all connections of a node together may hold; a connection whose frame does not fit waits for room (60 s at most, then it is closed naming this limit); a larger frame is refused at once.";
     PSNET_RDMA_EAGER = "PSNET_RDMA_EAGER", "16384",

@@ -27,6 +27,10 @@ pub struct TcpConfig {
     pub inflight_bytes: usize,
     /// How long a connection waits for room in `inflight_bytes`.
     pub inflight_wait: Duration,
+    /// How long a frame being received may go without a byte (`PSNET_FRAME_STALL_TIMEOUT`):
+    /// then its connection is closed, naming the stall, and its room in `inflight_bytes` is
+    /// given back. Between frames a connection may be idle for ever.
+    pub frame_stall: Duration,
     /// `SO_SNDBUF` / `SO_RCVBUF`; `None` leaves the kernel's autotuning on.
     pub socket_buffer: Option<usize>,
     /// The congestion control each connection asks the kernel for (`PSNET_TCP_CONGESTION`).
@@ -65,6 +69,7 @@ impl TcpConfig {
             inbox_bytes: 256 << 20,
             inflight_bytes: 2 << 30,
             inflight_wait: Duration::from_secs(60),
+            frame_stall: Duration::from_secs(60),
             socket_buffer: None,
             congestion: Congestion::Auto,
             shm_ring: crate::shm::DEFAULT_RING,

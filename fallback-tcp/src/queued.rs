@@ -103,6 +103,7 @@ impl QueueLink {
             limits,
             spin,
             polls: 0,
+            wakes: WakeLimit::default(),
         };
         self.frames = Some(tx);
         let closed_because = self.closed_because.clone();
@@ -192,6 +193,51 @@ struct Delivery {
     spin: Duration,
     /// Polls of an idle queue, for reading the clock less often than polling.
     polls: u32,
+    /// Wake-ups that found nothing to read.
+    wakes: WakeLimit,
+}
+
+/// Wake-ups of the queue's eventfd that found the queue empty. A sender signals only a
+/// sleeping reader that has a record to read, so these are rare; a peer that writes the
+/// eventfd in a loop would otherwise have this reader spin after each of them, a core's
+/// worth. The reader then sleeps without spinning, and past `SPURIOUS_PER_SECOND` in a
+/// second it pauses before each wait, so the flood costs it a thousand wake-ups a second.
+#[derive(Default)]
+struct WakeLimit {
+    /// Woken by the eventfd, and not yet found a record since.
+    woken: bool,
+    window: Option<Instant>,
+    spurious: u32,
+    warned: bool,
+}
+
+const SPURIOUS_PER_SECOND: u32 = 1000;
+const SPURIOUS_PAUSE: Duration = Duration::from_millis(1);
+
+impl WakeLimit {
+    /// A record was read: the last wake-up was for it.
+    fn read(&mut self) {
+        self.woken = false;
+    }
+
+    /// The queue is empty: whether the last wake-up was spurious, and how long to pause
+    /// before waiting again.
+    fn empty(&mut self) -> (bool, Option<Duration>) {
+        if !std::mem::take(&mut self.woken) {
+            return (false, None);
+        }
+        let now = Instant::now();
+        let start = *self.window.get_or_insert(now);
+        if now.duration_since(start) >= Duration::from_secs(1) {
+            self.window = Some(now);
+            self.spurious = 0;
+        }
+        self.spurious += 1;
+        (
+            true,
+            (self.spurious > SPURIOUS_PER_SECOND).then_some(SPURIOUS_PAUSE),
+        )
+    }
 }
 
 /// A step that cannot go on.
@@ -213,6 +259,7 @@ impl Delivery {
                 Err(why) => return QueueEnd::Refused(why),
                 Ok(Some(record)) => {
                     idle_since = None;
+                    self.wakes.read();
                     self.record(record).await
                 }
                 Ok(None) => self.idle(&mut idle_since).await,
@@ -313,17 +360,27 @@ impl Delivery {
             Err(mpsc::error::TryRecvError::Empty) => {}
         }
         let since = *idle_since.get_or_insert_with(Instant::now);
+        let (spurious, pause) = self.wakes.empty();
+        if let Some(pause) = pause {
+            if !std::mem::replace(&mut self.wakes.warned, true) {
+                tracing::warn!(peer = %self.conn.peer, "the peer wakes this node's same-host \
+                    queue more than {SPURIOUS_PER_SECOND} times a second with nothing in it: \
+                    wake-ups from it are now rate limited");
+            }
+            tokio::time::sleep(pause).await;
+        }
         // The clock is read every 8th poll only: a poll is cheaper than reading it here.
         self.polls = self.polls.wrapping_add(1);
-        if !self.spin.is_zero() && (self.polls % 8 != 0 || since.elapsed() < self.spin) {
+        if !spurious && !self.spin.is_zero() && (self.polls % 8 != 0 || since.elapsed() < self.spin)
+        {
             tokio::task::yield_now().await;
             return Ok(());
         }
         if !self.queue.consumer.sleep() {
             return Ok(());
         }
-        let woke = tokio::select! {
-            woke = self.queue.wait() => woke,
+        let (woke, by_eventfd) = tokio::select! {
+            woke = self.queue.wait() => (woke, true),
             msg = self.frames.recv() => {
                 match msg {
                     Some(msg) => {
@@ -332,11 +389,12 @@ impl Delivery {
                     }
                     None => self.frames_open = false,
                 }
-                Ok(())
+                (Ok(()), false)
             }
         };
         self.queue.consumer.wake();
         *idle_since = None;
+        self.wakes.woken = by_eventfd && woke.is_ok();
         woke.map_err(|e| {
             Stop::End(QueueEnd::Failed(format!(
                 "waiting on the queue's eventfd: {e}"
@@ -394,5 +452,32 @@ impl Delivery {
         } else {
             Err(Stop::End(QueueEnd::Shutdown))
         }
+    }
+}
+
+#[cfg(test)]
+mod wake_tests {
+    use super::*;
+
+    #[test]
+    fn a_flood_of_empty_wake_ups_is_paused_and_a_real_one_is_not() {
+        let mut w = WakeLimit::default();
+        // Not woken: an ordinary idle poll, spinning allowed.
+        assert_eq!(w.empty(), (false, None));
+        // Woken, then a record: the wake-up was real.
+        w.woken = true;
+        w.read();
+        assert_eq!(w.empty(), (false, None));
+        // Empty wake-ups: no spinning after them, and past the limit a pause before each wait.
+        for i in 1..=SPURIOUS_PER_SECOND + 5 {
+            w.woken = true;
+            let (spurious, pause) = w.empty();
+            assert!(spurious);
+            assert_eq!(pause.is_some(), i > SPURIOUS_PER_SECOND, "wake-up {i}");
+        }
+        // A new second starts a new count.
+        w.window = Some(Instant::now() - Duration::from_secs(2));
+        w.woken = true;
+        assert_eq!(w.empty(), (true, None));
     }
 }

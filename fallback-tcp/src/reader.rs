@@ -168,8 +168,8 @@ async fn read_frames(
             let have = buf.len();
             big.extend_from_slice(&buf);
             buf.clear();
-            if let Err(e) = fill_exact(&mut read, &mut big, body_len, have).await {
-                return ReadEnd::Failed(e.to_string());
+            if let Err(e) = fill_exact(&mut read, &mut big, body_len, have, inflight.stall).await {
+                return end_of(e);
             }
             let body = big.split().freeze();
             large.give_back(big, size);
@@ -178,15 +178,15 @@ async fn read_frames(
             }
             body
         } else {
-            if let Err(e) = fill(&mut read, &mut buf, body_len).await {
-                return ReadEnd::Failed(e.to_string());
+            if let Err(e) = fill(&mut read, &mut buf, body_len, inflight.stall).await {
+                return end_of(e);
             }
             if let Some(mac) = mac.as_mut() {
                 mac.update(&buf[..body_len]);
             }
             buf.split_to(body_len).freeze()
         };
-        if let Err(end) = check_tag(&mut read, &mut buf, mac, &conn).await {
+        if let Err(end) = check_tag(&mut read, &mut buf, mac, &conn, inflight.stall).await {
             return end;
         }
         let frame = header.split_body(body);
@@ -215,9 +215,11 @@ async fn read_frames(
                         ring = Some(r);
                         conn.control.push(FrameKind::ShmAccept, Vec::new());
                     }
-                    Err(e) => conn
-                        .control
-                        .push(FrameKind::ShmReject, e.to_string().into_bytes()),
+                    Err(e) => {
+                        note_declined(&conn, "ring", &e);
+                        conn.control
+                            .push(FrameKind::ShmReject, e.to_string().into_bytes())
+                    }
                 }
                 continue;
             }
@@ -232,7 +234,7 @@ async fn read_frames(
                         .control
                         .push(FrameKind::QueueReject, b"a second queue".to_vec()),
                     Err(e) => {
-                        tracing::debug!(peer = %conn.peer, error = %e, "declined a shared-memory queue");
+                        note_declined(&conn, "queue", &e);
                         conn.control
                             .push(FrameKind::QueueReject, e.to_string().into_bytes())
                     }
@@ -287,6 +289,21 @@ async fn read_frames(
     }
 }
 
+/// Logs a declined same-host offer: at debug level where the peer is on another host (the
+/// offer's socket is not here, every cross-host connection sees it), as a warning where the
+/// offer itself is wrong (malformed, a wrong size or cookie, a file not sealed): a bug or a
+/// peer probing this node.
+fn note_declined(conn: &Conn, what: &str, e: &io::Error) {
+    if matches!(
+        e.kind(),
+        io::ErrorKind::InvalidData | io::ErrorKind::PermissionDenied | io::ErrorKind::InvalidInput
+    ) {
+        tracing::warn!(peer = %conn.peer, error = %e, "refused a same-host {what} offer");
+    } else {
+        tracing::debug!(peer = %conn.peer, error = %e, "declined a same-host {what} offer");
+    }
+}
+
 /// Hands a message on: in the order the same-host queue's markers give once it started,
 /// else to the inbox. False once the transport is shutting down.
 async fn deliver(msg: Incoming, body_len: usize, link: &mut QueueLink, inbox: &Arc<Inbox>) -> bool {
@@ -318,9 +335,9 @@ async fn read_placed(
     mac: &mut Option<FrameMac>,
 ) -> Result<Option<Incoming>, ReadEnd> {
     let meta_len = header.meta_len as usize;
-    fill(read, buf, meta_len)
+    fill(read, buf, meta_len, inflight.stall)
         .await
-        .map_err(|e| ReadEnd::Failed(e.to_string()))?;
+        .map_err(end_of)?;
     let Some(placement) = placer
         .place(conn.peer, &buf[..meta_len], &header.seg_lens)
         .filter(|p| placement::fits(p, &header.seg_lens))
@@ -350,9 +367,7 @@ async fn read_placed(
         // Within the frame's checked bound.
         let len = usize::try_from(len).unwrap_or(usize::MAX);
         if i != placement.segment {
-            fill(read, buf, len)
-                .await
-                .map_err(|e| ReadEnd::Failed(e.to_string()))?;
+            fill(read, buf, len, inflight.stall).await.map_err(end_of)?;
             if let Some(mac) = mac.as_mut() {
                 mac.update(&buf[..len]);
             }
@@ -366,6 +381,7 @@ async fn read_placed(
         let mut source = SocketSource {
             read,
             buf,
+            stall: inflight.stall,
             mac: mac.as_mut(),
         };
         let result = stream_from_source(dest, len, inbox.placing.chunk(), &mut source)
@@ -383,7 +399,7 @@ async fn read_placed(
     }
     // Delivered only once the whole frame checks out; bytes already placed in device
     // memory belong to a message that never arrives.
-    check_tag(read, buf, mac.take(), conn).await?;
+    check_tag(read, buf, mac.take(), conn, inflight.stall).await?;
     Ok(Some(Incoming {
         peer: conn.peer,
         meta,
@@ -396,6 +412,8 @@ async fn read_placed(
 struct SocketSource<'r> {
     read: &'r mut OwnedReadHalf,
     buf: &'r mut BytesMut,
+    /// How long the frame may go without a byte.
+    stall: Duration,
     /// The frame's tag so far, with a job secret.
     mac: Option<&'r mut FrameMac>,
 }
@@ -405,14 +423,16 @@ impl ChunkSource for SocketSource<'_> {
         let have = self.buf.len().min(out.len());
         out[..have].copy_from_slice(&self.buf[..have]);
         self.buf.advance(have);
-        if have < out.len() {
-            self.read.read_exact(&mut out[have..]).await.map_err(|e| {
-                if e.kind() == io::ErrorKind::UnexpectedEof {
-                    io::Error::new(e.kind(), "connection closed inside a frame")
-                } else {
-                    e
-                }
-            })?;
+        let (mut at, len) = (have, out.len());
+        while at < len {
+            let n = within(self.stall, self.read.read(&mut out[at..]), at, len).await?;
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "connection closed inside a frame",
+                ));
+            }
+            at += n;
         }
         if let Some(mac) = self.mac.as_mut() {
             mac.update(out);
@@ -428,13 +448,12 @@ async fn check_tag(
     buf: &mut BytesMut,
     mac: Option<FrameMac>,
     conn: &Conn,
+    stall: Duration,
 ) -> Result<(), ReadEnd> {
     let Some(mac) = mac else {
         return Ok(());
     };
-    fill(read, buf, TAG_LEN)
-        .await
-        .map_err(|e| ReadEnd::Failed(e.to_string()))?;
+    fill(read, buf, TAG_LEN, stall).await.map_err(end_of)?;
     let checked = mac.check(&buf[..TAG_LEN]);
     buf.advance(TAG_LEN);
     checked.map_err(|e| {
@@ -450,15 +469,19 @@ pub(crate) struct Inflight {
     room: tokio::sync::Semaphore,
     total: usize,
     wait: std::time::Duration,
+    /// How long a frame being read may go without a byte before its connection is closed
+    /// and its room given back (`PSNET_FRAME_STALL_TIMEOUT`).
+    pub(crate) stall: Duration,
 }
 
 impl Inflight {
-    pub(crate) fn new(total: usize, wait: std::time::Duration) -> Self {
+    pub(crate) fn new(total: usize, wait: std::time::Duration, stall: Duration) -> Self {
         let kib = (total / 1024).min(tokio::sync::Semaphore::MAX_PERMITS);
         Inflight {
             room: tokio::sync::Semaphore::new(kib),
             total,
             wait,
+            stall,
         }
     }
 
@@ -499,10 +522,12 @@ async fn fill_exact(
     big: &mut BytesMut,
     len: usize,
     have: usize,
+    stall: Duration,
 ) -> io::Result<()> {
     let mut limited = read.take((len - have) as u64);
     while big.len() < len {
-        if limited.read_buf(big).await? == 0 {
+        let at = big.len();
+        if within(stall, limited.read_buf(big), at, len).await? == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
                 format!(
@@ -517,12 +542,18 @@ async fn fill_exact(
 
 /// Reads until `buf` holds at least `len` bytes. Reserving exactly the missing part lets the
 /// buffer reclaim its own allocation when the application has dropped earlier messages.
-async fn fill(read: &mut OwnedReadHalf, buf: &mut BytesMut, len: usize) -> io::Result<()> {
+async fn fill(
+    read: &mut OwnedReadHalf,
+    buf: &mut BytesMut,
+    len: usize,
+    stall: Duration,
+) -> io::Result<()> {
     if buf.len() < len {
         buf.reserve(len - buf.len());
     }
     while buf.len() < len {
-        if read.read_buf(buf).await? == 0 {
+        let at = buf.len();
+        if within(stall, read.read_buf(buf), at, len).await? == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
                 format!(
@@ -533,4 +564,35 @@ async fn fill(read: &mut OwnedReadHalf, buf: &mut BytesMut, len: usize) -> io::R
         }
     }
     Ok(())
+}
+
+/// One read inside a frame, which must bring a byte within `stall`: a peer that stops in the
+/// middle of a frame would otherwise hold its share of the in-flight budget (and the
+/// connection) for as long as the job runs.
+async fn within(
+    stall: Duration,
+    read: impl std::future::Future<Output = io::Result<usize>>,
+    at: usize,
+    len: usize,
+) -> io::Result<usize> {
+    match tokio::time::timeout(stall, read).await {
+        Ok(result) => result,
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "the peer stalled inside a frame: no byte for {stall:?} after {at} of {len} \
+                 bytes (PSNET_FRAME_STALL_TIMEOUT)"
+            ),
+        )),
+    }
+}
+
+/// How a read inside a frame ended the connection: a stall breaks the rules (the peer is
+/// told), anything else is a failure.
+fn end_of(e: io::Error) -> ReadEnd {
+    if e.kind() == io::ErrorKind::TimedOut {
+        ReadEnd::Refused(e.to_string())
+    } else {
+        ReadEnd::Failed(e.to_string())
+    }
 }

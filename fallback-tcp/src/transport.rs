@@ -81,7 +81,11 @@ impl TcpTransport {
             listen_addr,
             peers: Peers::default(),
             inbox: Arc::new(Inbox::new(config.inbox_bytes, config.gpu_stage_chunk)),
-            inflight: Inflight::new(config.inflight_bytes, config.inflight_wait),
+            inflight: Inflight::new(
+                config.inflight_bytes,
+                config.inflight_wait,
+                config.frame_stall,
+            ),
             config,
             closed: AtomicBool::new(false),
             acceptor: Mutex::new(None),

@@ -117,6 +117,18 @@ pub fn tcp_config_from_env(bind: SocketAddr) -> Result<TcpConfig, ConfigError> {
     config.connect_timeout = Duration::from_secs(env::PSNET_CONNECT_TIMEOUT.parse_or_default()?);
     config.inbox_bytes = env::PSNET_INBOX_BYTES.parse_or_default()?;
     config.inflight_bytes = env::PSNET_RECV_INFLIGHT_BYTES.parse_or_default()?;
+    config.frame_stall = match env::PSNET_FRAME_STALL_TIMEOUT.parse_or_default::<u64>()? {
+        0 => {
+            return Err(ConfigError::Invalid {
+                name: env::PSNET_FRAME_STALL_TIMEOUT.name,
+                value: "0".into(),
+                reason: "seconds, at least 1: a peer that stops inside a frame must not hold \
+                         its memory for ever"
+                    .into(),
+            })
+        }
+        secs => Duration::from_secs(secs),
+    };
     config.shm_ring = env::PSNET_SHM_RING.parse_or_default()?;
     config.shm_queue = env::PSNET_SHM_QUEUE.parse_or_default()?;
     if config.shm_queue != 0
