@@ -26,6 +26,7 @@ mod cpus;
 mod drive;
 mod element;
 mod error;
+mod exchange;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod join;

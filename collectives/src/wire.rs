@@ -29,9 +29,12 @@ pub(crate) enum Coll {
     Reduce,
     Barrier,
     CompressedAllreduce,
+    Alltoall,
+    Gather,
+    Scatter,
 }
 
-const COLLS: [Coll; 7] = [
+const COLLS: [Coll; 10] = [
     Coll::Allreduce,
     Coll::ReduceScatter,
     Coll::Allgather,
@@ -39,6 +42,9 @@ const COLLS: [Coll; 7] = [
     Coll::Reduce,
     Coll::Barrier,
     Coll::CompressedAllreduce,
+    Coll::Alltoall,
+    Coll::Gather,
+    Coll::Scatter,
 ];
 
 impl Coll {
@@ -51,6 +57,9 @@ impl Coll {
             Coll::Reduce => "reduce",
             Coll::Barrier => "barrier",
             Coll::CompressedAllreduce => "allreduce_compressed",
+            Coll::Alltoall => "alltoall",
+            Coll::Gather => "gather",
+            Coll::Scatter => "scatter",
         }
     }
 }
@@ -68,6 +77,10 @@ pub(crate) struct Call {
 
 impl fmt::Display for Call {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.coll == Coll::Alltoall {
+            // Each rank's sizes are its own: checked piece by piece, not here.
+            return write!(f, "alltoall({})", self.dtype);
+        }
         write!(f, "{}({} x {}", self.coll.name(), self.count, self.dtype)?;
         if matches!(
             self.coll,
@@ -75,7 +88,10 @@ impl fmt::Display for Call {
         ) {
             write!(f, ", {}", self.op)?;
         }
-        if matches!(self.coll, Coll::Broadcast | Coll::Reduce) {
+        if matches!(
+            self.coll,
+            Coll::Broadcast | Coll::Reduce | Coll::Gather | Coll::Scatter
+        ) {
             write!(f, ", root {}", self.root)?;
         }
         if self.coll == Coll::CompressedAllreduce {
@@ -221,7 +237,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn headers_round_trip(kind in 0usize..5, comm: u32, seq: u64, tag: u64, coll in 0usize..7,
+        fn headers_round_trip(kind in 0usize..5, comm: u32, seq: u64, tag: u64, coll in 0usize..10,
                               dtype in 0usize..7, op in 0usize..5, count: u64, root: u32) {
             let h = Header {
                 kind: KINDS[kind],

@@ -8,39 +8,12 @@ use std::time::Duration;
 
 use futures_util::future::{join_all, try_join_all};
 use psnet_collectives::{node_of, Algo, CollectiveError, Communicator, Config, ReduceOp};
-use psnet_memnet::{Faults, MemNet, MemTransport};
+use psnet_memnet::{MemNet, MemTransport};
 use psnet_transport::Transport;
 
-type Comm = Communicator<MemTransport>;
+mod common;
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .start_paused(true)
-        .build()
-        .expect("a runtime")
-}
-
-async fn world(net: &MemNet, n: usize, config: Config) -> Vec<Comm> {
-    let transports: Vec<Arc<MemTransport>> =
-        (0..n).map(|r| Arc::new(net.bind(node_of(r)))).collect();
-    let root = transports[0].listen_addr();
-    try_join_all(
-        transports
-            .iter()
-            .enumerate()
-            .map(|(r, t)| Communicator::join(t.clone(), r, n, root, config.clone())),
-    )
-    .await
-    .expect("every rank joins")
-}
-
-fn delayed(seed: u64) -> MemNet {
-    let mut faults = Faults::none();
-    faults.seed = seed;
-    faults.delay = (Duration::ZERO, Duration::from_micros(300));
-    MemNet::with_faults(faults)
-}
+use common::{delayed, runtime, world};
 
 fn inputs(n: usize, len: usize, seed: u64) -> Vec<Vec<i64>> {
     let mut rng = fastrand::Rng::with_seed(seed);

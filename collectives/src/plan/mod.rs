@@ -21,12 +21,14 @@ use crate::payload::Payload;
 
 mod barrier;
 mod doubling;
+mod exchange;
 mod halving;
 mod ring;
 mod tree;
 
 pub(crate) use barrier::barrier;
 pub(crate) use doubling::doubling_allreduce;
+pub(crate) use exchange::{alltoall, gather, scatter};
 pub(crate) use halving::halving_allreduce;
 pub(crate) use ring::{ring_allgather, ring_allreduce, ring_reduce_scatter};
 pub(crate) use tree::{tree_broadcast, tree_reduce};
