@@ -54,6 +54,8 @@ pub struct Communicator<T: Transport> {
     pub(crate) comm: u32,
     /// Splits made so far, which name the communicators they make.
     splits: AtomicU64,
+    /// The numbers of the next point-to-point messages (`p2p.rs`).
+    pub(crate) p2p: crate::p2p::Counters,
     pub(crate) rank: usize,
     pub(crate) members: Vec<NodeId>,
     pub(crate) config: Config,
@@ -125,6 +127,7 @@ impl<T: Transport> Communicator<T> {
             placing: Arc::default(),
             comm: 0,
             splits: AtomicU64::new(0),
+            p2p: Default::default(),
             rank,
             members: (0..size).map(node_of).collect(),
             config,
@@ -333,6 +336,7 @@ impl<T: Transport> Communicator<T> {
             placing: self.placing.clone(),
             comm: child_id(self.comm, split, colour),
             splits: AtomicU64::new(0),
+            p2p: Default::default(),
             rank,
             members: members.iter().map(|&(_, r)| self.members[r]).collect(),
             config: self.config.clone(),

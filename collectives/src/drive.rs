@@ -283,7 +283,7 @@ async fn send_error<T: Transport>(
     lost_by_send(comm, to, e)
 }
 
-fn lost_by_send<T: Transport>(
+pub(crate) fn lost_by_send<T: Transport>(
     comm: &Communicator<T>,
     to: usize,
     e: TransportError,

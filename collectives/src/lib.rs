@@ -34,6 +34,7 @@ mod liveness;
 mod mailbox;
 mod order;
 mod owned;
+mod p2p;
 mod payload;
 mod pieces;
 // Used by calls on the device; tested without a GPU.
@@ -50,3 +51,4 @@ pub use error::CollectiveError;
 #[cfg(feature = "cuda")]
 pub use gpu::GpuStage;
 pub use half::{bf16, f16};
+pub use p2p::P2pTicket;

@@ -62,6 +62,8 @@ pub(crate) struct Mail {
     pub late: HashMap<u32, (NodeId, Header)>,
     /// Set when more than `limit` bytes arrived ahead.
     pub overflow: Option<String>,
+    /// Pieces of point-to-point messages by communicator, sender, tag and message number.
+    pub p2p: HashMap<(u32, NodeId, u64, u64), Vec<Arrival>>,
     /// Joining messages (hello, table), in arrival order.
     pub joining: Vec<Arrival>,
     /// Peers whose connection was lost, or that fell silent (`liveness.rs`), and why.
@@ -85,6 +87,36 @@ impl Mail {
                 .or_insert((arrival.from, arrival.header));
             return;
         }
+        if !self.fits(&arrival) {
+            return;
+        }
+        self.buffered += arrival.len();
+        self.calls.entry(key).or_default().push(arrival);
+    }
+
+    /// Keeps a piece of a point-to-point message until its receive takes it, within the same
+    /// limit as messages for calls not yet made.
+    fn file_p2p(&mut self, arrival: Arrival) {
+        if !self.fits(&arrival) {
+            return;
+        }
+        self.buffered += arrival.len();
+        let h = arrival.header;
+        self.p2p
+            .entry((h.comm, arrival.from, h.tag, h.seq))
+            .or_default()
+            .push(arrival);
+    }
+
+    /// The pieces of a point-to-point message that arrived so far.
+    pub(crate) fn take_p2p(&mut self, key: (u32, NodeId, u64, u64)) -> Vec<Arrival> {
+        let taken = self.p2p.remove(&key).unwrap_or_default();
+        self.buffered -= taken.iter().map(Arrival::len).sum::<usize>();
+        taken
+    }
+
+    /// Whether `arrival` fits under the limit; if not, notes the overflow.
+    fn fits(&mut self, arrival: &Arrival) -> bool {
         if self.buffered + arrival.len() > self.limit {
             self.overflow.get_or_insert_with(|| {
                 format!(
@@ -92,10 +124,9 @@ impl Mail {
                     arrival.from, self.limit
                 )
             });
-            return;
+            return false;
         }
-        self.buffered += arrival.len();
-        self.calls.entry(key).or_default().push(arrival);
+        true
     }
 
     /// The messages that arrived for call `seq` of communicator `comm`.
@@ -166,6 +197,7 @@ pub(crate) async fn read_all<T: Transport>(transport: Arc<T>, mailbox: Arc<Mailb
                             mail.aborted.entry(header.comm).or_insert((m.peer, why));
                         }
                         Kind::Hello | Kind::Table => mail.joining.push(arrival),
+                        Kind::P2p => mail.file_p2p(arrival),
                         Kind::Heartbeat => unreachable!("taken above"),
                     }
                 }

@@ -32,9 +32,10 @@ pub(crate) enum Coll {
     Alltoall,
     Gather,
     Scatter,
+    Send,
 }
 
-const COLLS: [Coll; 10] = [
+const COLLS: [Coll; 11] = [
     Coll::Allreduce,
     Coll::ReduceScatter,
     Coll::Allgather,
@@ -45,6 +46,7 @@ const COLLS: [Coll; 10] = [
     Coll::Alltoall,
     Coll::Gather,
     Coll::Scatter,
+    Coll::Send,
 ];
 
 impl Coll {
@@ -60,6 +62,7 @@ impl Coll {
             Coll::Alltoall => "alltoall",
             Coll::Gather => "gather",
             Coll::Scatter => "scatter",
+            Coll::Send => "send",
         }
     }
 }
@@ -114,14 +117,18 @@ pub(crate) enum Kind {
     Table,
     /// The sender is alive (`liveness.rs`); no segment.
     Heartbeat,
+    /// A piece of a point-to-point message (`p2p.rs`): `seq` numbers the message among the
+    /// sender's to this rank with this `tag`, the call's `root` is the piece's index.
+    P2p,
 }
 
-const KINDS: [Kind; 5] = [
+const KINDS: [Kind; 6] = [
     Kind::Data,
     Kind::Abort,
     Kind::Hello,
     Kind::Table,
     Kind::Heartbeat,
+    Kind::P2p,
 ];
 
 /// A message's header.
@@ -237,7 +244,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn headers_round_trip(kind in 0usize..5, comm: u32, seq: u64, tag: u64, coll in 0usize..10,
+        fn headers_round_trip(kind in 0usize..6, comm: u32, seq: u64, tag: u64, coll in 0usize..11,
                               dtype in 0usize..7, op in 0usize..5, count: u64, root: u32) {
             let h = Header {
                 kind: KINDS[kind],
