@@ -4,8 +4,9 @@
   ``pushpull``, ``set_optimizer``, ``set_gradient_compression``, ``barrier``, ...) on NumPy
   arrays, over psnet's parameter server (RDMA or TCP).
 - ``psnet.init()`` then ``psnet.allreduce``, ``allgather``, ``reduce_scatter``,
-  ``broadcast``, ``reduce``, ``barrier``: collectives among the job's ranks, named by psnet's,
-  torchrun's, mpirun's or Slurm's variables.
+  ``broadcast``, ``reduce``, ``barrier``, ``alltoall``, ``gather``, ``scatter``: collectives
+  among the job's ranks, named by psnet's, torchrun's, mpirun's or Slurm's variables; ``send``
+  / ``recv`` / ``isend`` / ``irecv`` between two of them.
 
 As with ``import mxnet``, importing psnet in a process that a launcher started as the job's
 scheduler or a server (``DMLC_ROLE=scheduler|server``) runs that role until the job ends and
@@ -16,7 +17,7 @@ import sys as _sys
 
 from . import _psnet
 from ._psnet import CollectiveError, KvError, PeerLostError, PsnetError
-from . import kvstore, optimizer
+from . import exchange, kvstore, optimizer
 from .collectives import (
     allgather,
     allreduce,
@@ -30,11 +31,21 @@ from .collectives import (
     shutdown,
     size,
 )
+from .exchange import Request, alltoall, gather, irecv, isend, recv, scatter, send
 
 __version__ = _psnet.__version__
 
 __all__ = [
     "CollectiveError",
+    "Request",
+    "alltoall",
+    "exchange",
+    "gather",
+    "irecv",
+    "isend",
+    "recv",
+    "scatter",
+    "send",
     "KvError",
     "PeerLostError",
     "PsnetError",

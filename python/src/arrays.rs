@@ -9,6 +9,40 @@ use numpy::{
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
+/// Calls `$body` with `$t` the Rust element type of `$kind`.
+macro_rules! with_element {
+    ($kind:expr, $t:ident => $body:expr) => {
+        match $kind {
+            $crate::arrays::Kind::F32 => {
+                type $t = f32;
+                $body
+            }
+            $crate::arrays::Kind::F64 => {
+                type $t = f64;
+                $body
+            }
+            $crate::arrays::Kind::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            $crate::arrays::Kind::I32 => {
+                type $t = i32;
+                $body
+            }
+            $crate::arrays::Kind::I64 => {
+                type $t = i64;
+                $body
+            }
+            $crate::arrays::Kind::U8 => {
+                type $t = u8;
+                $body
+            }
+        }
+    };
+}
+
+pub(crate) use with_element;
+
 /// The element types psnet's Python calls take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -71,6 +105,16 @@ pub(crate) fn kind_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Kind> {
         )));
     };
     Ok(kind)
+}
+
+/// The number of elements of `obj`, a NumPy array.
+pub(crate) fn len_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    obj.cast::<PyUntypedArray>().map(|a| a.len()).map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what}: expected a numpy.ndarray, got {}",
+            type_name(obj)
+        ))
+    })
 }
 
 /// `obj` if it holds elements of `kind`, else a `TypeError` naming both.

@@ -9,41 +9,9 @@ use psnet_collectives::{Communicator, Element, ReduceOp};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::arrays::{self, Kind};
+use crate::arrays::{self, with_element, Kind};
 use crate::error;
 use crate::wait::{runtime, wait};
-
-/// Calls `$body` with `$t` the Rust element type of `$kind`.
-macro_rules! with_element {
-    ($kind:expr, $t:ident => $body:expr) => {
-        match $kind {
-            Kind::F32 => {
-                type $t = f32;
-                $body
-            }
-            Kind::F64 => {
-                type $t = f64;
-                $body
-            }
-            Kind::F16 => {
-                type $t = half::f16;
-                $body
-            }
-            Kind::I32 => {
-                type $t = i32;
-                $body
-            }
-            Kind::I64 => {
-                type $t = i64;
-                $body
-            }
-            Kind::U8 => {
-                type $t = u8;
-                $body
-            }
-        }
-    };
-}
 
 /// A communicator of every rank of the job, joined from psnet's (`PSNET_RANK`,
 /// `PSNET_WORLD_SIZE`, `PSNET_ROOT_ADDR`), torchrun's, mpirun's or Slurm's variables.
@@ -75,6 +43,16 @@ impl Comm {
         call: impl std::future::Future<Output = Result<(), psnet_collectives::CollectiveError>> + Send,
     ) -> PyResult<()> {
         self.usable()?;
+        wait(py, &self.runtime, async { call.await.map_err(error::coll) })
+    }
+
+    /// Runs a point-to-point call: outside the order of collective calls, so a communicator
+    /// failed by a collective still sends and receives between the ranks that are there.
+    pub(crate) fn run_p2p(
+        &self,
+        py: Python<'_>,
+        call: impl std::future::Future<Output = Result<(), psnet_collectives::CollectiveError>> + Send,
+    ) -> PyResult<()> {
         wait(py, &self.runtime, async { call.await.map_err(error::coll) })
     }
 

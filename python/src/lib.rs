@@ -26,6 +26,7 @@ mod arrays;
 mod coll;
 mod cuda;
 mod error;
+mod exchange;
 mod kv;
 mod wait;
 
@@ -40,6 +41,13 @@ fn _psnet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<kv::Worker>()?;
     m.add_class::<kv::Updater>()?;
     m.add_class::<coll::Comm>()?;
+    m.add_class::<exchange::Ticket>()?;
+    m.add_function(wrap_pyfunction!(exchange::alltoall, m)?)?;
+    m.add_function(wrap_pyfunction!(exchange::gather, m)?)?;
+    m.add_function(wrap_pyfunction!(exchange::scatter, m)?)?;
+    m.add_function(wrap_pyfunction!(exchange::p2p_ticket, m)?)?;
+    m.add_function(wrap_pyfunction!(exchange::send_with, m)?)?;
+    m.add_function(wrap_pyfunction!(exchange::recv_with, m)?)?;
     m.add_function(wrap_pyfunction!(kv::run_role, m)?)?;
     m.add_function(wrap_pyfunction!(kv::role, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::allreduce_cuda, m)?)?;

@@ -223,3 +223,104 @@ def test_ctrl_c_in_a_waiting_call_raises_keyboard_interrupt(tmp_path):
     assert rank0.returncode == 5, out
     assert "interrupted" in out
     assert elapsed < 5, f"KeyboardInterrupt took {elapsed:.1f} s"
+
+
+EXCHANGE_JOB = """
+import sys
+import numpy as np
+import psnet
+
+out = sys.argv[1]
+psnet.init()
+r, n = psnet.rank(), psnet.size()
+res = {}
+for name in ("float32", "float64", "float16", "int32", "int64", "uint8"):
+    dt = np.dtype(name)
+    # Equal blocks of 3 rows x 2.
+    x = (np.arange(n * 6).reshape(n * 3, 2) + 100 * r).astype(dt)
+    res[f"a2a_{name}"] = psnet.alltoall(x)
+    # Uneven rows, zero-length ones included: rank r sends rank j (r + j) % 3 rows.
+    splits = [(r + j) % 3 for j in range(n)]
+    recv_splits = [(i + r) % 3 for i in range(n)]
+    y = np.concatenate([np.full(((r + j) % 3, 2), 10 * r + j, dtype=dt) for j in range(n)]) \
+        if sum(splits) else np.empty((0, 2), dtype=dt)
+    res[f"a2av_{name}"] = psnet.alltoall(y, send_splits=splits, recv_splits=recv_splits)
+    g = psnet.gather(np.full(4, r + 1, dtype=dt), root=n - 1)
+    if g is not None:
+        res[f"gather_{name}"] = g
+    block = np.empty(2, dtype=dt)
+    src = np.arange(2 * n, dtype=dt) if r == 0 else None
+    res[f"scatter_{name}"] = psnet.scatter(src, block, root=0)
+# Point to point: every rank sends each other rank two messages with tag 5 and one with tag
+# 6, started before any receive, received out of the order sent.
+reqs = []
+for j in range(n):
+    if j != r:
+        for k in range(2):
+            reqs.append(psnet.isend(np.full(3 + k, 1000 * r + 10 * j + k, dtype=np.int64), j, tag=5))
+        reqs.append(psnet.isend(np.full(1, -r, dtype=np.int64), j, tag=6))
+for i in range(n):
+    if i != r:
+        six = psnet.recv(np.empty(1, dtype=np.int64), i, tag=6)
+        first = psnet.irecv(np.empty(3, dtype=np.int64), i, tag=5)
+        second = np.empty(4, dtype=np.int64)
+        psnet.irecv(second, i, tag=5).wait()
+        buf = np.empty(3, dtype=np.int64)
+        res[f"p2p_{i}"] = np.concatenate([six, second])
+for q in reqs:
+    q.wait()
+np.savez(f"{out}/rank{r}.npz", **res)
+"""
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_alltoall_gather_scatter_and_send_recv_match_numpy(tmp_path, n):
+    run_ranks(tmp_path, n, EXCHANGE_JOB)
+    for r in range(n):
+        res = np.load(tmp_path / "out" / f"rank{r}.npz")
+        for name in ("float32", "float64", "float16", "int32", "int64", "uint8"):
+            dt = np.dtype(name)
+            xs = [(np.arange(n * 6).reshape(n * 3, 2) + 100 * i).astype(dt) for i in range(n)]
+            want = np.concatenate([x[3 * r:3 * r + 3] for x in xs])
+            np.testing.assert_array_equal(res[f"a2a_{name}"], want)
+            parts = [np.full(((i + r) % 3, 2), 10 * i + r, dtype=dt) for i in range(n)]
+            want = np.concatenate(parts) if parts else np.empty((0, 2), dtype=dt)
+            np.testing.assert_array_equal(res[f"a2av_{name}"], want.reshape(-1, 2))
+            if r == n - 1:
+                np.testing.assert_array_equal(
+                    res[f"gather_{name}"], np.stack([np.full(4, i + 1, dtype=dt) for i in range(n)]))
+            np.testing.assert_array_equal(res[f"scatter_{name}"], np.arange(2 * n, dtype=dt)[2 * r:2 * r + 2])
+        for i in range(n):
+            if i != r:
+                np.testing.assert_array_equal(res[f"p2p_{i}"], [-i] + [1000 * i + 10 * r + 1] * 4)
+
+
+def test_mismatched_splits_and_a_dead_sender_raise_naming_the_rank(tmp_path):
+    ranks = Ranks(tmp_path, 3, """
+        import os, numpy as np, psnet
+        psnet.init()
+        r = psnet.rank()
+        # Rank 1 expects one row from rank 0; rank 0 sends two. Every other pair agrees.
+        send_splits = [[1, 2, 1], [1, 1, 1], [1, 1, 1]][r]
+        try:
+            psnet.alltoall(np.zeros((sum(send_splits), 2), np.float32), send_splits=send_splits,
+                           recv_splits=[1, 1, 1])
+        except psnet.PsnetError as e:
+            print("alltoall:", e, flush=True)
+        if r == 2:
+            os._exit(9)
+        try:
+            psnet.recv(np.zeros(3, np.float32), 2)
+        except psnet.PeerLostError as e:
+            print("recv:", e, flush=True)
+            raise SystemExit(3)
+    """, env={"PSNET_COLL_TIMEOUT": "60"})
+    results = ranks.wait(timeout=120)
+    assert results[2][0] == 9
+    for r in (0, 1):
+        rc, out = results[r]
+        assert rc == 3, f"rank {r} exited {rc}:\n{out}"
+        assert "recv:" in out and "rank 2" in out, out
+    alltoall_line = [l for l in results[1][1].splitlines() if l.startswith("alltoall:")]
+    assert alltoall_line and "rank 0" in alltoall_line[0], results[1][1]
+    assert "split sizes differ" in alltoall_line[0], alltoall_line[0]

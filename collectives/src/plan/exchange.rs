@@ -25,6 +25,26 @@ fn pieces_of(block: Range<usize>, piece: usize) -> Vec<Range<usize>> {
     split(block, piece).collect()
 }
 
+/// Says what a piece the plan does not expect means: its sender's block is of another length
+/// than the one this rank expects from it.
+fn explain(plan: &Plan, from: usize, tag: u64) -> String {
+    let theirs = tag & ((1 << LEN_BITS) - 1);
+    let ours = plan
+        .recv_by_tag
+        .keys()
+        .find(|&&(f, t)| f == from && t >> LEN_BITS == 0)
+        .map(|&(_, t)| t & ((1 << LEN_BITS) - 1));
+    match ours {
+        Some(ours) => format!(
+            ": it sends this rank a block of {theirs} elements where this rank expects {ours} \
+             (split sizes differ)"
+        ),
+        None => format!(
+            ": it sends this rank a block of {theirs} elements where this rank expects none"
+        ),
+    }
+}
+
 /// Lays `blocks` (lengths, in order from element 0) out as pieces: the piece list and, per
 /// block, the indices of its pieces.
 fn layout(blocks: &[usize], piece: usize) -> (Vec<Range<usize>>, Vec<Range<usize>>) {
@@ -70,6 +90,7 @@ pub(crate) fn alltoall(
     let blocks: Vec<usize> = send.iter().chain(recv).copied().collect();
     let (pieces, per_block) = layout(&blocks, piece);
     let mut plan = Plan::new(pieces, elem_size);
+    plan.explain = Some(explain);
     // Sends to the next ranks first, receives from the previous ones: at every moment each
     // rank's outgoing link and incoming link carry one peer's block each, as far as the
     // transport keeps the order of sends (rank r + s gets rank r's block at step s).
@@ -95,6 +116,7 @@ pub(crate) fn gather(
 ) -> Plan {
     let (pieces, per_block) = layout(counts, piece);
     let mut plan = Plan::new(pieces, elem_size);
+    plan.explain = Some(explain);
     if rank == root {
         for from in (0..n).filter(|&r| r != root) {
             recv_block(&mut plan, &per_block, from, counts[from], from);
@@ -118,6 +140,7 @@ pub(crate) fn scatter(
 ) -> Plan {
     let (pieces, per_block) = layout(counts, piece);
     let mut plan = Plan::new(pieces, elem_size);
+    plan.explain = Some(explain);
     if rank == root {
         for to in (0..n).filter(|&r| r != root) {
             send_block(&mut plan, &per_block, to, counts[to], to);
@@ -237,5 +260,10 @@ mod tests {
             )
             .unwrap_err();
         assert!(err.to_string().contains("rank 0"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("a block of 3 elements where this rank expects 5"),
+            "{err}"
+        );
     }
 }

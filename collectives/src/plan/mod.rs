@@ -93,12 +93,15 @@ pub(crate) struct ApplyReq {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum PlanError {
     /// No receive of this rank's plan expects this tag from this rank.
-    #[error("an unexpected piece (tag {tag}) from rank {from}")]
+    #[error("an unexpected piece (tag {tag}) from rank {from}{meaning}")]
     Unexpected {
         /// The sender.
         from: usize,
         /// The tag.
         tag: u64,
+        /// What the tag says, where the plan's tags carry meaning (an exchange's block
+        /// length); empty otherwise.
+        meaning: String,
     },
     /// The expected piece has another length.
     #[error("a piece of {got} bytes from rank {from} where {want} were expected")]
@@ -122,6 +125,8 @@ pub(crate) struct Plan {
     ready_sends: VecDeque<usize>,
     ready_applies: VecDeque<usize>,
     left: usize,
+    /// Explains a tag no receive expects, for the error (`exchange.rs`'s tags carry lengths).
+    explain: Option<fn(&Plan, usize, u64) -> String>,
 }
 
 impl Plan {
@@ -137,6 +142,7 @@ impl Plan {
             ready_sends: VecDeque::new(),
             ready_applies: VecDeque::new(),
             left: 0,
+            explain: None,
         }
     }
 
@@ -264,7 +270,10 @@ impl Plan {
         let data = data.into();
         let id = match self.recv_by_tag.get(&(from, tag)) {
             Some(&id) if self.ops[id].data.is_none() && !self.ops[id].done => id,
-            _ => return Err(PlanError::Unexpected { from, tag }),
+            _ => {
+                let meaning = self.explain.map(|f| f(self, from, tag)).unwrap_or_default();
+                return Err(PlanError::Unexpected { from, tag, meaning });
+            }
         };
         let want = self.pieces[self.ops[id].piece].len() * self.elem_size;
         if data.len() != want {

@@ -193,7 +193,11 @@ fn a_piece_of_the_wrong_length_or_tag_is_refused() {
     let mut plan = ring_allreduce(0, 2, 10, 4, 100);
     assert_eq!(
         plan.handle_message(1, 99, Bytes::from_static(&[0; 20])),
-        Err(PlanError::Unexpected { from: 1, tag: 99 })
+        Err(PlanError::Unexpected {
+            from: 1,
+            tag: 99,
+            meaning: String::new()
+        })
     );
     assert_eq!(
         plan.handle_message(1, 1, Bytes::from_static(&[0; 3])),
@@ -210,7 +214,11 @@ fn a_piece_of_the_wrong_length_or_tag_is_refused() {
     // The same piece twice.
     assert_eq!(
         plan.handle_message(1, 1, Bytes::from_static(&[0; 20])),
-        Err(PlanError::Unexpected { from: 1, tag: 1 })
+        Err(PlanError::Unexpected {
+            from: 1,
+            tag: 1,
+            meaning: String::new()
+        })
     );
 }
 
