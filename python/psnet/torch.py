@@ -8,7 +8,9 @@
     model = torch.nn.parallel.DistributedDataParallel(model)
 
 The process group runs psnet's collectives (RDMA or TCP, whichever the environment binds) on
-CPU and CUDA tensors: allreduce, broadcast, allgather, reduce_scatter, reduce, barrier. An
+CPU and CUDA tensors: allreduce, broadcast, allgather, reduce_scatter, reduce, barrier,
+all_to_all(_single) with split sizes, gather, scatter, the coalesced forms FSDP uses,
+monitored_barrier, and send / recv / isend / irecv / batch_isend_irecv between two ranks. An
 allreduce of a contiguous CUDA tensor (DDP's buckets) runs on its GPU: pieces sent from device
 memory, reduced into the tensor by psnet's kernels, bfloat16 included; a broadcast of one
 (DDP's start) copies the pieces in on the GPU, and ``all_gather_into_tensor`` and
@@ -16,8 +18,13 @@ memory, reduced into the tensor by psnet's kernels, bfloat16 included; a broadca
 (``PSNET_CUDA_TENSORS=staged`` stages them instead). Other CUDA tensors are staged through a
 page-locked host copy, as gloo stages them, and written back when the call ends. Rank 0 draws
 a free port on ``MASTER_ADDR`` (127.0.0.1 if unset) and hands it to the others through
-torch's store, so psnet never competes with the store for ``MASTER_PORT``. Each call
-completes before it returns (its ``Work`` is done at once). float32, float64, float16,
+torch's store, so psnet never competes with the store for ``MASTER_PORT``. A call on CPU
+tensors returns at once: its ``Work`` completes when psnet's operation does (the group's
+collective calls run one after another on a thread of their own, in the order they were
+made, so DDP's bucket allreduces overlap backward); ``wait()`` raises what the call met. A
+call with a CUDA tensor runs on the caller's thread once the calls before it are done.
+Point-to-point messages are matched per peer and tag in the order the calls were made, and
+run concurrently. float32, float64, float16,
 int32, int64 and uint8 tensors; bfloat16 tensors other than those reduced on the GPU are
 refused with a clear error.
 
@@ -32,13 +39,15 @@ hook's state):
 import json
 import os
 import socket
+import sys
+import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from . import _psnet
+from ._torch_calls import _MONITORED_BARRIER_TAG, _any_cuda, _Calls, _done, _p2p_work, _wait_for
 from ._arrays import (
     allgather_on_gpu,
     allreduce_on_gpu,
@@ -109,18 +118,15 @@ class _Staged:
         return False
 
 
-def _done(result):
-    fut = torch.futures.Future()
-    fut.set_result(result)
-    return _create_work_from_future(fut)
-
-
 class ProcessGroupPsnet(dist.ProcessGroup):
     """A ``torch.distributed`` process group over a psnet communicator."""
 
     def __init__(self, comm, rank, size):
         super().__init__(rank, size)
         self._comm = comm
+        self._calls = _Calls()
+        self._group_name = ""
+        self._group_desc = ""
 
     def getBackendName(self):  # noqa: N802 (torch's name)
         return BACKEND
@@ -128,46 +134,93 @@ class ProcessGroupPsnet(dist.ProcessGroup):
     def name(self):
         return BACKEND
 
+    # torch keeps a group's name and description in the C++ backends it registered; this
+    # group is its own backend, written in Python, so it keeps them itself (DeviceMesh,
+    # and with it FSDP2, reads them).
+    def _set_group_name(self, name):
+        self._group_name = name
+
+    @property
+    def group_name(self):
+        return self._group_name
+
+    def _set_group_desc(self, desc):
+        self._group_desc = desc
+
+    @property
+    def group_desc(self):
+        return self._group_desc
+
+    def _get_backend(self, device):
+        return self
+
+    @property
+    def _device_types(self):
+        # The devices this group takes tensors on: torch asks before monitored_barrier. It
+        # also asks when the group is made, to skip its flight recorder for a group written
+        # in Python (the recorder files entries under a name kept in C++ backends, which
+        # this group has none of); that one question is answered as torch expects.
+        if sys._getframe(1).f_code.co_name == "_maybe_attach_flight_recorder":
+            return []
+        return [torch.device("cpu"), torch.device("cuda")]
+
+    supports_coalescing = False
+
+    def _submit(self, run, result, *tensors):
+        return self._calls.submit(run, result, now=_any_cuda(*tensors))
+
     def allreduce(self, tensors, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        for t in tensors:
-            if allreduce_on_gpu(self._comm, t, op):
-                continue
-            with _Staged(t, "allreduce", write=True) as a:
-                self._comm.allreduce(a, op)
-        return _done(tensors)
+
+        def run():
+            for t in tensors:
+                if allreduce_on_gpu(self._comm, t, op):
+                    continue
+                with _Staged(t, "allreduce", write=True) as a:
+                    self._comm.allreduce(a, op)
+        return self._submit(run, tensors, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        for t in tensors:
-            if broadcast_on_gpu(self._comm, t, root):
-                continue
-            with _Staged(t, "broadcast", write=True) as a:
-                self._comm.broadcast(a, root)
-        return _done(tensors)
+
+        def run():
+            for t in tensors:
+                if broadcast_on_gpu(self._comm, t, root):
+                    continue
+                with _Staged(t, "broadcast", write=True) as a:
+                    self._comm.broadcast(a, root)
+        return self._submit(run, tensors, tensors)
 
     def reduce(self, tensors, opts=None):
         op, root = _op(opts.reduceOp), opts.rootRank
-        for t in tensors:
-            if reduce_on_gpu(self._comm, t, op, root):
-                continue
-            with _Staged(t, "reduce", write=True) as a:
-                self._comm.reduce(a.copy(), a, op, root)
-        return _done(tensors)
+
+        def run():
+            for t in tensors:
+                if reduce_on_gpu(self._comm, t, op, root):
+                    continue
+                with _Staged(t, "reduce", write=True) as a:
+                    self._comm.reduce(a.copy(), a, op, root)
+        return self._submit(run, tensors, tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        for outs, inp in zip(output_tensors, input_tensors):
-            if self._allgather_list_on_gpu(outs, inp):
-                continue
-            with _Staged(inp, "allgather") as send:
-                recv = np.empty(len(outs) * send.size, dtype=send.dtype)
-                self._comm.allgather(send.reshape(-1), recv)
-            for r, out in enumerate(outs):
-                out.copy_(torch.from_numpy(recv[r * send.size:(r + 1) * send.size]).view_as(out))
-        return _done(output_tensors)
+        def run():
+            for outs, inp in zip(output_tensors, input_tensors):
+                if self._allgather_list_on_gpu(outs, inp):
+                    continue
+                with _Staged(inp, "allgather") as send:
+                    recv = np.empty(len(outs) * send.size, dtype=send.dtype)
+                    self._comm.allgather(send.reshape(-1), recv)
+                for r, out in enumerate(outs):
+                    piece = torch.from_numpy(recv[r * send.size:(r + 1) * send.size])
+                    with torch.no_grad():
+                        out.copy_(piece.view_as(out))
+        return self._submit(run, output_tensors, output_tensors, input_tensors)
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        return self.allgather(output_lists, input_tensors, opts)
 
     def _allgather_list_on_gpu(self, outs, inp):
         """Gathers ``inp`` into the list ``outs`` (one per rank) on their GPU, through one
@@ -186,28 +239,40 @@ class ProcessGroupPsnet(dist.ProcessGroup):
                 out.copy_(recv[r * n:(r + 1) * n].view_as(out))
         return True
 
-    def _allgather_base(self, output, input, opts=None):
+    def _allgather_into(self, output, input):
         if allgather_on_gpu(self._comm, input, output):
-            return _done([output])
+            return
         with _Staged(input, "allgather") as send, _Staged(output, "allgather", True) as recv:
             self._comm.allgather(send.reshape(-1), recv.reshape(-1))
-        return _done([output])
+
+    def _allgather_base(self, output, input, opts=None):
+        return self._submit(lambda: self._allgather_into(output, input), [output], output, input)
 
     # torch 2.x's all_gather_into_tensor; newer torch names it all_gather_single.
     all_gather_single = _allgather_base
 
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        def run():
+            for out, inp in zip(outputs, inputs):
+                self._allgather_into(out, inp)
+        return self._submit(run, outputs, outputs, inputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        for out, ins in zip(output_tensors, input_tensors):
-            if self._reduce_scatter_list_on_gpu(out, ins, op):
-                continue
-            parts = []
-            for t in ins:
-                with _Staged(t, "reduce_scatter") as a:
-                    parts.append(a.reshape(-1).copy())
-            with _Staged(out, "reduce_scatter", write=True) as recv:
-                self._comm.reduce_scatter(np.concatenate(parts), recv.reshape(-1), op)
-        return _done(output_tensors)
+
+        def run():
+            for out, ins in zip(output_tensors, input_tensors):
+                if self._reduce_scatter_list_on_gpu(out, ins, op):
+                    continue
+                parts = []
+                for t in ins:
+                    with _Staged(t, "reduce_scatter") as a:
+                        parts.append(a.reshape(-1).copy())
+                with _Staged(out, "reduce_scatter", write=True) as recv:
+                    self._comm.reduce_scatter(np.concatenate(parts), recv.reshape(-1), op)
+        return self._submit(run, output_tensors, output_tensors, input_tensors)
 
     def _reduce_scatter_list_on_gpu(self, out, ins, op):
         """Reduces the list ``ins`` (one block per rank) into ``out`` on their GPU, through
@@ -220,21 +285,187 @@ class ProcessGroupPsnet(dist.ProcessGroup):
             send = torch.cat([t.reshape(-1) for t in ins])
         return reduce_scatter_on_gpu(self._comm, send, out.view(-1), op)
 
-    def _reduce_scatter_base(self, output, input, opts=None):
-        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+    def _reduce_scatter_into(self, output, input, op):
         if reduce_scatter_on_gpu(self._comm, input, output, op):
-            return _done([output])
+            return
         with _Staged(input, "reduce_scatter") as send, \
                 _Staged(output, "reduce_scatter", True) as recv:
             self._comm.reduce_scatter(send.reshape(-1), recv.reshape(-1), op)
-        return _done([output])
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        return self._submit(lambda: self._reduce_scatter_into(output, input, op), [output],
+                            output, input)
 
     # torch 2.x's reduce_scatter_tensor; newer torch names it reduce_scatter_single.
     reduce_scatter_single = _reduce_scatter_base
 
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+
+        def run():
+            for out, inp in zip(outputs, inputs):
+                self._reduce_scatter_into(out, inp, op)
+        return self._submit(run, outputs, outputs, inputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          opts=None):
+        n = self._comm.size
+
+        def rows(t, splits, what):
+            if not splits:
+                if t.shape[0] % n if t.dim() else True:
+                    raise ValueError(f"psnet all_to_all_single: {what}'s first dimension does "
+                                     f"not split into {n} equal blocks; pass split sizes")
+                return [t.shape[0] // n] * n
+            return list(splits)
+
+        send_rows = rows(input, input_split_sizes, "input")
+        recv_rows = rows(output, output_split_sizes, "output")
+        row = input[0].numel() if input.dim() and input.shape[0] else (
+            int(np.prod(input.shape[1:])) if input.dim() > 1 else 1)
+
+        def run():
+            with _Staged(input, "all_to_all") as send, \
+                    _Staged(output, "all_to_all", write=True) as recv:
+                _psnet.alltoall(self._comm, send.reshape(-1), recv.reshape(-1),
+                                [r * row for r in send_rows], [r * row for r in recv_rows])
+        return self._submit(run, [output], output, input)
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        def run():
+            sends = []
+            for t in input_tensors:
+                with _Staged(t, "all_to_all") as a:
+                    sends.append(a.reshape(-1))
+            send = np.concatenate(sends) if sends else np.empty(0)
+            recv = np.empty(sum(t.numel() for t in output_tensors), dtype=send.dtype)
+            _psnet.alltoall(self._comm, send, recv, [a.size for a in sends],
+                            [t.numel() for t in output_tensors])
+            at = 0
+            for t in output_tensors:
+                piece = torch.from_numpy(recv[at:at + t.numel()])
+                with torch.no_grad():
+                    t.copy_(piece.view_as(t))
+                at += t.numel()
+        return self._submit(run, output_tensors, output_tensors, input_tensors)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        root = opts.rootRank
+        inp = input_tensors[0]
+
+        def run():
+            with _Staged(inp, "gather") as send:
+                send = send.reshape(-1)
+                recv = None
+                if self._comm.rank == root:
+                    recv = np.empty(self._comm.size * send.size, dtype=send.dtype)
+                _psnet.gather(self._comm, send, recv, root)
+            if recv is not None:
+                for r, out in enumerate(output_tensors[0]):
+                    piece = torch.from_numpy(recv[r * send.size:(r + 1) * send.size])
+                    with torch.no_grad():
+                        out.copy_(piece.view_as(out))
+        return self._submit(run, output_tensors, output_tensors, input_tensors)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        root = opts.rootRank
+        out = output_tensors[0]
+
+        def run():
+            send = None
+            if self._comm.rank == root:
+                parts = []
+                for t in input_tensors[0]:
+                    with _Staged(t, "scatter") as a:
+                        parts.append(a.reshape(-1))
+                send = np.concatenate(parts)
+            with _Staged(out, "scatter", write=True) as recv:
+                _psnet.scatter(self._comm, send, recv.reshape(-1), root)
+        return self._submit(run, output_tensors, output_tensors, input_tensors)
+
+    def send(self, tensors, dst, tag=0):
+        ticket = _psnet.p2p_ticket(self._comm, dst, tag, True)
+        t = tensors[0]
+        if _any_cuda(t):
+            with torch.no_grad():
+                t = t.detach().to("cpu")
+        else:
+            t = t.detach().contiguous()
+
+        def run():
+            _psnet.send_with(self._comm, ticket, _array(t, "send").reshape(-1))
+        return _p2p_work(run, tensors)
+
+    def recv(self, tensors, src, tag=0):
+        ticket = _psnet.p2p_ticket(self._comm, src, tag, False)
+        t = tensors[0]
+
+        def run():
+            if _any_cuda(t) or not t.is_contiguous():
+                host = torch.empty(t.shape, dtype=t.dtype)
+                _psnet.recv_with(self._comm, ticket, _array(host, "recv").reshape(-1))
+                with torch.no_grad():
+                    t.copy_(host)
+            else:
+                _psnet.recv_with(self._comm, ticket, _array(t, "recv").reshape(-1))
+        return _p2p_work(run, tensors)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise NotImplementedError(
+            "psnet: recv without a source rank (recv_anysource) is not supported: name the "
+            "sending rank")
+
     def barrier(self, opts=None):
-        self._comm.barrier()
+        # device_ids, where given, only say which GPU a NCCL barrier would use.
+        return self._submit(self._comm.barrier, None)
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """Rank 0 waits up to ``timeout`` for every other rank and raises naming those that
+        did not arrive (the first, or all with ``wait_all_ranks``), as gloo does; the others
+        wait for rank 0's release."""
+        self._calls.drain()
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else (
+            float(timeout) if timeout is not None else 1800.0)
+        tag = _MONITORED_BARRIER_TAG
+        n, me = self._comm.size, self._comm.rank
+        token = np.zeros(1, dtype=np.uint8)
+        if me != 0:
+            self.send([torch.from_numpy(token)], 0, tag).wait()
+            release = self.recv([torch.zeros(1, dtype=torch.uint8)], 0, tag)
+            if not _wait_for(release, seconds):
+                raise RuntimeError(f"[Rank {me}]: rank 0 did not release monitoredBarrier "
+                                   f"within {seconds * 1000:.0f} ms")
+            return _done(None)
+        arrivals = {r: self.recv([torch.zeros(1, dtype=torch.uint8)], r, tag)
+                    for r in range(1, n)}
+        missing = []
+        deadline = time.monotonic() + seconds
+        for r, work in arrivals.items():
+            if not _wait_for(work, max(0.0, deadline - time.monotonic())):
+                missing.append(r)
+                if not wait_all_ranks:
+                    break
+        if missing:
+            names = ", ".join(str(r) for r in missing)
+            raise RuntimeError(f"[Rank 0]: Ranks {names} failed to pass monitoredBarrier in "
+                               f"{seconds * 1000:.0f} ms")
+        for r in range(1, n):
+            self.send([torch.from_numpy(token)], r, tag).wait()
         return _done(None)
+
+    def shutdown(self):
+        """Ends this group's call thread once the calls made so far are done."""
+        self._calls.drain()
+        self._calls.stop()
+
+    def abort(self):
+        """Ends this group's call thread without waiting for the calls queued."""
+        self._calls.stop()
 
 
 def _on_cuda(t):
@@ -286,21 +517,23 @@ def compressed_allreduce_hook(state, bucket):
         raise RuntimeError("compressed_allreduce_hook needs the 'psnet' backend")
     buf = bucket.buffer()
     n = pg.size()
-    if buf.dtype == torch.float32:
-        index = bucket.index()
-        residual = state.residuals.get(index)
-        if residual is None or residual.size != buf.numel():
-            residual = np.zeros(buf.numel(), dtype=np.float32)
-            state.residuals[index] = residual
-        with _Staged(buf, "compressed allreduce", write=True) as a:
-            pg._comm.allreduce_compressed(a.reshape(-1), residual, state.params)
-        buf.div_(n)
-    else:
-        with _Staged(buf, "allreduce", write=True) as a:
-            pg._comm.allreduce(a, "avg")
-    fut = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
+    index = bucket.index()
+
+    def run():
+        if buf.dtype == torch.float32:
+            residual = state.residuals.get(index)
+            if residual is None or residual.size != buf.numel():
+                residual = np.zeros(buf.numel(), dtype=np.float32)
+                state.residuals[index] = residual
+            with _Staged(buf, "compressed allreduce", write=True) as a:
+                pg._comm.allreduce_compressed(a.reshape(-1), residual, state.params)
+            buf.div_(n)
+        else:
+            with _Staged(buf, "allreduce", write=True) as a:
+                pg._comm.allreduce(a, "avg")
+
+    # In the order of the group's other calls, overlapping the rest of backward.
+    return pg._calls.submit(run, buf, now=_any_cuda(buf)).get_future()
 
 
 __all__ = ["BACKEND", "CompressionState", "ProcessGroupPsnet", "compressed_allreduce_hook"]

@@ -151,6 +151,49 @@ pub(crate) fn read<'py, T: Element>(
     Ok(borrowed)
 }
 
+/// An input's elements: borrowed in place, or copied where its memory overlaps the output's.
+pub(crate) enum Input<'py, T: Element> {
+    Borrowed(PyReadonlyArrayDyn<'py, T>),
+    Copied(Vec<T>),
+}
+
+impl<T: Element> Input<'_, T> {
+    /// The elements.
+    pub(crate) fn elems(&self, what: &str) -> PyResult<&[T]> {
+        match self {
+            Input::Borrowed(b) => elems(b, what),
+            Input::Copied(v) => Ok(v),
+        }
+    }
+}
+
+/// The bytes `obj`'s elements span (`obj` must be an array of `T`).
+fn span<T: Element>(obj: &Bound<'_, PyAny>) -> Option<std::ops::Range<usize>> {
+    let array = obj.cast::<PyArrayDyn<T>>().ok()?;
+    let start = array.data() as usize;
+    Some(start..start + array.len() * std::mem::size_of::<T>())
+}
+
+/// `send`'s elements for a call that writes `recv`: borrowed, unless the two share memory
+/// (torch passes an in-place all-gather's input as a view of its output), in which case a
+/// copy made now: a shared and a mutable slice of one memory must never exist at once.
+pub(crate) fn read_apart<'py, T: Element + Copy>(
+    send: &Bound<'py, PyAny>,
+    recv: &Bound<'_, PyAny>,
+    what: &str,
+) -> PyResult<Input<'py, T>> {
+    let borrowed = read::<T>(send, what)?;
+    let overlap = match (span::<T>(send), span::<T>(recv)) {
+        (Some(a), Some(b)) => !a.is_empty() && !b.is_empty() && a.start < b.end && b.start < a.end,
+        _ => false,
+    };
+    if overlap {
+        let copy = elems(&borrowed, what)?.to_vec();
+        return Ok(Input::Copied(copy));
+    }
+    Ok(Input::Borrowed(borrowed))
+}
+
 /// A writable borrow of `obj`'s elements.
 pub(crate) fn write<'py, T: Element>(
     obj: &Bound<'py, PyAny>,

@@ -126,9 +126,9 @@ impl Comm {
         send: &Bound<'_, PyAny>,
         recv: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let s = arrays::read::<E>(send, "allgather send")?;
+        let s = arrays::read_apart::<E>(send, recv, "allgather send")?;
         let mut r = arrays::write::<E>(recv, "allgather recv")?;
-        let s = arrays::elems(&s, "allgather send")?;
+        let s = s.elems("allgather send")?;
         let r = arrays::elems_mut(&mut r, "allgather recv")?;
         self.run(py, self.comm.allgather(s, r))
     }
@@ -140,9 +140,9 @@ impl Comm {
         recv: &Bound<'_, PyAny>,
         op: ReduceOp,
     ) -> PyResult<()> {
-        let s = arrays::read::<E>(send, "reduce_scatter send")?;
+        let s = arrays::read_apart::<E>(send, recv, "reduce_scatter send")?;
         let mut r = arrays::write::<E>(recv, "reduce_scatter recv")?;
-        let s = arrays::elems(&s, "reduce_scatter send")?;
+        let s = s.elems("reduce_scatter send")?;
         let r = arrays::elems_mut(&mut r, "reduce_scatter recv")?;
         self.run(py, self.comm.reduce_scatter(s, r, op))
     }
@@ -155,9 +155,9 @@ impl Comm {
         op: ReduceOp,
         root: usize,
     ) -> PyResult<()> {
-        let s = arrays::read::<E>(send, "reduce send")?;
+        let s = arrays::read_apart::<E>(send, recv, "reduce send")?;
         let mut r = arrays::write::<E>(recv, "reduce recv")?;
-        let s = arrays::elems(&s, "reduce send")?;
+        let s = s.elems("reduce send")?;
         let r = arrays::elems_mut(&mut r, "reduce recv")?;
         self.run(py, self.comm.reduce_into(s, r, op, root))
     }

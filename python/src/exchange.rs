@@ -25,9 +25,9 @@ fn alltoallv_t<E: Element + NpElement>(
     recv: &Bound<'_, PyAny>,
     recv_counts: &[usize],
 ) -> PyResult<()> {
-    let s = arrays::read::<E>(send, "alltoall send")?;
+    let s = arrays::read_apart::<E>(send, recv, "alltoall send")?;
     let mut r = arrays::write::<E>(recv, "alltoall recv")?;
-    let s = arrays::elems(&s, "alltoall send")?;
+    let s = s.elems("alltoall send")?;
     let r = arrays::elems_mut(&mut r, "alltoall recv")?;
     comm.run(py, comm.comm.alltoallv(s, send_counts, r, recv_counts))
 }
@@ -84,8 +84,11 @@ pub(crate) fn gather(
         arrays::expect_kind(r, kind, "gather recv")?;
     }
     with_element!(kind, E => {
-        let s = arrays::read::<E>(send, "gather send")?;
-        let s = arrays::elems(&s, "gather send")?;
+        let s = match recv {
+            Some(r) => arrays::read_apart::<E>(send, r, "gather send")?,
+            None => arrays::Input::Borrowed(arrays::read::<E>(send, "gather send")?),
+        };
+        let s = s.elems("gather send")?;
         let mut r = recv.map(|r| arrays::write::<E>(r, "gather recv")).transpose()?;
         let r = match r.as_mut() {
             Some(r) => Some(arrays::elems_mut(r, "gather recv")?),
@@ -111,9 +114,9 @@ pub(crate) fn scatter(
         arrays::expect_kind(s, kind, "scatter send")?;
     }
     with_element!(kind, E => {
-        let s = send.map(|s| arrays::read::<E>(s, "scatter send")).transpose()?;
+        let s = send.map(|s| arrays::read_apart::<E>(s, recv, "scatter send")).transpose()?;
         let s = match s.as_ref() {
-            Some(s) => Some(arrays::elems(s, "scatter send")?),
+            Some(s) => Some(s.elems("scatter send")?),
             None => None,
         };
         let mut r = arrays::write::<E>(recv, "scatter recv")?;
