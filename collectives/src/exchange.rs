@@ -135,19 +135,18 @@ impl<T: Transport> Communicator<T> {
             Ok((call, plan, s, r)) => (Ok((call, plan)), Some((s, r))),
             Err(e) => (Err(e), None),
         };
-        // The plan's buffer: the send blocks, then the receive blocks.
-        let mut buf = vec![E::zeroed(); send.len() + recv.len()];
-        buf[..send.len()].copy_from_slice(send);
-        self.run(ticket, prepared, &mut buf).await?;
-        let Some((send_counts, recv_counts)) = layout else {
-            return Ok(());
-        };
-        recv.copy_from_slice(&buf[send.len()..]);
-        let own = offsets(send_counts)[rank];
-        let into = offsets(recv_counts)[rank];
-        let len = send_counts[rank];
-        recv[into..into + len].copy_from_slice(&send[own..own + len]);
-        Ok(())
+        // This rank's own block first: the plan sends from `send` and writes only the
+        // other ranks' blocks of `recv`.
+        if let Some((send_counts, recv_counts)) = layout {
+            let own = offsets(send_counts)[rank];
+            let into = offsets(recv_counts)[rank];
+            let len = send_counts[rank];
+            recv[into..into + len].copy_from_slice(&send[own..own + len]);
+        }
+        self.run_with(ticket, prepared, |plan| {
+            Ok(crate::pieces::HostPieces::over_two(send, recv, plan))
+        })
+        .await
     }
 
     /// Gather (`MPI_Gather`): the root's `recv` (rank count x `send`'s length) ends with every

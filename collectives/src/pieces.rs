@@ -71,18 +71,47 @@ pub(crate) fn busy(what: &str) -> CollectiveError {
     CollectiveError::Invalid(format!("internal: a piece {what}"))
 }
 
+/// A piece of a host buffer: one the call writes, or one it only sends (an input of its own).
+enum Piece<'b, E> {
+    Write(&'b mut [E]),
+    Read(&'b [E]),
+}
+
+impl<E> std::ops::Deref for Piece<'_, E> {
+    type Target = [E];
+    fn deref(&self) -> &[E] {
+        match self {
+            Piece::Write(p) => p,
+            Piece::Read(p) => p,
+        }
+    }
+}
+
 /// A host buffer's pieces.
-pub(crate) struct HostPieces<'b, E>(Vec<RwLock<&'b mut [E]>>);
+pub(crate) struct HostPieces<'b, E>(Vec<RwLock<Piece<'b, E>>>);
 
 impl<'b, E: Element> HostPieces<'b, E> {
     /// `buf` split into `plan`'s pieces.
     pub(crate) fn new(buf: &'b mut [E], plan: &Plan) -> Self {
-        let mut rest = buf;
+        Self::over_two(&[], buf, plan)
+    }
+
+    /// `plan`'s pieces over `send` followed by `recv`, as if one buffer: the pieces in `send`
+    /// are only sent (an exchange's input need not be copied into the buffer it writes).
+    pub(crate) fn over_two(send: &'b [E], recv: &'b mut [E], plan: &Plan) -> Self {
+        let (mut read, mut write) = (send, recv);
         let mut pieces = Vec::with_capacity(plan.pieces().len());
         for range in plan.pieces() {
-            let (piece, tail) = rest.split_at_mut(range.len());
-            pieces.push(RwLock::new(piece));
-            rest = tail;
+            if range.start < send.len() {
+                debug_assert!(range.end <= send.len(), "a piece straddles the two buffers");
+                let (piece, tail) = read.split_at(range.len());
+                pieces.push(RwLock::new(Piece::Read(piece)));
+                read = tail;
+            } else {
+                let (piece, tail) = std::mem::take(&mut write).split_at_mut(range.len());
+                pieces.push(RwLock::new(Piece::Write(piece)));
+                write = tail;
+            }
         }
         HostPieces(pieces)
     }
@@ -119,9 +148,12 @@ impl<E: Element> Pieces for HostPieces<'_, E> {
         let mut piece = self.0[piece]
             .try_write()
             .map_err(|_| busy("written while being sent"))?;
+        let Piece::Write(piece) = &mut *piece else {
+            return Err(busy("of the call's input written"));
+        };
         match action {
-            Action::Copy => copy_bytes(&mut piece, data),
-            Action::Reduce(order) => reduce_bytes(op, order, &mut piece, data),
+            Action::Copy => copy_bytes(piece, data),
+            Action::Reduce(order) => reduce_bytes(op, order, piece, data),
         }
         Ok(())
     }

@@ -4,7 +4,8 @@
 //!   `--loopback` runs both ends in one process. `--baseline` adds the raw-TCP reference
 //!   measured in the same run. Tables in perftest's columns (`ib_write_bw`, `ib_send_lat`:
 //!   one-way latency); `--json` prints JSON Lines, one flat object per result row.
-//! - `psnet-perf allreduce | reducescatter | allgather | broadcast | reduce`: the collectives,
+//! - `psnet-perf allreduce | reducescatter | allgather | broadcast | reduce | alltoall |
+//!   sendrecv`: the collectives and point-to-point messages,
 //!   with nccl-tests' flags and table (`-b -e -f -n -w -c -d -o -r`); `--np N` starts N ranks
 //!   on this host, otherwise the process is one rank of a job a launcher started.
 //! - `psnet-perf select`: which address and transport this node would use, and why.
@@ -122,6 +123,12 @@ enum Command {
     Broadcast(coll::CollArgs),
     /// Reduce bandwidth, like nccl-tests' reduce_perf.
     Reduce(coll::CollArgs),
+    /// All-to-all bandwidth, like nccl-tests' alltoall_perf.
+    #[command(alias = "all_to_all")]
+    Alltoall(coll::CollArgs),
+    /// Send-receive bandwidth (each rank to the next), like nccl-tests' sendrecv_perf.
+    #[command(alias = "send_recv")]
+    Sendrecv(coll::CollArgs),
     /// Show the address and transport this node would use, and why.
     Select {
         /// Print JSON.
@@ -197,6 +204,8 @@ fn main() -> ExitCode {
             Some(Command::Allgather(args)) => return coll::main(Collective::AllGather, args),
             Some(Command::Broadcast(args)) => return coll::main(Collective::Broadcast, args),
             Some(Command::Reduce(args)) => return coll::main(Collective::Reduce, args),
+            Some(Command::Alltoall(args)) => return coll::main(Collective::AllToAll, args),
+            Some(Command::Sendrecv(args)) => return coll::main(Collective::SendRecv, args),
             Some(Command::Kv {
                 servers,
                 workers,

@@ -222,6 +222,32 @@ fn every_collective_reports_no_wrong_elements() {
             sizes: &[8, 64, 512, 4096, 32768],
             factor: 1.0,
         },
+        Case {
+            args: &[
+                "alltoall", "--np", "3", "-b", "8", "-e", "32K", "-f", "8", "-n", "2", "-w", "1",
+                "-d", "int32", "--json",
+            ],
+            collective: "alltoall",
+            dtype: "int32",
+            op: "none",
+            ranks: 3,
+            root: None,
+            sizes: &[0, 60, 504, 4092, 32760],
+            factor: 2.0 / 3.0,
+        },
+        Case {
+            args: &[
+                "sendrecv", "--np", "3", "-b", "8", "-e", "32K", "-f", "8", "-n", "2", "-w", "1",
+                "--json",
+            ],
+            collective: "sendrecv",
+            dtype: "float",
+            op: "none",
+            ranks: 3,
+            root: None,
+            sizes: &[8, 64, 512, 4096, 32768],
+            factor: 1.0,
+        },
         // Recursive doubling up to PSNET_COLL_SMALL_SHM (1 MiB), the pipelined ring past it,
         // pieces of 1 MiB and the shared-memory ring (messages of 256 KiB and more); bfloat16
         // averages.

@@ -60,11 +60,21 @@ fn layout(blocks: &[usize], piece: usize) -> (Vec<Range<usize>>, Vec<Range<usize
     (pieces, per_block)
 }
 
-/// Sends every piece of block `b` to rank `to`.
-fn send_block(plan: &mut Plan, per_block: &[Range<usize>], b: usize, len: usize, to: usize) {
+/// Sends every piece of block `b` to rank `to`, each once the operations in `after` are
+/// done; returns the last send.
+fn send_block(
+    plan: &mut Plan,
+    per_block: &[Range<usize>],
+    b: usize,
+    len: usize,
+    to: usize,
+    after: &[usize],
+) -> Option<usize> {
+    let mut last = None;
     for (i, p) in per_block[b].clone().enumerate() {
-        plan.send(to, tag(i, len), p, &[]);
+        last = Some(plan.send(to, tag(i, len), p, after));
     }
+    last
 }
 
 /// Receives every piece of block `b` from rank `from`.
@@ -94,9 +104,15 @@ pub(crate) fn alltoall(
     // Sends to the next ranks first, receives from the previous ones: at every moment each
     // rank's outgoing link and incoming link carry one peer's block each, as far as the
     // transport keeps the order of sends (rank r + s gets rank r's block at step s).
+    // One peer's block at a time leaves each rank: the next one's pieces start when the
+    // previous block's last piece has gone. 64 MiB per rank, 4 ranks over loopback TCP on 2
+    // cores: 60.5-62.5 ms against 66.8-67.4 with every peer's block at once; waiting for the
+    // step's receives too (lockstep) gained nothing (60.9-62.2).
+    let mut previous: Option<usize> = None;
     for s in 1..n {
         let to = (rank + s) % n;
-        send_block(&mut plan, &per_block, to, send[to], to);
+        let after: Vec<usize> = previous.into_iter().collect();
+        previous = send_block(&mut plan, &per_block, to, send[to], to, &after).or(previous);
         let from = (rank + n - s) % n;
         recv_block(&mut plan, &per_block, n + from, recv[from], from);
     }
@@ -122,7 +138,7 @@ pub(crate) fn gather(
             recv_block(&mut plan, &per_block, from, counts[from], from);
         }
     } else {
-        send_block(&mut plan, &per_block, rank, counts[rank], root);
+        send_block(&mut plan, &per_block, rank, counts[rank], root, &[]);
     }
     plan
 }
@@ -143,7 +159,7 @@ pub(crate) fn scatter(
     plan.explain = Some(explain);
     if rank == root {
         for to in (0..n).filter(|&r| r != root) {
-            send_block(&mut plan, &per_block, to, counts[to], to);
+            send_block(&mut plan, &per_block, to, counts[to], to, &[]);
         }
     } else {
         recv_block(&mut plan, &per_block, rank, counts[rank], root);

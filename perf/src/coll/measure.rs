@@ -35,6 +35,7 @@ pub(super) fn lengths(
         let block = count / n;
         let (send, recv) = match coll {
             Collective::AllGather => (block, block * n),
+            Collective::AllToAll => (block * n, block * n),
             _ => (block * n, block),
         };
         ((block * n * elem) as u64, block, send, recv, block * n)
@@ -64,7 +65,27 @@ async fn out_of_place<E: Sample>(
             recv.copy_from_slice(send);
             comm.reduce(recv, op, root).await
         }
+        Collective::AllToAll => comm.alltoall(send, recv).await,
+        Collective::SendRecv => send_recv(comm, send, recv).await,
     }
+}
+
+/// Sends `send` to the next rank and receives the previous rank's into `recv`, at once.
+async fn send_recv<E: Sample>(
+    comm: &Communicator<AnyTransport>,
+    send: &[E],
+    recv: &mut [E],
+) -> Result<(), CollectiveError> {
+    let (rank, n) = (comm.rank(), comm.size());
+    if n == 1 {
+        recv.copy_from_slice(send);
+        return Ok(());
+    }
+    let (sent, received) = tokio::join!(
+        comm.send((rank + 1) % n, 0, send),
+        comm.recv((rank + n - 1) % n, 0, recv)
+    );
+    sent.and(received)
 }
 
 async fn in_place<E: Sample>(
@@ -79,6 +100,16 @@ async fn in_place<E: Sample>(
         Collective::AllGather => comm.allgather_in_place(buf).await,
         Collective::Broadcast => comm.broadcast(buf, root).await,
         Collective::Reduce => comm.reduce(buf, op, root).await,
+        // psnet has no in-place all-to-all or send-receive: the input is copied aside first,
+        // and the copy is part of the time.
+        Collective::AllToAll => {
+            let input = buf.to_vec();
+            comm.alltoall(&input, buf).await
+        }
+        Collective::SendRecv => {
+            let input = buf.to_vec();
+            send_recv(comm, &input, buf).await
+        }
     }
 }
 
@@ -90,7 +121,13 @@ fn fill_input<E: Sample>(s: &Setup<'_>, buf: &mut [E], in_place: bool, block: us
         Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce => {
             check::fill_inputs(buf, op, rank, n, 0)
         }
-        Collective::Broadcast => check::fill_own(buf, rank),
+        Collective::Broadcast | Collective::SendRecv => check::fill_own(buf, rank),
+        // Block j, for rank j, identifies this rank and j.
+        Collective::AllToAll => {
+            for (j, b) in buf.chunks_mut(block.max(1)).enumerate() {
+                check::fill_own(b, rank * n + j);
+            }
+        }
         Collective::AllGather if in_place => {
             check::poison(buf);
             check::fill_own(&mut buf[rank * block..(rank + 1) * block], rank);
@@ -119,6 +156,10 @@ fn count_wrong<E: Sample>(s: &Setup<'_>, buf: &[E], in_place: bool, block: usize
             .map(|b| check::wrong_own(&buf[b * block..(b + 1) * block], b))
             .sum(),
         Collective::Broadcast => check::wrong_own(buf, root),
+        Collective::AllToAll => (0..n)
+            .map(|i| check::wrong_own(&buf[i * block..(i + 1) * block], i * n + rank))
+            .sum(),
+        Collective::SendRecv => check::wrong_own(buf, (rank + n - 1) % n),
     }
 }
 

@@ -45,6 +45,10 @@ pub enum Collective {
     Broadcast,
     /// `reduce_perf`.
     Reduce,
+    /// `alltoall_perf`.
+    AllToAll,
+    /// `sendrecv_perf`: each rank sends to the next and receives from the previous.
+    SendRecv,
 }
 
 impl Collective {
@@ -56,6 +60,8 @@ impl Collective {
             Collective::AllGather => "allgather",
             Collective::Broadcast => "broadcast",
             Collective::Reduce => "reduce",
+            Collective::AllToAll => "alltoall",
+            Collective::SendRecv => "sendrecv",
         }
     }
 
@@ -67,6 +73,8 @@ impl Collective {
             Collective::AllGather => "all_gather_perf",
             Collective::Broadcast => "broadcast_perf",
             Collective::Reduce => "reduce_perf",
+            Collective::AllToAll => "alltoall_perf",
+            Collective::SendRecv => "sendrecv_perf",
         }
     }
 
@@ -75,8 +83,10 @@ impl Collective {
         let n = n as f64;
         match self {
             Collective::AllReduce => 2.0 * (n - 1.0) / n,
-            Collective::ReduceScatter | Collective::AllGather => (n - 1.0) / n,
-            Collective::Broadcast | Collective::Reduce => 1.0,
+            Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll => {
+                (n - 1.0) / n
+            }
+            Collective::Broadcast | Collective::Reduce | Collective::SendRecv => 1.0,
         }
     }
 
@@ -95,7 +105,10 @@ impl Collective {
 
     /// Whether the buffer holds one block per rank (size = n x block).
     fn blocked(self) -> bool {
-        matches!(self, Collective::ReduceScatter | Collective::AllGather)
+        matches!(
+            self,
+            Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll
+        )
     }
 }
 

@@ -87,6 +87,16 @@ pub(super) fn banner(s: &Setup<'_>, c: &CollContext, ranks: &[RankInfo]) -> Stri
         Collective::Broadcast | Collective::Reduce => {
             format!("binomial tree, pieces of {} bytes", s.config.piece_bytes)
         }
+        Collective::AllToAll => format!(
+            "pairwise (each block straight to its rank), pieces of {} bytes; in place copies \
+             the input aside first, inside the time",
+            s.config.piece_bytes
+        ),
+        Collective::SendRecv => format!(
+            "to the next rank, from the previous, at once; messages in pieces of {} bytes; in \
+             place copies the input aside first, inside the time",
+            s.config.piece_bytes
+        ),
     };
     let mut lines = vec![
         format!(
