@@ -6,7 +6,7 @@
 # link must carry (in its busier direction, or both directions one after the other where the
 # protocol makes them wait for each other) over RATE. Latency is not emulated (no netem here).
 #
-#   bash scripts/bench-cluster.sh [SECTION...]     SECTION: raw train kv allreduce ddp (default all)
+#   bash scripts/bench-cluster.sh [SECTION...]     SECTION: raw train kv allreduce alltoall ddp (default all)
 #
 # raw        iperf3 between two hosts, one way and both ways at once (the link as TCP sees it)
 # train      psnet-train seconds of communication per epoch, 2 servers + 2 workers: MXNet's key
@@ -19,6 +19,9 @@
 #            own, workers over the other hosts in turn, so 2x4 puts two workers on each)
 # allreduce  psnet-perf allreduce, one rank per host, against Open MPI (mpi4py, btl tcp,self)
 #            started by mpirun through the ssh stand-in; busbw against the link's rate
+# alltoall   torch's all_to_all_single, A2A_MIB (64) MiB sent by each rank, one rank per host, on
+#            psnet's backend against gloo (python/benchmarks/alltoall.py, PSNET_SHM_RING=0);
+#            busbw against the link's rate
 # ddp        a DDP step (python/benchmarks/ddp_step.py's MLP, 9.45 M parameters, CPU), one rank
 #            per host, on psnet's torch.distributed backend against gloo (sockets only:
 #            PSNET_SHM_RING=0); needs torch in target/bench-venv (PSNET_TORCH, default
@@ -49,7 +52,7 @@ B=$TARGET/release
 RIG="$ROOT/scripts/cluster/rig.sh"
 export PSNET_CLUSTER=bench
 SECTIONS=("$@")
-[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(raw train kv allreduce ddp)
+[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(raw train kv allreduce alltoall ddp)
 LOGS=${KEEP:-$(mktemp -d)}
 mkdir -p "$LOGS"
 say() { echo "bench-cluster: $*" >&2; }
@@ -263,6 +266,38 @@ for b in sorted(ps):
           f"{(p / m if m else float('nan')):>10.2f} {ps[b].get('wrong', 0):>6}")
 print(f"(link: {link:.4f} GB/s each way; busbw = algbw x 2(n-1)/n, nccl-tests' definition)")
 PY
+fi
+
+if wants alltoall; then
+  echo
+  echo "## all_to_all_single, $HOSTS ranks (one per host), ${A2A_MIB:=64} MiB sent by each: psnet's torch backend against gloo"
+  release_wheel
+  if ! "$VENV/bin/python" -c 'import torch, psnet.torch' 2>/dev/null; then
+    echo "SKIPPED: no torch in $VENV"
+  else
+    "$VENV/bin/python" python/benchmarks/alltoall.py --write-step "$LOGS/alltoall_step.py"
+    port=29750
+    printf '%-8s %10s %12s %12s %10s\n' backend "ms" "algbw GB/s" "busbw GB/s" "of link"
+    for backend in psnet gloo psnet gloo; do
+      port=$((port + 1))
+      for ((i = 0; i < HOSTS; i++)); do
+        on "h$i" env RANK=$i WORLD_SIZE=$HOSTS LOCAL_RANK=0 MASTER_ADDR="$(addr_of h0)" \
+          MASTER_PORT=$port DMLC_INTERFACE=eth0 GLOO_SOCKET_IFNAME=eth0 PSNET_SHM_RING=0 \
+          OMP_NUM_THREADS=1 timeout -k 5 600 "$VENV/bin/python" "$LOGS/alltoall_step.py" 5 \
+          "$backend" "$A2A_MIB" > "$LOGS/a2a.$backend.$port.$i" 2>&1 &
+      done
+      wait
+      line=$(grep '^RESULT' "$LOGS/a2a.$backend.$port.0" || true)
+      [ -n "$line" ] || { say "all_to_all on $backend failed:"; tail -5 "$LOGS/a2a.$backend.$port.0" >&2; continue; }
+      ms=$(sed -n 's/.* ms=\([0-9.]*\).*/\1/p' <<< "$line")
+      alg=$(sed -n 's/.*algbw=\([0-9.]*\).*/\1/p' <<< "$line")
+      bus=$(sed -n 's/.*busbw=\([0-9.]*\).*/\1/p' <<< "$line")
+      # Each rank sends (n-1)/n of its bytes over its link: busbw against the link's rate.
+      frac=$(awk -v b="$bus" -v r="$RATE_BITS" 'BEGIN { printf "%.2f", b * 8e9 / r }')
+      printf '%-8s %10s %12s %12s %10s\n' "$backend" "$ms" "$alg" "$bus" "$frac"
+    done
+    echo "(busbw = bytes per rank x (n-1)/n over time: each link's busier direction; of link: busbw over $RATE)"
+  fi
 fi
 
 if wants ddp; then

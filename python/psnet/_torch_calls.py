@@ -1,6 +1,7 @@
 """How psnet's torch process group runs its calls: collective calls in order on a thread of
 their own, point-to-point messages each on its own thread, and the ``Work`` they return."""
 
+import atexit
 import queue
 import threading
 import time
@@ -48,6 +49,10 @@ class _Work(dist.Work):
         return self._fut.value()
 
 
+# How long ending a group's call thread waits for the calls queued before.
+_STOP_WAIT = 30.0
+
+
 class _Calls:
     """A process group's collective calls, run one after another on a thread of their own in
     the order they were made (so that they pair up across ranks): the call returns at once
@@ -66,6 +71,10 @@ class _Calls:
                 self._thread = threading.Thread(target=self._loop, daemon=True,
                                                 name="psnet-calls")
                 self._thread.start()
+                # Ended and joined before the interpreter finalizes: a thread still alive
+                # then, having called into torch, made about one process in three abort at
+                # exit ("terminate called without an active exception", SIGABRT).
+                atexit.register(self.stop)
 
     def _loop(self):
         while True:
@@ -105,9 +114,15 @@ class _Calls:
         self._queue.put((lambda: None, None, done))
         done.wait()
 
-    def stop(self):
-        if self._thread is not None:
+    def stop(self, wait=_STOP_WAIT):
+        """Ends the thread once the calls queued before are done (waiting at most ``wait``
+        seconds for them)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
             self._queue.put(None)
+            if thread is not threading.current_thread():
+                thread.join(wait)
 
 
 def _any_cuda(*tensors):

@@ -465,7 +465,7 @@ class ProcessGroupPsnet(dist.ProcessGroup):
 
     def abort(self):
         """Ends this group's call thread without waiting for the calls queued."""
-        self._calls.stop()
+        self._calls.stop(wait=0)
 
 
 def _on_cuda(t):
