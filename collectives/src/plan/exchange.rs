@@ -119,6 +119,15 @@ pub(crate) fn alltoall(
     plan
 }
 
+/// Which way a rooted exchange's blocks go.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Way {
+    /// Every rank's block to the root (gather).
+    ToRoot,
+    /// The root's block for each rank to it (scatter).
+    FromRoot,
+}
+
 /// Gather to `root` over `n` ranks: the buffer holds one block per rank (`counts[r]`
 /// elements for rank r, in order). Each rank but the root sends its block; the root receives
 /// every other rank's into its place.
@@ -130,17 +139,7 @@ pub(crate) fn gather(
     elem_size: usize,
     piece: usize,
 ) -> Plan {
-    let (pieces, per_block) = layout(counts, piece);
-    let mut plan = Plan::new(pieces, elem_size);
-    plan.explain = Some(explain);
-    if rank == root {
-        for from in (0..n).filter(|&r| r != root) {
-            recv_block(&mut plan, &per_block, from, counts[from], from);
-        }
-    } else {
-        send_block(&mut plan, &per_block, rank, counts[rank], root, &[]);
-    }
-    plan
+    rooted(rank, n, root, counts, elem_size, piece, Way::ToRoot)
 }
 
 /// Scatter from `root` over `n` ranks: the buffer holds one block per rank (`counts[r]`
@@ -154,15 +153,37 @@ pub(crate) fn scatter(
     elem_size: usize,
     piece: usize,
 ) -> Plan {
+    rooted(rank, n, root, counts, elem_size, piece, Way::FromRoot)
+}
+
+/// Gather's or scatter's plan: block r moves between rank r and the root, the way `way` says.
+fn rooted(
+    rank: usize,
+    n: usize,
+    root: usize,
+    counts: &[usize],
+    elem_size: usize,
+    piece: usize,
+    way: Way,
+) -> Plan {
     let (pieces, per_block) = layout(counts, piece);
     let mut plan = Plan::new(pieces, elem_size);
     plan.explain = Some(explain);
-    if rank == root {
-        for to in (0..n).filter(|&r| r != root) {
-            send_block(&mut plan, &per_block, to, counts[to], to, &[]);
-        }
+    let peers: Vec<usize> = if rank == root {
+        (0..n).filter(|&r| r != root).collect()
     } else {
-        recv_block(&mut plan, &per_block, rank, counts[rank], root);
+        vec![rank]
+    };
+    for b in peers {
+        let other = if rank == root { b } else { root };
+        match (way, rank == root) {
+            (Way::ToRoot, true) | (Way::FromRoot, false) => {
+                recv_block(&mut plan, &per_block, b, counts[b], other);
+            }
+            (Way::ToRoot, false) | (Way::FromRoot, true) => {
+                send_block(&mut plan, &per_block, b, counts[b], other, &[]);
+            }
+        }
     }
     plan
 }
