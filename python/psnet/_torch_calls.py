@@ -19,7 +19,14 @@ class _Work(dist.Work):
         self._fut = fut
 
     def wait(self, timeout=None):
-        del timeout  # psnet bounds its calls with PSNET_COLL_TIMEOUT
+        """Blocks until the call is done and raises its error. With ``timeout`` (a
+        ``timedelta`` or seconds), raises ``RuntimeError`` if it is not done by then, as
+        torch's works do; the call itself goes on (``PSNET_COLL_TIMEOUT`` bounds it)."""
+        if timeout is not None:
+            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+            if seconds > 0 and not _done_within(self._fut, seconds):
+                raise RuntimeError(f"psnet: the call did not complete within {seconds:g} s "
+                                   "(Work.wait timeout)")
         self._fut.wait()
         return True
 
@@ -157,14 +164,21 @@ def _p2p_work(run, result):
 _MONITORED_BARRIER_TAG = (1 << 63) - 1
 
 
-def _wait_for(work, seconds):
-    """Whether ``work`` completed within ``seconds`` (its error, if it failed, is raised)."""
-    fut = work.get_future()
+def _done_within(fut, seconds):
+    """Whether ``fut`` is done within ``seconds``."""
     deadline = time.monotonic() + seconds
     while not fut.done():
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.005)
+    return True
+
+
+def _wait_for(work, seconds):
+    """Whether ``work`` completed within ``seconds`` (its error, if it failed, is raised)."""
+    fut = work.get_future()
+    if not _done_within(fut, seconds):
+        return False
     fut.wait()
     return True
 

@@ -95,6 +95,16 @@ for check in (w.wait, w.get_future().wait):
     except TypeError:
         pass
 assert w.is_completed()
+# wait(timeout): a receive nobody sends times out there, naming the timeout.
+import datetime
+pending = dist.irecv(torch.empty(1), (r + 1) % n, tag=77)
+try:
+    pending.wait(timeout=datetime.timedelta(milliseconds=200))
+    raise AssertionError("wait(timeout) returned for a message never sent")
+except RuntimeError as e:
+    assert "did not complete within" in str(e), e
+dist.send(torch.ones(1), (r - 1) % n, tag=77)
+pending.wait()
 dist.monitored_barrier()
 dist.barrier(device_ids=[0])
 print("ok", r, flush=True)
