@@ -6,7 +6,7 @@
 # link must carry (in its busier direction, or both directions one after the other where the
 # protocol makes them wait for each other) over RATE. Latency is not emulated (no netem here).
 #
-#   bash scripts/bench-cluster.sh [SECTION...]     SECTION: raw train kv allreduce alltoall ddp (default all)
+#   bash scripts/bench-cluster.sh [SECTION...]     SECTION: raw train kv allreduce alltoall ddp fsdp2 (default all)
 #
 # raw        iperf3 between two hosts, one way and both ways at once (the link as TCP sees it)
 # train      psnet-train seconds of communication per epoch, 2 servers + 2 workers: MXNet's key
@@ -22,6 +22,8 @@
 # alltoall   torch's all_to_all_single, A2A_MIB (64) MiB sent by each rank, one rank per host, on
 #            psnet's backend against gloo (python/benchmarks/alltoall.py, PSNET_SHM_RING=0);
 #            busbw against the link's rate
+# fsdp2      an FSDP2 step (python/benchmarks/fsdp2_step.py: the DDP MLP, each layer under
+#            fully_shard), one rank per host, psnet's backend against gloo
 # ddp        a DDP step (python/benchmarks/ddp_step.py's MLP, 9.45 M parameters, CPU), one rank
 #            per host, on psnet's torch.distributed backend against gloo (sockets only:
 #            PSNET_SHM_RING=0); needs torch in target/bench-venv (PSNET_TORCH, default
@@ -52,7 +54,7 @@ B=$TARGET/release
 RIG="$ROOT/scripts/cluster/rig.sh"
 export PSNET_CLUSTER=bench
 SECTIONS=("$@")
-[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(raw train kv allreduce alltoall ddp)
+[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(raw train kv allreduce alltoall ddp fsdp2)
 LOGS=${KEEP:-$(mktemp -d)}
 mkdir -p "$LOGS"
 say() { echo "bench-cluster: $*" >&2; }
@@ -297,6 +299,32 @@ if wants alltoall; then
       printf '%-8s %10s %12s %12s %10s\n' "$backend" "$ms" "$alg" "$bus" "$frac"
     done
     echo "(busbw = bytes per rank x (n-1)/n over time: each link's busier direction; of link: busbw over $RATE)"
+  fi
+fi
+
+if wants fsdp2; then
+  echo
+  echo "## FSDP2 step, $HOSTS ranks (one per host): fully_shard on psnet's backend against gloo"
+  release_wheel
+  if ! "$VENV/bin/python" -c 'import torch, psnet.torch' 2>/dev/null; then
+    echo "SKIPPED: no torch in $VENV"
+  else
+    "$VENV/bin/python" python/benchmarks/fsdp2_step.py --write-step "$LOGS/fsdp2_step.py"
+    port=29780
+    printf '%-8s %12s\n' backend "ms per step"
+    for backend in psnet gloo psnet gloo; do
+      port=$((port + 1))
+      for ((i = 0; i < HOSTS; i++)); do
+        on "h$i" env RANK=$i WORLD_SIZE=$HOSTS LOCAL_RANK=0 MASTER_ADDR="$(addr_of h0)" \
+          MASTER_PORT=$port DMLC_INTERFACE=eth0 GLOO_SOCKET_IFNAME=eth0 PSNET_SHM_RING=0 \
+          OMP_NUM_THREADS=1 timeout -k 5 600 "$VENV/bin/python" "$LOGS/fsdp2_step.py" 5 "$backend" \
+          > "$LOGS/fsdp2.$backend.$port.$i" 2>&1 &
+      done
+      wait
+      ms=$(sed -n 's/.*ms_per_step=\([0-9.]*\).*/\1/p' "$LOGS/fsdp2.$backend.$port.0")
+      [ -n "$ms" ] || { say "FSDP2 on $backend failed:"; tail -5 "$LOGS/fsdp2.$backend.$port.0" >&2; continue; }
+      printf '%-8s %12s\n' "$backend" "$ms"
+    done
   fi
 fi
 
