@@ -102,6 +102,19 @@ launch() { # S W HOSTFILE ENV... -- CMD...
 }
 
 VENV=$TARGET/bench-venv
+# Runs a torch.distributed step script on every host, rank i on host i, and waits:
+# torch_ranks PORT SCRIPT LOG ARGS... (rank i's output goes to LOG.i).
+torch_ranks() {
+  local port=$1 script=$2 log=$3; shift 3
+  local i
+  for ((i = 0; i < HOSTS; i++)); do
+    on "h$i" env RANK=$i WORLD_SIZE=$HOSTS LOCAL_RANK=0 MASTER_ADDR="$(addr_of h0)" \
+      MASTER_PORT=$port DMLC_INTERFACE=eth0 GLOO_SOCKET_IFNAME=eth0 PSNET_SHM_RING=0 \
+      OMP_NUM_THREADS=1 timeout -k 5 600 "$VENV/bin/python" "$script" "$@" > "$log.$i" 2>&1 &
+  done
+  wait
+}
+
 WHEEL_BUILT=
 # psnet's Python package, release build, in $VENV (a debug wheel is refused).
 release_wheel() {
@@ -282,13 +295,7 @@ if wants alltoall; then
     printf '%-8s %10s %12s %12s %10s\n' backend "ms" "algbw GB/s" "busbw GB/s" "of link"
     for backend in psnet gloo psnet gloo; do
       port=$((port + 1))
-      for ((i = 0; i < HOSTS; i++)); do
-        on "h$i" env RANK=$i WORLD_SIZE=$HOSTS LOCAL_RANK=0 MASTER_ADDR="$(addr_of h0)" \
-          MASTER_PORT=$port DMLC_INTERFACE=eth0 GLOO_SOCKET_IFNAME=eth0 PSNET_SHM_RING=0 \
-          OMP_NUM_THREADS=1 timeout -k 5 600 "$VENV/bin/python" "$LOGS/alltoall_step.py" 5 \
-          "$backend" "$A2A_MIB" > "$LOGS/a2a.$backend.$port.$i" 2>&1 &
-      done
-      wait
+      torch_ranks "$port" "$LOGS/alltoall_step.py" "$LOGS/a2a.$backend.$port" 5 "$backend" "$A2A_MIB"
       line=$(grep '^RESULT' "$LOGS/a2a.$backend.$port.0" || true)
       [ -n "$line" ] || { say "all_to_all on $backend failed:"; tail -5 "$LOGS/a2a.$backend.$port.0" >&2; continue; }
       ms=$(sed -n 's/.* ms=\([0-9.]*\).*/\1/p' <<< "$line")
@@ -314,13 +321,7 @@ if wants fsdp2; then
     printf '%-8s %12s\n' backend "ms per step"
     for backend in psnet gloo psnet gloo; do
       port=$((port + 1))
-      for ((i = 0; i < HOSTS; i++)); do
-        on "h$i" env RANK=$i WORLD_SIZE=$HOSTS LOCAL_RANK=0 MASTER_ADDR="$(addr_of h0)" \
-          MASTER_PORT=$port DMLC_INTERFACE=eth0 GLOO_SOCKET_IFNAME=eth0 PSNET_SHM_RING=0 \
-          OMP_NUM_THREADS=1 timeout -k 5 600 "$VENV/bin/python" "$LOGS/fsdp2_step.py" 5 "$backend" \
-          > "$LOGS/fsdp2.$backend.$port.$i" 2>&1 &
-      done
-      wait
+      torch_ranks "$port" "$LOGS/fsdp2_step.py" "$LOGS/fsdp2.$backend.$port" 5 "$backend"
       ms=$(sed -n 's/.*ms_per_step=\([0-9.]*\).*/\1/p' "$LOGS/fsdp2.$backend.$port.0")
       [ -n "$ms" ] || { say "FSDP2 on $backend failed:"; tail -5 "$LOGS/fsdp2.$backend.$port.0" >&2; continue; }
       printf '%-8s %12s\n' "$backend" "$ms"
@@ -345,13 +346,7 @@ if wants ddp; then
     declare -A step_ms
     for backend in psnet gloo psnet gloo; do
       port=$((port + 1))
-      for ((i = 0; i < HOSTS; i++)); do
-        on "h$i" env RANK=$i WORLD_SIZE=$HOSTS LOCAL_RANK=0 MASTER_ADDR="$(addr_of h0)" \
-          MASTER_PORT=$port DMLC_INTERFACE=eth0 GLOO_SOCKET_IFNAME=eth0 PSNET_SHM_RING=0 \
-          OMP_NUM_THREADS=1 timeout -k 5 600 "$VENV/bin/python" "$LOGS/ddp_step.py" 10 "$backend" \
-          > "$LOGS/ddp.$backend.$port.$i" 2>&1 &
-      done
-      wait
+      torch_ranks "$port" "$LOGS/ddp_step.py" "$LOGS/ddp.$backend.$port" 10 "$backend"
       ms=$(sed -n 's/.*ms_per_step=\([0-9.]*\).*/\1/p' "$LOGS/ddp.$backend.$port.0")
       params=$(sed -n 's/.*params=\([0-9]*\).*/\1/p' "$LOGS/ddp.$backend.$port.0")
       [ -n "$ms" ] || { say "DDP on $backend failed:"; tail -5 "$LOGS/ddp.$backend.$port.0" >&2; continue; }

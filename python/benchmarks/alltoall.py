@@ -12,10 +12,10 @@ psnet / gloo. `--write-step PATH` writes the per-rank script for launchers of th
 
 import argparse
 import os
-import shutil
-import subprocess
 import sys
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _compare import compare, write_step  # noqa: E402
 
 STEP = """
 import sys, time, torch, torch.distributed as dist
@@ -44,14 +44,7 @@ dist.destroy_process_group()
 """
 
 
-def run(backend, ranks, mib, iters, script, port):
-    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = dict(os.environ, PSNET_SHM_RING="0", OMP_NUM_THREADS="1")
-    out = subprocess.run([torchrun, "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
-                          "--master-port", str(port), script, str(iters), backend, str(mib)],
-                         env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
-    line = next(l for l in out.splitlines() if l.startswith("RESULT"))
-    print(line, flush=True)
+def ms_of(line):
     return float(line.split("ms=")[1].split()[0])
 
 
@@ -64,24 +57,11 @@ def main():
     p.add_argument("--write-step", metavar="PATH")
     args = p.parse_args()
     if args.write_step:
-        with open(args.write_step, "w") as f:
-            f.write(STEP)
+        write_step(STEP, args.write_step)
         return
-    script = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"psnet-alltoall-{os.getpid()}.py")
-    with open(script, "w") as f:
-        f.write(STEP)
-    port = 29650
-    try:
-        for r in range(args.rounds):
-            ms = {}
-            for backend in ("psnet", "gloo"):
-                port += 1
-                ms[backend] = run(backend, args.ranks, args.mib, args.iters, script, port)
-                time.sleep(1)
-            print(f"round {r}: psnet {ms['psnet']:.1f} ms, gloo {ms['gloo']:.1f} ms, "
-                  f"gloo / psnet (throughput ratio) {ms['gloo'] / ms['psnet']:.2f}", flush=True)
-    finally:
-        os.remove(script)
+    compare(STEP, "alltoall", args.ranks, args.rounds, [args.iters, args.mib], 29650, ms_of,
+            lambda p, g: f"psnet {p:.1f} ms, gloo {g:.1f} ms, "
+                         f"gloo / psnet (throughput ratio) {g / p:.2f}")
 
 
 if __name__ == "__main__":

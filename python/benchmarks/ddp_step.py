@@ -10,10 +10,10 @@ Needs torch; psnet's side runs with PSNET_SHM_RING=0 (sockets only, as gloo's TC
 
 import argparse
 import os
-import shutil
-import subprocess
 import sys
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _compare import compare, write_step  # noqa: E402
 
 STEP = """
 import sys, time, torch, torch.distributed as dist
@@ -49,14 +49,7 @@ dist.destroy_process_group()
 """
 
 
-def run(backend, steps, script, port):
-    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = dict(os.environ, PSNET_SHM_RING="0", OMP_NUM_THREADS="1")
-    out = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                          "--master-port", str(port), script, str(steps), backend],
-                         env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
-    line = next(l for l in out.splitlines() if l.startswith("RESULT"))
-    print(line, flush=True)
+def ms_of(line):
     return float(line.split("ms_per_step=")[1])
 
 
@@ -70,24 +63,10 @@ def main():
                         "scripts/bench-cluster.sh does on each host) and exit")
     args = p.parse_args()
     if args.write_step:
-        with open(args.write_step, "w") as f:
-            f.write(STEP)
+        write_step(STEP, args.write_step)
         return
-    script = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"psnet-ddp-step-{os.getpid()}.py")
-    with open(script, "w") as f:
-        f.write(STEP)
-    port = 29600
-    try:
-        for r in range(args.rounds):
-            ms = {}
-            for backend in ("psnet", "gloo"):
-                port += 1
-                ms[backend] = run(backend, args.steps, script, port)
-                time.sleep(1)
-            print(f"round {r}: psnet {ms['psnet']:.2f} ms, gloo {ms['gloo']:.2f} ms, "
-                  f"psnet / gloo {ms['psnet'] / ms['gloo']:.2f}", flush=True)
-    finally:
-        os.remove(script)
+    compare(STEP, "ddp-step", 2, args.rounds, [args.steps], 29600, ms_of,
+            lambda p, g: f"psnet {p:.2f} ms, gloo {g:.2f} ms, psnet / gloo {p / g:.2f}")
 
 
 if __name__ == "__main__":
