@@ -103,6 +103,9 @@ try:
     raise AssertionError("wait(timeout) returned for a message never sent")
 except RuntimeError as e:
     assert "did not complete within" in str(e), e
+# No rank sends until every rank has timed out: a rank that got here 200 ms sooner
+# would otherwise send before its neighbour's wait ran out.
+dist.barrier()
 dist.send(torch.ones(1), (r - 1) % n, tag=77)
 pending.wait()
 dist.monitored_barrier()
