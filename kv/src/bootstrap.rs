@@ -10,7 +10,7 @@ use tokio::time::{timeout_at, Instant};
 
 use crate::config::KvConfig;
 use crate::error::KvError;
-use crate::proto::admission::JobAdmission;
+use crate::proto::admission::{commitment, random_token, JobAdmission};
 use crate::proto::ids::{self, describe, Group, Role, SCHEDULER};
 use crate::proto::msg::{Msg, NodeInfo};
 use crate::reliable::Link;
@@ -71,6 +71,9 @@ pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joine
                 config.root
             ))
         })?;
+    // The token this node will prove its id with: drawn here, and only its commitment
+    // leaves the node (see `proto::admission`).
+    let token = random_token();
     wire::send(
         &transport,
         SCHEDULER,
@@ -79,6 +82,7 @@ pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joine
             addr: listen,
             rank_hint: config.rank_hint,
             recovery: recovery_credential(config),
+            token_commit: commitment(&token),
         },
         None,
     )
@@ -128,7 +132,7 @@ pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joine
     }
     // Reconnect to the scheduler under the assigned id. From here on, messages go through
     // the link (PS_RESEND, if on, covers every message between assigned ids).
-    let admission = Arc::new(JobAdmission::member(id, &nodes));
+    let admission = Arc::new(JobAdmission::member(id, token, &nodes));
     transport.set_admission(admission.clone());
     transport.set_local_id(id);
     let link = Link::new(Arc::new(transport), config.resend);

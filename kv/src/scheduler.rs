@@ -13,7 +13,7 @@ use crate::error::KvError;
 use crate::proto::admission::{random_token, JobAdmission};
 use crate::proto::ids::{describe, SCHEDULER};
 use crate::proto::msg::Msg;
-use crate::proto::scheduler::SchedulerState;
+use crate::proto::scheduler::{Registration, SchedulerState};
 use crate::reliable::Link;
 use crate::wire::Received;
 
@@ -51,7 +51,7 @@ impl<T: Transport> Scheduler<T> {
             config.num_workers,
             t.listen_addr(),
             config.heartbeat_timeout,
-            Box::new(random_token),
+            random_token(),
         )
         .with_recovery(config.recovery_timeout);
         let admission = Arc::new(JobAdmission::scheduler(state.token()));
@@ -76,7 +76,11 @@ impl<T: Transport> Scheduler<T> {
                                 addr,
                                 rank_hint,
                                 recovery,
-                            } => state.handle_register_proving(from, role, addr, rank_hint, recovery, now),
+                                token_commit,
+                            } => {
+                                let reg = Registration { role, addr, rank_hint, recovery, token_commit };
+                                state.handle_register(from, reg, now)
+                            }
                             Msg::RecoveryKey { commit } => state.handle_recovery_key(from, commit),
                             Msg::Barrier { group } => state.handle_barrier(from, group, now),
                             Msg::Heartbeat => state.handle_heartbeat(from, now),
@@ -105,16 +109,16 @@ impl<T: Transport> Scheduler<T> {
                 match &msg {
                     Msg::Assign { nodes, .. } => {
                         // Where to redial nodes whose connection drops (PS_RESEND), and the
-                        // tokens they will prove their assigned ids with.
+                        // commitments to the tokens they will prove their assigned ids with.
                         link.learn_nodes(nodes);
-                        admission.learn_tokens(&state.member_infos());
+                        admission.learn(nodes);
                     }
-                    // A restarted server: its new address and token, and (PS_RESEND) a
-                    // fresh start with the new process.
+                    // A restarted server: its new address and token's commitment, and
+                    // (PS_RESEND) a fresh start with the new process.
                     Msg::Reassign { your_id, nodes } => {
                         if let Some(node) = nodes.iter().find(|n| n.id == *your_id) {
                             link.rejoined(node);
-                            admission.learn_tokens(std::slice::from_ref(node));
+                            admission.learn(std::slice::from_ref(node));
                         }
                     }
                     _ => {}

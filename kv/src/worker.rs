@@ -590,7 +590,7 @@ mod tests {
             role,
             rank,
             addr: addr.parse().unwrap(),
-            token: Proof([0; PROOF_LEN]),
+            commit: Proof([0; PROOF_LEN]),
         }
     }
 

@@ -369,6 +369,7 @@ async fn a_second_registration_is_refused_and_the_job_goes_on() {
             addr,
             rank_hint: hint,
             recovery: None,
+            token_commit: psnet_transport::Proof([1; psnet_transport::PROOF_LEN]),
         };
         job.rogue.send(SCHEDULER, &again, &[]).await;
         let (from, msg, _) = job.rogue.next().await;
@@ -472,8 +473,8 @@ async fn oversize_frames_are_refused_by_the_servers_listener() {
 
 /// The second hardening round: every `Assign` carried every node's token, so a member could
 /// dial a server as worker 0 (and `init` or set the optimizer as it), or as the scheduler
-/// (and send `Shutdown`). A member now holds only commitments to the others' tokens, which
-/// do not pass as them.
+/// (and send `Shutdown`). A member now holds only commitments to the others' tokens (each
+/// node draws its own and registers a commitment), which do not pass as them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_cannot_speak_as_another_member_or_the_scheduler() {
     use psnet_transport::codec::{self, DataPath};
@@ -486,7 +487,7 @@ async fn a_member_cannot_speak_as_another_member_or_the_scheduler() {
     let target = job.rogue.addr_of(server);
     let worker0 = psnet_kv::proto::ids::node_id(Role::Worker, 0);
     for id in [worker0, SCHEDULER] {
-        let learned = job.rogue.nodes.iter().find(|n| n.id == id).unwrap().token;
+        let learned = job.rogue.nodes.iter().find(|n| n.id == id).unwrap().commit;
         let hello = codec::encode_hello_proved(id, DataPath::Tcp, Some(&learned));
         let frame = codec::encode_frame(
             FrameKind::Hello,

@@ -1,13 +1,15 @@
-//! Who may connect to a node of a kv job: the scheduler issues every node a random token with
-//! its id, and from then on a connection must prove the id it claims with that token. An id
-//! the job never assigned, or a known id with the wrong token, is refused by the transport
-//! before any message is read.
+//! Who may connect to a node of a kv job: every node draws a random token of its own and
+//! proves the id it claims with it; an id the job never assigned, or a known id with the
+//! wrong token, is refused by the transport before any message is read.
 //!
-//! A node learns only its own token. Of every other node it learns a commitment
-//! ([`commitment`]: a hash of the token), which checks a presented token without giving the
-//! means to present it: a member of the job cannot claim another member's id, nor the
-//! scheduler's (before, every `Assign` carried every token, so any member could speak as any
-//! other, send `Shutdown` as the scheduler or `init` as worker 0).
+//! A token never leaves its node except inside its hellos, which a job secret seals. The
+//! node registers a commitment to it ([`commitment`]: a hash of the token), and the
+//! scheduler's table carries only commitments, which check a presented token without giving
+//! the means to present it. So a member of the job cannot claim another member's id, nor
+//! the scheduler's (before, every `Assign` carried every token, so any member could speak as
+//! any other, send `Shutdown` as the scheduler or `init` as worker 0), and a member that is
+//! also on the network path reads no token in the tables either (before, the scheduler drew
+//! the tokens and sent each node its own in its `Assign`, tagged but in clear).
 //!
 //! Registration is the one door without a token: the scheduler lets in provisional ids (a
 //! node that has not been assigned yet), and only ever takes `Register` from them. Servers
@@ -32,22 +34,6 @@ pub fn commitment(token: &Proof) -> Proof {
     let mut c = [0u8; PROOF_LEN];
     c.copy_from_slice(&digest[..PROOF_LEN]);
     Proof(c)
-}
-
-/// `nodes` as `to` receives them: its own entry with its token, every other entry with the
-/// commitment to its token.
-pub fn as_seen_by(to: NodeId, nodes: &[NodeInfo]) -> Vec<NodeInfo> {
-    nodes
-        .iter()
-        .map(|n| NodeInfo {
-            token: if n.id == to {
-                n.token
-            } else {
-                commitment(&n.token)
-            },
-            ..n.clone()
-        })
-        .collect()
 }
 
 /// The admission policy of one node of a kv job.
@@ -87,48 +73,25 @@ impl JobAdmission {
         }
     }
 
-    /// A server's or worker's policy, from its assignment: `nodes` as it received them (its
-    /// own entry with its token, the others with commitments).
-    pub fn member(own: NodeId, nodes: &[NodeInfo]) -> Self {
+    /// A server's or worker's policy, from its assignment: `own` is the token it drew and
+    /// registered a commitment to, `nodes` the table it received (commitments only).
+    pub fn member(id: NodeId, own: Proof, nodes: &[NodeInfo]) -> Self {
         let admission = JobAdmission {
-            own: Mutex::new(None),
+            own: Mutex::new(Some((id, own))),
             commits: Mutex::new(HashMap::new()),
             registrations: AtomicBool::new(false),
             joining: false,
         };
-        admission.learn_own(own, nodes);
+        admission.learn(nodes);
         admission
     }
 
-    /// Takes this node's token from its own entry in `nodes` (an assignment or a
-    /// reassignment) and the other entries' commitments.
-    pub fn learn_own(&self, own: NodeId, nodes: &[NodeInfo]) {
-        let mut commits = lock(&self.commits);
-        for n in nodes {
-            if n.id == own {
-                *lock(&self.own) = Some((own, n.token));
-                commits.insert(n.id, commitment(&n.token));
-            } else {
-                commits.insert(n.id, n.token);
-            }
-        }
-    }
-
-    /// Adds (or replaces) the commitments of `nodes`, entries that carry commitments (a
-    /// `Rejoined` announcement).
+    /// Adds (or replaces) the commitments of `nodes` (a table, or a `Rejoined`
+    /// announcement).
     pub fn learn(&self, nodes: &[NodeInfo]) {
         let mut commits = lock(&self.commits);
         for n in nodes {
-            commits.insert(n.id, n.token);
-        }
-    }
-
-    /// Adds (or replaces) the commitments to the tokens `nodes` carry (the scheduler, which
-    /// issued them).
-    pub fn learn_tokens(&self, nodes: &[NodeInfo]) {
-        let mut commits = lock(&self.commits);
-        for n in nodes {
-            commits.insert(n.id, commitment(&n.token));
+            commits.insert(n.id, n.commit);
         }
     }
 
@@ -225,44 +188,47 @@ mod tests {
         assert_eq!(a.proof(SCHEDULER), None);
     }
 
-    /// The second hardening round's finding: every member held every token, so worker 1
-    /// could speak as worker 0 or as the scheduler. A member now knows its own token and
-    /// only commitments to the others'.
+    /// The second hardening round's findings: every member held every token, so worker 1
+    /// could speak as worker 0 or as the scheduler; and each node's token crossed the wire in
+    /// its assignment. A member now knows only its own token, which it drew itself.
     #[test]
-    fn a_member_learns_no_other_nodes_token() {
+    fn a_member_knows_only_its_own_token_and_the_table_carries_none() {
         let (w0, w1) = (node_id(Role::Worker, 0), node_id(Role::Worker, 1));
-        let all = [info(SCHEDULER, 1), info(w0, 2), info(w1, 3)];
-        let seen = as_seen_by(w1, &all);
-        let tokens: Vec<Proof> = seen.iter().map(|n| n.token).collect();
-        assert!(!tokens.contains(&Proof([1; 16])) && !tokens.contains(&Proof([2; 16])));
-        assert!(tokens.contains(&Proof([3; 16])), "its own");
-        let a = JobAdmission::member(w1, &seen);
+        let table = [info(SCHEDULER, 1), info(w0, 2), info(w1, 3)];
+        for n in &table {
+            assert!(
+                !(1..=3).any(|t| n.commit == Proof([t; 16])),
+                "a table entry carries a token"
+            );
+        }
+        let a = JobAdmission::member(w1, Proof([3; 16]), &table);
         assert_eq!(a.proof(w1), Some(Proof([3; 16])));
         assert_eq!(a.proof(w0), None, "cannot present another's id");
         assert_eq!(a.proof(SCHEDULER), None);
         // What it received for the scheduler and worker 0 does not pass as their tokens.
         for (id, n) in [(SCHEDULER, 0), (w0, 1)] {
-            assert!(a.admit(id, Some(&seen[n].token)).is_err());
+            assert!(a.admit(id, Some(&table[n].commit)).is_err());
         }
         // Their real tokens do.
         assert!(a.admit(SCHEDULER, Some(&Proof([1; 16]))).is_ok());
         assert!(a.admit(w0, Some(&Proof([2; 16]))).is_ok());
     }
 
+    /// A table entry for a node whose token is `[token; 16]`.
     fn info(id: NodeId, token: u8) -> NodeInfo {
         NodeInfo {
             id,
             role: Role::Worker,
             rank: 0,
             addr: "127.0.0.1:1".parse().unwrap(),
-            token: Proof([token; psnet_transport::PROOF_LEN]),
+            commit: commitment(&Proof([token; psnet_transport::PROOF_LEN])),
         }
     }
 
     #[test]
     fn members_admit_only_assigned_ids_with_their_token() {
         let w0 = node_id(Role::Worker, 0);
-        let a = JobAdmission::member(w0, &as_seen_by(w0, &[info(SCHEDULER, 1), info(w0, 2)]));
+        let a = JobAdmission::member(w0, Proof([2; 16]), &[info(SCHEDULER, 1), info(w0, 2)]);
         assert_eq!(a.proof(w0), Some(Proof([2; 16])));
         assert!(a.admit(w0, Some(&Proof([2; 16]))).is_ok());
         let wrong = a.admit(w0, Some(&Proof([3; 16]))).unwrap_err();
@@ -276,14 +242,14 @@ mod tests {
     }
 
     #[test]
-    fn the_scheduler_takes_registrations_and_learns_tokens() {
+    fn the_scheduler_takes_registrations_and_learns_commitments() {
         let s = JobAdmission::scheduler(Proof([9; 16]));
         let prov = provisional_id("127.0.0.1:5".parse().unwrap());
         assert!(s.admit(prov, None).is_ok());
         assert_eq!(s.proof(SCHEDULER), Some(Proof([9; 16])));
         let w0 = node_id(Role::Worker, 0);
         assert!(s.admit(w0, Some(&Proof([4; 16]))).is_err());
-        s.learn_tokens(&[info(w0, 4)]);
+        s.learn(&[info(w0, 4)]);
         assert!(s.admit(w0, Some(&Proof([4; 16]))).is_ok());
         s.close_registrations();
         assert!(s

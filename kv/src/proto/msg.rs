@@ -20,7 +20,7 @@ use super::recovery::CREDENTIAL_LEN;
 use crate::value::Dtype;
 
 /// The kv protocol version in every message.
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 /// Longest string field (reasons, optimizer and compression specs).
 pub const MAX_STRING: usize = 64 << 10;
 /// Most nodes in an assignment.
@@ -51,8 +51,10 @@ pub struct NodeInfo {
     pub rank: u32,
     /// Where it listens.
     pub addr: SocketAddr,
-    /// The token it proves its id with when it connects (issued by the scheduler).
-    pub token: Proof,
+    /// The commitment to the token it proves its id with when it connects
+    /// ([`super::admission::commitment`]): each node draws its own token and only ever sends
+    /// it in its sealed hellos, so no table carries one.
+    pub commit: Proof,
 }
 
 /// Commands a worker sends to every server.
@@ -153,6 +155,9 @@ pub enum Msg {
         /// directory): a lost rank is given back only to a server that shows the credential
         /// whose commitment the lost server sent ([`Msg::RecoveryKey`]).
         recovery: Option<[u8; CREDENTIAL_LEN]>,
+        /// The commitment to the token the node drew for itself ([`super::admission`]): the
+        /// token never leaves the node but in its sealed hellos.
+        token_commit: Proof,
     },
     /// Server to scheduler, once assigned (or reassigned): the commitment to the recovery
     /// credential it keeps in its checkpoint directory ([`super::recovery`]).
@@ -443,7 +448,7 @@ impl Writer {
     }
     fn node(&mut self, n: &NodeInfo) -> &mut Self {
         self.u64(n.id.0).u8(n.role.code()).u32(n.rank).addr(n.addr);
-        self.0.bytes(&n.token.0);
+        self.0.bytes(&n.commit.0);
         self
     }
 }
@@ -495,8 +500,11 @@ impl<'a> Reader<'a> {
             role: self.role()?,
             rank: self.u32()?,
             addr: self.addr()?,
-            token: Proof(self.take(PROOF_LEN)?.try_into().expect("16 bytes")),
+            commit: self.proof()?,
         })
+    }
+    fn proof(&mut self) -> Result<Proof, DecodeError> {
+        Ok(Proof(self.take(PROOF_LEN)?.try_into().expect("taken")))
     }
     fn group(&mut self) -> Result<Group, DecodeError> {
         let g = self.u8()?;
@@ -558,10 +566,12 @@ impl Msg {
                 addr,
                 rank_hint,
                 recovery,
+                token_commit,
             } => {
                 w.u8(role.code())
                     .addr(*addr)
                     .u32(rank_hint.unwrap_or(NO_RANK_HINT));
+                w.0.bytes(&token_commit.0);
                 match recovery {
                     Some(c) => {
                         w.u8(1);
@@ -642,6 +652,7 @@ impl Msg {
                 role: r.role()?,
                 addr: r.addr()?,
                 rank_hint: Some(r.u32()?).filter(|&h| h != NO_RANK_HINT),
+                token_commit: r.proof()?,
                 recovery: match r.u8()? {
                     0 => None,
                     1 => Some(r.credential()?),

@@ -12,8 +12,9 @@
 //! With a recovery timeout ([`SchedulerState::with_recovery`], `PSNET_RECOVERY_TIMEOUT`), a
 //! lost server is not declared failed at once: its rank is held for the timeout, and a
 //! server that registers meanwhile showing the lost server's recovery credential (from its
-//! checkpoint directory, see [`super::recovery`]) takes the lost one's id back with a fresh
-//! token (`Reassign`); every other member learns its new address and token (`Rejoined`).
+//! checkpoint directory, see [`super::recovery`]) takes the lost one's id back with the new
+//! token it drew (`Reassign`); every other member learns its new address and the commitment
+//! to that token (`Rejoined`).
 //! Any other server's registration is refused and logged. Past the timeout the loss is
 //! declared as any other. Workers are not recovered: a lost worker ends the job.
 
@@ -23,10 +24,25 @@ use std::time::{Duration, Instant};
 
 use psnet_transport::{NodeId, Proof};
 
-use super::admission::as_seen_by;
+use super::admission::commitment;
 use super::ids::{self, describe, Group, Role, SCHEDULER};
 use super::msg::{Msg, NodeInfo, NO_REQUEST};
 use super::recovery::{Credentials, CREDENTIAL_LEN};
+
+/// What a node says of itself when it registers ([`Msg::Register`]'s fields).
+#[derive(Clone, Debug)]
+pub struct Registration {
+    /// Its role.
+    pub role: Role,
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// The rank it wishes.
+    pub rank_hint: Option<u32>,
+    /// A restarted server's recovery credential.
+    pub recovery: Option<[u8; CREDENTIAL_LEN]>,
+    /// The commitment to the token it drew.
+    pub token_commit: Proof,
+}
 
 /// What the scheduler knows about one assigned node.
 #[derive(Debug)]
@@ -40,8 +56,9 @@ pub struct SchedulerState {
     num_servers: u32,
     num_workers: u32,
     heartbeat_timeout: Option<Duration>,
-    /// Registrations before assignment: provisional id, role, address, wished rank.
-    pending: Vec<(NodeId, Role, SocketAddr, Option<u32>)>,
+    /// Registrations before assignment: provisional id, role, address, wished rank, token
+    /// commitment.
+    pending: Vec<(NodeId, Role, SocketAddr, Option<u32>, Proof)>,
     members: BTreeMap<NodeId, Member>,
     barriers: BTreeMap<u8, BTreeSet<NodeId>>,
     dead: BTreeMap<NodeId, String>,
@@ -52,8 +69,7 @@ pub struct SchedulerState {
     shutting_down: bool,
     out: VecDeque<(NodeId, Msg)>,
     scheduler_addr: SocketAddr,
-    /// Where the nodes' tokens come from (the system's randomness in a real job).
-    tokens: Box<dyn FnMut() -> Proof + Send>,
+    /// The scheduler's own token (the nodes draw theirs).
     token: Proof,
     /// When time last passed here ([`Self::handle_timeout`]).
     last_tick: Option<Instant>,
@@ -72,17 +88,15 @@ pub struct SchedulerState {
 impl SchedulerState {
     /// A scheduler expecting `num_servers` and `num_workers`, listening at `addr`.
     /// `heartbeat_timeout`: a node silent for longer is declared dead (None: never).
-    /// `tokens` issues each node (and the scheduler itself) the token it proves its id with.
+    /// `token` is the one the scheduler proves its id with.
     pub fn new(
         num_servers: u32,
         num_workers: u32,
         addr: SocketAddr,
         heartbeat_timeout: Option<Duration>,
-        mut tokens: Box<dyn FnMut() -> Proof + Send>,
+        token: Proof,
     ) -> Self {
-        let token = tokens();
         SchedulerState {
-            tokens,
             token,
             last_tick: None,
             num_servers,
@@ -158,18 +172,6 @@ impl SchedulerState {
         }
     }
 
-    /// A node (under its provisional id) registers, wishing rank `rank_hint` or none.
-    pub fn handle_register(
-        &mut self,
-        from: NodeId,
-        role: Role,
-        addr: SocketAddr,
-        rank_hint: Option<u32>,
-        now: Instant,
-    ) {
-        self.handle_register_proving(from, role, addr, rank_hint, None, now)
-    }
-
     /// A server assigned its id committed to its recovery credential. Taken only from a
     /// server member under its own id; anything else is refused and logged.
     pub fn handle_recovery_key(&mut self, from: NodeId, commit: [u8; CREDENTIAL_LEN]) {
@@ -181,16 +183,15 @@ impl SchedulerState {
         self.credentials.commit(from, commit);
     }
 
-    /// [`Self::handle_register`], with the recovery credential a restarted server shows.
-    pub fn handle_register_proving(
-        &mut self,
-        from: NodeId,
-        role: Role,
-        addr: SocketAddr,
-        rank_hint: Option<u32>,
-        recovery: Option<[u8; CREDENTIAL_LEN]>,
-        now: Instant,
-    ) {
+    /// A node (under its provisional id) registers ([`Msg::Register`]).
+    pub fn handle_register(&mut self, from: NodeId, reg: Registration, now: Instant) {
+        let Registration {
+            role,
+            addr,
+            rank_hint,
+            recovery,
+            token_commit,
+        } = reg;
         if self.members.contains_key(&from) {
             // A member has its id (and its token): nothing to register, nothing changes.
             let reason = format!(
@@ -203,7 +204,7 @@ impl SchedulerState {
             return;
         }
         if self.is_assigned() && role == Role::Server && ids::is_provisional(from) {
-            return self.handle_rejoin(from, addr, rank_hint, recovery.as_ref(), now);
+            return self.handle_rejoin(from, addr, rank_hint, recovery.as_ref(), token_commit, now);
         }
         let limit = match role {
             Role::Server => self.num_servers,
@@ -226,7 +227,8 @@ impl SchedulerState {
                 .push_back((from, Msg::NodeFailed { id: from, reason }));
             return;
         }
-        self.pending.push((from, role, addr, rank_hint));
+        self.pending
+            .push((from, role, addr, rank_hint, token_commit));
         if self.pending.len() as u32 == self.num_servers + self.num_workers {
             self.assign(now);
         }
@@ -282,13 +284,15 @@ impl SchedulerState {
         let mut nodes = vec![self.own_info()];
         let mut provisional = Vec::new();
         for role in [Role::Server, Role::Worker] {
-            for (rank, (prov, _, addr, _)) in pending.iter().filter(|p| p.1 == role).enumerate() {
+            for (rank, (prov, _, addr, _, commit)) in
+                pending.iter().filter(|p| p.1 == role).enumerate()
+            {
                 let info = NodeInfo {
                     id: ids::node_id(role, rank as u32),
                     role,
                     rank: rank as u32,
                     addr: *addr,
-                    token: (self.tokens)(),
+                    commit: *commit,
                 };
                 provisional.push((*prov, info.id));
                 nodes.push(info);
@@ -308,21 +312,22 @@ impl SchedulerState {
                 prov,
                 Msg::Assign {
                     your_id: id,
-                    nodes: as_seen_by(id, &nodes),
+                    nodes: nodes.clone(),
                 },
             ));
         }
     }
 
     /// A server registers while the job runs: it takes back the id of a lost server whose
-    /// rank is held (the one it wishes, or any), with a fresh token, if its recovery
-    /// credential is the one that server committed to.
+    /// rank is held (the one it wishes, or any), with the new token it drew, if its
+    /// recovery credential is the one that server committed to.
     fn handle_rejoin(
         &mut self,
         from: NodeId,
         addr: SocketAddr,
         hint: Option<u32>,
         credential: Option<&[u8; CREDENTIAL_LEN]>,
+        token_commit: Proof,
         now: Instant,
     ) {
         let wished = hint.map(|rank| ids::node_id(Role::Server, rank));
@@ -367,23 +372,21 @@ impl SchedulerState {
             }
         };
         let (lost, _) = self.recovering.remove(&id).expect("held");
-        let token = (self.tokens)();
         let Some(member) = self.members.get_mut(&id) else {
             return;
         };
         member.info.addr = addr;
-        member.info.token = token;
+        member.info.commit = token_commit;
         member.last_seen = now;
         let info = member.info.clone();
         tracing::warn!(node = %describe(id), %addr, %lost, "a restarted server took its rank back");
-        let nodes = as_seen_by(id, &self.member_infos());
+        let nodes = self.member_infos();
         self.out
             .push_back((from, Msg::Reassign { your_id: id, nodes }));
         self.rejoining.insert(id, info);
     }
 
-    /// Every node, the scheduler first, with the tokens it issued (to be masked per
-    /// recipient with [`as_seen_by`] before they leave).
+    /// Every node, the scheduler first, with the commitments to their tokens.
     pub fn member_infos(&self) -> Vec<NodeInfo> {
         let mut nodes = vec![self.own_info()];
         nodes.extend(self.members.values().map(|m| m.info.clone()));
@@ -397,7 +400,7 @@ impl SchedulerState {
             role: Role::Scheduler,
             rank: 0,
             addr: self.scheduler_addr,
-            token: self.token,
+            commit: commitment(&self.token),
         }
     }
 
@@ -408,8 +411,7 @@ impl SchedulerState {
             m.last_seen = now;
         }
         if let Some(info) = self.rejoining.remove(&from) {
-            // Its commitment, not its token: see `admission`.
-            let node = as_seen_by(SCHEDULER, std::slice::from_ref(&info)).remove(0);
+            let node = info;
             for to in self.alive() {
                 if matches!(ids::role_rank(to), Some((Role::Worker, _))) {
                     self.out

@@ -18,7 +18,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use psnet_compression::CompressionParams;
 use psnet_fallback_tcp::{TcpConfig, TcpTransport};
-use psnet_kv::proto::admission::JobAdmission;
+use psnet_kv::proto::admission::{commitment, random_token, JobAdmission};
 use psnet_kv::proto::ids::{self, Group, Role, SCHEDULER};
 use psnet_kv::proto::msg::{decode_frame, CommandKind, Envelope, Msg, NodeInfo, PushFlags};
 use psnet_transport::{Event, NodeId, OutMessage, Segment, Transport, TransportError};
@@ -48,6 +48,7 @@ impl Rogue {
     /// runs with `PS_RESEND`.
     pub async fn join(root: SocketAddr, rank: u32, config: TcpConfig, resend: bool) -> Rogue {
         let t = TcpTransport::bind(NodeId(0), config).await.expect("bind");
+        let token = random_token();
         t.set_local_id(ids::provisional_id(t.listen_addr()));
         t.connect(SCHEDULER, root)
             .await
@@ -57,6 +58,7 @@ impl Rogue {
             addr: t.listen_addr(),
             rank_hint: Some(rank),
             recovery: None,
+            token_commit: commitment(&token),
         };
         let meta = register.encode();
         t.send(SCHEDULER, OutMessage::new(&meta, &[]))
@@ -74,7 +76,7 @@ impl Rogue {
             }
         };
         assert_eq!(ids::role_rank(id), Some((Role::Worker, rank)));
-        t.set_admission(Arc::new(JobAdmission::member(id, &nodes)));
+        t.set_admission(Arc::new(JobAdmission::member(id, token, &nodes)));
         t.set_local_id(id);
         t.disconnect(SCHEDULER);
         t.connect(SCHEDULER, root)

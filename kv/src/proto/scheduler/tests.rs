@@ -11,14 +11,14 @@ fn drain(s: &mut SchedulerState) -> Vec<(NodeId, Msg)> {
 
 /// A scheduler with 2 servers and 2 workers registered out of port order.
 fn assigned(now: Instant) -> SchedulerState {
-    let mut s = SchedulerState::new(2, 2, addr(9000), Some(Duration::from_secs(10)), counter());
+    let mut s = SchedulerState::new(2, 2, addr(9000), Some(Duration::from_secs(10)), own());
     for (role, port) in [
         (Role::Worker, 9300),
         (Role::Server, 9200),
         (Role::Worker, 9100),
         (Role::Server, 9050),
     ] {
-        s.handle_register(provisional_id(addr(port)), role, addr(port), None, now);
+        s.register(provisional_id(addr(port)), role, addr(port), None, now);
     }
     drain(&mut s);
     s
@@ -31,32 +31,89 @@ fn out_id(m: &Msg) -> NodeId {
     }
 }
 
-/// Distinct, predictable tokens.
-fn counter() -> Box<dyn FnMut() -> psnet_transport::Proof + Send> {
-    let mut n = 0u8;
-    Box::new(move || {
-        n += 1;
-        psnet_transport::Proof([n; psnet_transport::PROOF_LEN])
-    })
+/// The scheduler's token in these tests.
+fn own() -> Proof {
+    Proof([0xee; psnet_transport::PROOF_LEN])
+}
+
+/// The token the node listening at `addr` draws in these tests: distinct per node.
+fn token_of(addr: SocketAddr) -> Proof {
+    let mut t = [0u8; psnet_transport::PROOF_LEN];
+    t[..2].copy_from_slice(&addr.port().to_le_bytes());
+    Proof(t)
+}
+
+/// Registrations as the tests spell them: each node registers the commitment to
+/// [`token_of`] its address.
+trait Registers {
+    fn register(
+        &mut self,
+        from: NodeId,
+        role: Role,
+        addr: SocketAddr,
+        rank_hint: Option<u32>,
+        now: Instant,
+    );
+    fn register_proving(
+        &mut self,
+        from: NodeId,
+        role: Role,
+        addr: SocketAddr,
+        rank_hint: Option<u32>,
+        recovery: Option<[u8; CREDENTIAL_LEN]>,
+        now: Instant,
+    );
+}
+
+impl Registers for SchedulerState {
+    fn register(
+        &mut self,
+        from: NodeId,
+        role: Role,
+        addr: SocketAddr,
+        rank_hint: Option<u32>,
+        now: Instant,
+    ) {
+        self.register_proving(from, role, addr, rank_hint, None, now);
+    }
+
+    fn register_proving(
+        &mut self,
+        from: NodeId,
+        role: Role,
+        addr: SocketAddr,
+        rank_hint: Option<u32>,
+        recovery: Option<[u8; CREDENTIAL_LEN]>,
+        now: Instant,
+    ) {
+        let reg = Registration {
+            role,
+            addr,
+            rank_hint,
+            recovery,
+            token_commit: commitment(&token_of(addr)),
+        };
+        SchedulerState::handle_register(self, from, reg, now);
+    }
 }
 
 #[test]
 fn ranks_follow_address_order_not_registration_order() {
     let now = Instant::now();
-    let mut s = SchedulerState::new(2, 2, addr(9000), None, counter());
+    let mut s = SchedulerState::new(2, 2, addr(9000), None, own());
     let regs = [
         (Role::Worker, 9300),
         (Role::Server, 9200),
         (Role::Worker, 9100),
     ];
     for (role, port) in regs {
-        s.handle_register(provisional_id(addr(port)), role, addr(port), None, now);
+        s.register(provisional_id(addr(port)), role, addr(port), None, now);
         assert!(
             drain(&mut s).is_empty(),
             "assigned before everyone registered"
         );
     }
-    s.handle_register(
+    s.register(
         provisional_id(addr(9050)),
         Role::Server,
         addr(9050),
@@ -96,9 +153,9 @@ fn ranks_follow_address_order_not_registration_order() {
 #[test]
 fn extra_nodes_are_refused_with_the_reason() {
     let now = Instant::now();
-    let mut s = SchedulerState::new(1, 1, addr(9000), None, counter());
-    s.handle_register(provisional_id(addr(1)), Role::Worker, addr(1), None, now);
-    s.handle_register(provisional_id(addr(2)), Role::Worker, addr(2), None, now);
+    let mut s = SchedulerState::new(1, 1, addr(9000), None, own());
+    s.register(provisional_id(addr(1)), Role::Worker, addr(1), None, now);
+    s.register(provisional_id(addr(2)), Role::Worker, addr(2), None, now);
     match drain(&mut s).as_slice() {
         [(to, Msg::NodeFailed { reason, .. })] => {
             assert_eq!(*to, provisional_id(addr(2)));
@@ -200,17 +257,17 @@ fn shutdown_when_every_worker_finalized_or_died() {
 }
 
 #[test]
-fn every_node_gets_its_own_token_and_heartbeats_are_answered() {
+fn tables_carry_only_the_commitments_nodes_registered_and_heartbeats_are_answered() {
     let now = Instant::now();
-    let mut s = SchedulerState::new(1, 1, addr(9000), None, counter());
-    s.handle_register(
+    let mut s = SchedulerState::new(1, 1, addr(9000), None, own());
+    s.register(
         provisional_id(addr(9100)),
         Role::Server,
         addr(9100),
         None,
         now,
     );
-    s.handle_register(
+    s.register(
         provisional_id(addr(9200)),
         Role::Worker,
         addr(9200),
@@ -218,35 +275,27 @@ fn every_node_gets_its_own_token_and_heartbeats_are_answered() {
         now,
     );
     let out = drain(&mut s);
-    let Msg::Assign { nodes, .. } = &out[0].1 else {
-        panic!("{out:?}")
-    };
-    let tokens: std::collections::HashSet<_> = nodes.iter().map(|n| n.token).collect();
-    assert_eq!(
-        tokens.len(),
-        3,
-        "scheduler, server and worker tokens differ"
-    );
-    // Only commitments to the others' tokens, the scheduler's included (see `admission`).
-    assert_eq!(
-        nodes[0].token,
-        crate::proto::admission::commitment(&s.token())
-    );
-    let Msg::Assign {
-        your_id,
-        nodes: other,
-    } = &out[1].1
-    else {
-        panic!("{out:?}")
-    };
-    let own = |list: &[NodeInfo], id| list.iter().find(|n| n.id == id).unwrap().token;
-    let first = out_id(&out[0].1);
-    assert_eq!(
-        own(nodes, *your_id),
-        crate::proto::admission::commitment(&own(other, *your_id)),
-        "each node's own entry has its token, the others see its commitment"
-    );
-    assert_ne!(first, *your_id);
+    assert_eq!(out.len(), 2);
+    assert_ne!(out_id(&out[0].1), out_id(&out[1].1));
+    for (_, msg) in &out {
+        let Msg::Assign { nodes, .. } = msg else {
+            panic!("{out:?}")
+        };
+        // Every entry is the commitment the node registered (the scheduler's to its own
+        // token): no table carries a token (see `admission`).
+        let commits: Vec<Proof> = nodes.iter().map(|n| n.commit).collect();
+        assert_eq!(
+            commits,
+            vec![
+                commitment(&own()),
+                commitment(&token_of(addr(9100))),
+                commitment(&token_of(addr(9200)))
+            ]
+        );
+        for token in [own(), token_of(addr(9100)), token_of(addr(9200))] {
+            assert!(!commits.contains(&token), "a token in a table");
+        }
+    }
     let w0 = node_id(Role::Worker, 0);
     s.handle_heartbeat(w0, now);
     assert!(matches!(drain(&mut s)[..], [(to, Msg::Heartbeat)] if to == w0));
@@ -296,8 +345,8 @@ fn only_registered_workers_finalize_and_only_members_enter_barriers() {
 /// The worker ranks assigned when three workers at ports 9100, 9200, 9300 wish `hints`.
 fn worker_ranks(hints: [Option<u32>; 3]) -> Vec<(u16, u32)> {
     let now = Instant::now();
-    let mut s = SchedulerState::new(1, 3, addr(9000), None, counter());
-    s.handle_register(
+    let mut s = SchedulerState::new(1, 3, addr(9000), None, own());
+    s.register(
         provisional_id(addr(9050)),
         Role::Server,
         addr(9050),
@@ -305,7 +354,7 @@ fn worker_ranks(hints: [Option<u32>; 3]) -> Vec<(u16, u32)> {
         now,
     );
     for (port, hint) in [9100, 9200, 9300].into_iter().zip(hints) {
-        s.handle_register(
+        s.register(
             provisional_id(addr(port)),
             Role::Worker,
             addr(port),
@@ -392,7 +441,7 @@ fn a_member_registering_again_is_refused_by_name_and_nothing_changes() {
     let mut s = assigned(now);
     let w1 = node_id(Role::Worker, 1);
     for role in [Role::Worker, Role::Server, Role::Scheduler] {
-        s.handle_register(w1, role, addr(9999), Some(0), now);
+        s.register(w1, role, addr(9999), Some(0), now);
         match drain(&mut s).as_slice() {
             [(to, Msg::NodeFailed { id, reason })] => {
                 assert_eq!((*to, *id), (w1, w1));
@@ -414,7 +463,7 @@ fn a_member_registering_again_is_refused_by_name_and_nothing_changes() {
 #[test]
 fn unreadable_messages_are_answered_never_dropped_silently() {
     let now = Instant::now();
-    let mut s = SchedulerState::new(1, 1, addr(9000), None, counter());
+    let mut s = SchedulerState::new(1, 1, addr(9000), None, own());
     let prov = provisional_id(addr(9100));
     s.handle_malformed(prov, "kv protocol version 3, this build speaks 2");
     match drain(&mut s).as_slice() {
@@ -471,7 +520,7 @@ fn a_lost_server_rank_is_held_and_a_restarted_server_takes_it_back() {
     assert!(drain(&mut s).is_empty());
     // A server wishing another rank, one wishing none: refused and taken, in turn.
     let (a, b) = (addr(9400), addr(9500));
-    s.handle_register(provisional_id(a), Role::Server, a, Some(0), t0);
+    s.register(provisional_id(a), Role::Server, a, Some(0), t0);
     let out = drain(&mut s);
     assert!(
         matches!(&out[..], [(to, Msg::NodeFailed { reason, .. })]
@@ -480,7 +529,7 @@ fn a_lost_server_rank_is_held_and_a_restarted_server_takes_it_back() {
     );
     // Without the lost server's credential, or with another, a server is refused.
     for shown in [None, Some(crate::proto::recovery::fresh())] {
-        s.handle_register_proving(provisional_id(b), Role::Server, b, None, shown, t0);
+        s.register_proving(provisional_id(b), Role::Server, b, None, shown, t0);
         let out = drain(&mut s);
         assert!(
             matches!(&out[..], [(to, Msg::NodeFailed { reason, .. })]
@@ -488,7 +537,7 @@ fn a_lost_server_rank_is_held_and_a_restarted_server_takes_it_back() {
             "{out:?}"
         );
     }
-    s.handle_register_proving(
+    s.register_proving(
         provisional_id(b),
         Role::Server,
         b,
@@ -512,16 +561,14 @@ fn a_lost_server_rank_is_held_and_a_restarted_server_takes_it_back() {
         told,
         vec![node_id(Role::Worker, 0), node_id(Role::Worker, 1)]
     );
-    // The workers learn its commitment, never its token (see `admission`).
-    let announced = NodeInfo {
-        token: crate::proto::admission::commitment(&info.token),
-        ..info.clone()
-    };
+    // The workers learn the commitment it registered, never its token (see `admission`).
+    assert_eq!(info.commit, commitment(&token_of(b)));
+    let announced = info.clone();
     assert!(out
         .iter()
         .all(|(_, m)| matches!(m, Msg::Rejoined { node } if *node == announced)));
     // A member again: a second registration is refused; its silence counts again.
-    s.handle_register(provisional_id(a), Role::Server, a, None, t0);
+    s.register(provisional_id(a), Role::Server, a, None, t0);
     assert!(
         matches!(&drain(&mut s)[..], [(_, Msg::NodeFailed { reason, .. })] if reason.contains("none is lost"))
     );
@@ -564,7 +611,7 @@ fn without_recovery_a_server_registering_late_is_refused_naming_the_setting() {
     s.handle_lost(node_id(Role::Server, 0), "killed");
     drain(&mut s);
     let a = addr(9400);
-    s.handle_register(provisional_id(a), Role::Server, a, Some(0), t0);
+    s.register(provisional_id(a), Role::Server, a, Some(0), t0);
     let out = drain(&mut s);
     assert!(
         matches!(&out[..], [(_, Msg::NodeFailed { reason, .. })] if reason.contains("PSNET_RECOVERY_TIMEOUT")),
@@ -594,7 +641,7 @@ fn a_lost_rank_goes_only_to_its_credential_once() {
     drain(&mut s);
     let stranger = addr(9600);
     for (hint, shown) in [(None, None), (Some(0), Some(forged)), (Some(0), Some(c1))] {
-        s.handle_register_proving(
+        s.register_proving(
             provisional_id(stranger),
             Role::Server,
             stranger,
@@ -610,13 +657,13 @@ fn a_lost_rank_goes_only_to_its_credential_once() {
     }
     // s1's credential, without a wish, takes s1's rank, not s0's.
     let a = addr(9700);
-    s.handle_register_proving(provisional_id(a), Role::Server, a, None, Some(c1), t0);
+    s.register_proving(provisional_id(a), Role::Server, a, None, Some(c1), t0);
     assert!(matches!(&drain(&mut s)[..], [(_, Msg::Reassign { your_id, .. })] if *your_id == s1));
     // Replayed by someone who saw it: refused (the rejoined server commits anew).
     let b = addr(9800);
-    s.handle_register_proving(provisional_id(b), Role::Server, b, None, Some(c1), t0);
+    s.register_proving(provisional_id(b), Role::Server, b, None, Some(c1), t0);
     assert!(matches!(&drain(&mut s)[..], [(_, Msg::NodeFailed { .. })]));
-    s.handle_register_proving(provisional_id(b), Role::Server, b, Some(0), Some(c0), t0);
+    s.register_proving(provisional_id(b), Role::Server, b, Some(0), Some(c0), t0);
     assert!(matches!(&drain(&mut s)[..], [(_, Msg::Reassign { your_id, .. })] if *your_id == s0));
 }
 
