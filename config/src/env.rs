@@ -163,6 +163,8 @@ crate::declare_env_vars! {
         "The job's shared secret: every connection (registration with the scheduler, every peer link, TCP and RDMA control) first proves it by HMAC-SHA256 over both sides' nonces; a process without it is refused and logged with its address. Every process of the job must have the same one. Unset (and no PSNET_SECRET_FILE): the job is open to any process that reaches it. Prefer PSNET_SECRET_FILE where the environment may be seen by others.";
     PSNET_SECRET_FILE = "PSNET_SECRET_FILE", "",
         "A file holding the job's shared secret (see PSNET_SECRET; one trailing newline is ignored; at most 4096 bytes; a warning if others may read it). Setting both is an error.";
+    PSNET_ENCRYPT = "PSNET_ENCRYPT", "0",
+        "1: encrypt every data frame this process sends over TCP (ChaCha20 under the connection's session keys, then the session tag: an AEAD), not only tag it; needs PSNET_SECRET or PSNET_SECRET_FILE, from which the keys come. A receiver opens encrypted frames whatever its own setting. Not covered: the same-host shared-memory paths (no network path), and the bytes of RDMA queue pairs (RDMA jobs encrypt only their TCP control connections). 0: frames are tagged, not encrypted.";
     PSNET_FAULTS = "PSNET_FAULTS", "",
         "Reliability testing only: faults the TCP transport injects into its sends, e.g. drop=0.01,delay=2ms,reset_every=500,seed=7 (drop: probability that a send drops its connection, the message lost with it; delay: each send waits up to this long; reset_every: every N-th send closes its connection after writing; seed: of the draws). Unset: none, at no cost.";
     PSNET_TCP_BUFFER = "PSNET_TCP_BUFFER", "0",

@@ -54,6 +54,9 @@ pub struct TcpConfig {
     /// or accepted, first proves it ([`psnet_transport::auth`]); a peer that cannot is refused
     /// and logged with its address. `None`: the job is open to any process that reaches it.
     pub secret: Option<Secret>,
+    /// Encrypt the data frames this node sends (`PSNET_ENCRYPT`); only with a secret, whose
+    /// session keys it uses ([`psnet_transport::session`]).
+    pub encrypt: bool,
     /// Faults to inject into sends (`PSNET_FAULTS`), for reliability tests; `None`: none.
     pub faults: Option<FaultSpec>,
 }
@@ -78,6 +81,7 @@ impl TcpConfig {
             gpu_stage_chunk: psnet_transport::device::DEFAULT_STAGE_CHUNK,
             data_path: DataPath::Tcp,
             secret: None,
+            encrypt: false,
             faults: None,
         }
     }

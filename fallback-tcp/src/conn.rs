@@ -70,6 +70,7 @@ impl Conn {
                 socket_data: 0,
                 queue: None,
                 sealer,
+                scratch: Vec::new(),
             }),
             control_socket,
             broken: AtomicBool::new(false),
@@ -329,6 +330,11 @@ impl Conn {
         meta: &[u8],
         segments: &[Segment<'_>],
     ) -> io::Result<()> {
+        if FrameHeader::is_sealed_encoded(header) {
+            return self
+                .write_frame_sealed(writer, header, meta, segments)
+                .await;
+        }
         let tag: [u8; TAG_LEN];
         let mut slices: SmallVec<[IoSlice<'_>; 8]> = SmallVec::new();
         slices.push(IoSlice::new(header));
@@ -353,7 +359,7 @@ impl Conn {
             ));
         }
         if let Some(sealer) = writer.sealer.as_mut() {
-            let mut mac = sealer.frame();
+            let mut mac = sealer.frame(false);
             for slice in &slices {
                 mac.update(slice);
             }
@@ -381,6 +387,36 @@ impl Conn {
         }
         guard.done = true;
         Ok(())
+    }
+
+    /// Writes one sealed frame (`PSNET_ENCRYPT`): the header in clear, the metadata and host
+    /// segments encrypted a chunk at a time into a buffer of the connection's, then the tag.
+    async fn write_frame_sealed(
+        &self,
+        writer: &mut Writer,
+        header: &[u8],
+        meta: &[u8],
+        segments: &[Segment<'_>],
+    ) -> io::Result<()> {
+        if self.is_broken() {
+            return Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "connection closed",
+            ));
+        }
+        let mut sink = SocketSink::new(self, writer, true);
+        sink.write_clear(header).await?;
+        sink.write(meta).await?;
+        for seg in segments {
+            let Some(bytes) = seg.host() else {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "a device segment on the host-only write path",
+                ));
+            };
+            sink.write(bytes).await?;
+        }
+        sink.finish().await
     }
 }
 
@@ -413,16 +449,8 @@ impl Conn {
         }
         let mut ready = ready.into_iter();
         before_header().await?;
-        let mut sink = SocketSink {
-            mac: writer.sealer.as_mut().map(Sealer::frame),
-            writer: &mut writer.half,
-            guard: PartialWriteGuard {
-                conn: self,
-                started: false,
-                done: false,
-            },
-        };
-        sink.write(header).await?;
+        let mut sink = SocketSink::new(self, writer, FrameHeader::is_sealed_encoded(header));
+        sink.write_clear(header).await?;
         sink.write(meta).await?;
         for seg in segments {
             match seg.host() {
@@ -433,35 +461,89 @@ impl Conn {
                 },
             }
         }
-        if let Some(mac) = sink.mac.take() {
-            sink.write(&mac.tag()).await?;
-        }
-        sink.guard.done = true;
-        Ok(())
+        sink.finish().await.map_err(StreamError::from)
     }
 }
 
-/// The socket as the staging pipeline's sink; a failed write closes the connection.
+/// Bytes of a sealed frame encrypted at a time: the buffer stays in cache between the
+/// cipher and the socket's copy.
+const SEAL_CHUNK: usize = 256 << 10;
+
+/// The socket as a frame's sink (the staging pipeline's, and sealed frames'); a failed write
+/// closes the connection.
 struct SocketSink<'a, 'c> {
-    /// The frame's tag so far, with a job secret.
+    /// The frame's tag so far, with a job secret; its cipher, if the frame is sealed.
     mac: Option<FrameMac>,
     writer: &'a mut OwnedWriteHalf,
+    /// Where a sealed frame's bytes are encrypted (kept with the connection's writer).
+    scratch: &'a mut Vec<u8>,
     guard: PartialWriteGuard<'c>,
 }
 
-impl ChunkSink for SocketSink<'_, '_> {
-    async fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
+impl<'a, 'c> SocketSink<'a, 'c> {
+    /// The sink of `conn`'s next frame, `sealed` or not.
+    fn new(conn: &'c Conn, writer: &'a mut Writer, sealed: bool) -> Self {
+        SocketSink {
+            mac: writer.sealer.as_mut().map(|s| s.frame(sealed)),
+            writer: &mut writer.half,
+            scratch: &mut writer.scratch,
+            guard: PartialWriteGuard {
+                conn,
+                started: false,
+                done: false,
+            },
+        }
+    }
+
+    /// Writes bytes that go in clear (a header), tagged.
+    async fn write_clear(&mut self, bytes: &[u8]) -> io::Result<()> {
+        if let Some(mac) = self.mac.as_mut() {
+            mac.update(bytes);
+        }
+        self.write_raw(bytes).await
+    }
+
+    async fn write_raw(&mut self, bytes: &[u8]) -> io::Result<()> {
         if bytes.is_empty() {
             return Ok(());
         }
         self.guard.started = true;
-        if let Some(mac) = self.mac.as_mut() {
-            mac.update(bytes);
-        }
         self.writer
             .write_all(bytes)
             .await
             .inspect_err(|_| self.guard.conn.close())
+    }
+
+    /// Writes the tag, if any: the frame is complete.
+    async fn finish(mut self) -> io::Result<()> {
+        if let Some(mac) = self.mac.take() {
+            self.write_raw(&mac.tag()).await?;
+        }
+        self.guard.done = true;
+        Ok(())
+    }
+}
+
+impl ChunkSink for SocketSink<'_, '_> {
+    async fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
+        if !self.mac.as_ref().is_some_and(FrameMac::is_sealed) {
+            if let Some(mac) = self.mac.as_mut() {
+                mac.update(bytes);
+            }
+            return self.write_raw(bytes).await;
+        }
+        for chunk in bytes.chunks(SEAL_CHUNK) {
+            let mut scratch = std::mem::take(self.scratch);
+            scratch.clear();
+            scratch.extend_from_slice(chunk);
+            if let Some(mac) = self.mac.as_mut() {
+                mac.seal(&mut scratch);
+            }
+            let written = self.write_raw(&scratch).await;
+            *self.scratch = scratch;
+            written?;
+        }
+        Ok(())
     }
 }
 
@@ -491,4 +573,6 @@ pub(crate) struct Writer {
     pub(crate) queue: Option<Arc<SendQueue>>,
     /// With a job secret: tags every frame written ([`psnet_transport::session`]).
     pub(crate) sealer: Option<Sealer>,
+    /// Where sealed frames are encrypted before they are written (`PSNET_ENCRYPT`).
+    pub(crate) scratch: Vec<u8>,
 }

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use psnet_transport::codec::{FrameHeader, HeaderBuf};
 use psnet_transport::device::StreamError;
+use psnet_transport::session::Sealer;
 use psnet_transport::{FrameKind, Limits, OutMessage, Segment};
 use smallvec::SmallVec;
 
@@ -72,9 +73,13 @@ impl Conn {
                 OutMessage::new(msg.meta, msg.segments)
             }
         };
-        FrameHeader::for_message(kind, &out, limits)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?
-            .encode_into(&mut head);
+        let mut header = FrameHeader::for_message(kind, &out, limits)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        // PSNET_ENCRYPT: data frames on the socket are sealed (the same-host ring's are not:
+        // no network path).
+        header.sealed =
+            kind == FrameKind::Data && writer.sealer.as_ref().is_some_and(Sealer::encrypts);
+        header.encode_into(&mut head);
         let marker = async || match &queue {
             Some(q) => self.push_waiting(q, Kind::Socket, &[]).await,
             None => Ok(()),

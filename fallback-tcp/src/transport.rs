@@ -267,7 +267,7 @@ impl Inner {
                     Side::Accepted(_) => (Role::Acceptor, peer, local),
                 };
                 let (sealer, opener) = Session::bound(&base, role, dialler, acceptor);
-                (Some(sealer), Some(opener))
+                (Some(sealer.encrypting(self.config.encrypt)), Some(opener))
             }
         };
         let control = stream.into_std()?;

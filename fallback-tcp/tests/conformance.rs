@@ -1,4 +1,5 @@
-//! The transport conformance suite, run over TCP on 127.0.0.1, without and with a job secret.
+//! The transport conformance suite, run over TCP on 127.0.0.1: without a job secret, with
+//! one, and with one and encryption (`PSNET_ENCRYPT`).
 
 use std::time::Duration;
 
@@ -44,4 +45,34 @@ mod with_a_secret {
     }
 
     psnet_transport::conformance_tests!(TcpWithSecret);
+}
+
+/// The whole suite with every node encrypting its data frames (`PSNET_ENCRYPT`), on the
+/// socket only (the same-host shared-memory paths are not encrypted), so that every message
+/// of every case, device segments placed on arrival included, crosses sealed.
+mod with_encryption {
+    use super::*;
+    use psnet_transport::auth::Secret;
+
+    struct TcpEncrypting;
+
+    impl TransportFactory for TcpEncrypting {
+        type T = TcpTransport;
+
+        async fn create(&self, id: NodeId) -> Result<TcpTransport, TransportError> {
+            let config = TcpConfig {
+                connect_timeout: Duration::from_secs(2),
+                secret: Some(Secret::new("conformance").expect("a secret")),
+                encrypt: true,
+                shm_ring: 0,
+                shm_queue: 0,
+                // Placed segments stream off the socket in chunks smaller than they are.
+                gpu_stage_chunk: 4096,
+                ..TcpConfig::default()
+            };
+            TcpTransport::bind(id, config).await
+        }
+    }
+
+    psnet_transport::conformance_tests!(TcpEncrypting);
 }

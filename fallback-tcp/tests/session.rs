@@ -2,7 +2,8 @@
 //! changes one byte of a message, and it reads everything that passes. Without a job secret
 //! the change goes through (the job is open, and says so); with one, the frame fails its
 //! session tag, the connection ends naming the peer, the message is never delivered, and
-//! the tokens of the hellos are not in what the relay read.
+//! the tokens of the hellos are not in what the relay read. With `PSNET_ENCRYPT` too, the
+//! relay reads nothing of the message either, and an unchanged message arrives intact.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,6 +17,8 @@ use tokio::time::timeout;
 
 const LIMIT: Duration = Duration::from_secs(30);
 const PAYLOAD: usize = 200_000;
+/// What the message's segment repeats: easy to look for in what the relay saw.
+const PATTERN: &[u8] = b"weights of layer 7 ";
 
 /// Every node proves its id with a token of its id's byte repeated: easy to look for in
 /// what the relay saw.
@@ -37,9 +40,10 @@ impl Admission for KnownTokens {
     }
 }
 
-async fn node(id: u64, secret: Option<&str>) -> TcpTransport {
+async fn node(id: u64, secret: Option<&str>, encrypt: bool) -> TcpTransport {
     let config = TcpConfig {
         secret: secret.map(|s| Secret::new(s).unwrap()),
+        encrypt,
         connect_timeout: Duration::from_secs(5),
         // The relay sits between two processes of this host: keep every byte on the socket
         // (the shared-memory paths have no network path to be on).
@@ -109,21 +113,29 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle)
 }
 
-/// Node 1 sends node 2 one message through the relay, which flips a byte in its middle;
-/// returns what node 2 received (`Ok`: the message, `Err`: why its connection ended) and
-/// what the relay saw.
-async fn through_the_relay(secret: Option<&str>) -> (Result<Vec<u8>, String>, Vec<u8>) {
-    let a = node(1, secret).await;
-    let b = node(2, secret).await;
-    let (addr, seen) = relay(b.listen_addr(), 100_000).await;
+fn payload() -> Vec<u8> {
+    PATTERN.iter().copied().cycle().take(PAYLOAD).collect()
+}
+
+/// Node 1 (encrypting if `encrypt`) sends node 2 one message through the relay, which flips
+/// the byte at `flip_at` of the stream (`None`: changes nothing); returns what node 2
+/// received (`Ok`: the message, `Err`: why its connection ended) and what the relay saw.
+async fn through_the_relay(
+    secret: Option<&str>,
+    encrypt: bool,
+    flip_at: Option<usize>,
+) -> (Result<Vec<u8>, String>, Vec<u8>) {
+    let a = node(1, secret, encrypt).await;
+    let b = node(2, secret, false).await;
+    let (addr, seen) = relay(b.listen_addr(), flip_at.unwrap_or(usize::MAX)).await;
     timeout(LIMIT, a.connect(b.local_id(), addr))
         .await
         .unwrap()
         .expect("connect through the relay");
-    let payload = vec![7u8; PAYLOAD];
+    let payload = payload();
     a.send(
         b.local_id(),
-        OutMessage::new(b"weights", &[Segment::new(&payload)]),
+        OutMessage::new(b"metadata of key 7", &[Segment::new(&payload)]),
     )
     .await
     .unwrap();
@@ -133,7 +145,10 @@ async fn through_the_relay(secret: Option<&str>) -> (Result<Vec<u8>, String>, Ve
             .expect("no hang")
             .expect("an event")
         {
-            Event::Message(m) => break Ok(m.segments[0].to_vec()),
+            Event::Message(m) => {
+                assert_eq!(&m.meta[..], b"metadata of key 7");
+                break Ok(m.segments[0].to_vec());
+            }
             Event::PeerLost { peer, reason } => {
                 assert_eq!(peer, a.local_id());
                 break Err(reason);
@@ -147,13 +162,9 @@ async fn through_the_relay(secret: Option<&str>) -> (Result<Vec<u8>, String>, Ve
 
 #[tokio::test]
 async fn without_a_secret_the_path_can_change_a_message_and_read_the_tokens() {
-    let (got, seen) = through_the_relay(None).await;
+    let (got, seen) = through_the_relay(None, false, Some(100_000)).await;
     let got = got.expect("delivered");
-    assert_ne!(
-        got,
-        vec![7u8; PAYLOAD],
-        "the open job takes the changed message"
-    );
+    assert_ne!(got, payload(), "the open job takes the changed message");
     assert!(
         contains(&seen, &token(NodeId(1)).0),
         "tokens cross in clear"
@@ -162,7 +173,7 @@ async fn without_a_secret_the_path_can_change_a_message_and_read_the_tokens() {
 
 #[tokio::test]
 async fn with_a_secret_a_changed_frame_ends_the_connection_and_is_never_delivered() {
-    let (got, seen) = through_the_relay(Some("the job's secret")).await;
+    let (got, seen) = through_the_relay(Some("the job's secret"), false, Some(100_000)).await;
     let reason = got.expect_err("the changed message is refused, not delivered");
     assert!(reason.contains("fails its session tag"), "{reason}");
     assert!(
@@ -173,4 +184,26 @@ async fn with_a_secret_a_changed_frame_ends_the_connection_and_is_never_delivere
         !contains(&seen, &token(NodeId(1)).0) && !contains(&seen, &token(NodeId(2)).0),
         "no token crosses in clear once the session has keys"
     );
+    // Tagged, not encrypted: the path reads the message.
+    assert!(contains(&seen, PATTERN));
+}
+
+#[tokio::test]
+async fn with_encryption_the_path_reads_nothing_and_the_message_arrives_intact() {
+    let (got, seen) = through_the_relay(Some("the job's secret"), true, None).await;
+    assert_eq!(got.expect("delivered"), payload());
+    assert!(seen.len() > PAYLOAD, "the message went through the relay");
+    assert!(!contains(&seen, PATTERN), "the segment crossed in clear");
+    assert!(
+        !contains(&seen, b"metadata of key"),
+        "the metadata crossed in clear"
+    );
+    assert!(!contains(&seen, &token(NodeId(1)).0));
+}
+
+#[tokio::test]
+async fn with_encryption_a_changed_frame_still_ends_the_connection() {
+    let (got, _) = through_the_relay(Some("the job's secret"), true, Some(100_000)).await;
+    let reason = got.expect_err("the changed message is refused, not delivered");
+    assert!(reason.contains("fails its session tag"), "{reason}");
 }

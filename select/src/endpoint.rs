@@ -166,6 +166,26 @@ pub fn tcp_config_from_env(bind: SocketAddr) -> Result<TcpConfig, ConfigError> {
     };
     config.secret = crate::secret::secret_from_env()?;
     crate::secret::note_open_job(config.secret.as_ref(), bind.ip());
+    config.encrypt = match env::PSNET_ENCRYPT.parse_or_default::<u8>()? {
+        0 => false,
+        1 if config.secret.is_some() => true,
+        1 => {
+            return Err(ConfigError::Invalid {
+                name: env::PSNET_ENCRYPT.name,
+                value: "1".into(),
+                reason: "encryption needs the job's secret (PSNET_SECRET or PSNET_SECRET_FILE): \
+                         the keys come from it"
+                    .into(),
+            })
+        }
+        other => {
+            return Err(ConfigError::Invalid {
+                name: env::PSNET_ENCRYPT.name,
+                value: other.to_string(),
+                reason: "0 or 1".into(),
+            })
+        }
+    };
     Ok(config)
 }
 
@@ -226,6 +246,12 @@ pub fn verbs_config_from_env(
                  of its queue pairs carry no tag: a process able to inject RoCE packets on the \
                  path is not stopped (RELIABILITY.md, \"Not covered yet\")"
             );
+            if config.tcp.encrypt {
+                tracing::warn!(
+                    "PSNET_ENCRYPT=1 encrypts RDMA's control connections only: the data of its \
+                     queue pairs crosses the network in clear"
+                );
+            }
         });
     }
     config.eager_bytes = env::PSNET_RDMA_EAGER.parse_or_default()?;

@@ -339,6 +339,33 @@ fn with_a_job_secret_a_process_without_it_is_refused_and_the_job_runs() {
     let _ = std::fs::remove_file(&secret);
 }
 
+/// `PSNET_ENCRYPT=1`: every data frame on the sockets sealed (shared memory off, so that the
+/// job's messages cross them), and the job ends bit-identical to the reference; without a
+/// secret the setting is refused at start, naming it.
+#[test]
+fn an_encrypted_job_matches_the_reference_and_encryption_needs_the_secret() {
+    matches_reference(
+        "encrypted",
+        &["--servers", "2", "--workers", "2"],
+        &[
+            ("PSNET_SECRET", "correct horse battery staple"),
+            ("PSNET_ENCRYPT", "1"),
+            ("PSNET_SHM_RING", "0"),
+        ],
+    );
+    let out = train()
+        .args(["--epochs", "1"])
+        .env("PSNET_ENCRYPT", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("PSNET_ENCRYPT") && err.contains("PSNET_SECRET"),
+        "{err}"
+    );
+}
+
 /// The soak: a dist_sync job whose every process drops 1% of its connections with a message
 /// in flight, delays each send up to 100 µs and closes a connection after every 200th send
 /// (10 epochs) ends, with `PS_RESEND=1`, bit-identical to the single-process reference, in

@@ -10,11 +10,17 @@
 //! 3       1     kind (0 data, 1 hello, 2 hello-ack, 3 hello-reject, 4..8 shared memory,
 //!               9..11 authentication, 12 close, 13..15 the same-host queue)
 //! 4       2     segment count n (u16 LE)
-//! 6       2     reserved, must be 0
+//! 6       2     flags: bit 0 sealed (a data frame's body encrypted, see below); the
+//!               other bits reserved, 0
 //! 8       4     metadata length (u32 LE)
 //! 12      8n    segment lengths (u64 LE each)
 //! ...           metadata, then segment 0, segment 1, ...
 //! ```
+//!
+//! A sealed frame's metadata and segments are encrypted under its connection's session keys
+//! ([`crate::session`], `PSNET_ENCRYPT`); its header is not. Only data frames are sealed,
+//! and only on connections with a session: the session tag covers the flag, so the path
+//! can neither set nor clear it.
 //!
 //! Every length is checked against [`Limits`] before a caller allocates for it, and any
 //! malformed prefix is a [`CodecError`], never a panic.
@@ -37,6 +43,8 @@ pub const VERSION: u8 = 2;
 pub const PREFIX_LEN: usize = 12;
 /// Bytes per segment length.
 const SEG_LEN_BYTES: usize = 8;
+/// The flag of a sealed frame (bytes 6..8 of the prefix).
+const FLAG_SEALED: u16 = 1;
 
 /// Inline capacity of an encoded header: room for the prefix and 14 segment lengths.
 pub type HeaderBuf = SmallVec<[u8; 128]>;
@@ -143,8 +151,11 @@ pub enum CodecError {
     #[error("a device-memory segment cannot be encoded into one host buffer; copy it first")]
     DeviceSegment,
     /// Reserved bits set.
-    #[error("reserved header field is {0:#06x}, must be 0")]
+    #[error("reserved header flags {0:#06x}, must be 0")]
     Reserved(u16),
+    /// A frame of a kind that is never sealed says it is.
+    #[error("a {0:?} frame is never sealed (only data frames are)")]
+    SealedKind(FrameKind),
     /// Metadata larger than allowed.
     #[error("metadata of {len} bytes exceeds the limit of {limit}")]
     MetaTooLarge {
@@ -183,6 +194,8 @@ pub struct FrameHeader {
     pub meta_len: u32,
     /// Segment lengths.
     pub seg_lens: SmallVec<[u64; 8]>,
+    /// The body is encrypted under the connection's session keys (data frames only).
+    pub sealed: bool,
 }
 
 impl FrameHeader {
@@ -200,6 +213,7 @@ impl FrameHeader {
                 limit: limits.max_meta,
             })?,
             seg_lens,
+            sealed: false,
         };
         header.check(limits)?;
         Ok(header)
@@ -235,6 +249,11 @@ impl FrameHeader {
             .fold(u64::from(self.meta_len), |acc, &l| acc.saturating_add(l))
     }
 
+    /// Whether an encoded header (at least its prefix) says its frame is sealed.
+    pub fn is_sealed_encoded(header: &[u8]) -> bool {
+        header.len() >= PREFIX_LEN && u16::from_le_bytes([header[6], header[7]]) & FLAG_SEALED != 0
+    }
+
     /// Size of the encoded header.
     pub fn encoded_len(&self) -> usize {
         PREFIX_LEN + SEG_LEN_BYTES * self.seg_lens.len()
@@ -247,7 +266,8 @@ impl FrameHeader {
         out.push(self.kind as u8);
         // `check` bounds the count by a u16 limit.
         out.extend_from_slice(&(self.seg_lens.len() as u16).to_le_bytes());
-        out.extend_from_slice(&0u16.to_le_bytes());
+        let flags = if self.sealed { FLAG_SEALED } else { 0 };
+        out.extend_from_slice(&flags.to_le_bytes());
         out.extend_from_slice(&self.meta_len.to_le_bytes());
         for len in &self.seg_lens {
             out.extend_from_slice(&len.to_le_bytes());
@@ -272,9 +292,13 @@ impl FrameHeader {
         }
         let kind = FrameKind::from_u8(buf[3])?;
         let count = usize::from(u16::from_le_bytes([buf[4], buf[5]]));
-        let reserved = u16::from_le_bytes([buf[6], buf[7]]);
-        if reserved != 0 {
-            return Err(CodecError::Reserved(reserved));
+        let flags = u16::from_le_bytes([buf[6], buf[7]]);
+        if flags & !FLAG_SEALED != 0 {
+            return Err(CodecError::Reserved(flags & !FLAG_SEALED));
+        }
+        let sealed = flags & FLAG_SEALED != 0;
+        if sealed && kind != FrameKind::Data {
+            return Err(CodecError::SealedKind(kind));
         }
         let meta_len = u32::from_le_bytes([buf[8], buf[9], buf[10], buf[11]]);
         if meta_len > limits.max_meta {
@@ -305,6 +329,7 @@ impl FrameHeader {
             kind,
             meta_len,
             seg_lens,
+            sealed,
         };
         header.check(limits)?;
         Ok(Some((header, header_len)))

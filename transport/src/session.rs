@@ -16,6 +16,13 @@
 //! fails its tag, and the connection ends naming the peer. The job is identified by its secret:
 //! jobs that must not accept each other's nodes use different secrets.
 //!
+//! With `PSNET_ENCRYPT=1` a sender also seals its data frames ([`Sealer::encrypting`]): their
+//! metadata and segments are encrypted with ChaCha20 under a key of their own per direction,
+//! with the frame's sequence number as nonce, and the tag is taken over what crosses the wire
+//! (encrypt-then-MAC, an AEAD). The header says the frame is sealed, and the tag covers the
+//! header, so the path can neither strip the encryption nor add it. A receiver opens what
+//! arrives sealed whatever its own setting.
+//!
 //! What the tag does not cover is said in RELIABILITY.md: the bytes of the same-host
 //! shared-memory paths (no network path to be on), and the in-process network.
 //!
@@ -23,6 +30,8 @@
 
 use std::fmt;
 
+use chacha20::cipher::{KeyIvInit, StreamCipher, StreamCipherSeek};
+use chacha20::ChaCha20;
 use hmac::Mac;
 
 use crate::auth::HmacSha256;
@@ -81,7 +90,10 @@ pub struct TagMismatch {
 /// One direction's keys and the number of the next frame.
 struct Direction {
     mac_key: [u8; 32],
+    /// Seals handshake bodies (BLAKE3's keyed output stream).
     enc_key: [u8; 32],
+    /// Seals data frames (ChaCha20).
+    data_key: [u8; 32],
     seq: u64,
 }
 
@@ -100,16 +112,28 @@ impl Direction {
                 &format!("psnet 2026-11 session {stage} cipher {way}"),
                 material,
             ),
+            data_key: blake3::derive_key(
+                &format!("psnet 2026-11 session {stage} data cipher {way}"),
+                material,
+            ),
             seq: 0,
         }
     }
 
-    fn next_frame(&mut self) -> FrameMac {
+    /// The next frame's tag, and its cipher if it is `sealed`.
+    fn next_frame(&mut self, sealed: bool) -> FrameMac {
         let seq = self.seq;
         self.seq += 1;
         let mut hasher = blake3::Hasher::new_keyed(&self.mac_key);
         hasher.update(&seq.to_le_bytes());
-        FrameMac { hasher, seq }
+        // A key per direction and a frame number that never repeats in it: every nonce is
+        // used once. Frames are at most 1 GiB, far below ChaCha20's 256 GiB per nonce.
+        let cipher = sealed.then(|| BodyCipher::new(self.data_key, seq));
+        FrameMac {
+            hasher,
+            seq,
+            cipher,
+        }
     }
 
     /// XORs `bytes` with frame `seq`'s keystream (BLAKE3's keyed output stream).
@@ -157,25 +181,97 @@ impl Session {
             Role::Acceptor => Role::Dialler,
         };
         (
-            Sealer(Direction::derive(stage, role, material)),
+            Sealer(Direction::derive(stage, role, material), false),
             Opener(Direction::derive(stage, other, material)),
         )
     }
 }
 
 /// The tag of one frame being computed (sending) or checked (receiving): feed it the frame's
-/// bytes in order.
+/// bytes in order, as they cross the wire. A sealed frame also carries its cipher: its body
+/// goes through [`Self::seal`] (sending) or [`Self::open`] (receiving) instead.
 pub struct FrameMac {
     hasher: blake3::Hasher,
     seq: u64,
+    cipher: Option<BodyCipher>,
+}
+
+/// A sealed frame's cipher, and what it takes to start it again (ChaCha20's state is not
+/// cloned: a peek starts a second one at the same place).
+struct BodyCipher {
+    stream: ChaCha20,
+    key: [u8; 32],
+    nonce: [u8; 12],
+    /// Body bytes through the stream so far.
+    at: u64,
+}
+
+impl BodyCipher {
+    fn new(key: [u8; 32], seq: u64) -> Self {
+        let mut nonce = [0u8; 12];
+        nonce[..8].copy_from_slice(&seq.to_le_bytes());
+        BodyCipher {
+            stream: ChaCha20::new(&key.into(), &nonce.into()),
+            key,
+            nonce,
+            at: 0,
+        }
+    }
+
+    fn apply(&mut self, bytes: &mut [u8]) {
+        self.stream.apply_keystream(bytes);
+        self.at += bytes.len() as u64;
+    }
+
+    fn peek(&self, bytes: &mut [u8]) {
+        let mut again = ChaCha20::new(&self.key.into(), &self.nonce.into());
+        again.seek(self.at);
+        again.apply_keystream(bytes);
+    }
 }
 
 impl FrameMac {
-    /// The next bytes of the frame.
+    /// The next bytes of the frame, as they cross the wire (a header, or a body that is not
+    /// sealed).
     pub fn update(&mut self, bytes: &[u8]) {
         // BLAKE3 hashes large inputs several blocks at a time with SIMD; feed large
         // segments whole.
         self.hasher.update(bytes);
+    }
+
+    /// Whether the frame's body is encrypted.
+    pub fn is_sealed(&self) -> bool {
+        self.cipher.is_some()
+    }
+
+    /// Sending: encrypts the next body bytes in place (if the frame is sealed) and tags
+    /// them as they will cross the wire.
+    pub fn seal(&mut self, bytes: &mut [u8]) {
+        if let Some(cipher) = self.cipher.as_mut() {
+            cipher.apply(bytes);
+        }
+        self.hasher.update(bytes);
+    }
+
+    /// Receiving: tags the next body bytes as they crossed the wire, then decrypts them in
+    /// place (if the frame is sealed). Nothing decrypted may be used before
+    /// [`Self::check`] passes.
+    pub fn open(&mut self, bytes: &mut [u8]) {
+        self.hasher.update(bytes);
+        if let Some(cipher) = self.cipher.as_mut() {
+            cipher.apply(bytes);
+        }
+    }
+
+    /// Receiving: the next body bytes decrypted into a copy, without taking them (they go
+    /// through [`Self::open`] afterwards): a receiver reads a sealed frame's metadata to
+    /// decide where its segments go.
+    pub fn peek(&self, bytes: &[u8]) -> Vec<u8> {
+        let mut plain = bytes.to_vec();
+        if let Some(cipher) = self.cipher.as_ref() {
+            cipher.peek(&mut plain);
+        }
+        plain
     }
 
     /// The frame's sequence number.
@@ -203,19 +299,32 @@ impl FrameMac {
     }
 }
 
-/// What one end sends: numbers its frames and tags them.
-pub struct Sealer(Direction);
+/// What one end sends: numbers its frames and tags them, and with [`Self::encrypting`]
+/// seals its data frames.
+pub struct Sealer(Direction, bool);
 
 impl Sealer {
-    /// Starts the next frame's tag.
-    pub fn frame(&mut self) -> FrameMac {
-        self.0.next_frame()
+    /// Seals data frames too (`PSNET_ENCRYPT=1`), or not.
+    pub fn encrypting(mut self, on: bool) -> Self {
+        self.1 = on;
+        self
+    }
+
+    /// Whether data frames are sealed.
+    pub fn encrypts(&self) -> bool {
+        self.1
+    }
+
+    /// Starts the next frame's tag; a `sealed` frame's body is encrypted too (its header
+    /// says so: [`crate::codec::FrameHeader::sealed`]).
+    pub fn frame(&mut self, sealed: bool) -> FrameMac {
+        self.0.next_frame(sealed)
     }
 
     /// A whole handshake frame of `kind` whose body is `plain` encrypted, then its tag: the
     /// bytes to write.
     pub fn seal_handshake(&mut self, kind: FrameKind, plain: &[u8]) -> Result<Vec<u8>, CodecError> {
-        let mut mac = self.frame();
+        let mut mac = self.frame(false);
         let mut body = plain.to_vec();
         self.0.apply_keystream(mac.seq, &mut body);
         let mut bytes =
@@ -230,9 +339,9 @@ impl Sealer {
 pub struct Opener(Direction);
 
 impl Opener {
-    /// Starts checking the next frame.
-    pub fn frame(&mut self) -> FrameMac {
-        self.0.next_frame()
+    /// Starts checking the next frame, whose header says whether it is `sealed`.
+    pub fn frame(&mut self, sealed: bool) -> FrameMac {
+        self.0.next_frame(sealed)
     }
 
     /// Checks a sealed handshake frame (`kind` and encrypted `body`, as decoded) against its
@@ -243,7 +352,7 @@ impl Opener {
         body: &[u8],
         tag: &[u8],
     ) -> Result<Vec<u8>, TagMismatch> {
-        let mut mac = self.frame();
+        let mut mac = self.frame(false);
         let seq = mac.seq;
         // Frames are canonical (reserved bits zero, no segments), so the bytes that were
         // tagged are the ones re-encoded here.

@@ -48,11 +48,26 @@ fn rejects_bad_magic_version_kind_and_reserved() {
         FrameHeader::decode(&b, &limits),
         Err(CodecError::UnknownKind(200))
     );
-    let mut b = good;
-    b[6] = 1;
+    let mut b = good.clone();
+    b[6] = 2;
     assert_eq!(
         FrameHeader::decode(&b, &limits),
-        Err(CodecError::Reserved(1))
+        Err(CodecError::Reserved(2))
+    );
+    // The sealed flag: a data frame's, never another kind's.
+    let mut b = good.clone();
+    b[6] = 1;
+    let (header, _) = FrameHeader::decode(&b, &limits).unwrap().unwrap();
+    assert!(header.sealed);
+    let mut again = HeaderBuf::new();
+    header.encode_into(&mut again);
+    assert_eq!(&again[..], &b[..again.len()]);
+    let mut b = good;
+    b[6] = 1;
+    b[3] = FrameKind::Close as u8;
+    assert_eq!(
+        FrameHeader::decode(&b, &limits),
+        Err(CodecError::SealedKind(FrameKind::Close))
     );
 }
 

@@ -5,26 +5,41 @@ fn base(b: u8) -> SessionBase {
     SessionBase::from_bytes([b; BASE_LEN])
 }
 
+/// A frame as it crosses the wire, and its tag: in clear, or sealed by a sealer that
+/// encrypts.
 fn tagged(sealer: &mut Sealer, frame: &[u8]) -> (Vec<u8>, [u8; TAG_LEN]) {
-    let mut mac = sealer.frame();
-    mac.update(frame);
-    (frame.to_vec(), mac.tag())
+    let mut mac = sealer.frame(sealer.encrypts());
+    let mut wire = frame.to_vec();
+    // Sealed in two pieces, the way a segment follows the metadata.
+    let cut = wire.len() / 2;
+    let (a, b) = wire.split_at_mut(cut);
+    mac.seal(a);
+    mac.seal(b);
+    (wire, mac.tag())
 }
 
-/// Feeds `received` to a fresh opener; returns the frames accepted before the first failure,
-/// and whether one failed.
-fn receive(opener: &mut Opener, received: &[(Vec<u8>, [u8; TAG_LEN])]) -> (Vec<Vec<u8>>, bool) {
+/// Feeds `received` to an opener (every frame `sealed` or none); returns the frames accepted
+/// (opened) before the first failure, and whether one failed.
+fn receive(
+    opener: &mut Opener,
+    received: &[(Vec<u8>, [u8; TAG_LEN])],
+    sealed: bool,
+) -> (Vec<Vec<u8>>, bool) {
     let mut accepted = Vec::new();
     for (bytes, tag) in received {
-        let mut mac = opener.frame();
-        // Fed in two pieces: the split must not matter.
-        let cut = bytes.len() / 3;
-        mac.update(&bytes[..cut]);
-        mac.update(&bytes[cut..]);
+        let mut mac = opener.frame(sealed);
+        // Opened in other pieces than it was sealed in: the split must not matter.
+        let mut plain = bytes.clone();
+        let cut = plain.len() / 3;
+        let peeked = mac.peek(&plain[..cut]);
+        let (a, b) = plain.split_at_mut(cut);
+        mac.open(a);
+        assert_eq!(peeked, a, "a peek sees what opening gives");
+        mac.open(b);
         if mac.check(tag).is_err() {
             return (accepted, true);
         }
-        accepted.push(bytes.clone());
+        accepted.push(plain);
     }
     (accepted, false)
 }
@@ -60,15 +75,28 @@ proptest! {
     /// Whatever the path does to a stream of frames (a bit flipped in a frame or its tag, a
     /// frame dropped, replayed or two swapped), the receiver accepts an unchanged prefix of
     /// what was sent and then detects it: never a changed frame, never a silent gap.
+    /// The same with sealed frames (`PSNET_ENCRYPT`), which open to exactly what was sent
+    /// and do not cross the wire in clear.
     #[test]
     fn any_change_on_the_path_is_detected(
         frames in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 1..300), 2..12),
         attack in attack(),
         key in any::<u8>(),
+        sealed in any::<bool>(),
     ) {
-        let (mut sealer, _) = Session::bound(&base(key), Role::Dialler, NodeId(1), NodeId(2));
+        let (sealer, _) = Session::bound(&base(key), Role::Dialler, NodeId(1), NodeId(2));
+        let mut sealer = sealer.encrypting(sealed);
         let (_, mut opener) = Session::bound(&base(key), Role::Acceptor, NodeId(1), NodeId(2));
         let sent: Vec<_> = frames.iter().map(|f| tagged(&mut sealer, f)).collect();
+        for (frame, (wire, _)) in frames.iter().zip(&sent) {
+            // A frame of 16 bytes or more equal to its ciphertext: a chance of 2^-128.
+            if sealed && frame.len() >= 16 {
+                prop_assert_ne!(frame, wire, "a sealed frame crossed the wire in clear");
+            }
+            if !sealed {
+                prop_assert_eq!(frame, wire);
+            }
+        }
         let mut wire = sent.clone();
         let n = wire.len();
         let changed = match attack {
@@ -101,7 +129,7 @@ proptest! {
                 a != b && frames[a] != frames[b]
             }
         };
-        let (accepted, failed) = receive(&mut opener, &wire);
+        let (accepted, failed) = receive(&mut opener, &wire, sealed);
         prop_assert!(accepted.len() <= frames.len());
         prop_assert_eq!(&accepted[..], &frames[..accepted.len()], "only frames as sent are accepted");
         if changed {
@@ -135,27 +163,61 @@ fn keys_differ_by_direction_by_ids_and_by_base() {
     let (mut d_send, mut d_recv) = Session::bound(&base(1), Role::Dialler, NodeId(1), NodeId(2));
     // Reflected back to its sender: refused.
     let reflected = tagged(&mut d_send, frame);
-    assert!(receive(&mut d_recv, &[reflected]).1);
+    assert!(receive(&mut d_recv, &[reflected], false).1);
     // Bound to other ids: refused (a session cannot be moved to another pair of nodes).
     let (mut other_ids, _) = Session::bound(&base(1), Role::Dialler, NodeId(1), NodeId(3));
     let (_, mut a_recv) = Session::bound(&base(1), Role::Acceptor, NodeId(1), NodeId(2));
-    assert!(receive(&mut a_recv, &[tagged(&mut other_ids, frame)]).1);
+    assert!(receive(&mut a_recv, &[tagged(&mut other_ids, frame)], false).1);
     // Another connection's base: refused.
     let (mut other_base, _) = Session::bound(&base(2), Role::Dialler, NodeId(1), NodeId(2));
     let (_, mut a_recv) = Session::bound(&base(1), Role::Acceptor, NodeId(1), NodeId(2));
-    assert!(receive(&mut a_recv, &[tagged(&mut other_base, frame)]).1);
+    assert!(receive(&mut a_recv, &[tagged(&mut other_base, frame)], false).1);
     // The opening keys are not the bound ones.
     let (mut opening, _) = Session::opening(&base(1), Role::Dialler);
     let (_, mut a_recv) = Session::bound(&base(1), Role::Acceptor, NodeId(1), NodeId(2));
-    assert!(receive(&mut a_recv, &[tagged(&mut opening, frame)]).1);
+    assert!(receive(&mut a_recv, &[tagged(&mut opening, frame)], false).1);
     // And the right keys pass, with the failure naming the frame's number.
     let (mut d_send, _) = Session::bound(&base(1), Role::Dialler, NodeId(1), NodeId(2));
     let (_, mut a_recv) = Session::bound(&base(1), Role::Acceptor, NodeId(1), NodeId(2));
     let first = tagged(&mut d_send, frame);
     let second = tagged(&mut d_send, frame);
-    assert_eq!(receive(&mut a_recv, &[first.clone(), second]).0.len(), 2);
-    let mut mac = a_recv.frame();
+    assert_eq!(
+        receive(&mut a_recv, &[first.clone(), second], false)
+            .0
+            .len(),
+        2
+    );
+    let mut mac = a_recv.frame(false);
     mac.update(&first.0);
     assert_eq!(mac.check(&first.1), Err(TagMismatch { seq: 2 }));
     assert_eq!(format!("{:?}", base(9)), "SessionBase(..)");
+}
+
+/// A sealed frame read as if it were not (its header's flag changed on the path) or the
+/// other way round: the bytes do not open, and the tag is what says so (the header, with
+/// the flag, is tagged too; here the body alone is enough).
+#[test]
+fn a_sealed_frame_opens_only_as_sealed() {
+    let frame = b"weights of layer 7, in clear".as_slice();
+    let (sealer, _) = Session::bound(&base(4), Role::Dialler, NodeId(1), NodeId(2));
+    let mut sealer = sealer.encrypting(true);
+    assert!(sealer.encrypts());
+    let sent = tagged(&mut sealer, frame);
+    assert_ne!(&sent.0[..], frame);
+    let (_, mut as_clear) = Session::bound(&base(4), Role::Acceptor, NodeId(1), NodeId(2));
+    let (accepted, failed) = receive(&mut as_clear, std::slice::from_ref(&sent), false);
+    // Tagged over the wire bytes, so it checks; but it is not the plain frame: a receiver
+    // knows from the tagged header flag which it is.
+    assert!(!failed && accepted[0] != frame);
+    let (_, mut right) = Session::bound(&base(4), Role::Acceptor, NodeId(1), NodeId(2));
+    assert_eq!(receive(&mut right, &[sent], true).0, vec![frame.to_vec()]);
+    // The same frame number under another direction's keys never opens.
+    let (_, mut reflected) = Session::bound(&base(4), Role::Dialler, NodeId(1), NodeId(2));
+    let again = tagged(
+        &mut Session::bound(&base(4), Role::Dialler, NodeId(1), NodeId(2))
+            .0
+            .encrypting(true),
+        frame,
+    );
+    assert!(receive(&mut reflected, &[again], true).1);
 }
