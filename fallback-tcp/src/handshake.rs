@@ -139,8 +139,8 @@ pub(crate) async fn dial(
                 .await?
         }
         Some(secret) => {
-            let nonce = auth::fresh_nonce().map_err(|e| invalid(e.to_string()))?;
-            let (dialler, opening) = Dialler::start(secret, nonce);
+            let fresh = auth::Fresh::draw().map_err(|e| invalid(e.to_string()))?;
+            let (dialler, opening) = Dialler::start(secret, fresh);
             write_frame(stream, FrameKind::AuthHello, &opening).await?;
             let (frame, rest) = read_frame(stream, buf).await?;
             buf = rest;
@@ -159,7 +159,7 @@ pub(crate) async fn dial(
                     )))
                 }
             }
-            let proof = match dialler.handle_challenge(&frame.meta) {
+            let (proof, base) = match dialler.handle_challenge(&frame.meta) {
                 Ok(p) => p,
                 Err(e) => {
                     // Tell the acceptor, so that its log names this address too.
@@ -168,7 +168,6 @@ pub(crate) async fn dial(
                     return Ok((Answer::Reject(reason), buf, None));
                 }
             };
-            let base = dialler.session_base(&frame.meta);
             let (mut sealer, opener) = Session::opening(&base, Role::Dialler);
             // The hello rides right behind the proof, sealed: no extra round trip, and its
             // token is not in clear.
@@ -226,8 +225,8 @@ pub(crate) async fn accept_opening(
             return Ok(Opening::Refuse(auth::REFUSE_UNEXPECTED_PROOF.into()))
         }
         (FrameKind::AuthHello, Some(secret)) => {
-            let nonce = auth::fresh_nonce().map_err(|e| invalid(e.to_string()))?;
-            let (acceptor, challenge) = match Acceptor::handle_hello(secret, &frame.meta, nonce) {
+            let fresh = auth::Fresh::draw().map_err(|e| invalid(e.to_string()))?;
+            let (acceptor, challenge) = match Acceptor::handle_hello(secret, &frame.meta, fresh) {
                 Ok(a) => a,
                 Err(e) => return Ok(Opening::Refuse(e.to_string())),
             };

@@ -140,6 +140,8 @@ async fn a_raw_intruder_gets_no_further_than_the_challenge() {
     let mut s = TcpStream::connect(addr).await.unwrap();
     let mut opening = [0u8; HELLO_LEN];
     opening[0] = AUTH_VERSION;
+    // X25519's base point as the public key: a key of full order, as an honest one is.
+    opening[HELLO_LEN - 32] = 9;
     s.write_all(&frame(FrameKind::AuthHello, &opening).await)
         .await
         .unwrap();
@@ -147,7 +149,7 @@ async fn a_raw_intruder_gets_no_further_than_the_challenge() {
     let (kind, challenge) = read_answer(&mut s, &mut buf).await.unwrap();
     assert_eq!(kind, FrameKind::AuthChallenge);
     assert_eq!(challenge.len(), CHALLENGE_LEN);
-    let mut forged = frame(FrameKind::AuthProof, &challenge[32..]).await;
+    let mut forged = frame(FrameKind::AuthProof, &challenge[CHALLENGE_LEN - 32..]).await;
     forged.extend(frame(FrameKind::Hello, &hello).await);
     s.write_all(&forged).await.unwrap();
     let (kind, why) = read_answer(&mut s, &mut buf).await.unwrap();

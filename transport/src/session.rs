@@ -2,7 +2,7 @@
 //! the job's secret to each other ([`crate::auth`]).
 //!
 //! The exchange leaves both ends with a [`SessionBase`] nobody else knows: an HMAC under the
-//! job's secret of both fresh nonces. From it each direction of the connection gets keys of
+//! job's secret of the exchange and of an X25519 shared secret of two fresh keys. From it each direction of the connection gets keys of
 //! its own, so a frame cannot be reflected back to its sender:
 //!
 //! - the opening keys protect the hello and its answer. Their bodies carry the nodes' tokens,
@@ -48,6 +48,7 @@ const BASE_LEN: usize = 32;
 
 /// The secret two ends of one connection share after the exchange. Never printed.
 #[derive(Clone)]
+#[cfg_attr(test, derive(PartialEq, Eq))]
 pub struct SessionBase([u8; BASE_LEN]);
 
 impl SessionBase {
