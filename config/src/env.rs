@@ -165,6 +165,12 @@ crate::declare_env_vars! {
         "A file holding the job's shared secret (see PSNET_SECRET; one trailing newline is ignored; at most 4096 bytes; a warning if others may read it). Setting both is an error.";
     PSNET_ENCRYPT = "PSNET_ENCRYPT", "0",
         "1: encrypt every data frame this process sends over TCP (ChaCha20 under the connection's session keys, then the session tag: an AEAD), not only tag it; needs PSNET_SECRET or PSNET_SECRET_FILE, from which the keys come. A receiver opens encrypted frames whatever its own setting. Not covered: the same-host shared-memory paths (no network path), and the bytes of RDMA queue pairs (RDMA jobs encrypt only their TCP control connections). 0: frames are tagged, not encrypted.";
+    PSNET_RECORDER_ENTRIES = "PSNET_RECORDER_ENTRIES", "4096",
+        "Flight recorder: operations each node keeps (collective calls, kv requests, connection events), a fixed ring; the oldest go first. 0: no recorder.";
+    PSNET_RECORDER_DIR = "PSNET_RECORDER_DIR", "",
+        "Flight recorder: where dumps are written (psnet-<scope>-<pid>.json). Unset: psnet-recorder in the system's temporary directory. Read them with psnet-doctor DIR.";
+    PSNET_RECORDER_DUMP = "PSNET_RECORDER_DUMP", "failure",
+        "Flight recorder: when a node writes its dump: failure (an operation fails or times out, a peer is lost, and on SIGUSR1), always (also at a clean end), never (only on SIGUSR1).";
     PSNET_FAULTS = "PSNET_FAULTS", "",
         "Reliability testing only: faults the TCP transport injects into its sends, e.g. drop=0.01,delay=2ms,reset_every=500,seed=7 (drop: probability that a send drops its connection, the message lost with it; delay: each send waits up to this long; reset_every: every N-th send closes its connection after writing; seed: of the draws). Unset: none, at no cost.";
     PSNET_TCP_BUFFER = "PSNET_TCP_BUFFER", "0",

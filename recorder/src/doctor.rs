@@ -1,0 +1,559 @@
+//! Reading a job's dumps and saying what went wrong: `psnet-doctor DIR`.
+//!
+//! The verdict comes first, in a paragraph per communicator or kv job: which call the ranks
+//! disagree on, which call some ranks wait in and which ranks never entered it (with their
+//! last operation), which rank left no dump, which kv request was never answered and what
+//! its server did last. The evidence per node follows: each dump's reason and last records.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::{PeerCount, Scope, State, DUMP_FORMAT};
+
+/// One node's dump, as read back.
+#[derive(Clone, Debug, Deserialize)]
+pub struct DumpFile {
+    /// [`DUMP_FORMAT`].
+    pub format: String,
+    /// Whose.
+    pub scope: Scope,
+    /// The process that wrote it.
+    pub pid: u32,
+    /// Why it was written.
+    pub reason: String,
+    /// When, µs since the Unix epoch.
+    pub written_us: u64,
+    /// Older records its ring let go.
+    pub dropped: u64,
+    /// Its records, oldest first.
+    pub records: Vec<ReadRecord>,
+    /// The file it came from.
+    #[serde(skip)]
+    pub path: PathBuf,
+}
+
+/// A record, as read back.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ReadRecord {
+    /// Its number in its recorder.
+    pub id: u64,
+    /// What it is.
+    pub op: ReadOp,
+    /// Where it was.
+    pub state: State,
+    /// When it was made.
+    pub made_us: u64,
+    /// When it started (0: never).
+    pub started_us: u64,
+    /// When it ended (0: never).
+    pub ended_us: u64,
+    /// Pieces per peer.
+    #[serde(default)]
+    pub peers: Vec<PeerCount>,
+    /// Why it failed.
+    pub error: Option<String>,
+}
+
+/// An operation, as read back ([`crate::Op`]).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+#[allow(missing_docs)] // the fields are crate::Op's
+pub enum ReadOp {
+    Call {
+        seq: u64,
+        coll: String,
+        dtype: String,
+        count: u64,
+        reduce: String,
+        root: u32,
+    },
+    Request {
+        req: u64,
+        what: String,
+        key: u64,
+        part: u32,
+        server: u32,
+        bytes: u64,
+    },
+    Served {
+        req: u64,
+        what: String,
+        key: u64,
+        worker: u32,
+    },
+    Event {
+        what: String,
+        peer: u64,
+    },
+}
+
+/// Reads every dump (`*.json` written by a recorder) in `dir`; files that are not dumps are
+/// skipped with a note in the second list.
+pub fn read_dir(dir: &Path) -> std::io::Result<(Vec<DumpFile>, Vec<String>)> {
+    let mut dumps = Vec::new();
+    let mut skipped = Vec::new();
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    paths.sort();
+    for path in paths {
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) => {
+                skipped.push(format!("{}: {e}", path.display()));
+                continue;
+            }
+        };
+        match serde_json::from_str::<DumpFile>(&text) {
+            Ok(mut d) if d.format == DUMP_FORMAT => {
+                d.path = path;
+                dumps.push(d);
+            }
+            Ok(d) => skipped.push(format!("{}: format {:?}", path.display(), d.format)),
+            Err(e) => skipped.push(format!("{}: not a psnet dump ({e})", path.display())),
+        }
+    }
+    Ok((dumps, skipped))
+}
+
+/// `µs since the epoch` as `HH:MM:SS.mmm` (UTC).
+pub fn clock(us: u64) -> String {
+    let ms = us / 1000;
+    let (s, ms) = (ms / 1000, ms % 1000);
+    format!(
+        "{:02}:{:02}:{:02}.{ms:03}",
+        (s / 3600) % 24,
+        (s / 60) % 60,
+        s % 60
+    )
+}
+
+/// `n` with thousands separators.
+fn grouped(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// "ranks 0-2 and 4-7", "rank 3".
+pub fn ranks(list: &[u32]) -> String {
+    let mut runs: Vec<(u32, u32)> = Vec::new();
+    for &r in list {
+        match runs.last_mut() {
+            Some((_, end)) if *end + 1 == r => *end = r,
+            _ => runs.push((r, r)),
+        }
+    }
+    let parts: Vec<String> = runs
+        .iter()
+        .map(|&(a, b)| {
+            if a == b {
+                a.to_string()
+            } else {
+                format!("{a}-{b}")
+            }
+        })
+        .collect();
+    let word = if list.len() == 1 { "rank" } else { "ranks" };
+    match parts.len() {
+        0 => "no rank".into(),
+        1 => format!("{word} {}", parts[0]),
+        n => format!("{word} {} and {}", parts[..n - 1].join(", "), parts[n - 1]),
+    }
+}
+
+fn describe_call(op: &ReadOp) -> String {
+    match op {
+        ReadOp::Call {
+            seq,
+            coll,
+            dtype,
+            count,
+            ..
+        } => format!("{coll} #{seq} ({dtype}, {} elements)", grouped(*count)),
+        other => format!("{other:?}"),
+    }
+}
+
+fn short_call(op: &ReadOp) -> String {
+    match op {
+        ReadOp::Call { seq, coll, .. } => format!("{coll} #{seq}"),
+        other => format!("{other:?}"),
+    }
+}
+
+/// The verdict and the evidence for every communicator and kv job in `dumps`.
+pub fn report(dumps: &[DumpFile]) -> String {
+    let mut out = String::new();
+    let mut comms: BTreeMap<u32, Vec<&DumpFile>> = BTreeMap::new();
+    let mut kv: Vec<&DumpFile> = Vec::new();
+    for d in dumps {
+        match &d.scope {
+            Scope::Collectives { comm, .. } => comms.entry(*comm).or_default().push(d),
+            Scope::Kv { .. } => kv.push(d),
+        }
+    }
+    if dumps.is_empty() {
+        out.push_str("No psnet flight recorder dumps here.\n");
+        return out;
+    }
+    for (comm, dumps) in &comms {
+        let _ = writeln!(
+            out,
+            "Communicator {comm:08x}: {}\n",
+            collectives_verdict(dumps)
+        );
+    }
+    if !kv.is_empty() {
+        let _ = writeln!(out, "kv job: {}\n", kv_verdict(&kv));
+    }
+    out.push_str("Evidence per node:\n");
+    for d in dumps {
+        let _ = writeln!(
+            out,
+            "- {} (pid {}, {}): dumped at {} because {}; {} records{}",
+            scope_name(&d.scope),
+            d.pid,
+            d.path.display(),
+            clock(d.written_us),
+            d.reason,
+            d.records.len(),
+            if d.dropped > 0 {
+                format!(" ({} older ones let go)", d.dropped)
+            } else {
+                String::new()
+            }
+        );
+        for r in d.records.iter().rev().take(5).rev() {
+            let _ = writeln!(out, "    {}", record_line(r));
+        }
+    }
+    out
+}
+
+fn scope_name(s: &Scope) -> String {
+    match s {
+        Scope::Collectives { comm, rank, size } => {
+            format!("rank {rank} of {size} (communicator {comm:08x})")
+        }
+        Scope::Kv { role, rank } => format!("{role} {rank}"),
+    }
+}
+
+fn record_line(r: &ReadRecord) -> String {
+    let what = match &r.op {
+        ReadOp::Call { .. } => describe_call(&r.op),
+        ReadOp::Request {
+            req,
+            what,
+            key,
+            part,
+            server,
+            bytes,
+        } => format!("request {req}: {what} key {key} part {part} to server {server} ({bytes} B)"),
+        ReadOp::Served {
+            req,
+            what,
+            key,
+            worker,
+        } => format!("served worker {worker}'s request {req}: {what} key {key}"),
+        ReadOp::Event { what, peer } => format!("{what}: {peer}"),
+    };
+    let when = match r.state {
+        State::Queued => format!("queued at {}", clock(r.made_us)),
+        State::Started => format!("started at {}", clock(r.started_us)),
+        State::Done => format!("done at {}", clock(r.ended_us)),
+        State::Failed => format!("failed at {}", clock(r.ended_us)),
+    };
+    let peers: Vec<String> = r
+        .peers
+        .iter()
+        .map(|p| format!("rank {} {}/{}", p.peer, p.sent, p.received))
+        .collect();
+    let mut line = format!("{what}: {when}");
+    if !peers.is_empty() {
+        let _ = write!(line, "; pieces sent/received {}", peers.join(", "));
+    }
+    if let Some(e) = &r.error {
+        let _ = write!(line, "; error: {e}");
+    }
+    line
+}
+
+/// The collectives verdict for one communicator's dumps (one per rank that wrote one).
+pub fn collectives_verdict(dumps: &[&DumpFile]) -> String {
+    let size = dumps
+        .iter()
+        .find_map(|d| match d.scope {
+            Scope::Collectives { size, .. } => Some(size),
+            _ => None,
+        })
+        .unwrap_or(0);
+    // rank -> seq -> record (the latest dump of a rank wins).
+    let mut calls: BTreeMap<u32, BTreeMap<u64, &ReadRecord>> = BTreeMap::new();
+    for d in dumps {
+        let Scope::Collectives { rank, .. } = d.scope else {
+            continue;
+        };
+        let mine = calls.entry(rank).or_default();
+        for r in &d.records {
+            if let ReadOp::Call { seq, .. } = r.op {
+                mine.insert(seq, r);
+            }
+        }
+    }
+    let present: Vec<u32> = calls.keys().copied().collect();
+    let missing: Vec<u32> = (0..size).filter(|r| !calls.contains_key(r)).collect();
+    let mut verdict = Vec::new();
+    if let Some(text) = disagreement(&calls) {
+        verdict.push(text);
+    }
+    let first_open = |r: u32| -> u64 {
+        let mine = &calls[&r];
+        mine.iter()
+            .find(|(_, rec)| rec.state != State::Done)
+            .map(|(s, _)| *s)
+            .unwrap_or_else(|| mine.keys().next_back().map_or(0, |s| s + 1))
+    };
+    let stuck = present.iter().map(|&r| first_open(r)).min();
+    if let Some(seq) = stuck {
+        let holders: Vec<(u32, &ReadRecord)> = present
+            .iter()
+            .filter_map(|&r| calls[&r].get(&seq).map(|rec| (r, *rec)))
+            .collect();
+        if holders.is_empty() {
+            verdict.push(format!(
+                "every rank that left a dump completed every call it recorded (the last is #{})",
+                seq.saturating_sub(1)
+            ));
+        } else {
+            let call = describe_call(&holders[0].1.op);
+            let waiting: Vec<u32> = holders
+                .iter()
+                .filter(|(_, r)| matches!(r.state, State::Queued | State::Started))
+                .map(|(r, _)| *r)
+                .collect();
+            let failed: Vec<(u32, &ReadRecord)> = holders
+                .iter()
+                .filter(|(_, r)| r.state == State::Failed)
+                .copied()
+                .collect();
+            let done: Vec<u32> = holders
+                .iter()
+                .filter(|(_, r)| r.state == State::Done)
+                .map(|(r, _)| *r)
+                .collect();
+            let mut parts = Vec::new();
+            if !waiting.is_empty() {
+                parts.push(format!("{} wait in {call}", ranks(&waiting)));
+            }
+            if !failed.is_empty() {
+                let who: Vec<u32> = failed.iter().map(|(r, _)| *r).collect();
+                let why = failed[0].1.error.clone().unwrap_or_default();
+                parts.push(format!(
+                    "{} failed in {call}{}",
+                    ranks(&who),
+                    if why.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (rank {}: {why})", failed[0].0)
+                    }
+                ));
+            }
+            if !done.is_empty() {
+                parts.push(format!("{} completed it", ranks(&done)));
+            }
+            let mut text = parts.join("; ");
+            let absent: Vec<u32> = present
+                .iter()
+                .copied()
+                .filter(|r| !calls[r].contains_key(&seq))
+                .collect();
+            for r in &absent {
+                let last = calls[r].values().next_back();
+                let _ = match last {
+                    Some(rec) => write!(
+                        text,
+                        "; rank {r} never entered it: its last operation is {}, {} at {}, and it made no call since",
+                        short_call(&rec.op),
+                        if rec.state == State::Done { "done" } else { "left" },
+                        clock(if rec.ended_us > 0 { rec.ended_us } else { rec.made_us })
+                    ),
+                    None => write!(text, "; rank {r} never entered it: it recorded no call at all"),
+                };
+            }
+            let behind = waited_on(&holders);
+            if !behind.is_empty() && absent.is_empty() {
+                let _ = write!(
+                    text,
+                    "; they received fewer pieces than they sent from {}",
+                    ranks(&behind)
+                );
+            }
+            verdict.push(text);
+        }
+    }
+    if !missing.is_empty() {
+        verdict.push(format!(
+            "{} left no dump (stopped, killed, or writing elsewhere: a process that is frozen \
+             writes none; PSNET_RECORDER_DIR must be the same for every rank)",
+            ranks(&missing)
+        ));
+    }
+    verdict.join(". ") + "."
+}
+
+/// The first call number the ranks disagree on, said as "rank 2 called reduce_scatter, the
+/// others allgather".
+fn disagreement(calls: &BTreeMap<u32, BTreeMap<u64, &ReadRecord>>) -> Option<String> {
+    let seqs: BTreeSet<u64> = calls.values().flat_map(|m| m.keys().copied()).collect();
+    for seq in seqs {
+        let mut by_kind: BTreeMap<(String, String), Vec<u32>> = BTreeMap::new();
+        for (rank, mine) in calls {
+            if let Some(ReadOp::Call { coll, dtype, .. }) = mine.get(&seq).map(|r| &r.op) {
+                by_kind
+                    .entry((coll.clone(), dtype.clone()))
+                    .or_default()
+                    .push(*rank);
+            }
+        }
+        if by_kind.len() < 2 {
+            continue;
+        }
+        let mut groups: Vec<((String, String), Vec<u32>)> = by_kind.into_iter().collect();
+        groups.sort_by_key(|(_, ranks)| std::cmp::Reverse(ranks.len()));
+        let ((major, major_dtype), _) = &groups[0];
+        let same_kind = groups.iter().all(|((k, _), _)| k == major);
+        let others: Vec<String> = groups[1..]
+            .iter()
+            .map(|((kind, dtype), who)| {
+                if same_kind {
+                    format!("{} called {kind} of {dtype}", ranks(who))
+                } else {
+                    format!("{} called {kind}", ranks(who))
+                }
+            })
+            .collect();
+        return Some(format!(
+            "ranks disagree at call #{seq}: {}, the others {}",
+            others.join("; "),
+            if same_kind {
+                format!("{major} of {major_dtype}")
+            } else {
+                major.clone()
+            }
+        ));
+    }
+    None
+}
+
+/// Peers that the ranks holding a call received fewer pieces from than they sent them.
+fn waited_on(holders: &[(u32, &ReadRecord)]) -> Vec<u32> {
+    let mut behind = BTreeSet::new();
+    for (_, rec) in holders {
+        if rec.state == State::Done {
+            continue;
+        }
+        for p in &rec.peers {
+            if p.received < p.sent {
+                behind.insert(p.peer);
+            }
+        }
+    }
+    behind.into_iter().collect()
+}
+
+/// The kv verdict: requests sent and never answered, and what their servers did last.
+pub fn kv_verdict(dumps: &[&DumpFile]) -> String {
+    let server_of = |rank: u32| {
+        dumps.iter().find(
+            |d| matches!(&d.scope, Scope::Kv { role, rank: r } if role == "server" && *r == rank),
+        )
+    };
+    let mut verdict = Vec::new();
+    for d in dumps {
+        let Scope::Kv { role, rank } = &d.scope else {
+            continue;
+        };
+        if role != "worker" {
+            continue;
+        }
+        let open = d.records.iter().find(|r| {
+            matches!(r.op, ReadOp::Request { .. })
+                && matches!(r.state, State::Queued | State::Started)
+        });
+        let failed = d
+            .records
+            .iter()
+            .find(|r| matches!(r.op, ReadOp::Request { .. }) && r.state == State::Failed);
+        let Some(rec) = open.or(failed) else {
+            continue;
+        };
+        let ReadOp::Request {
+            req,
+            what,
+            key,
+            part,
+            server,
+            ..
+        } = &rec.op
+        else {
+            continue;
+        };
+        let mut text = format!(
+            "worker {rank} sent {what} of key {key} (part {part}) to server {server}, request {req}, at {}, and {}",
+            clock(rec.made_us),
+            match &rec.error {
+                Some(e) => format!("it failed: {e}"),
+                None => "no answer came".into(),
+            }
+        );
+        match server_of(*server) {
+            Some(s) => {
+                let served = s.records.iter().rev().find(|r| {
+                    matches!(&r.op, ReadOp::Served { req: q, worker, .. } if q == req && worker == rank)
+                });
+                match served {
+                    Some(r) => {
+                        let _ = write!(text, ": server {server} took it ({})", record_line(r));
+                    }
+                    None => {
+                        let _ = write!(text, ": server {server} has no record of it");
+                    }
+                }
+                if let Some(last) = s.records.last() {
+                    let _ = write!(
+                        text,
+                        "; server {server}'s last record is {}",
+                        record_line(last)
+                    );
+                }
+            }
+            None => {
+                let _ = write!(
+                    text,
+                    ": server {server} left no dump (stopped, killed, or writing elsewhere)"
+                );
+            }
+        }
+        verdict.push(text);
+    }
+    if verdict.is_empty() {
+        "no worker has a request left unanswered".into()
+    } else {
+        verdict.join(". ") + "."
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,417 @@
+//! psnet's flight recorder: every node keeps its last operations in a bounded ring, and
+//! writes them as JSON when something goes wrong, so that a job that stopped can say which
+//! rank or node is at fault ([`doctor`], the `psnet-doctor` command).
+//!
+//! A [`Recorder`] belongs to one scope: a collectives communicator on one rank, or one kv
+//! node. Each operation is one [`Record`], made when the operation is made and updated in
+//! place as it goes (queued, started, pieces exchanged with each peer, done or failed), so
+//! the ring holds one entry per operation and a fixed amount of memory
+//! (`PSNET_RECORDER_ENTRIES`). Recording an operation takes a lock and a clock read per
+//! state: no allocation, no I/O.
+//!
+//! Dumps go to `PSNET_RECORDER_DIR` (default: `psnet-recorder` in the system's temporary
+//! directory), one file per scope and process, written again each time (the latest is the
+//! most complete): when an operation fails, when a peer is lost, on `SIGUSR1`
+//! ([`install_signal_dump`]), and at a clean end with `PSNET_RECORDER_DUMP=always`.
+
+#![forbid(unsafe_code)]
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+pub mod doctor;
+mod dump;
+pub mod timeline;
+
+pub use dump::{dump_all, dump_dir, install_signal_dump, DumpPolicy, DUMP_FORMAT};
+
+/// The most peers a record counts pieces for; the rest are summed in the last slot's place
+/// (a record stays of fixed size).
+pub const PEERS: usize = 8;
+
+/// What a recorder is the recorder of.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Scope {
+    /// One rank of a collectives communicator.
+    Collectives {
+        /// The communicator's id (the same on every rank).
+        comm: u32,
+        /// This rank.
+        rank: u32,
+        /// The number of ranks.
+        size: u32,
+    },
+    /// One node of a kv job.
+    Kv {
+        /// "scheduler", "server" or "worker".
+        role: String,
+        /// Its rank within its role.
+        rank: u32,
+    },
+}
+
+impl Scope {
+    /// A short name for file names and messages ("comm-1a2b-rank-3", "kv-worker-1").
+    pub fn file_stem(&self) -> String {
+        match self {
+            Scope::Collectives { comm, rank, .. } => format!("comm-{comm:08x}-rank-{rank}"),
+            Scope::Kv { role, rank } => format!("kv-{role}-{rank}"),
+        }
+    }
+}
+
+/// An operation, as recorded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Op {
+    /// A collective call.
+    Call {
+        /// Its number in the communicator's order of calls (the same on every rank).
+        seq: u64,
+        /// "allreduce", "broadcast", ...
+        coll: &'static str,
+        /// Element type.
+        dtype: &'static str,
+        /// Elements.
+        count: u64,
+        /// Reduction ("sum", ...), or "" where none.
+        reduce: &'static str,
+        /// Root rank, where the call has one.
+        root: u32,
+    },
+    /// A kv request of a worker to a server.
+    Request {
+        /// The worker's request number.
+        req: u64,
+        /// "push", "pull", "push_pull", "init", "command".
+        what: &'static str,
+        /// The key (the application's).
+        key: u64,
+        /// Its part (keys split across servers).
+        part: u32,
+        /// The server asked (its rank).
+        server: u32,
+        /// Bytes sent.
+        bytes: u64,
+    },
+    /// A kv request as a server took it.
+    Served {
+        /// The worker's request number.
+        req: u64,
+        /// "push", "pull", ...
+        what: &'static str,
+        /// The key (the server's storage key).
+        key: u64,
+        /// The worker (its rank).
+        worker: u32,
+    },
+    /// A connection event, or anything else that happens at once.
+    Event {
+        /// "lost", "connected", ...
+        what: &'static str,
+        /// The peer (rank or node number in the scope's terms).
+        peer: u64,
+    },
+}
+
+/// Where an operation is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum State {
+    /// Made, waiting for its turn.
+    Queued,
+    /// Running: pieces or messages in flight.
+    Started,
+    /// Completed.
+    Done,
+    /// Failed (see the record's error).
+    Failed,
+}
+
+/// Pieces exchanged with one peer by one operation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerCount {
+    /// The peer (a rank).
+    pub peer: u32,
+    /// Pieces sent to it.
+    pub sent: u32,
+    /// Pieces received from it.
+    pub received: u32,
+}
+
+/// One operation in the ring.
+#[derive(Clone, Debug, Serialize)]
+pub struct Record {
+    /// Its number in this recorder (consecutive; the ring keeps the last ones).
+    pub id: u64,
+    /// What it is.
+    pub op: Op,
+    /// Where it is.
+    pub state: State,
+    /// When it was made, µs since the Unix epoch.
+    pub made_us: u64,
+    /// When it started (0: not yet).
+    pub started_us: u64,
+    /// When it ended (0: not yet).
+    pub ended_us: u64,
+    /// Pieces exchanged per peer, as last updated.
+    #[serde(serialize_with = "peers_used")]
+    pub peers: [PeerCount; PEERS],
+    /// Why it failed.
+    pub error: Option<String>,
+}
+
+fn peers_used<S: serde::Serializer>(peers: &[PeerCount; PEERS], s: S) -> Result<S::Ok, S::Error> {
+    let used = peers.iter().take_while(|p| p.sent + p.received > 0).count();
+    s.collect_seq(&peers[..used])
+}
+
+/// Microseconds since the Unix epoch, the records' clock (comparable across hosts as far as
+/// their clocks agree).
+pub fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+struct Ring {
+    records: VecDeque<Record>,
+    capacity: usize,
+    next_id: u64,
+    dropped: u64,
+}
+
+/// One scope's flight recorder. Cheap to share (`Arc`); every method takes `&self`.
+pub struct Recorder {
+    scope: Scope,
+    ring: Mutex<Ring>,
+    policy: DumpPolicy,
+    dir: PathBuf,
+}
+
+impl Recorder {
+    /// A recorder keeping the last `capacity` operations of `scope`, dumping by `policy` to
+    /// `dir`, registered for [`dump_all`] (and `SIGUSR1`). `None` if `capacity` is 0.
+    pub fn new(
+        scope: Scope,
+        capacity: usize,
+        policy: DumpPolicy,
+        dir: PathBuf,
+    ) -> Option<Arc<Self>> {
+        if capacity == 0 {
+            return None;
+        }
+        let recorder = Arc::new(Recorder {
+            scope,
+            ring: Mutex::new(Ring {
+                records: VecDeque::with_capacity(capacity),
+                capacity,
+                next_id: 0,
+                dropped: 0,
+            }),
+            policy,
+            dir,
+        });
+        dump::register(Arc::downgrade(&recorder));
+        Some(recorder)
+    }
+
+    /// A recorder for `scope` as the environment says (`PSNET_RECORDER_ENTRIES`,
+    /// `PSNET_RECORDER_DIR`, `PSNET_RECORDER_DUMP`); `None` if it is off. A value that does
+    /// not parse is logged and the default taken: a recorder's settings never stop a job.
+    pub fn from_env(scope: Scope) -> Option<Arc<Self>> {
+        let (capacity, policy, dir) = dump::settings_from_env();
+        Self::new(scope, capacity, policy, dir)
+    }
+
+    /// What this is the recorder of.
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ring> {
+        self.ring.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records a new operation, queued; returns its id.
+    pub fn begin(&self, op: Op) -> u64 {
+        self.push(op, State::Queued, now_us())
+    }
+
+    /// Records something that happened at once.
+    pub fn event(&self, op: Op) {
+        let now = now_us();
+        let id = self.push(op, State::Done, now);
+        self.update(id, |r| {
+            r.started_us = now;
+            r.ended_us = now;
+        });
+    }
+
+    fn push(&self, op: Op, state: State, now: u64) -> u64 {
+        let mut ring = self.lock();
+        let id = ring.next_id;
+        ring.next_id += 1;
+        if ring.records.len() == ring.capacity {
+            ring.records.pop_front();
+            ring.dropped += 1;
+        }
+        ring.records.push_back(Record {
+            id,
+            op,
+            state,
+            made_us: now,
+            started_us: 0,
+            ended_us: 0,
+            peers: [PeerCount::default(); PEERS],
+            error: None,
+        });
+        id
+    }
+
+    /// Changes record `id`, if the ring still holds it.
+    fn update(&self, id: u64, change: impl FnOnce(&mut Record)) {
+        let mut ring = self.lock();
+        let Some(first) = ring.records.front().map(|r| r.id) else {
+            return;
+        };
+        if let Some(r) = id
+            .checked_sub(first)
+            .and_then(|i| ring.records.get_mut(i as usize))
+        {
+            change(r);
+        }
+    }
+
+    /// Operation `id` started.
+    pub fn started(&self, id: u64) {
+        let now = now_us();
+        self.update(id, |r| {
+            r.state = State::Started;
+            r.started_us = now;
+        });
+    }
+
+    /// Operation `id`'s pieces so far, per peer (the first [`PEERS`] peers).
+    pub fn progress(&self, id: u64, peers: &[PeerCount]) {
+        self.update(id, |r| {
+            for (slot, p) in r.peers.iter_mut().zip(peers) {
+                *slot = *p;
+            }
+        });
+    }
+
+    /// Operation `id` completed.
+    pub fn done(&self, id: u64) {
+        let now = now_us();
+        self.update(id, |r| {
+            r.state = State::Done;
+            if r.started_us == 0 {
+                r.started_us = now;
+            }
+            r.ended_us = now;
+        });
+    }
+
+    /// Operation `id` failed with `error`.
+    pub fn failed(&self, id: u64, error: &str) {
+        let now = now_us();
+        self.update(id, |r| {
+            r.state = State::Failed;
+            r.ended_us = now;
+            r.error = Some(error.to_string());
+        });
+    }
+
+    /// The records the ring holds, oldest first, and how many older ones it let go.
+    pub fn snapshot(&self) -> (Vec<Record>, u64) {
+        let ring = self.lock();
+        (ring.records.iter().cloned().collect(), ring.dropped)
+    }
+
+    /// Writes this recorder's dump now (`reason`: why), unless the policy is never to
+    /// dump but on `SIGUSR1`; returns the file written.
+    pub fn dump_on_failure(&self, reason: &str) -> Option<PathBuf> {
+        if self.policy == DumpPolicy::Never {
+            return None;
+        }
+        self.dump(reason)
+    }
+
+    /// Writes this recorder's dump at a clean end, if the policy says so.
+    pub fn dump_at_end(&self) -> Option<PathBuf> {
+        if self.policy != DumpPolicy::Always {
+            return None;
+        }
+        self.dump("clean end (PSNET_RECORDER_DUMP=always)")
+    }
+
+    /// Writes this recorder's dump now; logs (and returns `None`) if it cannot.
+    pub fn dump(&self, reason: &str) -> Option<PathBuf> {
+        match dump::write(self, reason) {
+            Ok(path) => {
+                tracing::info!(path = %path.display(), %reason, "flight recorder dump written");
+                Some(path)
+            }
+            Err(e) => {
+                tracing::warn!(dir = %self.dir.display(), error = %e, "could not write the flight recorder's dump");
+                None
+            }
+        }
+    }
+
+    pub(crate) fn dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+}
+
+/// The pieces one operation exchanged, counted per peer as it runs (no allocation); hand
+/// it to [`Recorder::progress`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Tally {
+    peers: [PeerCount; PEERS],
+}
+
+impl Tally {
+    fn slot(&mut self, peer: u32) -> &mut PeerCount {
+        let used = self
+            .peers
+            .iter()
+            .position(|p| p.sent + p.received == 0 || p.peer == peer);
+        let i = match used {
+            Some(i) => i,
+            // Full: the last slot stands for every further peer.
+            None => PEERS - 1,
+        };
+        if self.peers[i].sent + self.peers[i].received == 0 {
+            self.peers[i].peer = peer;
+        }
+        &mut self.peers[i]
+    }
+
+    /// A piece went to `peer`.
+    pub fn sent(&mut self, peer: u32) {
+        self.slot(peer).sent += 1;
+    }
+
+    /// A piece came from `peer`.
+    pub fn received(&mut self, peer: u32) {
+        self.slot(peer).received += 1;
+    }
+
+    /// The counts.
+    pub fn peers(&self) -> &[PeerCount] {
+        &self.peers
+    }
+}
+
+/// The registry of live recorders, for [`dump_all`].
+pub(crate) type Registered = Vec<Weak<Recorder>>;
+
+#[cfg(test)]
+mod tests;
