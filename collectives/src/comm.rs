@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use psnet_recorder::{Recorder, Scope};
 use psnet_transport::{NodeId, Transport};
 use tokio::task::JoinHandle;
 
@@ -68,6 +69,8 @@ pub struct Communicator<T: Transport> {
     pub(crate) oversubscribed: bool,
     /// Every rank listens on this host.
     pub(crate) all_local: bool,
+    /// The flight recorder of this rank's calls (`PSNET_RECORDER_ENTRIES`; `None`: off).
+    pub(crate) recorder: Option<Arc<Recorder>>,
 }
 
 /// Stops the task reading the transport when the last communicator using it goes.
@@ -84,6 +87,16 @@ pub(crate) struct Ticket<'a, T: Transport> {
     comm: &'a Communicator<T>,
     pub(crate) seq: u64,
     finished: bool,
+}
+
+/// `PSNET_RECORDER_DUMP=always`: a communicator that ends without a failure writes its
+/// dump as it goes (a failed one wrote it when it failed).
+impl<T: Transport> Drop for Communicator<T> {
+    fn drop(&mut self) {
+        if let (Some(r), None) = (&self.recorder, self.failure()) {
+            r.dump_at_end();
+        }
+    }
 }
 
 impl<T: Transport> Drop for Ticket<'_, T> {
@@ -136,9 +149,11 @@ impl<T: Transport> Communicator<T> {
             history: Mutex::new(VecDeque::new()),
             oversubscribed: false,
             all_local: size == 1,
+            recorder: None,
         };
         let (id, local) = crate::join::join(&comm, root).await?;
         comm.comm = id;
+        comm.recorder = comm.new_recorder();
         if let (Some(timeout), true) = (comm.config.heartbeat_timeout, size > 1) {
             let others = (0..size).filter(|&r| r != rank).map(node_of).collect();
             comm.watcher = Some(Arc::new(Reader(tokio::spawn(crate::liveness::watch(
@@ -221,6 +236,33 @@ impl<T: Transport> Communicator<T> {
         }
     }
 
+    /// This rank's flight recorder for this communicator, as the environment says; `SIGUSR1`
+    /// dumps it.
+    fn new_recorder(&self) -> Option<Arc<Recorder>> {
+        let scope = Scope::Collectives {
+            comm: self.comm,
+            rank: self.rank as u32,
+            size: self.size() as u32,
+        };
+        let recorder = Recorder::with(scope, &self.config.recorder)?;
+        psnet_recorder::install_signal_dump();
+        Some(recorder)
+    }
+
+    /// Writes this rank's flight recorder dump for this communicator now (`reason`: why), as
+    /// `SIGUSR1` does; returns the file, or `None` without a recorder or if it could not
+    /// be written (logged).
+    pub fn dump_flight_recorder(&self, reason: &str) -> Option<std::path::PathBuf> {
+        self.recorder.as_ref()?.dump(reason)
+    }
+
+    /// Writes the flight recorder's dump, if there is one and the policy says so (a failure).
+    pub(crate) fn dump_recorder(&self, why: &str) {
+        if let Some(r) = &self.recorder {
+            r.dump_on_failure(why);
+        }
+    }
+
     /// A place in the order of calls, for a call being made now.
     pub(crate) fn ticket(&self) -> Ticket<'_, T> {
         self.ticket_for(self.order.take())
@@ -256,13 +298,22 @@ impl<T: Transport> Communicator<T> {
         prepared: Result<(Call, Plan), CollectiveError>,
         split: impl FnOnce(&Plan) -> Result<P, CollectiveError>,
     ) -> Result<(), CollectiveError> {
+        let record = match (&self.recorder, &prepared) {
+            (Some(r), Ok((call, _))) => Some(r.begin(call.recorded(ticket.seq))),
+            _ => None,
+        };
         self.order.wait_turn(ticket.seq).await;
+        if let (Some(r), Some(id)) = (&self.recorder, record) {
+            r.started(id);
+        }
         let result = match (self.failure(), prepared) {
             (Some(earlier), _) => Err(earlier),
             (None, Err(refused)) => Err(refused),
             (None, Ok((call, plan))) => {
                 let result = match split(&plan) {
-                    Ok(pieces) => crate::drive::drive(self, ticket.seq, call, plan, pieces).await,
+                    Ok(pieces) => {
+                        crate::drive::drive(self, ticket.seq, call, plan, pieces, record).await
+                    }
                     Err(e) => {
                         crate::drive::finish_call(self, ticket.seq);
                         Err(e)
@@ -276,8 +327,15 @@ impl<T: Transport> Communicator<T> {
                 result
             }
         };
+        if let (Some(r), Some(id)) = (&self.recorder, record) {
+            match &result {
+                Ok(()) => r.done(id),
+                Err(e) => r.failed(id, &e.to_string()),
+            }
+        }
         if let Err(e) = &result {
             crate::drive::fail(self, e).await;
+            self.dump_recorder(&format!("call {} failed: {e}", ticket.seq));
         }
         ticket.finished = true;
         result
@@ -327,7 +385,7 @@ impl<T: Transport> Communicator<T> {
             .iter()
             .position(|&(_, r)| r == self.rank)
             .expect("this rank is among its colour");
-        Ok(Some(Communicator {
+        let mut child = Communicator {
             transport: self.transport.clone(),
             mailbox: self.mailbox.clone(),
             reader: self.reader.clone(),
@@ -347,7 +405,10 @@ impl<T: Transport> Communicator<T> {
             // A subset of ranks all on this host is too; otherwise every member keeps the
             // parent's answer, so that all of them choose the same algorithms.
             all_local: self.all_local,
-        }))
+            recorder: None,
+        };
+        child.recorder = child.new_recorder();
+        Ok(Some(child))
     }
 }
 

@@ -82,6 +82,8 @@ pub struct Config {
     /// How long a call that waits for the other ranks polls before it sleeps (as MPI's and
     /// NCCL's progress loops do); zero: sleep at once.
     pub spin: Duration,
+    /// The flight recorder of each rank's calls (`PSNET_RECORDER_*`).
+    pub recorder: psnet_recorder::Settings,
 }
 
 impl Default for Config {
@@ -96,6 +98,7 @@ impl Default for Config {
             heartbeat_timeout: Some(Duration::from_secs(10)),
             ahead_bytes: 1 << 30,
             spin: Duration::from_micros(50),
+            recorder: psnet_recorder::Settings::default(),
         }
     }
 }

@@ -78,6 +78,24 @@ pub(crate) struct Call {
     pub root: u32,
 }
 
+impl Call {
+    /// The call as the flight recorder keeps it, as call number `seq`.
+    pub(crate) fn recorded(&self, seq: u64) -> psnet_recorder::Op {
+        let reduces = matches!(
+            self.coll,
+            Coll::Allreduce | Coll::ReduceScatter | Coll::Reduce | Coll::CompressedAllreduce
+        );
+        psnet_recorder::Op::Call {
+            seq,
+            coll: self.coll.name(),
+            dtype: self.dtype.name(),
+            count: self.count,
+            reduce: if reduces { self.op.name() } else { "" },
+            root: self.root,
+        }
+    }
+}
+
 impl fmt::Display for Call {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.coll == Coll::Alltoall {

@@ -315,8 +315,9 @@ pub fn collectives_verdict(dumps: &[&DumpFile]) -> String {
     let present: Vec<u32> = calls.keys().copied().collect();
     let missing: Vec<u32> = (0..size).filter(|r| !calls.contains_key(r)).collect();
     let mut verdict = Vec::new();
-    if let Some(text) = disagreement(&calls) {
-        verdict.push(text);
+    let disagree = disagreement(&calls);
+    if let Some(text) = &disagree {
+        verdict.push(text.clone());
     }
     let first_open = |r: u32| -> u64 {
         let mine = &calls[&r];
@@ -393,7 +394,7 @@ pub fn collectives_verdict(dumps: &[&DumpFile]) -> String {
                 };
             }
             let behind = waited_on(&holders);
-            if !behind.is_empty() && absent.is_empty() {
+            if !behind.is_empty() && absent.is_empty() && disagree.is_none() {
                 let _ = write!(
                     text,
                     "; they received fewer pieces than they sent from {}",

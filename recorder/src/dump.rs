@@ -78,12 +78,51 @@ pub fn dump_dir() -> PathBuf {
         .unwrap_or_else(|| std::env::temp_dir().join("psnet-recorder"))
 }
 
-pub(crate) fn settings_from_env() -> (usize, DumpPolicy, PathBuf) {
+/// A recorder's settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// Operations kept (0: no recorder).
+    pub entries: usize,
+    /// When to dump.
+    pub policy: DumpPolicy,
+    /// Where.
+    pub dir: PathBuf,
+}
+
+impl Default for Settings {
+    /// 4096 entries, dumps on failure, to `psnet-recorder` in the system's temporary
+    /// directory (the environment's defaults).
+    fn default() -> Self {
+        Settings {
+            entries: DEFAULT_ENTRIES,
+            policy: DumpPolicy::Failure,
+            dir: std::env::temp_dir().join("psnet-recorder"),
+        }
+    }
+}
+
+const DEFAULT_ENTRIES: usize = 4096;
+
+impl Settings {
+    /// From `PSNET_RECORDER_ENTRIES`, `PSNET_RECORDER_DUMP` and `PSNET_RECORDER_DIR`. A value
+    /// that does not parse is logged and its default taken: a recorder's settings never stop
+    /// a job.
+    pub fn from_env() -> Self {
+        let (entries, policy, dir) = settings_from_env();
+        Settings {
+            entries,
+            policy,
+            dir,
+        }
+    }
+}
+
+fn settings_from_env() -> (usize, DumpPolicy, PathBuf) {
     let capacity = env::PSNET_RECORDER_ENTRIES
         .parse_or_default::<usize>()
         .unwrap_or_else(|e| {
             tracing::warn!(error = %e, "flight recorder: taking the default size");
-            4096
+            DEFAULT_ENTRIES
         });
     let policy = match env::PSNET_RECORDER_DUMP.get().as_deref().map(str::trim) {
         None | Some("failure") => DumpPolicy::Failure,

@@ -27,7 +27,7 @@ pub mod doctor;
 mod dump;
 pub mod timeline;
 
-pub use dump::{dump_all, dump_dir, install_signal_dump, DumpPolicy, DUMP_FORMAT};
+pub use dump::{dump_all, dump_dir, install_signal_dump, DumpPolicy, Settings, DUMP_FORMAT};
 
 /// The most peers a record counts pieces for; the rest are summed in the last slot's place
 /// (a record stays of fixed size).
@@ -195,6 +195,17 @@ pub struct Recorder {
 }
 
 impl Recorder {
+    /// A recorder of `scope` with `settings`, registered for [`dump_all`] (and `SIGUSR1`).
+    /// `None` if it keeps no entries.
+    pub fn with(scope: Scope, settings: &Settings) -> Option<Arc<Self>> {
+        Self::new(
+            scope,
+            settings.entries,
+            settings.policy,
+            settings.dir.clone(),
+        )
+    }
+
     /// A recorder keeping the last `capacity` operations of `scope`, dumping by `policy` to
     /// `dir`, registered for [`dump_all`] (and `SIGUSR1`). `None` if `capacity` is 0.
     pub fn new(
@@ -225,8 +236,7 @@ impl Recorder {
     /// `PSNET_RECORDER_DIR`, `PSNET_RECORDER_DUMP`); `None` if it is off. A value that does
     /// not parse is logged and the default taken: a recorder's settings never stop a job.
     pub fn from_env(scope: Scope) -> Option<Arc<Self>> {
-        let (capacity, policy, dir) = dump::settings_from_env();
-        Self::new(scope, capacity, policy, dir)
+        Self::with(scope, &Settings::from_env())
     }
 
     /// What this is the recorder of.

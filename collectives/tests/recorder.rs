@@ -1,0 +1,102 @@
+//! The flight recorder of real communicators (on the in-memory network): what the ranks'
+//! dumps let `psnet-doctor` say of a rank that skipped a call and of ranks that made
+//! different calls.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use common::{runtime, world};
+use psnet_collectives::{CollectiveError, Config, ReduceOp};
+use psnet_memnet::MemNet;
+use psnet_recorder::{doctor, DumpPolicy, Settings};
+
+fn config(name: &str) -> (Config, PathBuf) {
+    let dir =
+        std::env::temp_dir().join(format!("psnet-coll-recorder-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = Config {
+        call_timeout: Some(Duration::from_secs(20)),
+        recorder: Settings {
+            entries: 64,
+            policy: DumpPolicy::Failure,
+            dir: dir.clone(),
+        },
+        ..Config::default()
+    };
+    (config, dir)
+}
+
+fn verdict(dir: &PathBuf) -> String {
+    let (dumps, skipped) = doctor::read_dir(dir).expect("the dumps");
+    assert!(skipped.is_empty(), "{skipped:?}");
+    let text = doctor::report(&dumps);
+    let _ = std::fs::remove_dir_all(dir);
+    text
+}
+
+#[test]
+fn a_rank_that_skips_a_call_is_named_with_its_last_call() {
+    let rt = runtime();
+    rt.block_on(async {
+        let (config, dir) = config("skip");
+        let comms = world(&MemNet::reliable(), 4, config).await;
+        // Every rank: an allreduce and a broadcast, together.
+        let calls = comms.iter().map(|c| async move {
+            let mut v = vec![1.0f32; 1000];
+            c.allreduce(&mut v, ReduceOp::Sum).await?;
+            c.broadcast(&mut v, 0).await
+        });
+        for r in futures_util::future::join_all(calls).await {
+            r.expect("the calls every rank makes");
+        }
+        // Ranks 0-2 allreduce once more; rank 3 does not: they time out.
+        let waits = comms[..3].iter().map(|c| async move {
+            let mut v = vec![1.0f32; 4096];
+            c.allreduce(&mut v, ReduceOp::Sum).await
+        });
+        for r in futures_util::future::join_all(waits).await {
+            assert!(matches!(r, Err(CollectiveError::Timeout { .. })), "{r:?}");
+        }
+        // Rank 3 dumps as SIGUSR1 would make it.
+        assert!(comms[3].dump_flight_recorder("SIGUSR1").is_some());
+        drop(comms);
+        let text = verdict(&dir);
+        assert!(text.contains("ranks 0-2 failed in allreduce #"), "{text}");
+        assert!(text.contains("(float, 4,096 elements)"), "{text}");
+        assert!(
+            text.contains("rank 3 never entered it: its last operation is broadcast #"),
+            "{text}"
+        );
+    });
+}
+
+#[test]
+fn ranks_that_make_different_calls_are_named_with_both() {
+    let rt = runtime();
+    rt.block_on(async {
+        let (config, dir) = config("disagree");
+        let comms = world(&MemNet::reliable(), 3, config).await;
+        let calls = comms.iter().enumerate().map(|(r, c)| async move {
+            if r == 2 {
+                let input = vec![1.0f32; 30];
+                let mut out = vec![0.0f32; 10];
+                c.reduce_scatter(&input, &mut out, ReduceOp::Sum).await
+            } else {
+                let input = vec![1.0f32; 10];
+                let mut out = vec![0.0f32; 30];
+                c.allgather(&input, &mut out).await
+            }
+        });
+        for r in futures_util::future::join_all(calls).await {
+            assert!(r.is_err(), "different calls cannot both succeed");
+        }
+        drop(comms);
+        let text = verdict(&dir);
+        assert!(
+            text.contains("rank 2 called reduce_scatter, the others allgather"),
+            "{text}"
+        );
+    });
+}
