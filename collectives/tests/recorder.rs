@@ -28,7 +28,7 @@ fn config(name: &str) -> (Config, PathBuf) {
     (config, dir)
 }
 
-fn verdict(dir: &PathBuf) -> String {
+fn verdict(dir: &std::path::Path) -> String {
     let (dumps, skipped) = doctor::read_dir(dir).expect("the dumps");
     assert!(skipped.is_empty(), "{skipped:?}");
     let text = doctor::report(&dumps);

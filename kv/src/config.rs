@@ -65,6 +65,8 @@ pub struct KvConfig {
     /// Workers send a call's requests one server after another (`PSNET_KV_SERIAL_SENDS`,
     /// for benchmarks) instead of to all servers at once.
     pub serial_sends: bool,
+    /// The flight recorder of this node's requests (`PSNET_RECORDER_*`).
+    pub recorder: psnet_recorder::Settings,
     /// The rank this node wishes (`DMLC_WORKER_ID` / `DMLC_SERVER_ID`, set by psnet-launch so
     /// that its `[worker 1]` is kv's worker 1): the scheduler honours the wishes of a role
     /// when every node of it wishes a different rank in range, else ranks follow listening
@@ -200,6 +202,7 @@ impl KvConfig {
             resend: None,
             server_key_bytes: half_the_memory(),
             serial_sends: false,
+            recorder: psnet_recorder::Settings::default(),
             rank_hint: None,
             checkpoint_dir: None,
             checkpoint_every: 100,
@@ -251,6 +254,7 @@ impl KvConfig {
                 n => n,
             },
             serial_sends: env::PSNET_KV_SERIAL_SENDS.parse_or_default::<u8>()? != 0,
+            recorder: psnet_recorder::Settings::from_env(),
             rank_hint: match role {
                 Role::Worker => DMLC_WORKER_ID.parse()?,
                 Role::Server => DMLC_SERVER_ID.parse()?,

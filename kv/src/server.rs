@@ -19,13 +19,27 @@ use crate::reliable::Link;
 use crate::wire::Received;
 
 mod answers;
+mod served;
 
 use answers::Answers;
+use served::Served;
 
 /// Joins the job as a server over `transport` (bound and listening) and serves until the
 /// scheduler ends the job.
 pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result<(), KvError> {
+    let mut served = Served::default();
+    let result = serve(config, transport, &mut served).await;
+    served.ended(&result);
+    result
+}
+
+async fn serve<T: Transport>(
+    config: &KvConfig,
+    transport: T,
+    served: &mut Served,
+) -> Result<(), KvError> {
     let mut joined = bootstrap::join(config, transport).await?;
+    *served = Served::new(config, joined.rank);
     let link = joined.link.clone();
     let mut answers = Answers::new(link.clone());
     let num_workers = joined.num_workers();
@@ -99,16 +113,23 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
         tokio::select! {
             event = next => match heard_from_scheduler(event?, &heard) {
                 Received::Msg { from, msg, value } => match (msg, worker_rank(from)) {
-                    (Msg::Push { ts, key, flags, n_elems }, Some(rank)) => state.handle_push(Push {
-                        rank,
-                        ts,
-                        key,
-                        flags,
-                        n_elems,
-                        payload: value.unwrap_or_default(),
-                    }),
-                    (Msg::Pull { ts, key, n_elems }, Some(rank)) => state.handle_pull(rank, ts, key, n_elems),
+                    (Msg::Push { ts, key, flags, n_elems }, Some(rank)) => {
+                        served.took(rank, ts, if flags.init { "init" } else { "push" }, key);
+                        state.handle_push(Push {
+                            rank,
+                            ts,
+                            key,
+                            flags,
+                            n_elems,
+                            payload: value.unwrap_or_default(),
+                        })
+                    }
+                    (Msg::Pull { ts, key, n_elems }, Some(rank)) => {
+                        served.took(rank, ts, "pull", key);
+                        state.handle_pull(rank, ts, key, n_elems)
+                    }
                     (Msg::Command { ts, kind, body }, Some(rank)) => {
+                        served.took(rank, ts, "command", 0);
                         state.handle_command_request(rank, ts, kind, &body)
                     }
                     (Msg::NodeFailed { id, reason }, _) if from == SCHEDULER => {
@@ -163,7 +184,7 @@ pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result
                 let _ = tokio::time::timeout(period, link.send(SCHEDULER, &Msg::Heartbeat, None)).await;
             }
         }
-        if let Err(e) = flush(&mut answers, &mut state, files.as_mut()) {
+        if let Err(e) = flush(&mut answers, &mut state, files.as_mut(), served) {
             // An acknowledgement must never go out for a change the journal lacks: stop.
             tracing::error!(error = %e, "cannot write the checkpoint; this server stops");
             let reason = format!("server {} cannot write its checkpoint: {e}", joined.rank);
@@ -263,6 +284,7 @@ fn flush<T: Transport>(
     answers: &mut Answers<T>,
     state: &mut ServerState,
     mut files: Option<&mut ShardFiles>,
+    served: &mut Served,
 ) -> Result<(), KvError> {
     while let Some(out) = state.poll_output() {
         let (rank, msg, value) = match out {
@@ -306,6 +328,12 @@ fn flush<T: Transport>(
         };
         if let Some(files) = files.as_deref_mut() {
             files.sync()?;
+        }
+        match &msg {
+            Msg::Done { ts } => served.answered(rank, *ts, None),
+            Msg::Failed { ts, reason } => served.answered(rank, *ts, Some(reason)),
+            Msg::PeerFailed { ts, reason, .. } => served.answered(rank, *ts, Some(reason)),
+            _ => {}
         }
         answers.send(rank, msg, value);
     }

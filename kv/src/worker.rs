@@ -87,7 +87,17 @@ impl<T: Transport> Worker<T> {
             state: Mutex::new(state),
             serial_sends: config.serial_sends,
             ended: Notify::new(),
+            recorder: psnet_recorder::Recorder::with(
+                psnet_recorder::Scope::Kv {
+                    role: "worker".into(),
+                    rank: joined.rank,
+                },
+                &config.recorder,
+            ),
         });
+        if shared.recorder.is_some() {
+            psnet_recorder::install_signal_dump();
+        }
         for event in joined.early {
             shared.handle(event);
         }
@@ -512,6 +522,9 @@ impl<T: Transport> Worker<T> {
                 let state = self.shared.state();
                 if state.is_shutdown() {
                     tracing::info!(rank = self.shared.rank, "worker done");
+                    if let Some(r) = &self.shared.recorder {
+                        r.dump_at_end();
+                    }
                     return Ok(());
                 }
                 if let Some(reason) = state.scheduler_lost() {

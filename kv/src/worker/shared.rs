@@ -4,6 +4,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use psnet_recorder::Recorder;
 use psnet_transport::{NodeId, Segment, Transport};
 use tokio::sync::{oneshot, Notify};
 
@@ -82,7 +83,13 @@ pub(crate) struct Outgoing<'a> {
 /// server restarts first.
 pub(crate) struct Wait<'a> {
     sent: Outgoing<'a>,
+    rx: Answer,
+}
+
+/// Where a request's answer comes, and its record in the flight recorder.
+pub(crate) struct Answer {
     rx: oneshot::Receiver<Reply>,
+    record: Option<u64>,
 }
 
 /// A call's requests, sent, and the receivers of their answers in the same order: its
@@ -90,17 +97,14 @@ pub(crate) struct Wait<'a> {
 /// no second copy of its requests).
 pub(crate) struct Sent<'a> {
     requests: Vec<Outgoing<'a>>,
-    answers: Vec<oneshot::Receiver<Reply>>,
+    answers: Vec<Answer>,
 }
 
 impl<'a> IntoIterator for Sent<'a> {
     type Item = Wait<'a>;
     type IntoIter = std::iter::Map<
-        std::iter::Zip<
-            std::vec::IntoIter<Outgoing<'a>>,
-            std::vec::IntoIter<oneshot::Receiver<Reply>>,
-        >,
-        fn((Outgoing<'a>, oneshot::Receiver<Reply>)) -> Wait<'a>,
+        std::iter::Zip<std::vec::IntoIter<Outgoing<'a>>, std::vec::IntoIter<Answer>>,
+        fn((Outgoing<'a>, Answer)) -> Wait<'a>,
     >;
 
     fn into_iter(self) -> Self::IntoIter {
@@ -131,6 +135,8 @@ pub(crate) struct Shared<T: Transport> {
     pub(crate) serial_sends: bool,
     /// Woken when the job ends or the scheduler is lost (`finalize` waits for it).
     pub(crate) ended: Notify,
+    /// The flight recorder of this worker's requests (`PSNET_RECORDER_*`; `None`: off).
+    pub(crate) recorder: Option<Arc<Recorder>>,
 }
 
 impl<T: Transport> Shared<T> {
@@ -218,8 +224,7 @@ impl<T: Transport> Shared<T> {
             }
             Ok::<_, KvError>(sent)
         });
-        let mut slots: Vec<Option<oneshot::Receiver<Reply>>> =
-            (0..requests.len()).map(|_| None).collect();
+        let mut slots: Vec<Option<Answer>> = (0..requests.len()).map(|_| None).collect();
         for sent in futures_util::future::join_all(sends).await {
             for (i, rx) in sent? {
                 slots[i] = Some(rx);
@@ -231,19 +236,22 @@ impl<T: Transport> Shared<T> {
     }
 
     /// Registers a request and sends it; the receiver yields the answer.
-    pub(crate) async fn request(
-        &self,
-        sent: &Outgoing<'_>,
-    ) -> Result<oneshot::Receiver<Reply>, KvError> {
+    pub(crate) async fn request(&self, sent: &Outgoing<'_>) -> Result<Answer, KvError> {
         let to = sent.to;
         let (ts, mut rx) = self.state().begin_request(to, sent.ask.asked())?;
+        let record = self.recorder.as_ref().map(|r| {
+            let id = r.begin(self.recorded(sent, ts));
+            r.started(id);
+            id
+        });
+        let answer = |rx| Answer { rx, record };
         let msg = sent.ask.clone().into_msg(ts);
         let Err(e) = self.link.send_segment(to, &msg, sent.value).await else {
-            return Ok(rx);
+            return Ok(answer(rx));
         };
         // A server that may rejoin: the request waits for it, and goes again then.
         if self.state().is_recovering(to) {
-            return Ok(rx);
+            return Ok(answer(rx));
         }
         // The peer's loss, with its cause (a `Leaving` or the scheduler's word), may be on
         // its way through the receiver: an error naming the cause beats "not connected". So
@@ -251,12 +259,51 @@ impl<T: Transport> Shared<T> {
         if let Ok(Ok(reply)) = tokio::time::timeout(LOSS_GRACE, &mut rx).await {
             let (tx, ready) = oneshot::channel();
             let _ = tx.send(reply);
-            return Ok(ready);
+            return Ok(answer(ready));
         }
         if self.state().is_recovering(to) {
-            return Ok(rx);
+            return Ok(answer(rx));
         }
-        Err(self.state().abandon_request(ts, to).unwrap_or(e))
+        let error = self.state().abandon_request(ts, to).unwrap_or(e);
+        self.settled(record, Err(&error));
+        Err(error)
+    }
+
+    /// Request `ts` as the flight recorder keeps it.
+    fn recorded(&self, sent: &Outgoing<'_>, ts: u64) -> psnet_recorder::Op {
+        let (what, key) = match &sent.ask {
+            Ask::Push { key, flags, .. } if flags.init => ("init", *key),
+            Ask::Push { key, flags, .. } if flags.pull_back => ("push_pull", *key),
+            Ask::Push { key, .. } => ("push", *key),
+            Ask::Pull { key, .. } => ("pull", *key),
+            Ask::Command { .. } => ("command", 0),
+        };
+        psnet_recorder::Op::Request {
+            req: ts,
+            what,
+            key,
+            part: 0,
+            server: self
+                .servers
+                .iter()
+                .position(|s| *s == sent.to)
+                .map_or(u32::MAX, |r| r as u32),
+            bytes: sent.value.map_or(0, |v| v.len() as u64),
+        }
+    }
+
+    /// A request's record ends; a failure dumps the recorder.
+    fn settled(&self, record: Option<u64>, outcome: Result<(), &KvError>) {
+        let (Some(r), Some(id)) = (&self.recorder, record) else {
+            return;
+        };
+        match outcome {
+            Ok(()) => r.done(id),
+            Err(e) => {
+                r.failed(id, &e.to_string());
+                r.dump_on_failure(&format!("a request failed: {e}"));
+            }
+        }
     }
 
     /// The answer to a request; one whose server restarted before answering is sent again
@@ -265,16 +312,22 @@ impl<T: Transport> Shared<T> {
     pub(crate) async fn settle(&self, wait: Wait<'_>) -> Reply {
         let Wait { mut sent, mut rx } = wait;
         loop {
-            match rx.await.unwrap_or(Err(KvError::Shutdown)) {
+            match rx.rx.await.unwrap_or(Err(KvError::Shutdown)) {
                 Err(KvError::Rejoined { node, retry }) => {
                     tracing::debug!(%node, ?retry, "sending a request again");
+                    if let (Some(r), Some(id)) = (&self.recorder, rx.record) {
+                        r.failed(id, "its server restarted first: sent again");
+                    }
                     sent = Outgoing {
                         ask: sent.ask.again(retry),
                         ..sent
                     };
                     rx = self.request(&sent).await?;
                 }
-                reply => return reply,
+                reply => {
+                    self.settled(rx.record, reply.as_ref().map(|_| ()));
+                    return reply;
+                }
             }
         }
     }

@@ -1,0 +1,105 @@
+//! The flight recorder of whole kv jobs (tasks over 127.0.0.1): what the nodes' dumps let
+//! `psnet-doctor` say of a round that cannot complete and of a worker that is gone.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use psnet_kv::KvConfig;
+use psnet_recorder::{doctor, DumpPolicy, Settings};
+
+mod common;
+
+use common::{cluster_with, on_all, Cluster};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("psnet-kv-recorder-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+async fn cluster(workers: u32, dir: &std::path::Path) -> Cluster {
+    let settings = Settings {
+        entries: 256,
+        policy: DumpPolicy::Failure,
+        dir: dir.to_path_buf(),
+    };
+    cluster_with(1, workers, move |c| KvConfig {
+        recorder: settings.clone(),
+        ..c.heartbeats(
+            Some(Duration::from_millis(200)),
+            Some(Duration::from_secs(5)),
+        )
+    })
+    .await
+}
+
+fn verdict(dir: &std::path::Path) -> String {
+    let (dumps, skipped) = doctor::read_dir(dir).expect("the dumps");
+    assert!(skipped.is_empty(), "{skipped:?}");
+    doctor::report(&dumps)
+}
+
+/// Worker 0 pushes key 5 and worker 1 does not: the dist_sync round waits. The dumps (as
+/// `SIGUSR1` writes them) show worker 0's push unanswered and the server holding it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_that_waits_is_shown_with_the_request_and_the_server_holding_it() {
+    let dir = scratch("round");
+    let c = cluster(2, &dir).await;
+    let inits = on_all(&c.workers, |w| async move {
+        w.init(&[5], &[&[0.0; 4]]).await?;
+        Ok(vec![])
+    })
+    .await;
+    assert!(inits.iter().all(|r| r.is_ok()), "{inits:?}");
+    let w0 = c.workers[0].clone();
+    let push = tokio::spawn(async move { w0.push(5, &[1.0; 4]).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!psnet_recorder::dump_all("SIGUSR1").is_empty());
+    let text = verdict(&dir);
+    assert!(
+        text.contains("worker 0 sent push of key 5 (part 0) to server 0"),
+        "{text}"
+    );
+    assert!(text.contains("no answer came: server 0 took it"), "{text}");
+    // The round completes once worker 1 pushes; the job ends well.
+    c.workers[1]
+        .push(5, &[1.0; 4])
+        .await
+        .expect("worker 1's push");
+    push.await.unwrap().expect("worker 0's push, answered");
+    c.finish().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Worker 1 is gone mid-job: worker 0's push fails, and its dump (written on the failure,
+/// unasked) names the request and why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_failed_by_a_lost_worker_is_dumped_unasked() {
+    let dir = scratch("lost");
+    let mut c = cluster(2, &dir).await;
+    let inits = on_all(&c.workers, |w| async move {
+        w.init(&[1], &[&[0.0; 8]]).await?;
+        Ok(vec![])
+    })
+    .await;
+    assert!(inits.iter().all(|r| r.is_ok()), "{inits:?}");
+    let gone = Arc::try_unwrap(c.workers.pop().unwrap()).unwrap_or_else(|_| panic!("shared"));
+    let survivor = c.workers[0].clone();
+    let push = survivor.push(1, &[1.0; 8]);
+    drop(gone);
+    tokio::time::timeout(Duration::from_secs(20), push)
+        .await
+        .expect("the push must fail, not hang")
+        .expect_err("its round can never complete");
+    let text = verdict(&dir);
+    assert!(
+        text.contains("worker 0 sent push of key 1 (part 0) to server 0"),
+        "{text}"
+    );
+    assert!(
+        text.contains("it failed: ") && text.contains("worker 1"),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
