@@ -298,24 +298,27 @@ impl<T: Transport> Communicator<T> {
         prepared: Result<(Call, Plan), CollectiveError>,
         split: impl FnOnce(&Plan) -> Result<P, CollectiveError>,
     ) -> Result<(), CollectiveError> {
-        let record = match (&self.recorder, &prepared) {
-            (Some(r), Ok((call, _))) => Some(r.begin(call.recorded(ticket.seq))),
-            _ => None,
-        };
         self.order.wait_turn(ticket.seq).await;
-        if let (Some(r), Some(id)) = (&self.recorder, record) {
-            r.started(id);
-        }
         let result = match (self.failure(), prepared) {
             (Some(earlier), _) => Err(earlier),
             (None, Err(refused)) => Err(refused),
             (None, Ok((call, plan))) => {
+                // Recorded when its turn comes (one lock and one clock read: a call waiting
+                // for its turn is not in a dump, the call it waits behind is); the driver
+                // ends the record.
+                let record = self
+                    .recorder
+                    .as_ref()
+                    .map(|r| r.start(call.recorded(ticket.seq)));
                 let result = match split(&plan) {
                     Ok(pieces) => {
                         crate::drive::drive(self, ticket.seq, call, plan, pieces, record).await
                     }
                     Err(e) => {
                         crate::drive::finish_call(self, ticket.seq);
+                        if let (Some(r), Some(id)) = (&self.recorder, record) {
+                            r.finish(id, &[], Some(&e.to_string()));
+                        }
                         Err(e)
                     }
                 };
@@ -327,12 +330,6 @@ impl<T: Transport> Communicator<T> {
                 result
             }
         };
-        if let (Some(r), Some(id)) = (&self.recorder, record) {
-            match &result {
-                Ok(()) => r.done(id),
-                Err(e) => r.failed(id, &e.to_string()),
-            }
-        }
         if let Err(e) = &result {
             crate::drive::fail(self, e).await;
             self.dump_recorder(&format!("call {} failed: {e}", ticket.seq));

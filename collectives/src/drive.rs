@@ -58,7 +58,8 @@ pub(crate) async fn drive<T: Transport, P: Pieces>(
     };
     let result = run_plan(&mut run).await;
     if let (Some(r), Some(id)) = (&comm.recorder, record) {
-        r.progress(id, tally.peers());
+        let error = result.as_ref().err().map(ToString::to_string);
+        r.finish(id, tally.peers(), error.as_deref());
     }
     if result.is_err() && !sends.is_empty() {
         let _ = tokio::time::timeout(SETTLE, async { while sends.next().await.is_some() {} }).await;

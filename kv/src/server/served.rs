@@ -2,7 +2,6 @@
 //! `dist_sync` push's when its round completes), so a dump shows what a server held when a
 //! job stopped.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use psnet_recorder::{Op, Recorder, Scope};
@@ -14,8 +13,9 @@ use crate::error::KvError;
 #[derive(Default)]
 pub(super) struct Served {
     recorder: Option<Arc<Recorder>>,
-    /// (worker rank, request number) -> record.
-    open: HashMap<(u32, u64), u64>,
+    /// (worker rank, request number, record): few at a time (each worker's requests in
+    /// flight), so a list scanned costs less than a hash map's hashing.
+    open: Vec<(u32, u64, u64)>,
 }
 
 impl Served {
@@ -31,7 +31,7 @@ impl Served {
         }
         Served {
             recorder,
-            open: HashMap::new(),
+            open: Vec::new(),
         }
     }
 
@@ -40,26 +40,33 @@ impl Served {
         let Some(r) = &self.recorder else {
             return;
         };
-        let id = r.begin(Op::Served {
+        // A request number seen again (a resend) keeps its first record open.
+        if self.open.iter().any(|&(w, t, _)| w == worker && t == ts) {
+            return;
+        }
+        let id = r.start(Op::Served {
             req: ts,
             what,
             key,
             worker,
         });
-        r.started(id);
-        // A request number seen again (a resend) keeps its first record open.
-        self.open.entry((worker, ts)).or_insert(id);
+        self.open.push((worker, ts, id));
     }
 
     /// Its answer went out (`failure`: why it failed).
     pub(super) fn answered(&mut self, worker: u32, ts: u64, failure: Option<&str>) {
-        let (Some(r), Some(id)) = (&self.recorder, self.open.remove(&(worker, ts))) else {
+        let Some(r) = &self.recorder else {
             return;
         };
-        match failure {
-            None => r.done(id),
-            Some(why) => r.failed(id, why),
-        }
+        let Some(i) = self
+            .open
+            .iter()
+            .position(|&(w, t, _)| w == worker && t == ts)
+        else {
+            return;
+        };
+        let (_, _, id) = self.open.swap_remove(i);
+        r.finish(id, &[], failure);
     }
 
     /// The server stops: a failure dumps the recorder, a clean end too if asked.

@@ -239,11 +239,10 @@ impl<T: Transport> Shared<T> {
     pub(crate) async fn request(&self, sent: &Outgoing<'_>) -> Result<Answer, KvError> {
         let to = sent.to;
         let (ts, mut rx) = self.state().begin_request(to, sent.ask.asked())?;
-        let record = self.recorder.as_ref().map(|r| {
-            let id = r.begin(self.recorded(sent, ts));
-            r.started(id);
-            id
-        });
+        let record = self
+            .recorder
+            .as_ref()
+            .map(|r| r.start(self.recorded(sent, ts)));
         let answer = |rx| Answer { rx, record };
         let msg = sent.ask.clone().into_msg(ts);
         let Err(e) = self.link.send_segment(to, &msg, sent.value).await else {
@@ -298,9 +297,9 @@ impl<T: Transport> Shared<T> {
             return;
         };
         match outcome {
-            Ok(()) => r.done(id),
+            Ok(()) => r.finish(id, &[], None),
             Err(e) => {
-                r.failed(id, &e.to_string());
+                r.finish(id, &[], Some(&e.to_string()));
                 r.dump_on_failure(&format!("a request failed: {e}"));
             }
         }
@@ -316,7 +315,7 @@ impl<T: Transport> Shared<T> {
                 Err(KvError::Rejoined { node, retry }) => {
                     tracing::debug!(%node, ?retry, "sending a request again");
                     if let (Some(r), Some(id)) = (&self.recorder, rx.record) {
-                        r.failed(id, "its server restarted first: sent again");
+                        r.finish(id, &[], Some("its server restarted first: sent again"));
                     }
                     sent = Outgoing {
                         ask: sent.ask.again(retry),
