@@ -126,6 +126,10 @@ impl<T: Transport> Communicator<T> {
             )));
         }
         transport.set_local_id(node_of(rank));
+        // SIGUSR1 (psnet-launch asking for dumps) must not end a rank still joining.
+        if config.recorder.entries > 0 {
+            psnet_recorder::install_signal_dump();
+        }
         let mailbox = Arc::new(Mailbox::new(config.ahead_bytes));
         let reader = Arc::new(Reader(tokio::spawn(mailbox::read_all(
             transport.clone(),

@@ -43,6 +43,8 @@ impl<T: Transport> Scheduler<T> {
     pub async fn run(self) -> Result<(), KvError> {
         let Scheduler { t, config } = self;
         let config = &config;
+        // SIGUSR1 (psnet-launch asking for dumps) must not end a process without a recorder.
+        psnet_recorder::install_signal_dump();
         let link = Link::new(Arc::new(t), config.resend);
         let t = link.transport();
         tracing::info!(addr = %t.listen_addr(), servers = config.num_servers, workers = config.num_workers, "scheduler up");

@@ -27,6 +27,7 @@ use served::Served;
 /// Joins the job as a server over `transport` (bound and listening) and serves until the
 /// scheduler ends the job.
 pub async fn run_server<T: Transport>(config: &KvConfig, transport: T) -> Result<(), KvError> {
+    psnet_recorder::install_signal_dump();
     let mut served = Served::default();
     let result = serve(config, transport, &mut served).await;
     served.ended(&result);

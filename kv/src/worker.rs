@@ -64,6 +64,7 @@ impl<T: Transport> Worker<T> {
                 config.role
             )));
         }
+        psnet_recorder::install_signal_dump();
         let joined = bootstrap::join(config, transport).await?;
         let placement = Placement::new(joined.servers().len(), config.bigarray_bound)
             .map_err(|e| KvError::Invalid(e.to_string()))?;
@@ -95,9 +96,6 @@ impl<T: Transport> Worker<T> {
                 &config.recorder,
             ),
         });
-        if shared.recorder.is_some() {
-            psnet_recorder::install_signal_dump();
-        }
         for event in joined.early {
             shared.handle(event);
         }

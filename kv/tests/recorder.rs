@@ -61,7 +61,11 @@ async fn a_round_that_waits_is_shown_with_the_request_and_the_server_holding_it(
         text.contains("worker 0 sent push of key 5 (part 0) to server 0"),
         "{text}"
     );
-    assert!(text.contains("no answer came: server 0 took it"), "{text}");
+    assert!(
+        text.contains("no answer had come when the worker dumped")
+            && text.contains("later: server 0 took it"),
+        "{text}"
+    );
     // The round completes once worker 1 pushes; the job ends well.
     c.workers[1]
         .push(5, &[1.0; 4])

@@ -25,6 +25,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 
 pub mod batch;
 pub mod cluster;
+mod dumps;
 pub mod ssh;
 #[allow(unsafe_code)]
 mod sys;
@@ -273,6 +274,14 @@ pub fn process_env(spec: &JobSpec, role: Role, index: u32, port: u16) -> Vec<(St
         Role::Server => env.push(("DMLC_SERVER_ID".to_string(), index.to_string())),
         Role::Scheduler => {}
     }
+    // The job's flight recorder dumps, together in a folder of the job's.
+    if dumps::told_dir(&spec.env).is_none() {
+        let dir = dumps::job_dir(None, port);
+        env.push((
+            env::PSNET_RECORDER_DIR.name.to_string(),
+            dir.display().to_string(),
+        ));
+    }
     env.extend(spec.env.iter().cloned());
     env
 }
@@ -361,9 +370,17 @@ pub(crate) fn launch_with(
         most: spec.max_restarts,
         spawn: &mut spawn,
     };
-    let outcome = wait_all(children, spec.grace, &signals, restarts);
+    let dir = dumps::job_dir(dumps::told_dir(&spec.env).as_deref(), port);
+    let outcome = wait_all(children, spec.grace, &signals, restarts, &dir);
     if let Some(t) = tagger {
         t.finish(OUTPUT_DRAIN);
+    }
+    // A job that failed (not one stopped by a signal): what its processes dumped.
+    if outcome
+        .as_ref()
+        .is_ok_and(|o| o.first_failure.is_some() && o.signal.is_none())
+    {
+        dumps::report_failure(&dir);
     }
     outcome
 }
@@ -436,7 +453,9 @@ fn wait_all(
     grace: Duration,
     signals: &StopSignals,
     restarts: Restarts<'_>,
+    dump_dir: &std::path::Path,
 ) -> Result<Outcome, LaunchError> {
+    let dump_requests = dumps::DumpRequests::install();
     let mut restarted: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
     let mut signal: Option<i32> = None;
     let mut ended = Vec::new();
@@ -517,6 +536,9 @@ fn wait_all(
                 let by = Instant::now() + SIGNAL_GRACE.min(grace.max(Duration::from_millis(100)));
                 kill_at = Some(kill_at.map_or(by, |t| t.min(by)));
             }
+        }
+        if dump_requests.take() {
+            dumps::ask_and_report(running.iter().map(|(_, _, c)| c), dump_dir);
         }
         if kill_at.is_some_and(|t| Instant::now() >= t) {
             for (role, index, mut child) in running.drain(..) {

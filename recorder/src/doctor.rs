@@ -145,6 +145,17 @@ fn grouped(n: u64) -> String {
     out
 }
 
+/// A duration in µs as a person reads it: "3 ms", "12.4 s".
+fn seconds(us: u64) -> String {
+    if us < 1000 {
+        format!("{us} µs")
+    } else if us < 1_000_000 {
+        format!("{} ms", us / 1000)
+    } else {
+        format!("{:.1} s", us as f64 / 1e6)
+    }
+}
+
 /// "ranks 0-2 and 4-7", "rank 3".
 pub fn ranks(list: &[u32]) -> String {
     let mut runs: Vec<(u32, u32)> = Vec::new();
@@ -511,12 +522,16 @@ pub fn kv_verdict(dumps: &[&DumpFile]) -> String {
         else {
             continue;
         };
+        let waited = d.written_us.saturating_sub(rec.made_us);
         let mut text = format!(
             "worker {rank} sent {what} of key {key} (part {part}) to server {server}, request {req}, at {}, and {}",
             clock(rec.made_us),
             match &rec.error {
                 Some(e) => format!("it failed: {e}"),
-                None => "no answer came".into(),
+                None => format!(
+                    "no answer had come when the worker dumped, {} later",
+                    seconds(waited)
+                ),
             }
         );
         match server_of(*server) {

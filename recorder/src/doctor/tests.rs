@@ -189,7 +189,8 @@ fn an_unanswered_kv_request_names_the_server_and_its_last_record() {
         "{text}"
     );
     assert!(
-        text.contains("no answer came: server 0 has no record of it"),
+        text.contains("no answer had come when the worker dumped")
+            && text.contains("later: server 0 has no record of it"),
         "{text}"
     );
     assert!(

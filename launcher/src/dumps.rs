@@ -1,0 +1,112 @@
+//! The job's flight recorder dumps (`psnet_recorder`): every process of a local job writes
+//! them to one folder of the job's, `SIGUSR1` to the launcher asks every process for one and
+//! prints what `psnet-doctor` makes of them, and a job that fails gets the same verdict
+//! with the folder named.
+
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use psnet_config::env;
+
+/// How long the processes get to write their dumps once asked.
+const DUMP_WAIT: Duration = Duration::from_secs(2);
+
+/// The folder a job's dumps go to: `PSNET_RECORDER_DIR` if the user set it, else one of the
+/// job's own (by its scheduler's port) under the system's temporary directory.
+pub(crate) fn job_dir(told: Option<&str>, port: u16) -> PathBuf {
+    match told {
+        Some(dir) => PathBuf::from(dir),
+        None => std::env::temp_dir()
+            .join("psnet-recorder")
+            .join(format!("job-{port}")),
+    }
+}
+
+/// `SIGUSR1` to the launcher, caught while the job runs.
+pub(crate) struct DumpRequests {
+    asked: Arc<AtomicBool>,
+    id: Option<signal_hook::SigId>,
+}
+
+impl DumpRequests {
+    pub(crate) fn install() -> Self {
+        let asked = Arc::new(AtomicBool::new(false));
+        let id = signal_hook::flag::register(signal_hook::consts::SIGUSR1, asked.clone()).ok();
+        DumpRequests { asked, id }
+    }
+
+    /// Whether `SIGUSR1` came since the last call.
+    pub(crate) fn take(&self) -> bool {
+        self.asked.swap(false, Ordering::AcqRel)
+    }
+}
+
+impl Drop for DumpRequests {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            signal_hook::low_level::unregister(id);
+        }
+    }
+}
+
+/// Asks every running process for its dump (`SIGUSR1` to its group; psnet's processes
+/// catch it from their start), waits for them, and prints the doctor's report.
+pub(crate) fn ask_and_report<'a>(children: impl Iterator<Item = &'a Child>, dir: &Path) {
+    let mut asked = 0;
+    for child in children {
+        crate::signal_group(child, rustix::process::Signal::USR1);
+        asked += 1;
+    }
+    eprintln!(
+        "psnet-launch: SIGUSR1: asked {asked} processes for their flight recorder dumps ({})",
+        dir.display()
+    );
+    std::thread::sleep(DUMP_WAIT);
+    print_report(dir, false);
+}
+
+/// After a failed job: the doctor's verdict on what its processes dumped, if they dumped.
+pub(crate) fn report_failure(dir: &Path) {
+    print_report(dir, true);
+}
+
+fn print_report(dir: &Path, verdict_only: bool) {
+    let dumps = match psnet_recorder::doctor::read_dir(dir) {
+        Ok((dumps, _)) if !dumps.is_empty() => dumps,
+        _ => {
+            if !verdict_only {
+                eprintln!("psnet-launch: no flight recorder dump in {}", dir.display());
+            }
+            return;
+        }
+    };
+    let report = psnet_recorder::doctor::report(&dumps);
+    let shown = if verdict_only {
+        report
+            .split("Evidence per node:")
+            .next()
+            .unwrap_or(&report)
+            .trim_end()
+            .to_string()
+    } else {
+        report
+    };
+    eprintln!(
+        "psnet-launch: flight recorder dumps in {} (psnet-doctor {} for the evidence per node):\n{shown}",
+        dir.display(),
+        dir.display()
+    );
+}
+
+/// The `PSNET_RECORDER_DIR` the user gave the job, if any.
+pub(crate) fn told_dir(spec_env: &[(String, String)]) -> Option<String> {
+    spec_env
+        .iter()
+        .rev()
+        .find(|(k, v)| k == env::PSNET_RECORDER_DIR.name && !v.is_empty())
+        .map(|(_, v)| v.clone())
+        .or_else(|| env::PSNET_RECORDER_DIR.get())
+}

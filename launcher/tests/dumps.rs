@@ -1,0 +1,52 @@
+//! The flight recorder through the launcher: SIGUSR1 to psnet-launch asks every process of
+//! a running psnet-train job for its dump and prints the doctor's report, and the job goes
+//! on to its end.
+
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+mod common;
+
+#[test]
+fn sigusr1_to_the_launcher_prints_every_process_dump_and_the_job_goes_on() {
+    let train = common::trainer();
+    let dir = common::scratch("dumps");
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_psnet-launch"))
+        .args(["-n", "2", "-s", "1", "--"])
+        .arg(&train)
+        // The small model without its epoch count: long enough to be asked mid-job.
+        .args(&common::SMALL_MODEL[..10])
+        .args(["--epochs", "5000"])
+        .env("PSNET_RECORDER_DIR", &dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start psnet-launch");
+    // Every process is past its start by then (it catches SIGUSR1 from there on).
+    std::thread::sleep(Duration::from_secs(3));
+    let pid = rustix::process::Pid::from_child(&launcher);
+    rustix::process::kill_process(pid, rustix::process::Signal::USR1).unwrap();
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(
+        launcher.try_wait().unwrap().is_none(),
+        "the job ended when asked for dumps"
+    );
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let mut err = String::new();
+    launcher
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    launcher.wait().unwrap();
+    assert!(err.contains("SIGUSR1: asked 4 processes"), "{err}");
+    assert!(err.contains("flight recorder dumps in"), "{err}");
+    // Workers and the server each dumped, and the doctor read them.
+    for who in ["worker 0 (pid", "worker 1 (pid", "server 0 (pid"] {
+        assert!(err.contains(who), "{who}: {err}");
+    }
+    assert!(err.contains("kv job:"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
