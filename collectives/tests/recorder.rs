@@ -22,6 +22,7 @@ fn config(name: &str) -> (Config, PathBuf) {
             entries: 64,
             policy: DumpPolicy::Failure,
             dir: dir.clone(),
+            timeline: None,
         },
         ..Config::default()
     };

@@ -169,6 +169,8 @@ crate::declare_env_vars! {
         "Flight recorder: operations each node keeps (collective calls, kv requests, connection events), a fixed ring; the oldest go first. 0: no recorder.";
     PSNET_RECORDER_DIR = "PSNET_RECORDER_DIR", "",
         "Flight recorder: where dumps are written (psnet-<scope>-<pid>.json). Unset: psnet-recorder in the system's temporary directory. Read them with psnet-doctor DIR.";
+    PSNET_TIMELINE = "PSNET_TIMELINE", "",
+        "A folder: at its clean end every psnet process writes there a Chrome trace of its flight recorder (<scope>-<pid>.trace.json: a track per communicator or kv peer, an event per collective call and kv request, for chrome://tracing or ui.perfetto.dev) and its dump; psnet-doctor --timeline DIR -o job.json merges a job's. The last PSNET_RECORDER_ENTRIES operations of each: raise it for longer runs.";
     PSNET_RECORDER_DUMP = "PSNET_RECORDER_DUMP", "failure",
         "Flight recorder: when a node writes its dump: failure (an operation fails or times out, a peer is lost, and on SIGUSR1), always (also at a clean end), never (only on SIGUSR1).";
     PSNET_FAULTS = "PSNET_FAULTS", "",

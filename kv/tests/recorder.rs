@@ -23,6 +23,7 @@ async fn cluster(workers: u32, dir: &std::path::Path) -> Cluster {
         entries: 256,
         policy: DumpPolicy::Failure,
         dir: dir.to_path_buf(),
+        timeline: None,
     };
     cluster_with(1, workers, move |c| KvConfig {
         recorder: settings.clone(),

@@ -98,6 +98,8 @@ pub fn read_dir(dir: &Path) -> std::io::Result<(Vec<DumpFile>, Vec<String>)> {
     let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        // PSNET_TIMELINE's traces sit beside the dumps.
+        .filter(|p| !p.to_string_lossy().ends_with(".trace.json"))
         .collect();
     paths.sort();
     for path in paths {

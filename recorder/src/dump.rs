@@ -87,6 +87,8 @@ pub struct Settings {
     pub policy: DumpPolicy,
     /// Where.
     pub dir: PathBuf,
+    /// Where a Chrome trace and a dump go at a clean end (`PSNET_TIMELINE`).
+    pub timeline: Option<PathBuf>,
 }
 
 impl Default for Settings {
@@ -97,6 +99,7 @@ impl Default for Settings {
             entries: DEFAULT_ENTRIES,
             policy: DumpPolicy::Failure,
             dir: std::env::temp_dir().join("psnet-recorder"),
+            timeline: None,
         }
     }
 }
@@ -113,6 +116,7 @@ impl Settings {
             entries,
             policy,
             dir,
+            timeline: env::PSNET_TIMELINE.get().map(PathBuf::from),
         }
     }
 }
@@ -163,6 +167,11 @@ pub(crate) fn path_of(dir: &Path, scope: &Scope) -> PathBuf {
 /// Writes `recorder`'s dump: to a file aside, then renamed over the last one, so a reader
 /// never sees half a dump.
 pub(crate) fn write(recorder: &Recorder, reason: &str) -> io::Result<PathBuf> {
+    write_to(recorder, reason, recorder.dir())
+}
+
+/// [`write`] into `dir`, then (with `trace`) the same as a Chrome trace beside it.
+pub(crate) fn write_to(recorder: &Recorder, reason: &str, dir: &Path) -> io::Result<PathBuf> {
     let (records, dropped) = recorder.snapshot();
     let dump = Dump {
         format: DUMP_FORMAT,
@@ -173,7 +182,6 @@ pub(crate) fn write(recorder: &Recorder, reason: &str) -> io::Result<PathBuf> {
         dropped,
         records: &records,
     };
-    let dir = recorder.dir();
     std::fs::create_dir_all(dir)?;
     let path = path_of(dir, recorder.scope());
     let aside = path.with_extension("json.tmp");
@@ -182,5 +190,19 @@ pub(crate) fn write(recorder: &Recorder, reason: &str) -> io::Result<PathBuf> {
     file.write_all(b"\n")?;
     file.sync_all()?;
     std::fs::rename(&aside, &path)?;
+    Ok(path)
+}
+
+/// `PSNET_TIMELINE`: `recorder`'s dump into `dir`, and the same as a Chrome trace
+/// (`<scope>-<pid>.trace.json`).
+pub(crate) fn write_timeline(recorder: &Recorder, dir: &Path) -> io::Result<PathBuf> {
+    let dump_path = write_to(recorder, "clean end (PSNET_TIMELINE)", dir)?;
+    let text = std::fs::read_to_string(&dump_path)?;
+    let mut dump: crate::doctor::DumpFile =
+        serde_json::from_str(&text).map_err(io::Error::other)?;
+    dump.path = dump_path.clone();
+    let trace = crate::timeline::chrome_trace(std::slice::from_ref(&dump));
+    let path = dump_path.with_extension("trace.json");
+    std::fs::write(&path, serde_json::to_vec(&trace).map_err(io::Error::other)?)?;
     Ok(path)
 }

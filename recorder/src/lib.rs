@@ -199,18 +199,25 @@ pub struct Recorder {
     clock: quanta::Clock,
     /// A reading of the counter and the system clock at the same moment.
     anchor: (u64, u64),
+    /// `PSNET_TIMELINE`: where a Chrome trace goes at the clean end.
+    timeline: Mutex<Option<PathBuf>>,
 }
 
 impl Recorder {
     /// A recorder of `scope` with `settings`, registered for [`dump_all`] (and `SIGUSR1`).
     /// `None` if it keeps no entries.
     pub fn with(scope: Scope, settings: &Settings) -> Option<Arc<Self>> {
-        Self::new(
+        let recorder = Self::new(
             scope,
             settings.entries,
             settings.policy,
             settings.dir.clone(),
-        )
+        )?;
+        if let Some(t) = &settings.timeline {
+            let mut slot = recorder.timeline.lock().unwrap_or_else(|p| p.into_inner());
+            *slot = Some(t.clone());
+        }
+        Some(recorder)
     }
 
     /// A recorder keeping the last `capacity` operations of `scope`, dumping by `policy` to
@@ -237,6 +244,7 @@ impl Recorder {
             dir,
             anchor: (clock.raw(), now_us()),
             clock,
+            timeline: Mutex::new(None),
         });
         dump::register(Arc::downgrade(&recorder));
         Some(recorder)
@@ -416,7 +424,21 @@ impl Recorder {
     }
 
     /// Writes this recorder's dump at a clean end, if the policy says so.
+    /// With `PSNET_TIMELINE`, also writes its Chrome trace there.
     pub fn dump_at_end(&self) -> Option<PathBuf> {
+        let timeline = self
+            .timeline
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(dir) = timeline {
+            match dump::write_timeline(self, &dir) {
+                Ok(path) => tracing::info!(path = %path.display(), "timeline written"),
+                Err(e) => {
+                    tracing::warn!(dir = %dir.display(), error = %e, "could not write the timeline")
+                }
+            }
+        }
         if self.policy != DumpPolicy::Always {
             return None;
         }

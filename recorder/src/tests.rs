@@ -114,3 +114,42 @@ proptest! {
         prop_assert!(records.iter().all(|r| r.state == State::Done || (r.id == 0 && made <= capacity as u64)));
     }
 }
+
+#[test]
+fn the_timeline_is_a_chrome_trace_with_one_event_per_operation() {
+    let dir = scratch("timeline");
+    let r = recorder(16, dir.clone());
+    for seq in 0..5 {
+        let id = r.start(call(seq));
+        r.finish(
+            id,
+            &[PeerCount {
+                peer: 0,
+                sent: 1,
+                received: 1,
+            }],
+            None,
+        );
+    }
+    let open = r.start(call(5));
+    let _ = open;
+    r.dump("test").unwrap();
+    let (dumps, _) = doctor::read_dir(&dir).unwrap();
+    let trace = timeline::chrome_trace(&dumps);
+    let events = trace["traceEvents"].as_array().unwrap();
+    let complete: Vec<_> = events.iter().filter(|e| e["ph"] == "X").collect();
+    assert_eq!(complete.len(), 6, "one event per operation");
+    for e in &complete {
+        // The fields chrome://tracing and Perfetto need of a complete event.
+        assert!(
+            e["name"].is_string() && e["ts"].is_u64() && e["dur"].is_u64(),
+            "{e}"
+        );
+        assert!(e["pid"].is_u64() && !e["tid"].is_null(), "{e}");
+    }
+    assert_eq!(complete[0]["name"], "allreduce #0");
+    assert_eq!(complete[5]["args"]["state"], "started");
+    let names: Vec<_> = events.iter().filter(|e| e["ph"] == "M").collect();
+    assert_eq!(names.len(), 1, "a process name per dump");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -366,6 +366,50 @@ fn an_encrypted_job_matches_the_reference_and_encryption_needs_the_secret() {
     );
 }
 
+/// `PSNET_TIMELINE`: each node of a job writes, at its clean end, a Chrome trace of its
+/// flight recorder and its dump; the dumps merge into one trace with a process per node and
+/// an event per request.
+#[test]
+fn with_psnet_timeline_every_node_writes_a_trace_and_the_job_merges() {
+    let dir = std::env::temp_dir().join(format!("psnet-train-timeline-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    ok(train()
+        .args(["--servers", "1", "--workers", "2", "--epochs", "1"])
+        .env("PSNET_TIMELINE", &dir)
+        .output()
+        .unwrap());
+    let names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let traces: Vec<&String> = names
+        .iter()
+        .filter(|n| n.ends_with(".trace.json"))
+        .collect();
+    // Two workers and the server (the scheduler records nothing).
+    assert_eq!(traces.len(), 3, "{names:?}");
+    for t in &traces {
+        let trace: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join(t)).unwrap()).unwrap();
+        let events = trace["traceEvents"].as_array().expect("a Chrome trace");
+        assert!(
+            events.iter().any(|e| e["ph"] == "X" && e["dur"].is_u64()),
+            "{t}: no complete event"
+        );
+    }
+    let (dumps, skipped) = psnet_recorder::doctor::read_dir(&dir).unwrap();
+    assert!(skipped.is_empty(), "{skipped:?}");
+    let merged = psnet_recorder::timeline::chrome_trace(&dumps);
+    let events = merged["traceEvents"].as_array().unwrap();
+    let requests = events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["name"].as_str().is_some_and(|n| n.contains("key")))
+        .count();
+    let records: usize = dumps.iter().map(|d| d.records.len()).sum();
+    assert_eq!(requests, records, "one event per recorded operation");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The soak: a dist_sync job whose every process drops 1% of its connections with a message
 /// in flight, delays each send up to 100 µs and closes a connection after every 200th send
 /// (10 epochs) ends, with `PS_RESEND=1`, bit-identical to the single-process reference, in
