@@ -37,8 +37,8 @@ else
   echo "== $TORCH (the torch backend's tests)"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH"
 fi
-echo "== psnet-launch (the kv tests' launcher)"
-cargo build --locked -p psnet-launch
+echo "== psnet-launch and psnet-doctor (the tests' launcher, the flight recorder's reader)"
+cargo build --locked -p psnet-launch -p psnet-recorder
 echo "== the wheel (maturin build)"
 rm -rf "$TARGET/wheels"
 "$VENV/bin/maturin" build --locked -m python/Cargo.toml -o "$TARGET/wheels"

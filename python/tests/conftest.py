@@ -35,6 +35,17 @@ def launcher():
     pytest.fail("psnet-launch not found: build it (cargo build -p psnet-launch) or set PSNET_LAUNCH")
 
 
+def doctor():
+    """psnet-doctor: $PSNET_DOCTOR, on PATH, or this checkout's build."""
+    candidates = [os.environ.get("PSNET_DOCTOR"), shutil.which("psnet-doctor")]
+    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+    candidates += [str(target / p / "psnet-doctor") for p in ("debug", "release")]
+    for c in candidates:
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return c
+    pytest.fail("psnet-doctor not found: build it (cargo build -p psnet-recorder) or set PSNET_DOCTOR")
+
+
 def _script(tmp_path, body, name="job.py"):
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))

@@ -1,10 +1,12 @@
 """Collectives on NumPy arrays against NumPy references, over TCP on 127.0.0.1, with 1 to 4
 ranks as separate processes."""
 
+import subprocess
+
 import numpy as np
 import pytest
 
-from conftest import Ranks, run_ranks
+from conftest import Ranks, doctor, run_ranks
 
 # Each rank's inputs: small integers (exact in every type, so a sum in any order is exact)
 # and random floats (to check every rank ends with the same bits).
@@ -173,7 +175,7 @@ def test_a_frozen_rank_is_named_within_the_heartbeat_timeout(tmp_path):
         except psnet.PeerLostError as e:
             print(f"lost after {time.monotonic() - started:.1f} s:", e, flush=True)
             raise SystemExit(3)
-    """, env={"PSNET_COLL_HEARTBEAT_TIMEOUT": "2"})
+    """, env={"PSNET_COLL_HEARTBEAT_TIMEOUT": "2", "PSNET_RECORDER_DIR": str(tmp_path / "dumps")})
     try:
         deadline = time.monotonic() + 60
         results = {}
@@ -187,6 +189,14 @@ def test_a_frozen_rank_is_named_within_the_heartbeat_timeout(tmp_path):
         rc, out = results[r]
         assert rc == 3, f"rank {r} exited {rc}:\n{out}"
         assert "rank 2" in out and "PSNET_COLL_HEARTBEAT_TIMEOUT" in out, out
+    # Their flight recorders dumped when the call failed; the frozen rank wrote none. The
+    # doctor names the call they failed in, the loss of rank 2, and rank 2's missing dump.
+    verdict = subprocess.run([doctor(), str(tmp_path / "dumps")], capture_output=True,
+                             text=True, timeout=60)
+    assert verdict.returncode == 0, verdict.stderr
+    text = verdict.stdout
+    assert "ranks 0-1 failed in allreduce #" in text and "65,536 elements" in text, text
+    assert "rank 2 left no dump" in text, text
 
 
 def test_ctrl_c_in_a_waiting_call_raises_keyboard_interrupt(tmp_path):
