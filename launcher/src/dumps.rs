@@ -54,14 +54,14 @@ impl Drop for DumpRequests {
 
 /// Asks every running process for its dump (`SIGUSR1` to its group; psnet's processes
 /// catch it from their start), waits for them, and prints the doctor's report.
-pub(crate) fn ask_and_report<'a>(children: impl Iterator<Item = &'a Child>, dir: &Path) {
+pub(crate) fn ask_and_report<'a>(children: impl Iterator<Item = &'a Child>, dir: &Path, why: &str) {
     let mut asked = 0;
     for child in children {
         crate::signal_group(child, rustix::process::Signal::USR1);
         asked += 1;
     }
     eprintln!(
-        "psnet-launch: SIGUSR1: asked {asked} processes for their flight recorder dumps ({})",
+        "psnet-launch: {why}: asked {asked} processes for their flight recorder dumps ({})",
         dir.display()
     );
     std::thread::sleep(DUMP_WAIT);
@@ -99,6 +99,43 @@ fn print_report(dir: &Path, verdict_only: bool) {
         dir.display(),
         dir.display()
     );
+}
+
+/// When to ask the job for dumps unprompted: `--dump-after S` seconds without a line from
+/// any process, once per quiet spell.
+pub(crate) struct Watch {
+    pub(crate) dir: PathBuf,
+    after: Option<Duration>,
+    activity: Option<Arc<crate::tagged::Activity>>,
+    /// The last line's time when the job was last asked.
+    asked_at: Option<u64>,
+}
+
+impl Watch {
+    pub(crate) fn new(
+        dir: PathBuf,
+        after: Option<Duration>,
+        activity: Option<Arc<crate::tagged::Activity>>,
+    ) -> Self {
+        Watch {
+            dir,
+            after,
+            activity,
+            asked_at: None,
+        }
+    }
+
+    /// Whether the job has been quiet for `--dump-after` and not asked since its last line.
+    pub(crate) fn due(&mut self) -> Option<Duration> {
+        let (after, activity) = (self.after?, self.activity.as_ref()?);
+        let quiet = activity.quiet_for();
+        let last = activity.last_ms();
+        if quiet < after || self.asked_at == Some(last) {
+            return None;
+        }
+        self.asked_at = Some(last);
+        Some(quiet)
+    }
 }
 
 /// The `PSNET_RECORDER_DIR` the user gave the job, if any.

@@ -87,6 +87,10 @@ pub struct JobSpec {
     /// (`PSNET_MAX_RESTARTS`, `--max-restarts`), to rejoin the job from its checkpoint
     /// (`PSNET_CHECKPOINT_DIR` is required). 0: a dying server stops the job.
     pub max_restarts: u32,
+    /// Local jobs: ask every process for its flight recorder dump, and print the doctor's
+    /// report, once no process has written a line for this long (`--dump-after`; needs the
+    /// tagged output). `None`: only on `SIGUSR1`.
+    pub dump_after: Option<Duration>,
 }
 
 impl JobSpec {
@@ -102,6 +106,7 @@ impl JobSpec {
             grace: Duration::from_secs(10),
             tag_output: false,
             max_restarts: env::PSNET_MAX_RESTARTS.parse().ok().flatten().unwrap_or(0),
+            dump_after: None,
         }
     }
 }
@@ -334,6 +339,7 @@ pub(crate) fn launch_with(
     let signals = StopSignals::install()?;
     let mut children: Vec<(Role, u32, Child)> = Vec::new();
     let mut tagger = spec.tag_output.then(Tagger::new);
+    let activity = tagger.as_ref().map(Tagger::activity);
     let mut spawn = |role: Role, index: u32| {
         let mut cmd = command(role, index, port);
         // A group of its own: a signal to the job reaches what the process started, and a
@@ -371,7 +377,8 @@ pub(crate) fn launch_with(
         spawn: &mut spawn,
     };
     let dir = dumps::job_dir(dumps::told_dir(&spec.env).as_deref(), port);
-    let outcome = wait_all(children, spec.grace, &signals, restarts, &dir);
+    let watch = dumps::Watch::new(dir.clone(), spec.dump_after, activity);
+    let outcome = wait_all(children, spec.grace, &signals, restarts, watch);
     if let Some(t) = tagger {
         t.finish(OUTPUT_DRAIN);
     }
@@ -453,7 +460,7 @@ fn wait_all(
     grace: Duration,
     signals: &StopSignals,
     restarts: Restarts<'_>,
-    dump_dir: &std::path::Path,
+    mut watch: dumps::Watch,
 ) -> Result<Outcome, LaunchError> {
     let dump_requests = dumps::DumpRequests::install();
     let mut restarted: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
@@ -538,7 +545,10 @@ fn wait_all(
             }
         }
         if dump_requests.take() {
-            dumps::ask_and_report(running.iter().map(|(_, _, c)| c), dump_dir);
+            dumps::ask_and_report(running.iter().map(|(_, _, c)| c), &watch.dir, "SIGUSR1");
+        } else if let Some(quiet) = watch.due().filter(|_| kill_at.is_none()) {
+            let why = format!("no output for {} s (--dump-after)", quiet.as_secs());
+            dumps::ask_and_report(running.iter().map(|(_, _, c)| c), &watch.dir, &why);
         }
         if kill_at.is_some_and(|t| Instant::now() >= t) {
             for (role, index, mut child) in running.drain(..) {

@@ -4,14 +4,49 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::Child;
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
+
+/// When any process of the job last wrote a line (`--dump-after` watches it).
+pub(crate) struct Activity {
+    base: Instant,
+    /// Milliseconds after `base`.
+    last: AtomicU64,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Activity {
+            base: Instant::now(),
+            last: AtomicU64::new(0),
+        }
+    }
+
+    fn touch(&self) {
+        let now = self.base.elapsed().as_millis() as u64;
+        self.last.store(now, Ordering::Release);
+    }
+
+    /// The last line's time (ms after the job started).
+    pub(crate) fn last_ms(&self) -> u64 {
+        self.last.load(Ordering::Acquire)
+    }
+
+    /// How long no process has written a line.
+    pub(crate) fn quiet_for(&self) -> Duration {
+        self.base
+            .elapsed()
+            .saturating_sub(Duration::from_millis(self.last_ms()))
+    }
+}
 
 /// Follows the pipes of the job's processes.
 pub(crate) struct Tagger {
     done_tx: mpsc::Sender<()>,
     done_rx: mpsc::Receiver<()>,
     followed: usize,
+    activity: Arc<Activity>,
 }
 
 impl Tagger {
@@ -21,7 +56,13 @@ impl Tagger {
             done_tx,
             done_rx,
             followed: 0,
+            activity: Arc::new(Activity::new()),
         }
+    }
+
+    /// When the processes last wrote.
+    pub(crate) fn activity(&self) -> Arc<Activity> {
+        self.activity.clone()
     }
 
     /// Copies `child`'s piped stdout and stderr behind `tag`, each on a thread of its own
@@ -38,6 +79,7 @@ impl Tagger {
     fn copy(&mut self, pipe: impl Read + Send + 'static, tag: &str, to_stderr: bool) {
         let tag = tag.as_bytes().to_vec();
         let done = self.done_tx.clone();
+        let activity = self.activity.clone();
         self.followed += 1;
         std::thread::spawn(move || {
             let mut reader = BufReader::new(pipe);
@@ -47,6 +89,7 @@ impl Tagger {
                 match reader.read_until(b'\n', &mut line) {
                     Ok(0) | Err(_) => break,
                     Ok(_) => {
+                        activity.touch();
                         if line.last() != Some(&b'\n') {
                             line.push(b'\n');
                         }

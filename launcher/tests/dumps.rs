@@ -50,3 +50,63 @@ fn sigusr1_to_the_launcher_prints_every_process_dump_and_the_job_goes_on() {
     assert!(err.contains("kv job:"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--dump-after 1`: processes that print nothing for a second are asked for their dumps
+/// (here shells that answer SIGUSR1 with a line, which starts a new quiet spell), and the
+/// job goes on.
+#[test]
+fn a_quiet_job_is_asked_for_its_dumps_after_dump_after_seconds() {
+    let dir = common::scratch("dump-after");
+    let script =
+        "trap 'echo asked' USR1; i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done";
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_psnet-launch"))
+        .args([
+            "-n",
+            "2",
+            "-s",
+            "1",
+            "--dump-after",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ])
+        .env("PSNET_RECORDER_DIR", &dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start psnet-launch");
+    std::thread::sleep(Duration::from_secs(5));
+    assert!(launcher.try_wait().unwrap().is_none(), "the job ended");
+    let pid = rustix::process::Pid::from_child(&launcher);
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let (mut out, mut err) = (String::new(), String::new());
+    launcher
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    launcher
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    launcher.wait().unwrap();
+    assert!(
+        err.contains("no output for 1 s (--dump-after): asked 4 processes"),
+        "{err}"
+    );
+    // Every process got the signal (and, being a shell, said so).
+    for tag in [
+        "[scheduler] asked",
+        "[server 0] asked",
+        "[worker 0] asked",
+        "[worker 1] asked",
+    ] {
+        assert!(out.contains(tag), "{tag}: {out}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -117,6 +117,11 @@ struct Cli {
     /// each line (a process then sees the launcher's terminal, for progress bars).
     #[arg(long)]
     no_prefix: bool,
+    /// Local jobs: when no process has written a line for SECS seconds, ask every process
+    /// for its flight recorder dump and print psnet-doctor's report (the job goes on; once
+    /// per quiet spell). SIGUSR1 to the launcher does the same at any time.
+    #[arg(long, value_name = "SECS")]
+    dump_after: Option<u64>,
     /// The command every process runs.
     #[arg(last = true, required = true)]
     command: Vec<String>,
@@ -152,6 +157,12 @@ fn main() -> ExitCode {
     spec.env = cli.env;
     spec.grace = Duration::from_secs(cli.grace);
     spec.tag_output = !cli.no_prefix;
+    if let Some(secs) = cli.dump_after {
+        if cli.no_prefix {
+            return fail("--dump-after watches the processes' output, which --no-prefix passes by");
+        }
+        spec.dump_after = Some(Duration::from_secs(secs.max(1)));
+    }
     if let Some(n) = cli.max_restarts {
         spec.max_restarts = n;
     }
