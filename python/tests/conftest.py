@@ -24,26 +24,25 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launcher():
-    """psnet-launch: $PSNET_LAUNCH, on PATH, or this checkout's build."""
-    candidates = [os.environ.get("PSNET_LAUNCH"), shutil.which("psnet-launch")]
+def _binary(name, variable, package):
+    """A psnet binary: $VARIABLE, on PATH, or this checkout's build."""
+    candidates = [os.environ.get(variable), shutil.which(name)]
     target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
-    candidates += [str(target / p / "psnet-launch") for p in ("debug", "release")]
+    candidates += [str(target / p / name) for p in ("debug", "release")]
     for c in candidates:
         if c and Path(c).is_file() and os.access(c, os.X_OK):
             return c
-    pytest.fail("psnet-launch not found: build it (cargo build -p psnet-launch) or set PSNET_LAUNCH")
+    pytest.fail(f"{name} not found: build it (cargo build -p {package}) or set {variable}")
+
+
+def launcher():
+    """psnet-launch: $PSNET_LAUNCH, on PATH, or this checkout's build."""
+    return _binary("psnet-launch", "PSNET_LAUNCH", "psnet-launch")
 
 
 def doctor():
     """psnet-doctor: $PSNET_DOCTOR, on PATH, or this checkout's build."""
-    candidates = [os.environ.get("PSNET_DOCTOR"), shutil.which("psnet-doctor")]
-    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
-    candidates += [str(target / p / "psnet-doctor") for p in ("debug", "release")]
-    for c in candidates:
-        if c and Path(c).is_file() and os.access(c, os.X_OK):
-            return c
-    pytest.fail("psnet-doctor not found: build it (cargo build -p psnet-recorder) or set PSNET_DOCTOR")
+    return _binary("psnet-doctor", "PSNET_DOCTOR", "psnet-recorder")
 
 
 def _script(tmp_path, body, name="job.py"):
