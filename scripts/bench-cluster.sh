@@ -11,7 +11,7 @@
 # raw        iperf3 between two hosts, one way and both ways at once (the link as TCP sees it)
 # train      psnet-train seconds of communication per epoch, 2 servers + 2 workers: MXNet's key
 #            layout (PSNET_PARTITION_BYTES=0), the default, the default with a job secret (every
-#            frame tagged), 2-bit and 1-bit; the bound is the
+#            frame tagged), with the secret and PSNET_ENCRYPT=1, 2-bit and 1-bit; the bound is the
 #            busiest link's bytes in its busier direction (counted by the kernel) per epoch
 # kv         one key per op, push / pull / push then pull / pushpull, psnet's Python kvstore
 #            against MXNet 1.9.1 (scripts/bench-mxnet.py, one script for both), uncompressed and
@@ -161,11 +161,14 @@ if wants train; then
   hostfile 2 2 "$LOGS/train.hosts"
   # With a job secret every frame carries a session tag: its cost, in the same run.
   (umask 077; echo "bench-cluster secret $$ $RANDOM" > "$LOGS/secret")
+  # With PSNET_ENCRYPT too, every data frame is also encrypted.
   for run in "mxnet-layout:PSNET_PARTITION_BYTES=0:none" "default::none" \
-             "secret:PSNET_SECRET_FILE=$LOGS/secret:none" "2bit::2bit" "1bit::1bit"; do
+             "secret:PSNET_SECRET_FILE=$LOGS/secret:none" \
+             "encrypted:PSNET_SECRET_FILE=$LOGS/secret,PSNET_ENCRYPT=1:none" "2bit::2bit" "1bit::1bit"; do
     IFS=: read -r name env comp <<< "$run"
+    IFS=, read -ra envs <<< "$env"
     bash "$RIG" counters --name bench > "$LOGS/c0"
-    launch 2 2 "$LOGS/train.hosts" ${env:+"$env"} -- "$B/psnet-train" --epochs "$EPOCHS" \
+    launch 2 2 "$LOGS/train.hosts" "${envs[@]}" -- "$B/psnet-train" --epochs "$EPOCHS" \
       --samples "$SAMPLES" --compression "$comp" > "$LOGS/train.$name.log" 2>&1 \
       || { say "psnet-train $name failed:"; tail -20 "$LOGS/train.$name.log" >&2; exit 1; }
     bash "$RIG" counters --name bench > "$LOGS/c1"
