@@ -110,3 +110,71 @@ fn a_quiet_job_is_asked_for_its_dumps_after_dump_after_seconds() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The pid of the process whose environment holds every one of `marks`, if one runs.
+fn process_with(marks: &[String]) -> Option<i32> {
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
+            continue;
+        };
+        let vars: Vec<&[u8]> = environ.split(|&b| b == 0).collect();
+        if marks.iter().all(|m| vars.contains(&m.as_bytes())) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+/// A worker of a running psnet-train job killed outright: the job fails, and the launcher
+/// ends with the doctor's verdict on what the others dumped, naming the lost worker.
+#[test]
+fn a_killed_worker_ends_the_job_with_the_doctors_verdict() {
+    let train = common::trainer();
+    let dir = common::scratch("killed");
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_psnet-launch"))
+        .args(["-n", "2", "-s", "1", "--"])
+        .arg(&train)
+        .args(&common::SMALL_MODEL[..10])
+        .args(["--epochs", "5000"])
+        .env("PSNET_RECORDER_DIR", &dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start psnet-launch");
+    let marks = [
+        format!("PSNET_RECORDER_DIR={}", dir.display()),
+        "DMLC_ROLE=worker".to_string(),
+        "DMLC_WORKER_ID=1".to_string(),
+    ];
+    let mut worker = None;
+    common::wait_for(Duration::from_secs(30), "worker 1 never ran", || {
+        worker = process_with(&marks);
+        worker.is_some()
+    });
+    // Past its start and into the training.
+    std::thread::sleep(Duration::from_secs(2));
+    let pid = rustix::process::Pid::from_raw(worker.unwrap()).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+    let mut err = String::new();
+    launcher
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let status = launcher.wait().unwrap();
+    assert!(!status.success(), "{err}");
+    let verdict = err
+        .split("flight recorder dumps in")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no verdict: {err}"));
+    assert!(
+        verdict.contains("kv job: worker 0 sent") && verdict.contains("it failed: "),
+        "{verdict}"
+    );
+    assert!(verdict.contains("worker 1"), "{verdict}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -199,6 +199,31 @@ def test_a_frozen_rank_is_named_within_the_heartbeat_timeout(tmp_path):
     assert "rank 2 left no dump" in text, text
 
 
+def test_ranks_that_make_different_calls_are_named_by_the_doctor(tmp_path):
+    """Rank 2 calls reduce_scatter where ranks 0 and 1 call allgather: every rank fails, each
+    dumps its flight recorder, and psnet-doctor names the call number and both calls."""
+    dumps = tmp_path / "dumps"
+    ranks = Ranks(tmp_path, 3, """
+        import numpy as np, psnet
+        psnet.init()
+        psnet.allreduce(np.zeros(4, dtype=np.float32))
+        try:
+            if psnet.rank() == 2:
+                psnet.reduce_scatter(np.ones(30, dtype=np.float32))
+            else:
+                psnet.allgather(np.ones(10, dtype=np.float32))
+        except psnet.PsnetError as e:
+            print("failed:", e, flush=True)
+            raise SystemExit(3)
+    """, env={"PSNET_RECORDER_DIR": str(dumps)})
+    results = ranks.wait(timeout=60)
+    for r, (rc, out) in enumerate(results):
+        assert rc == 3, f"rank {r} exited {rc}:\n{out}"
+    verdict = subprocess.run([doctor(), str(dumps)], capture_output=True, text=True, timeout=60)
+    assert verdict.returncode == 0, verdict.stderr
+    assert "rank 2 called reduce_scatter, the others allgather" in verdict.stdout, verdict.stdout
+
+
 def test_ctrl_c_in_a_waiting_call_raises_keyboard_interrupt(tmp_path):
     import signal
     import time

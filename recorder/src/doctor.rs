@@ -510,7 +510,8 @@ pub fn kv_verdict(dumps: &[&DumpFile]) -> String {
             .records
             .iter()
             .find(|r| matches!(r.op, ReadOp::Request { .. }) && r.state == State::Failed);
-        let Some(rec) = open.or(failed) else {
+        // A failure says why; an unanswered request, where nothing failed, says where.
+        let Some(rec) = failed.or(open) else {
             continue;
         };
         let ReadOp::Request {
