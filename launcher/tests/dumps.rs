@@ -128,36 +128,38 @@ fn process_with(marks: &[String]) -> Option<i32> {
     None
 }
 
-/// A worker of a running psnet-train job killed outright: the job fails, and the launcher
-/// ends with the doctor's verdict on what the others dumped, naming the lost worker.
-#[test]
-fn a_killed_worker_ends_the_job_with_the_doctors_verdict() {
+/// Starts a long psnet-train job (1 server, 2 workers, `env` added) dumping into `dir`,
+/// waits until the process whose environment holds `marks` runs and trains, sends it `sig`,
+/// and returns whether the launcher succeeded, and its stderr.
+fn strike(
+    dir: &std::path::Path,
+    marks: &[&str],
+    sig: rustix::process::Signal,
+    env: &[(&str, &str)],
+) -> (bool, String) {
     let train = common::trainer();
-    let dir = common::scratch("killed");
     let mut launcher = Command::new(env!("CARGO_BIN_EXE_psnet-launch"))
         .args(["-n", "2", "-s", "1", "--"])
         .arg(&train)
         .args(&common::SMALL_MODEL[..10])
         .args(["--epochs", "5000"])
-        .env("PSNET_RECORDER_DIR", &dir)
+        .env("PSNET_RECORDER_DIR", dir)
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .expect("start psnet-launch");
-    let marks = [
-        format!("PSNET_RECORDER_DIR={}", dir.display()),
-        "DMLC_ROLE=worker".to_string(),
-        "DMLC_WORKER_ID=1".to_string(),
-    ];
-    let mut worker = None;
-    common::wait_for(Duration::from_secs(30), "worker 1 never ran", || {
-        worker = process_with(&marks);
-        worker.is_some()
+    let mut marks: Vec<String> = marks.iter().map(|m| m.to_string()).collect();
+    marks.push(format!("PSNET_RECORDER_DIR={}", dir.display()));
+    let mut target = None;
+    common::wait_for(Duration::from_secs(30), "the process never ran", || {
+        target = process_with(&marks);
+        target.is_some()
     });
     // Past its start and into the training.
     std::thread::sleep(Duration::from_secs(2));
-    let pid = rustix::process::Pid::from_raw(worker.unwrap()).unwrap();
-    rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+    let pid = rustix::process::Pid::from_raw(target.unwrap()).unwrap();
+    rustix::process::kill_process(pid, sig).unwrap();
     let mut err = String::new();
     launcher
         .stderr
@@ -166,15 +168,57 @@ fn a_killed_worker_ends_the_job_with_the_doctors_verdict() {
         .read_to_string(&mut err)
         .unwrap();
     let status = launcher.wait().unwrap();
-    assert!(!status.success(), "{err}");
-    let verdict = err
-        .split("flight recorder dumps in")
+    // A stopped process is killed with its job; let it go in any case.
+    let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    (status.success(), err)
+}
+
+/// The doctor's verdict the launcher printed after a failed job.
+fn verdict(err: &str) -> &str {
+    err.split("flight recorder dumps in")
         .nth(1)
-        .unwrap_or_else(|| panic!("no verdict: {err}"));
+        .unwrap_or_else(|| panic!("no verdict: {err}"))
+}
+
+/// A worker of a running psnet-train job killed outright: the job fails, and the launcher
+/// ends with the doctor's verdict on what the others dumped, naming the lost worker.
+#[test]
+fn a_killed_worker_ends_the_job_with_the_doctors_verdict() {
+    let dir = common::scratch("killed");
+    let (ok, err) = strike(
+        &dir,
+        &["DMLC_ROLE=worker", "DMLC_WORKER_ID=1"],
+        rustix::process::Signal::KILL,
+        &[],
+    );
+    assert!(!ok, "{err}");
+    let verdict = verdict(&err);
     assert!(
         verdict.contains("kv job: worker 0 sent") && verdict.contains("it failed: "),
         "{verdict}"
     );
     assert!(verdict.contains("worker 1"), "{verdict}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The server frozen (SIGSTOP) mid-job: the scheduler declares it lost after the heartbeat
+/// timeout, the workers' requests fail, and the verdict names the server, which left no
+/// dump.
+#[test]
+fn a_frozen_server_ends_the_job_with_the_doctors_verdict() {
+    let dir = common::scratch("frozen-server");
+    let (ok, err) = strike(
+        &dir,
+        &["DMLC_ROLE=server"],
+        rustix::process::Signal::STOP,
+        &[
+            ("PS_HEARTBEAT_INTERVAL", "0.2"),
+            ("PS_HEARTBEAT_TIMEOUT", "2"),
+        ],
+    );
+    assert!(!ok, "{err}");
+    let verdict = verdict(&err);
+    assert!(verdict.contains("kv job: worker "), "{verdict}");
+    assert!(verdict.contains("server 0 left no dump"), "{verdict}");
     let _ = std::fs::remove_dir_all(&dir);
 }
