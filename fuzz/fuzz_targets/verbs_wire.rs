@@ -16,9 +16,9 @@ use libfuzzer_sys::fuzz_target;
 use psnet_fuzz::{largest_allocation, limits, Input, TrackingAlloc};
 use psnet_verbs::proto::credits::{Class, Credits};
 use psnet_verbs::proto::wire::{
-    parse_base, parse_cts, parse_data_header, parse_placed_cts, put_base, put_cts,
-    put_data_header, put_placed_cts, Base, DataHeader, Kind, WireError, BASE_LEN, CTS_LEN,
-    CTS_PLACED_LEN, DATA_HEADER_LEN, VERSION,
+    parse_base, parse_cts, parse_data_header, parse_placed_cts, put_base, put_cts, put_data_header,
+    put_placed_cts, Base, DataHeader, Kind, WireError, BASE_LEN, CTS_LEN, CTS_PLACED_LEN,
+    DATA_HEADER_LEN, VERSION,
 };
 
 #[global_allocator]

@@ -105,7 +105,12 @@ fn transport() -> Vec<Seed> {
     stream.extend_from_slice(&hello);
     stream.extend_from_slice(&data[..20]);
     let tiny = frame(FrameKind::Data, b"m", &[b"abc", b"de"], &small);
+    // A sealed data frame (PSNET_ENCRYPT): its header's flag set (byte 6), its body as
+    // anything; a header decodes it, a whole-frame decode (in clear only) refuses it.
+    let mut sealed = data.clone();
+    sealed[6] |= 1;
     vec![
+        seed(T, "sealed-data", cat(&[0, 9, 0], &sealed)),
         seed(T, "data", cat(&[0, 7, 0], &data)),
         seed(T, "hello", cat(&[0, 3, 0], &hello)),
         seed(T, "hello-ack-proof", cat(&[0, 30, 0], &ack)),
@@ -130,10 +135,7 @@ fn kv() -> Vec<Seed> {
                 token_commit: psnet_transport::Proof([6; psnet_transport::PROOF_LEN]),
             },
         ),
-        (
-            "recovery_key",
-            Msg::RecoveryKey { commit: [9; 32] },
-        ),
+        ("recovery_key", Msg::RecoveryKey { commit: [9; 32] }),
         (
             "peer_failed",
             Msg::PeerFailed {

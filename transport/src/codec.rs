@@ -156,6 +156,9 @@ pub enum CodecError {
     /// A frame of a kind that is never sealed says it is.
     #[error("a {0:?} frame is never sealed (only data frames are)")]
     SealedKind(FrameKind),
+    /// A sealed frame where only frames in clear may come (before a session has keys).
+    #[error("a sealed (encrypted) frame where only frames in clear are expected")]
+    SealedHere,
     /// Metadata larger than allowed.
     #[error("metadata of {len} bytes exceeds the limit of {limit}")]
     MetaTooLarge {
@@ -370,11 +373,16 @@ pub struct Frame {
 
 /// Takes one whole frame off the front of `buf`, if `buf` holds one.
 ///
-/// The frame's bytes are split off without copying. On error `buf` is left as it was.
+/// The frame's bytes are split off without copying. On error `buf` is left as it was. For
+/// frames in clear (handshakes, tests): a sealed frame is an error, since what it holds
+/// must be opened under its session's keys, which only a connection's reader has.
 pub fn decode_frame(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Frame>, CodecError> {
     let Some((header, header_len)) = FrameHeader::decode(buf, limits)? else {
         return Ok(None);
     };
+    if header.sealed {
+        return Err(CodecError::SealedHere);
+    }
     // `check` bounded body_len by max_message, which a usize holds on 64-bit targets; on
     // narrower ones an oversize body simply never completes here.
     let body_len = usize::try_from(header.body_len()).unwrap_or(usize::MAX);

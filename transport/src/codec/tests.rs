@@ -59,6 +59,10 @@ fn rejects_bad_magic_version_kind_and_reserved() {
     b[6] = 1;
     let (header, _) = FrameHeader::decode(&b, &limits).unwrap().unwrap();
     assert!(header.sealed);
+    // A whole frame cut off a buffer is read in clear: a sealed one is refused, untouched.
+    let mut buf = BytesMut::from(&b[..]);
+    assert_eq!(decode_frame(&mut buf, &limits), Err(CodecError::SealedHere));
+    assert_eq!(&buf[..], &b[..]);
     let mut again = HeaderBuf::new();
     header.encode_into(&mut again);
     assert_eq!(&again[..], &b[..again.len()]);
