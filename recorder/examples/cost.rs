@@ -1,4 +1,4 @@
-//! What recording one collective call costs: `cargo run --release -p psnet-recorder --example
+//! What recording one operation costs: `cargo run --release -p psnet-recorder --example
 //! cost`. Prints nanoseconds per call for the recorder's steps and for the clock alone.
 
 use std::time::Instant;
@@ -35,7 +35,7 @@ fn main() {
         r.finish(id, tally.peers(), None);
     }
     let per = t.elapsed().as_nanos() as f64 / N as f64;
-    println!("start + finish (a collective call's record): {per:.1} ns per call");
+    println!("start + finish (a collective call's or a kv request's record): {per:.1} ns");
     let t = Instant::now();
     for seq in 0..N {
         let id = r.begin(op(seq));
@@ -43,7 +43,7 @@ fn main() {
         r.done(id);
     }
     let per = t.elapsed().as_nanos() as f64 / N as f64;
-    println!("begin + started + done (a kv request's): {per:.1} ns per request");
+    println!("begin + started + done (three steps, for comparison): {per:.1} ns");
     let t = Instant::now();
     let mut sum = 0u64;
     for _ in 0..N {
