@@ -8,21 +8,38 @@ use std::time::Duration;
 
 mod common;
 
-#[test]
-fn sigusr1_to_the_launcher_prints_every_process_dump_and_the_job_goes_on() {
-    let train = common::trainer();
-    let dir = common::scratch("dumps");
-    let mut launcher = Command::new(env!("CARGO_BIN_EXE_psnet-launch"))
+/// psnet-launch running a long psnet-train job (1 server, 2 workers, `env` added) that dumps
+/// into `dir`: the small model without its epoch count, long enough to act on mid-job.
+fn long_job(dir: &std::path::Path, env: &[(&str, &str)]) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_psnet-launch"))
         .args(["-n", "2", "-s", "1", "--"])
-        .arg(&train)
-        // The small model without its epoch count: long enough to be asked mid-job.
+        .arg(common::trainer())
         .args(&common::SMALL_MODEL[..10])
         .args(["--epochs", "5000"])
-        .env("PSNET_RECORDER_DIR", &dir)
+        .env("PSNET_RECORDER_DIR", dir)
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("start psnet-launch");
+        .expect("start psnet-launch")
+}
+
+/// Everything the launcher writes to stderr, once it ends.
+fn stderr_of(launcher: &mut std::process::Child) -> String {
+    let mut err = String::new();
+    launcher
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    err
+}
+
+#[test]
+fn sigusr1_to_the_launcher_prints_every_process_dump_and_the_job_goes_on() {
+    let dir = common::scratch("dumps");
+    let mut launcher = long_job(&dir, &[]);
     // Every process is past its start by then (it catches SIGUSR1 from there on).
     std::thread::sleep(Duration::from_secs(3));
     let pid = rustix::process::Pid::from_child(&launcher);
@@ -33,13 +50,7 @@ fn sigusr1_to_the_launcher_prints_every_process_dump_and_the_job_goes_on() {
         "the job ended when asked for dumps"
     );
     rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
-    let mut err = String::new();
-    launcher
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+    let err = stderr_of(&mut launcher);
     launcher.wait().unwrap();
     assert!(err.contains("SIGUSR1: asked 4 processes"), "{err}");
     assert!(err.contains("flight recorder dumps in"), "{err}");
@@ -137,18 +148,7 @@ fn strike(
     sig: rustix::process::Signal,
     env: &[(&str, &str)],
 ) -> (bool, String) {
-    let train = common::trainer();
-    let mut launcher = Command::new(env!("CARGO_BIN_EXE_psnet-launch"))
-        .args(["-n", "2", "-s", "1", "--"])
-        .arg(&train)
-        .args(&common::SMALL_MODEL[..10])
-        .args(["--epochs", "5000"])
-        .env("PSNET_RECORDER_DIR", dir)
-        .envs(env.iter().copied())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start psnet-launch");
+    let mut launcher = long_job(dir, env);
     let mut marks: Vec<String> = marks.iter().map(|m| m.to_string()).collect();
     marks.push(format!("PSNET_RECORDER_DIR={}", dir.display()));
     let mut target = None;
@@ -160,13 +160,7 @@ fn strike(
     std::thread::sleep(Duration::from_secs(2));
     let pid = rustix::process::Pid::from_raw(target.unwrap()).unwrap();
     rustix::process::kill_process(pid, sig).unwrap();
-    let mut err = String::new();
-    launcher
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+    let err = stderr_of(&mut launcher);
     let status = launcher.wait().unwrap();
     // A stopped process is killed with its job; let it go in any case.
     let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
