@@ -82,6 +82,10 @@ pub struct Config {
     /// How long a call that waits for the other ranks polls before it sleeps (as MPI's and
     /// NCCL's progress loops do); zero: sleep at once.
     pub spin: Duration,
+    /// Compressed allreduces of at least this many bytes (of float32) on more than 2 ranks
+    /// take two phases ([`CompressedScheme::TwoPhase`](crate::CompressedScheme)), smaller ones
+    /// the allgather of every rank's codes (`PSNET_COLL_COMPRESSED_TWO_PHASE`).
+    pub compressed_two_phase_bytes: usize,
     /// The flight recorder of each rank's calls (`PSNET_RECORDER_*`).
     pub recorder: psnet_recorder::Settings,
 }
@@ -98,6 +102,7 @@ impl Default for Config {
             heartbeat_timeout: Some(Duration::from_secs(10)),
             ahead_bytes: 1 << 30,
             spin: Duration::from_micros(50),
+            compressed_two_phase_bytes: 64 << 10,
             recorder: psnet_recorder::Settings::default(),
         }
     }

@@ -33,12 +33,14 @@ fn settings<T: Transport>(comm: &Communicator<T>) -> String {
     let c = &comm.config;
     format!(
         "PSNET_ALGO={} PSNET_COLL_SMALL={} PSNET_COLL_SMALL_SHM={} PSNET_COLL_PIECE={} \
-         PSNET_COLL_HEARTBEAT_TIMEOUT={:?} max_message={} same_host_shm={}",
+         PSNET_COLL_HEARTBEAT_TIMEOUT={:?} PSNET_COLL_COMPRESSED_TWO_PHASE={} max_message={} \
+         same_host_shm={}",
         c.algo,
         c.small_bytes,
         c.small_shm_bytes,
         c.piece_bytes,
         c.heartbeat_timeout,
+        c.compressed_two_phase_bytes,
         comm.transport.capabilities().max_message,
         comm.transport.capabilities().same_host_shm
     )

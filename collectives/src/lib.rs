@@ -45,6 +45,7 @@ mod wire;
 
 pub use blocking::{BlockingCommunicator, Handle};
 pub use comm::{node_of, Communicator};
+pub use compressed::CompressedScheme;
 pub use config::{Algo, Config};
 pub use element::{DType, Element, ReduceOp};
 pub use error::CollectiveError;

@@ -14,8 +14,9 @@ use crate::element::{DType, ReduceOp};
 const MAGIC: u16 = 0x4c43;
 /// 2: forming a communicator ends with an allgather of the ranks' CPU masks (`cpus.rs`), a
 /// call that ranks of version 1 do not make. 3: heartbeats (`liveness.rs`), which a rank of
-/// version 2 would take for a malformed message.
-const VERSION: u8 = 3;
+/// version 2 would take for a malformed message. 4: the two-phase compressed allreduce's
+/// kinds of call.
+const VERSION: u8 = 4;
 /// Bytes of a header.
 pub(crate) const HEADER_LEN: usize = 40;
 
@@ -33,9 +34,13 @@ pub(crate) enum Coll {
     Gather,
     Scatter,
     Send,
+    /// A two-phase compressed allreduce's first phase: codes to their chunk's rank.
+    CompressedScatter,
+    /// Its second phase: every chunk's codes to every rank.
+    CompressedGather,
 }
 
-const COLLS: [Coll; 11] = [
+const COLLS: [Coll; 13] = [
     Coll::Allreduce,
     Coll::ReduceScatter,
     Coll::Allgather,
@@ -47,6 +52,8 @@ const COLLS: [Coll; 11] = [
     Coll::Gather,
     Coll::Scatter,
     Coll::Send,
+    Coll::CompressedScatter,
+    Coll::CompressedGather,
 ];
 
 impl Coll {
@@ -63,6 +70,8 @@ impl Coll {
             Coll::Gather => "gather",
             Coll::Scatter => "scatter",
             Coll::Send => "send",
+            Coll::CompressedScatter => "allreduce_compressed (phase 1, codes to chunk owners)",
+            Coll::CompressedGather => "allreduce_compressed (phase 2, chunks' codes to all)",
         }
     }
 }
@@ -83,7 +92,12 @@ impl Call {
     pub(crate) fn recorded(&self, seq: u64) -> psnet_recorder::Op {
         let reduces = matches!(
             self.coll,
-            Coll::Allreduce | Coll::ReduceScatter | Coll::Reduce | Coll::CompressedAllreduce
+            Coll::Allreduce
+                | Coll::ReduceScatter
+                | Coll::Reduce
+                | Coll::CompressedAllreduce
+                | Coll::CompressedScatter
+                | Coll::CompressedGather
         );
         psnet_recorder::Op::Call {
             seq,
@@ -115,7 +129,10 @@ impl fmt::Display for Call {
         ) {
             write!(f, ", root {}", self.root)?;
         }
-        if self.coll == Coll::CompressedAllreduce {
+        if matches!(
+            self.coll,
+            Coll::CompressedAllreduce | Coll::CompressedScatter | Coll::CompressedGather
+        ) {
             write!(f, ", codes {:#x}", self.root)?;
         }
         f.write_str(")")
@@ -283,11 +300,11 @@ mod tests {
     #[test]
     fn a_header_of_another_version_is_refused_naming_both() {
         let mut bytes = control(Kind::Hello, 7).encode();
-        assert_eq!(bytes[2], 3, "the version byte");
-        bytes[2] = 2;
+        assert_eq!(bytes[2], 4, "the version byte");
+        bytes[2] = 3;
         let err = Header::decode(&bytes).unwrap_err();
         assert!(
-            err.contains("version 3") && err.contains("version 2)"),
+            err.contains("version 4") && err.contains("version 3)"),
             "{err}"
         );
     }

@@ -276,6 +276,8 @@ crate::declare_env_vars! {
         "collectives: the same as PSNET_COLL_SMALL when every rank is on this host and the transport reaches them through shared memory";
     PSNET_COLL_PIECE = "PSNET_COLL_PIECE", "1048576",
         "collectives: large buffers move in pieces of at most this many bytes, so that transfers and reductions overlap";
+    PSNET_COLL_COMPRESSED_TWO_PHASE = "PSNET_COLL_COMPRESSED_TWO_PHASE", "65536",
+        "collectives: compressed allreduces of at least this many bytes (float32) on more than 2 ranks take two phases (codes to each chunk's rank, summed and quantized again there with a server residual, then allgathered: 2(n-1)/n of the codes each way per rank); smaller ones allgather every rank's codes";
     PSNET_COLL_JOIN_TIMEOUT = "PSNET_COLL_JOIN_TIMEOUT", "120",
         "collectives: seconds the ranks wait for each other to join before naming the missing ones";
     PSNET_COLL_TIMEOUT = "PSNET_COLL_TIMEOUT", "600",

@@ -72,6 +72,16 @@ impl MemTransport {
         &self.net
     }
 
+    /// Bytes of every message this endpoint has sent so far, metadata included: what a
+    /// protocol puts on the wire, counted by the network.
+    pub fn bytes_sent(&self) -> u64 {
+        self.net
+            .lock()
+            .eps
+            .get(&self.ep)
+            .map_or(0, |e| e.sent_bytes)
+    }
+
     /// Runs `look` under the network's lock until it is done, waiting for a change (or the
     /// instant it names) between looks. The waiter is registered before the lock is released,
     /// so no change is missed.
@@ -319,6 +329,9 @@ impl Transport for MemTransport {
                 delay,
                 Event::Message(incoming),
             );
+            if let Some(me) = net.ep(ep) {
+                me.sent_bytes += bytes as u64;
+            }
             Step::Done(Ok(()))
         })
         .await

@@ -87,6 +87,8 @@ pub(crate) struct Ep {
     /// The job's shared secret this endpoint proves and asks for (see
     /// [`psnet_transport::auth`]); None: an open job.
     pub(crate) secret: Option<Secret>,
+    /// Bytes of the messages this endpoint has sent (header and segments).
+    pub(crate) sent_bytes: u64,
 }
 
 impl Ep {
@@ -350,6 +352,7 @@ impl MemNet {
                     frozen: false,
                     admission: None,
                     secret,
+                    sent_bytes: 0,
                 },
             );
             net.listeners.insert(addr, ep);

@@ -315,6 +315,68 @@ fn every_collective_reports_no_wrong_elements() {
     }
 }
 
+#[test]
+fn the_compressed_allreduce_reports_every_rank_alike_and_the_bytes_each_sends() {
+    // 3 ranks: the allgather of codes below 64 KiB, two phases from it.
+    let out = run_ok(perf().args([
+        "allreduce",
+        "--np",
+        "3",
+        "-b",
+        "4K",
+        "-e",
+        "256K",
+        "-f",
+        "8",
+        "-n",
+        "3",
+        "-w",
+        "1",
+        "--compression",
+        "2bit",
+        "--json",
+    ]));
+    let rows = json_lines(&out);
+    assert_eq!(rows.len(), 6, "{out}");
+    for row in &rows {
+        assert_eq!(row["compression"], "2bit", "{row}");
+        assert_eq!(row["wrong"], 0, "ranks differ: {row}");
+        let count = row["count"].as_u64().unwrap();
+        let sent = row["sent_per_rank_bytes"].as_u64().unwrap();
+        // 2-bit codes are 1/16 of the floats: the allgather sends (n - 1) of them, two
+        // phases 2 (n - 1)/n.
+        let codes = (count * 4).div_ceil(16);
+        if count * 4 < 64 << 10 {
+            assert_eq!(sent, 2 * codes, "{row}");
+        } else {
+            assert!(sent.abs_diff(4 * codes / 3) <= 16, "{row}");
+        }
+        // algbw is the uncompressed size over the time.
+        let algbw = f64_of(row, "algbw_gb_s");
+        let want = row["bytes"].as_f64().unwrap() / f64_of(row, "time_us") / 1e3;
+        assert!((algbw - want).abs() <= 1e-6 * want.max(1.0), "{row}");
+    }
+    let table = run_ok(perf().args([
+        "allreduce",
+        "--np",
+        "2",
+        "-b",
+        "1K",
+        "-e",
+        "1K",
+        "-n",
+        "2",
+        "-w",
+        "0",
+        "--compression",
+        "1bit",
+    ]));
+    assert!(table.contains("sent/rank"), "{table}");
+    assert!(table.contains("# Out of bounds values : 0 OK"), "{table}");
+    let err = stderr_of(&["allgather", "--np", "2", "--compression", "2bit"]);
+    assert!(err.contains("--compression is for allreduce"), "{err}");
+}
+
 /// The data lines of a table: those that do not start with `#`, split into columns.
 fn table_rows(table: &str) -> Vec<Vec<String>> {
     table

@@ -169,7 +169,7 @@ fn resolve(what: &str, text: &str) -> Result<SocketAddr, CollectiveError> {
 
 /// The settings from `PSNET_ALGO`, `PSNET_COLL_SMALL`, `PSNET_COLL_SMALL_SHM`, `PSNET_COLL_PIECE`,
 /// `PSNET_COLL_JOIN_TIMEOUT`, `PSNET_COLL_TIMEOUT`, `PSNET_COLL_HEARTBEAT_TIMEOUT`,
-/// `PSNET_COLL_SPIN_US`, `PSNET_COLL_AHEAD_BYTES` and the flight recorder's `PSNET_RECORDER_*`.
+/// `PSNET_COLL_SPIN_US`, `PSNET_COLL_AHEAD_BYTES`, `PSNET_COLL_COMPRESSED_TWO_PHASE` and the flight recorder's `PSNET_RECORDER_*`.
 pub fn config_from_env() -> Result<Config, CollectiveError> {
     let bad = |e: psnet_config::ConfigError| CollectiveError::Invalid(e.to_string());
     let call_timeout = env::PSNET_COLL_TIMEOUT
@@ -202,6 +202,9 @@ pub fn config_from_env() -> Result<Config, CollectiveError> {
                 .map_err(bad)?,
         ),
         heartbeat_timeout: heartbeat_timeout()?,
+        compressed_two_phase_bytes: env::PSNET_COLL_COMPRESSED_TWO_PHASE
+            .parse_or_default::<usize>()
+            .map_err(bad)?,
         recorder: psnet_recorder::Settings::from_env(),
     })
 }

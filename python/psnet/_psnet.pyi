@@ -82,8 +82,17 @@ class Comm:
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> None: ...
     def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: str) -> None: ...
     def reduce(self, send: np.ndarray, recv: np.ndarray, op: str, root: int) -> None: ...
-    def allreduce_compressed(self, buf: np.ndarray, residual: np.ndarray, params: str) -> None:
-        """Lossy 2-bit / 1-bit allreduce with error feedback in `residual` (float32)."""
+    def allreduce_compressed(
+        self,
+        buf: np.ndarray,
+        residual: np.ndarray,
+        params: str,
+        server_residual: Optional[np.ndarray] = None,
+    ) -> None:
+        """Lossy 2-bit / 1-bit allreduce with error feedback in `residual` (float32) and, with
+        two phases, in `server_residual` (`compressed_server_residual_len(n)` elements)."""
+    def compressed_server_residual_len(self, n: int) -> int:
+        """Elements of the server residual `allreduce_compressed` takes here for `n` elements."""
     def bench_allreduce(self, buf: np.ndarray, op: str, iterations: int) -> float:
         """Seconds for `iterations` allreduces timed inside Rust (benchmarks)."""
     def barrier(self) -> None: ...

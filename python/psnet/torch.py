@@ -499,7 +499,8 @@ dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
 
 class CompressionState:
     """State of :func:`compressed_allreduce_hook`: the scheme and threshold, and each bucket's
-    residual (the quantization error carried to the next step)."""
+    residuals (the quantization error carried to the next step): the worker's, and with the
+    two-phase scheme the server's of this rank's chunk."""
 
     def __init__(self, threshold=0.5, type="2bit", process_group=None):
         self.params = json.dumps({"type": type, "threshold": float(threshold)})
@@ -521,12 +522,13 @@ def compressed_allreduce_hook(state, bucket):
 
     def run():
         if buf.dtype == torch.float32:
-            residual = state.residuals.get(index)
-            if residual is None or residual.size != buf.numel():
-                residual = np.zeros(buf.numel(), dtype=np.float32)
-                state.residuals[index] = residual
+            pair = state.residuals.get(index)
+            if pair is None or pair[0].size != buf.numel():
+                server = pg._comm.compressed_server_residual_len(buf.numel())
+                pair = (np.zeros(buf.numel(), dtype=np.float32), np.zeros(server, dtype=np.float32))
+                state.residuals[index] = pair
             with _Staged(buf, "compressed allreduce", write=True) as a:
-                pg._comm.allreduce_compressed(a.reshape(-1), residual, state.params)
+                pg._comm.allreduce_compressed(a.reshape(-1), pair[0], state.params, pair[1])
             buf.div_(n)
         else:
             with _Staged(buf, "allreduce", write=True) as a:

@@ -309,13 +309,19 @@ impl Comm {
     /// Lossy allreduce of float32 `buf`: each rank's values plus its `residual` quantized
     /// with MXNet's 2-bit or 1-bit codes (`params`: `{"type": "2bit", "threshold": 0.5}` as
     /// JSON), the codes summed in rank order (the same bits everywhere); the quantization
-    /// error stays in `residual` for the next call (error feedback).
+    /// error stays in `residual` for the next call (error feedback). With two phases (more
+    /// than 2 ranks, from `PSNET_COLL_COMPRESSED_TWO_PHASE` bytes) this rank's chunk of the
+    /// sum is quantized again with `server_residual`
+    /// ([`compressed_server_residual_len`](Self::compressed_server_residual_len) elements,
+    /// none otherwise).
+    #[pyo3(signature = (buf, residual, params, server_residual=None))]
     fn allreduce_compressed(
         &self,
         py: Python<'_>,
         buf: &Bound<'_, PyAny>,
         residual: &Bound<'_, PyAny>,
         params: &str,
+        server_residual: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let params = psnet_compression::CompressionParams::parse(params)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -330,10 +336,31 @@ impl Comm {
         let b = arrays::elems_mut(&mut b, "allreduce_compressed")?;
         let r = arrays::elems_mut(&mut r, "allreduce_compressed residual")?;
         Self::check_len("allreduce_compressed residual", r.len(), b.len(), "buf")?;
+        let mut s = match server_residual {
+            Some(s) => {
+                arrays::expect_kind(s, Kind::F32, "allreduce_compressed server_residual")?;
+                Some(arrays::write::<f32>(
+                    s,
+                    "allreduce_compressed server_residual",
+                )?)
+            }
+            None => None,
+        };
+        let mut none: [f32; 0] = [];
+        let s: &mut [f32] = match s.as_mut() {
+            Some(s) => arrays::elems_mut(s, "allreduce_compressed server_residual")?,
+            None => &mut none,
+        };
         self.run(
             py,
-            self.comm.allreduce_compressed(b, r, compressor.as_ref()),
+            self.comm.allreduce_compressed(b, r, s, compressor.as_ref()),
         )
+    }
+
+    /// Elements of the server residual `allreduce_compressed` takes on this rank for a
+    /// buffer of `n` elements (0 where it allgathers every rank's codes).
+    fn compressed_server_residual_len(&self, n: usize) -> usize {
+        self.comm.compressed_server_residual_len(n)
     }
 
     /// Benchmark hook: `iterations` allreduces of float32 `buf` timed inside Rust, with no

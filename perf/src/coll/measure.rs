@@ -208,11 +208,12 @@ pub(super) async fn bench<E: Sample>(
         shm_ring_bytes: s.shm_ring_bytes,
         iters: args.iters,
         warmup_iters: args.warmup_iters,
+        compression: None,
     };
     let ranks = describe_ranks(comm).await?;
     if rank == 0 && !args.json {
         println!("{}", banner(s, &context, &ranks));
-        println!("{}", table::header());
+        println!("{}", table::header(false));
     }
     let (mut wrong_total, mut busbw_sum, mut measured) = (0u64, 0.0f64, 0usize);
     for &size in &sizes {

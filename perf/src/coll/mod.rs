@@ -17,6 +17,7 @@
 
 mod bind;
 mod check;
+mod compressed;
 mod launch;
 mod measure;
 mod ranks;
@@ -154,6 +155,15 @@ pub struct CollArgs {
     /// Print JSON Lines: one object per size and placement, units in the field names.
     #[arg(long)]
     pub json: bool,
+    /// allreduce only: psnet's compressed allreduce (lossy, error feedback) with MXNet's
+    /// `2bit` or `1bit` codes instead of the exact one; float only. algbw stays the
+    /// uncompressed size over the time, and a column gives the code bytes each rank sends.
+    /// `--check 1` then counts elements whose bits differ between ranks.
+    #[arg(long, default_value = "none")]
+    pub compression: String,
+    /// The threshold of `--compression`.
+    #[arg(long, default_value_t = psnet::compression::DEFAULT_THRESHOLD)]
+    pub threshold: f32,
     /// Start this many ranks on this host (otherwise this process is one rank, told its place
     /// by psnet's, torchrun's, mpirun's or Slurm's variables).
     #[arg(long)]
@@ -262,6 +272,17 @@ fn validate(coll: Collective, args: &CollArgs) -> Result<(), String> {
             return Err(format!("-r/--root {} with --np {np}", args.root));
         }
     }
+    if args.compression != "none" {
+        psnet::compression::CompressionParams::new(&args.compression, Some(args.threshold))
+            .map_err(|e| format!("--compression {}: {e}", args.compression))?;
+        if coll != Collective::AllReduce || args.datatype != DType::F32 {
+            return Err(format!(
+                "--compression is for allreduce of float (-d float), not {} of {}",
+                coll.name(),
+                args.datatype
+            ));
+        }
+    }
     if args.maxbytes > isize::MAX as u64 / 4 {
         return Err(format!("-e/--maxbytes {} is too large", args.maxbytes));
     }
@@ -307,6 +328,7 @@ fn run(coll: Collective, args: &CollArgs) -> Result<(), Failure> {
             shm_ring_bytes,
         };
         let wrong = match args.datatype {
+            DType::F32 if args.compression != "none" => compressed::bench(&comm, &setup).await,
             DType::F32 => bench::<f32>(&comm, &setup).await,
             DType::F64 => bench::<f64>(&comm, &setup).await,
             DType::F16 => bench::<f16>(&comm, &setup).await,
@@ -431,6 +453,26 @@ mod tests {
         );
         bad(&["-r", "3", "--np", "3"], Collective::Broadcast, "--root 3");
         bad(&["--np", "0"], Collective::AllGather, "--np");
+        bad(
+            &["--compression", "3bit"],
+            Collective::AllReduce,
+            "--compression 3bit",
+        );
+        bad(
+            &["--compression", "2bit"],
+            Collective::AllGather,
+            "allreduce of float",
+        );
+        bad(
+            &["--compression", "1bit", "-d", "half"],
+            Collective::AllReduce,
+            "allreduce of float",
+        );
+        assert!(validate(
+            Collective::AllReduce,
+            &parse(&["--compression", "2bit", "--threshold", "0.25"]).unwrap()
+        )
+        .is_ok());
         // avg of integers is only refused where there is a reduction.
         assert!(validate(
             Collective::AllGather,

@@ -31,6 +31,9 @@ pub struct CollRow {
     /// Wrong elements, summed over the ranks; absent without `--check 1`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub wrong: Option<u64>,
+    /// `--compression`: the code bytes each rank sends in one call (message headers aside).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sent_per_rank_bytes: Option<u64>,
 }
 
 impl CollRow {
@@ -53,6 +56,7 @@ impl CollRow {
             algbw_gb_s: algbw,
             busbw_gb_s: algbw * coll.bus_factor(ranks),
             wrong,
+            sent_per_rank_bytes: None,
         }
     }
 }
@@ -80,6 +84,9 @@ pub struct CollContext {
     pub iters: u64,
     /// Untimed iterations before them.
     pub warmup_iters: u64,
+    /// `--compression`: `2bit` or `1bit`; absent for the exact collectives.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compression: Option<String>,
 }
 
 /// nccl-tests' time column: more digits for shorter times.
@@ -103,8 +110,9 @@ fn result_cells(time: &str, algbw: &str, busbw: &str, wrong: &str) -> String {
     format!("  {time:>7}  {algbw:>6}  {busbw:>6}  {wrong:>6}")
 }
 
-/// The three header lines over the columns (nccl-tests' layout).
-pub fn header() -> String {
+/// The three header lines over the columns (nccl-tests' layout); with `sent`, a last column
+/// of the bytes each rank sends (`--compression`).
+pub fn header(sent: bool) -> String {
     let mut lead = size_cells("size", "count", "type", "redop", "root");
     lead.replace_range(0..1, "#");
     let mut units = size_cells("(B)", "(elements)", "", "", "");
@@ -118,10 +126,15 @@ pub fn header() -> String {
         "out-of-place",
         "in-place"
     );
+    let (sent_label, sent_units) = if sent {
+        (format!("  {:>12}", "sent/rank"), format!("  {:>12}", "(B)"))
+    } else {
+        (String::new(), String::new())
+    };
     let lines = [
         over,
-        format!("{lead}{result}{result}"),
-        format!("{units}{result_units}{result_units}"),
+        format!("{lead}{result}{result}{sent_label}"),
+        format!("{units}{result_units}{result_units}{sent_units}"),
     ];
     lines.map(|l| l.trim_end().to_string()).join("\n")
 }
@@ -151,6 +164,9 @@ pub fn line(
             &format!("{:.2}", r.busbw_gb_s),
             &wrong,
         ));
+    }
+    if let Some(sent) = out_of_place.sent_per_rank_bytes {
+        text.push_str(&format!("  {sent:>12}"));
     }
     text
 }
@@ -203,7 +219,7 @@ mod tests {
 
     #[test]
     fn columns_end_under_their_labels() {
-        let h = header();
+        let h = header(false);
         let lines: Vec<&str> = h.lines().collect();
         assert_eq!(lines.len(), 3);
         assert!(lines.iter().all(|l| l.starts_with('#')), "{h}");
@@ -244,6 +260,18 @@ mod tests {
         assert_eq!(unit_ends[..3], ends(lines[1])[..3]);
         assert!(lines[0].contains("out-of-place") && lines[0].contains("in-place"));
         assert!(lines[0].find("out-of-place") < lines[1].find("#wrong"));
+
+        // `--compression`: one more column, the bytes each rank sends, under its label.
+        let h = header(true);
+        let lines: Vec<&str> = h.lines().collect();
+        assert!(lines[1].ends_with("#wrong     sent/rank"), "{h}");
+        let (mut oop, mut ip) = (oop, ip);
+        oop.sent_per_rank_bytes = Some(98304);
+        ip.sent_per_rank_bytes = Some(98304);
+        let row = line(1 << 20, 1 << 18, "float", "sum", -1, &oop, &ip);
+        assert_eq!(ends(&row), ends(lines[1])[1..], "\n{h}\n{row}");
+        assert!(row.ends_with(" 98304"), "{row}");
+        assert_eq!(ends(lines[2]).last(), ends(lines[1]).last());
     }
 
     #[test]
