@@ -51,12 +51,40 @@ pub fn all() -> Vec<Seed> {
     seeds
 }
 
-/// A fresh server's snapshot, read as a snapshot (mode 0) and as a journal file (mode 1).
+/// A fresh server's snapshot, read as a snapshot (mode 0) and as a journal file (mode 1);
+/// and a server with compressed pulls after one round of a key (its workers' copy, version
+/// and last codes in the snapshot).
 fn kv_checkpoint() -> Vec<Seed> {
-    let snapshot = psnet_kv::proto::server::ServerState::new(2).snapshot();
+    use psnet_kv::proto::server::{Push, ServerState};
+    let snapshot = ServerState::new(2).snapshot();
+    let mut s = ServerState::new(2);
+    s.handle_command(
+        CommandKind::SetCompression,
+        r#"{"type":"2bit","threshold":0.5,"pull":true}"#,
+    )
+    .expect("compressed pulls");
+    let values: Vec<u8> = [1.0f32, -2.0, 0.5, 3.0]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    for (rank, ts, init) in [(0, 1, true), (0, 2, false), (1, 3, false)] {
+        s.handle_push(Push {
+            rank,
+            ts,
+            key: 3,
+            flags: PushFlags {
+                init,
+                ..PushFlags::default()
+            },
+            n_elems: 4,
+            payload: values.clone().into(),
+        });
+    }
+    let pulled = s.snapshot();
     vec![
         seed("kv_checkpoint", "snapshot-fresh", cat(&[0], &snapshot)),
         seed("kv_checkpoint", "journal-file-guess", cat(&[1], &snapshot)),
+        seed("kv_checkpoint", "snapshot-compressed-pulls", cat(&[0], &pulled)),
     ]
 }
 
@@ -220,6 +248,7 @@ fn kv() -> Vec<Seed> {
                     pull_back: true,
                     retry: None,
                     dtype: psnet_kv::Dtype::F32,
+                    have: None,
                 },
                 n_elems: 1000,
             },
@@ -230,6 +259,24 @@ fn kv() -> Vec<Seed> {
                 ts: 2,
                 key: 7,
                 n_elems: 9,
+                have: None,
+            },
+        ),
+        (
+            "pull-with-copy",
+            Msg::Pull {
+                ts: 3,
+                key: 7,
+                n_elems: 9,
+                have: Some(4),
+            },
+        ),
+        (
+            "pulled-delta",
+            Msg::Pulled {
+                ts: 3,
+                version: 5,
+                form: psnet_kv::proto::pulled::Form::Delta { scale: 0.25 },
             },
         ),
         ("done", Msg::Done { ts: 5 }),
@@ -244,6 +291,7 @@ fn kv() -> Vec<Seed> {
                     pull_back: true,
                     retry: Some(17),
                     dtype: psnet_kv::Dtype::BF16,
+                    have: Some(16),
                 },
                 n_elems: 1000,
             },

@@ -5,7 +5,6 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use psnet_compression::CompressionParams;
 use psnet_transport::Transport;
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
@@ -159,7 +158,10 @@ impl<T: Transport> KvStore<T> {
     }
 
     /// See [`Worker::set_gradient_compression`].
-    pub fn set_gradient_compression(&self, params: CompressionParams) -> Result<(), KvError> {
+    pub fn set_gradient_compression(
+        &self,
+        params: impl Into<crate::proto::pulled::KvCompression>,
+    ) -> Result<(), KvError> {
         self.runtime
             .block_on(self.worker.set_gradient_compression(params))
     }

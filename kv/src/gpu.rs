@@ -315,6 +315,7 @@ impl<'w, T: Transport> GpuKv<'w, T> {
             pull_back,
             retry: None,
             dtype: crate::value::Dtype::F32,
+            have: None,
         };
         let packed = self.quantize(key, values, &layout, (scheme, threshold, epoch), staging)?;
         let parts = layout

@@ -50,6 +50,7 @@ mod worker;
 pub use config::KvConfig;
 pub use error::{KvError, EXIT_FAILED, EXIT_PEER_FAILED};
 pub use proto::ids::Role;
+pub use proto::pulled::KvCompression;
 pub use proto::server::Mode;
 pub use scheduler::Scheduler;
 pub use server::run_server;

@@ -14,7 +14,7 @@ use crate::error::KvError;
 use crate::proto::ids::{self, describe, Role, SCHEDULER};
 use crate::proto::msg::Msg;
 use crate::proto::recovery;
-use crate::proto::server::{Output, Push, ServerState};
+use crate::proto::server::{AnswerValue, Output, Push, ServerState};
 use crate::reliable::Link;
 use crate::wire::Received;
 
@@ -125,9 +125,9 @@ async fn serve<T: Transport>(
                             payload: value.unwrap_or_default(),
                         })
                     }
-                    (Msg::Pull { ts, key, n_elems }, Some(rank)) => {
+                    (Msg::Pull { ts, key, n_elems, have }, Some(rank)) => {
                         served.took(rank, ts, "pull", key);
-                        state.handle_pull(rank, ts, key, n_elems)
+                        state.handle_pull(rank, ts, key, n_elems, have)
                     }
                     (Msg::Command { ts, kind, body }, Some(rank)) => {
                         served.took(rank, ts, "command", 0);
@@ -289,11 +289,24 @@ fn flush<T: Transport>(
 ) -> Result<(), KvError> {
     while let Some(out) = state.poll_output() {
         let (rank, msg, value) = match out {
-            Output::Done { rank, ts, value } => (
+            Output::Done {
                 rank,
-                Msg::Done { ts },
-                value.and_then(|k| state.answer_value(k)),
-            ),
+                ts,
+                value,
+                have,
+            } => match value.and_then(|k| state.answer_value(k, have)) {
+                Some((value, Some(p))) => {
+                    let msg = Msg::Pulled {
+                        ts,
+                        version: p.version,
+                        form: p.form,
+                    };
+                    let value = (!matches!(value, AnswerValue::Empty)).then_some(value);
+                    (rank, msg, value)
+                }
+                Some((value, None)) => (rank, Msg::Done { ts }, Some(value)),
+                None => (rank, Msg::Done { ts }, None),
+            },
             Output::Failed { rank, ts, reason } => (rank, Msg::Failed { ts, reason }, None),
             Output::PeerFailed {
                 rank,
@@ -331,7 +344,7 @@ fn flush<T: Transport>(
             files.sync()?;
         }
         match &msg {
-            Msg::Done { ts } => served.answered(rank, *ts, None),
+            Msg::Done { ts } | Msg::Pulled { ts, .. } => served.answered(rank, *ts, None),
             Msg::Failed { ts, reason } => served.answered(rank, *ts, Some(reason)),
             Msg::PeerFailed { ts, reason, .. } => served.answered(rank, *ts, Some(reason)),
             _ => {}

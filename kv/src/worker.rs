@@ -8,8 +8,8 @@
 
 use std::sync::{Arc, Mutex};
 
+use crate::proto::pulled::KvCompression;
 use bytes::Bytes;
-use psnet_compression::CompressionParams;
 use psnet_transport::{NodeId, Segment, Transport};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
@@ -190,6 +190,14 @@ impl<T: Transport> Worker<T> {
         self.shared.state().servers_for(key, len)
     }
 
+    /// How an initialized key is laid out: its parts, each with its server and the key it
+    /// is stored under there (MXNet's shares, or pieces with `PSNET_PARTITION_BYTES`).
+    pub fn layout(&self, key: u64) -> Option<crate::proto::worker::Layout> {
+        let state = self.shared.state();
+        let layout = state.defined_layout(key)?;
+        Some(layout.clone())
+    }
+
     /// The transport this worker runs on (`"tcp"`, `"rdma"`).
     pub fn transport_name(&self) -> &'static str {
         self.shared.link.transport().capabilities().name
@@ -261,15 +269,26 @@ impl<T: Transport> Worker<T> {
     /// decimals on the way). Every worker must set the same settings: a server keeps the first
     /// it gets and refuses others (it could not tell which pushes were made with which), and
     /// this worker then goes on as before.
-    pub async fn set_gradient_compression(&self, params: CompressionParams) -> Result<(), KvError> {
+    ///
+    /// With [`KvCompression::pull`] (`{"type": "2bit", "threshold": 0.5, "pull": true}`),
+    /// pulls are compressed too, `dist_sync` only (lossy: see [`crate::proto::pulled`]):
+    /// servers answer a worker's pull with the codes of the weights' change since its last
+    /// one. Every worker then holds the same weights, bit for bit; they differ from the
+    /// servers' master copy by the servers' residual.
+    pub async fn set_gradient_compression(
+        &self,
+        params: impl Into<KvCompression>,
+    ) -> Result<(), KvError> {
+        let params: KvCompression = params.into();
         let compressor = params
+            .params
             .compressor()
             .map_err(|e| KvError::Invalid(e.to_string()))?;
         self.command_all(CommandKind::SetCompression, params.to_string())
             .await?;
-        self.shared
-            .state()
-            .set_compressor(compressor.map(Arc::from));
+        let mut state = self.shared.state();
+        state.set_compressor(compressor.map(Arc::from));
+        state.set_pull_compression(params.pull_scheme());
         Ok(())
     }
 

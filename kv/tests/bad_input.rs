@@ -262,6 +262,7 @@ async fn commands_that_would_strand_a_round_are_refused() {
             pull_back: false,
             retry: None,
             dtype: psnet_kv::Dtype::F32,
+            have: None,
         },
         n_elems: 4,
     };

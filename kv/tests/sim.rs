@@ -2,7 +2,8 @@
 //! process) on the in-memory network, in simulated time, over many seeds.
 //!
 //! Each seed draws a job (servers, workers, rounds, key sizes, message delays) and a
-//! scenario: `dist_sync` plain, with 2-bit or 1-bit compression, `dist_async`, `PS_RESEND`
+//! scenario: `dist_sync` plain, with 2-bit or 1-bit compression (pulls compressed too in
+//! half of those seeds, and in a third of the restart seeds), `dist_async`, `PS_RESEND`
 //! across connections reset at random, a node killed mid-run, a server frozen mid-run. Every
 //! run checks what the real-process tests check: values bit-identical to the rank-ordered
 //! reference, every push applied exactly once, a dead node named by every survivor within
@@ -15,9 +16,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use psnet_compression::CompressionParams;
+use psnet_compression::{CompressionParams, Scheme};
 use psnet_kv::proto::ids::{self, describe, Role, SCHEDULER};
+use psnet_kv::proto::pulled::Shadow;
+use psnet_kv::proto::worker::Layout;
 use psnet_kv::updater::OptimizerSpec;
+use psnet_kv::KvCompression;
 use psnet_kv::{run_server, KvConfig, KvError, Mode, Scheduler, Worker};
 use psnet_memnet::{Faults, MemNet, MemTransport};
 use psnet_transport::auth::Secret;
@@ -82,6 +86,8 @@ struct Plan {
     /// `PSNET_PARTITION_BYTES`: 0 (MXNet's layout) or pieces of 128 or 256 elements, so
     /// that the sharded key goes as several pieces spread over the servers.
     partition_bytes: usize,
+    /// Compressed pulls (with 2-bit or 1-bit pushes).
+    pull: bool,
 }
 
 impl Plan {
@@ -98,6 +104,11 @@ impl Plan {
             lens: vec![rng.usize(1..BIGARRAY_BOUND), rng.usize(BIGARRAY_BOUND..600)],
             max_delay: Duration::from_micros(rng.u64(0..=3000)),
             partition_bytes: [0, 512, 1024][rng.usize(0..3)],
+            pull: match scenario {
+                Scenario::TwoBit | Scenario::OneBit => rng.bool(),
+                Scenario::Restart => rng.u32(0..3) == 0,
+                _ => false,
+            },
         }
     }
 
@@ -126,12 +137,17 @@ impl Plan {
         matches!(self.scenario, Scenario::Async | Scenario::RestartAsync)
     }
 
-    fn compression(&self) -> Option<CompressionParams> {
-        match self.scenario {
-            Scenario::TwoBit => Some(CompressionParams::two_bit(0.5).unwrap()),
-            Scenario::OneBit => Some(CompressionParams::one_bit(0.0).unwrap()),
-            _ => None,
-        }
+    fn compression(&self) -> Option<KvCompression> {
+        let params = match self.scenario {
+            Scenario::TwoBit => CompressionParams::two_bit(0.5).unwrap(),
+            Scenario::OneBit => CompressionParams::one_bit(0.0).unwrap(),
+            Scenario::Restart if self.pull => CompressionParams::two_bit(0.5).unwrap(),
+            _ => return None,
+        };
+        Some(KvCompression {
+            params,
+            pull: self.pull,
+        })
     }
 
     fn config(&self, role: Role, root: std::net::SocketAddr) -> KvConfig {
@@ -169,7 +185,7 @@ fn initial(plan: &Plan, key: usize) -> Vec<f32> {
 fn reference(plan: &Plan) -> Vec<Vec<Vec<f32>>> {
     let compressor = plan
         .compression()
-        .and_then(|p| p.compressor().unwrap())
+        .and_then(|p| p.params.compressor().unwrap())
         .map(Arc::<dyn psnet_compression::Compressor>::from);
     let mut residuals: Vec<Vec<Vec<f32>>> = (0..plan.workers)
         .map(|_| plan.lens.iter().map(|&n| vec![0.0; n]).collect())
@@ -310,9 +326,50 @@ async fn healthy_job(plan: Arc<Plan>) -> Result<(), String> {
     finish_healthy(plan, job).await
 }
 
+/// With compressed pulls, what the workers pull after each round instead of the servers'
+/// values (`master`, the reference): each stored part's copy, advanced by that round's
+/// codes of its change, as `layouts` (each key's) place the parts.
+fn pulled_copies(
+    scheme: Scheme,
+    master: &[Vec<Vec<f32>>],
+    layouts: &[Layout],
+    plan: &Plan,
+) -> Vec<Vec<Vec<f32>>> {
+    let mut shadows: Vec<Vec<Shadow>> = layouts
+        .iter()
+        .enumerate()
+        .map(|(key, l)| {
+            let init = initial(plan, key);
+            l.parts
+                .iter()
+                .map(|p| Shadow::new(&init[p.offset..p.offset + p.len], 0))
+                .collect()
+        })
+        .collect();
+    master
+        .iter()
+        .map(|round| {
+            round
+                .iter()
+                .enumerate()
+                .map(|(key, w)| {
+                    let mut copy = vec![0.0; w.len()];
+                    for (p, s) in layouts[key].parts.iter().zip(&mut shadows[key]) {
+                        let range = p.offset..p.offset + p.len;
+                        s.advance(scheme, &w[range.clone()]);
+                        copy[range].copy_from_slice(&s.copy);
+                    }
+                    copy
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// Runs a started job to its end and checks its results.
 async fn finish_healthy(plan: Arc<Plan>, job: Job) -> Result<(), String> {
-    let expected = reference(&plan);
+    let mut expected = reference(&plan);
+    let pull_scheme = plan.compression().and_then(|c| c.pull_scheme());
     let tasks: Vec<_> = job
         .workers
         .into_iter()
@@ -329,6 +386,12 @@ async fn finish_healthy(plan: Arc<Plan>, job: Job) -> Result<(), String> {
         let (w, r) = t.await.unwrap();
         let rank = w.rank();
         let pulled = r.map_err(|e| format!("worker {rank}: {e}"))?;
+        if let (Some(scheme), true) = (pull_scheme, finals.is_empty()) {
+            let layouts: Vec<Layout> = (0..plan.lens.len() as u64)
+                .map(|k| w.layout(k).expect("initialized"))
+                .collect();
+            expected = pulled_copies(scheme, &expected, &layouts, &plan);
+        }
         if plan.is_async() {
             // Every push applied exactly once, in whatever order: integers sum exactly.
             let last = expected.last().unwrap();
@@ -611,6 +674,7 @@ fn the_reference_sums_in_rank_order() {
         lens: vec![1],
         max_delay: Duration::ZERO,
         partition_bytes: 0,
+        pull: false,
     };
     let r = reference(&plan);
     let g: Vec<f32> = (0..3).map(|rank| grad(&plan, rank, 0, 0)[0]).collect();

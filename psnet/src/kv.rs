@@ -15,8 +15,8 @@ use psnet_transport::NodeId;
 pub use psnet_kv::blocking::Handle;
 pub use psnet_kv::proto::ids::SCHEDULER;
 pub use psnet_kv::{
-    bf16, config, f16, placement, updater, Dtype, KvConfig, KvError, Mode, Role, Value,
-    EXIT_FAILED, EXIT_PEER_FAILED,
+    bf16, config, f16, placement, updater, Dtype, KvCompression, KvConfig, KvError, Mode, Role,
+    Value, EXIT_FAILED, EXIT_PEER_FAILED,
 };
 
 /// A worker on the transport [`bind_node`] chose.

@@ -341,7 +341,7 @@ impl Worker {
 
     /// Turns on gradient compression (`{"type": "2bit", "threshold": 0.5}` as JSON).
     fn set_gradient_compression(&self, py: Python<'_>, params: &str) -> PyResult<()> {
-        let params = psnet_compression::CompressionParams::parse(params)
+        let params = psnet_kv::proto::pulled::KvCompression::parse(params)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let w = self.get()?;
         self.run(py, w.set_gradient_compression(params))

@@ -58,6 +58,10 @@ pub struct Args {
     /// Compression threshold.
     #[arg(long, default_value_t = 0.5)]
     pub threshold: f32,
+    /// With --compression: pulls compressed too (dist_sync; lossy, every worker holds the
+    /// same weights, the servers' master copy differs by their residual).
+    #[arg(long)]
+    pub compression_pull: bool,
     /// Learning rate (SGD on the servers).
     #[arg(long, default_value_t = 0.01)]
     pub lr: f64,

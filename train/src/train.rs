@@ -29,7 +29,19 @@ fn optimizer(args: &Args, workers: usize) -> OptimizerSpec {
 
 /// The compression the arguments ask for.
 pub fn compression(args: &Args) -> Result<CompressionParams, String> {
-    CompressionParams::new(&args.compression, Some(args.threshold)).map_err(|e| e.to_string())
+    let params = CompressionParams::new(&args.compression, Some(args.threshold))
+        .map_err(|e| e.to_string())?;
+    if args.compression_pull && params.scheme().is_none() {
+        return Err("--compression-pull needs --compression 2bit or 1bit".into());
+    }
+    if args.compression_pull && args.mode == ModeArg::Async {
+        return Err(
+            "--compression-pull is for dist_sync only (each dist_async worker pulls at its own \
+             pace)"
+                .into(),
+        );
+    }
+    Ok(params)
 }
 
 /// The layer widths: features, the hidden layers, classes.
@@ -141,6 +153,10 @@ async fn train(args: &Args, kv: &Worker) -> Result<(), Failure> {
         println!("{}", job_line(args, kv, &p));
     }
     if params != CompressionParams::None {
+        let params = psnet::kv::KvCompression {
+            params,
+            pull: args.compression_pull,
+        };
         kv.set_gradient_compression(params).await.map_err(err)?;
     }
     if args.mode == ModeArg::Async {
@@ -335,6 +351,13 @@ fn rank_ordered_sum(grads: &[Params], feedback: &mut [Feedback], key: usize) -> 
 pub fn reference(args: &Args) -> Result<(), String> {
     if args.mode == ModeArg::Async {
         return Err("--reference reproduces dist_sync only (dist_async depends on timing)".into());
+    }
+    if args.compression_pull {
+        return Err(
+            "--reference does not model --compression-pull: each stored piece's copy depends \
+             on how keys are laid out over the servers"
+                .into(),
+        );
     }
     let data = data(args)?;
     let widths = widths(args)?;

@@ -212,6 +212,49 @@ fn async_training_learns() {
 }
 
 #[test]
+fn compressed_pulls_train_and_bad_combinations_are_refused_by_name() {
+    for scheme in [["--compression", "2bit"], ["--compression", "1bit"]] {
+        let out = ok(train()
+            .args(scheme)
+            .args(["--compression-pull", "--epochs", "4"])
+            .env("PSNET_PARTITION_BYTES", "4096")
+            .output()
+            .unwrap());
+        let losses: Vec<f32> = epochs(&out)
+            .iter()
+            .map(|l| l.split_whitespace().nth(3).unwrap().parse().unwrap())
+            .collect();
+        assert_eq!(losses.len(), 4, "{out}");
+        assert!(losses[3] < 0.8 * losses[0], "{scheme:?}: loss {losses:?}");
+    }
+    for (args, why) in [
+        (
+            &["--compression-pull"][..],
+            "needs --compression 2bit or 1bit",
+        ),
+        (
+            &[
+                "--compression",
+                "2bit",
+                "--compression-pull",
+                "--mode",
+                "async",
+            ][..],
+            "dist_sync only",
+        ),
+        (
+            &["--compression", "2bit", "--compression-pull", "--reference"][..],
+            "does not model --compression-pull",
+        ),
+    ] {
+        let out = train().args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(why), "{args:?}: {err}");
+    }
+}
+
+#[test]
 fn reference_refuses_async() {
     let out = train()
         .args(["--reference", "--mode", "async"])

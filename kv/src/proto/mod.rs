@@ -5,6 +5,7 @@
 pub mod admission;
 pub mod ids;
 pub mod msg;
+pub mod pulled;
 pub mod recovery;
 pub mod resend;
 pub mod scheduler;

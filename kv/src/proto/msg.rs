@@ -16,11 +16,12 @@ use psnet_transport::le::{LeReader, LeWriter, Truncated};
 use psnet_transport::{NodeId, Proof, PROOF_LEN};
 
 use super::ids::{Group, Role};
+use super::pulled::Form;
 use super::recovery::CREDENTIAL_LEN;
 use crate::value::Dtype;
 
 /// The kv protocol version in every message.
-pub const VERSION: u8 = 4;
+pub const VERSION: u8 = 5;
 /// Longest string field (reasons, optimizer and compression specs).
 pub const MAX_STRING: usize = 64 << 10;
 /// Most nodes in an assignment.
@@ -112,6 +113,9 @@ pub struct PushFlags {
     pub retry: Option<u64>,
     /// The values' element type (an init's sets the key's; every other push must match it).
     pub dtype: Dtype,
+    /// With compressed pulls and `pull_back`: the version of this worker's copy of the key
+    /// (see [`crate::proto::pulled`]); `None`: it holds none.
+    pub have: Option<u64>,
 }
 
 impl PushFlags {
@@ -121,22 +125,26 @@ impl PushFlags {
             | (u8::from(self.pull_back) << 2)
             | (u8::from(self.retry.is_some()) << 3)
             | (self.dtype.code() << 4)
+            | (u8::from(self.have.is_some()) << 6)
     }
 
-    /// The flags of `b`; a retry's count is read after the push's other fields.
-    fn from_bits(b: u8) -> Result<(Self, bool), DecodeError> {
-        if b & !0b11_1111 != 0 {
+    /// The flags of `b`, whether a retry's count follows the push's other fields, and whether
+    /// a copy's version follows that.
+    fn from_bits(b: u8) -> Result<(Self, bool, bool), DecodeError> {
+        if b & !0b111_1111 != 0 {
             return Err(DecodeError::Invalid("unknown push flags"));
         }
-        let dtype = Dtype::from_code(b >> 4).ok_or(DecodeError::Invalid("unknown value type"))?;
+        let dtype =
+            Dtype::from_code((b >> 4) & 0b11).ok_or(DecodeError::Invalid("unknown value type"))?;
         let flags = PushFlags {
             init: b & 1 != 0,
             compressed: b & 2 != 0,
             pull_back: b & 4 != 0,
             retry: None,
             dtype,
+            have: None,
         };
-        Ok((flags, b & 8 != 0))
+        Ok((flags, b & 8 != 0, b & 64 != 0))
     }
 }
 
@@ -252,6 +260,19 @@ pub enum Msg {
         key: u64,
         /// Elements expected.
         n_elems: u64,
+        /// With compressed pulls: the version of this worker's copy of the key; `None`: it
+        /// holds none.
+        have: Option<u64>,
+    },
+    /// Server to worker: request `ts` done, a compressed pull's answer: the copy of version
+    /// `version` of the key, read as `form` says (in segment 0, but for [`Form::Same`]).
+    Pulled {
+        /// Request id.
+        ts: u64,
+        /// The version of the copy the worker holds once it applied the answer.
+        version: u64,
+        /// Whole values, codes of the change, or nothing.
+        form: Form,
     },
     /// Server to worker: request `ts` done (a value, if any, in segment 0).
     Done {
@@ -412,7 +433,7 @@ pub fn peek_exchange(bytes: &[u8]) -> Option<Exchange> {
     let ts = r.u64().ok()?;
     match tag {
         10..=12 => Some(Exchange::Request(ts)),
-        13 | 14 => Some(Exchange::Answer(ts)),
+        13 | 14 | 20 => Some(Exchange::Answer(ts)),
         _ => None,
     }
 }
@@ -532,6 +553,7 @@ impl Msg {
             Msg::Push { .. } => 11,
             Msg::Pull { .. } => 12,
             Msg::Done { .. } => 13,
+            Msg::Pulled { .. } => 20,
             Msg::Failed { .. } => 14,
             Msg::PeerFailed { .. } => 19,
             Msg::Leaving { .. } => 15,
@@ -545,7 +567,7 @@ impl Msg {
     pub fn check_segments(&self, got: usize) -> Result<(), DecodeError> {
         let (what, most) = match self {
             Msg::Push { .. } => ("push", 1),
-            Msg::Done { .. } => ("answer", 1),
+            Msg::Done { .. } | Msg::Pulled { .. } => ("answer", 1),
             Msg::Pull { .. } => ("pull", 0),
             Msg::Command { .. } => ("command", 0),
             _ => ("control message", 0),
@@ -620,9 +642,29 @@ impl Msg {
                 if let Some(n) = flags.retry {
                     w.u64(n);
                 }
+                if let Some(v) = flags.have {
+                    w.u64(v);
+                }
             }
-            Msg::Pull { ts, key, n_elems } => {
+            Msg::Pull {
+                ts,
+                key,
+                n_elems,
+                have,
+            } => {
                 w.u64(*ts).u64(*key).u64(*n_elems);
+                match have {
+                    Some(v) => w.u8(1).u64(*v),
+                    None => w.u8(0),
+                };
+            }
+            Msg::Pulled { ts, version, form } => {
+                w.u64(*ts).u64(*version);
+                match form {
+                    Form::Full => w.u8(0),
+                    Form::Delta { scale } => w.u8(1).u32(scale.to_bits()),
+                    Form::Same => w.u8(2),
+                };
             }
             Msg::Done { ts } => {
                 w.u64(*ts);
@@ -703,10 +745,13 @@ impl Msg {
             11 => {
                 let ts = r.u64()?;
                 let key = r.u64()?;
-                let (mut flags, retry) = PushFlags::from_bits(r.u8()?)?;
+                let (mut flags, retry, have) = PushFlags::from_bits(r.u8()?)?;
                 let n_elems = r.u64()?;
                 if retry {
                     flags.retry = Some(r.u64()?);
+                }
+                if have {
+                    flags.have = Some(r.u64()?);
                 }
                 Msg::Push {
                     ts,
@@ -719,6 +764,27 @@ impl Msg {
                 ts: r.u64()?,
                 key: r.u64()?,
                 n_elems: r.u64()?,
+                have: match r.u8()? {
+                    0 => None,
+                    1 => Some(r.u64()?),
+                    _ => return Err(DecodeError::Invalid("bad copy version flag")),
+                },
+            },
+            20 => Msg::Pulled {
+                ts: r.u64()?,
+                version: r.u64()?,
+                form: match r.u8()? {
+                    0 => Form::Full,
+                    1 => {
+                        let scale = f32::from_bits(r.u32()?);
+                        if !scale.is_finite() || scale < 0.0 {
+                            return Err(DecodeError::Invalid("a pulled change's scale"));
+                        }
+                        Form::Delta { scale }
+                    }
+                    2 => Form::Same,
+                    _ => return Err(DecodeError::Invalid("unknown pulled form")),
+                },
             },
             13 => Msg::Done { ts: r.u64()? },
             14 => Msg::Failed {

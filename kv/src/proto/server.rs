@@ -47,9 +47,10 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use psnet_compression::{CompressionParams, Compressor};
+use psnet_compression::Compressor;
 
 use super::msg::{CommandKind, Exchange, PushFlags, MAX_STRING, NO_REQUEST};
+use super::pulled::{Form, KvCompression, Shadow};
 use super::sum;
 use crate::updater::{OptimizerSpec, Updater};
 use crate::value::Dtype;
@@ -60,6 +61,11 @@ mod snapshot;
 
 #[doc(hidden)]
 pub use journal::fuzz_decode;
+
+/// Why compressed pulls and `dist_async` do not go together.
+const COMPRESSED_PULLS_SYNC: &str = "compressed pulls are for dist_sync only: in dist_async \
+    each worker pulls at its own pace, so the workers' copies would need a residual per worker; \
+    set \"pull\": false, or use dist_sync";
 
 /// Synchronous or asynchronous updates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -90,7 +96,8 @@ pub struct Push {
 /// What the driver must send.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Output {
-    /// Request `ts` of worker `rank` is done; with `value` set, send that key's stored value.
+    /// Request `ts` of worker `rank` is done; with `value` set, send that key's stored value
+    /// ([`ServerState::answer_value`]).
     Done {
         /// Worker rank.
         rank: u32,
@@ -98,6 +105,8 @@ pub enum Output {
         ts: u64,
         /// Key whose value goes with the answer (pulls, push-pulls).
         value: Option<u64>,
+        /// With compressed pulls: the version of the worker's copy of that key.
+        have: Option<u64>,
     },
     /// Request `ts` of worker `rank` failed.
     Failed {
@@ -143,6 +152,10 @@ pub enum AnswerValue {
     Shared(Arc<Vec<f32>>),
     /// A half key's value, rounded to its type.
     Narrow(Vec<u8>),
+    /// A compressed pull's codes, shared with the state.
+    Codes(Arc<Vec<u8>>),
+    /// Nothing (a compressed pull whose worker is up to date).
+    Empty,
 }
 
 impl AnswerValue {
@@ -151,8 +164,19 @@ impl AnswerValue {
         match self {
             AnswerValue::Shared(v) => sum::as_bytes(v),
             AnswerValue::Narrow(b) => b,
+            AnswerValue::Codes(c) => c,
+            AnswerValue::Empty => &[],
         }
     }
+}
+
+/// A compressed pull's answer: the version of the copy it makes and how its value reads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PulledAnswer {
+    /// The copy's version once applied.
+    pub version: u64,
+    /// How to read the value.
+    pub form: Form,
 }
 
 /// A push waiting in a round.
@@ -160,6 +184,8 @@ impl AnswerValue {
 struct Arrived {
     ts: u64,
     pull_back: bool,
+    /// The pusher's copy version (compressed pulls).
+    have: Option<u64>,
     /// Held until the ranks before it are summed.
     payload: Option<Bytes>,
     compressed: bool,
@@ -190,6 +216,8 @@ struct KeyState {
     /// The element type it was initialized with: pushes carry it, pulls answer in it; the
     /// value itself is kept in `f32` (see [`crate::value`]).
     dtype: Dtype,
+    /// With compressed pulls, an `f32` key's copy as the workers hold it.
+    shadow: Option<Shadow>,
 }
 
 impl KeyState {
@@ -201,6 +229,7 @@ impl KeyState {
             pushes_by_worker: Vec::new(),
             since_snapshot: 0,
             dtype: Dtype::F32,
+            shadow: None,
         }
     }
 }
@@ -214,7 +243,7 @@ pub struct ServerState {
     optimizer: Option<OptimizerSpec>,
     compressor: Option<Box<dyn Compressor>>,
     /// The compression settings in force; None until a worker sets them (no compression).
-    compression: Option<CompressionParams>,
+    compression: Option<KvCompression>,
     keys: HashMap<u64, KeyState>,
     /// Bytes of values held, and the most allowed.
     key_bytes: u64,
@@ -326,13 +355,39 @@ impl ServerState {
     }
 
     /// What an answer carrying `key`'s value sends: the `f32` value itself, shared, or its
-    /// rounding to the key's half type.
-    pub fn answer_value(&self, key: u64) -> Option<AnswerValue> {
+    /// rounding to the key's half type. With compressed pulls, to a worker whose copy is at
+    /// version `have`: the workers' copy, the codes of its last change, or nothing, and how
+    /// to read it.
+    pub fn answer_value(
+        &self,
+        key: u64,
+        have: Option<u64>,
+    ) -> Option<(AnswerValue, Option<PulledAnswer>)> {
         let k = self.keys.get(&key)?;
+        if let Some(shadow) = &k.shadow {
+            let form = shadow.answer(have);
+            let value = match (&form, &shadow.last) {
+                (Form::Full, _) => AnswerValue::Shared(shadow.copy.clone()),
+                (Form::Delta { .. }, Some(d)) => AnswerValue::Codes(d.codes.clone()),
+                _ => AnswerValue::Empty,
+            };
+            let version = shadow.version;
+            return Some((value, Some(PulledAnswer { version, form })));
+        }
         Some(match k.dtype {
-            Dtype::F32 => AnswerValue::Shared(k.value.clone()),
-            half => AnswerValue::Narrow(half.narrow(&k.value)),
+            Dtype::F32 => (AnswerValue::Shared(k.value.clone()), None),
+            half => (AnswerValue::Narrow(half.narrow(&k.value)), None),
         })
+    }
+
+    /// The workers' copy of `key` and its version, with compressed pulls.
+    pub fn shadow(&self, key: u64) -> Option<&Shadow> {
+        self.keys.get(&key)?.shadow.as_ref()
+    }
+
+    /// The scheme of compressed pulls, if they are on.
+    fn pull_scheme(&self) -> Option<psnet_compression::Scheme> {
+        self.compression.and_then(|c| c.pull_scheme())
     }
 
     /// The next answer to send.
@@ -392,6 +447,7 @@ impl ServerState {
                     rank,
                     ts,
                     value: None,
+                    have: None,
                 }),
                 Some(reason) => {
                     tracing::warn!(worker = rank, ?kind, %reason, "refused a command that disagrees with worker 0's");
@@ -408,6 +464,7 @@ impl ServerState {
                     rank,
                     ts,
                     value: None,
+                    have: None,
                 })
             }
             Err(reason) => self.fail(rank, ts, reason),
@@ -468,7 +525,10 @@ impl ServerState {
                 self.optimizer = Some(spec);
             }
             CommandKind::SetCompression => {
-                let params = CompressionParams::parse(body).map_err(|e| e.to_string())?;
+                let params = KvCompression::parse(body).map_err(|e| e.to_string())?;
+                if params.pull && self.mode == Mode::Async {
+                    return Err(COMPRESSED_PULLS_SYNC.into());
+                }
                 match self.compression {
                     Some(current) if current == params => {}
                     // Pushes compressed with the settings in force may be on their way or
@@ -480,8 +540,16 @@ impl ServerState {
                         ))
                     }
                     None => {
-                        self.compressor = params.compressor().map_err(|e| e.to_string())?;
+                        self.compressor = params.params.compressor().map_err(|e| e.to_string())?;
                         self.compression = Some(params);
+                        // Keys initialized before: their copies start from their values.
+                        if self.pull_scheme().is_some() {
+                            for k in self.keys.values_mut() {
+                                if k.dtype == Dtype::F32 {
+                                    k.shadow = Some(Shadow::new(&k.value, 0));
+                                }
+                            }
+                        }
                     }
                 }
             }
@@ -492,6 +560,9 @@ impl ServerState {
                     other => return Err(format!("unknown mode {other:?}: use sync or async")),
                 };
                 if mode == Mode::Async {
+                    if self.pull_scheme().is_some() {
+                        return Err(COMPRESSED_PULLS_SYNC.into());
+                    }
                     if let Some((key, count)) = self.round_in_progress() {
                         return Err(format!(
                             "cannot switch to dist_async while the dist_sync round of key {key} \
@@ -507,8 +578,9 @@ impl ServerState {
         Ok(())
     }
 
-    /// A pull of `key` by worker `rank`.
-    pub fn handle_pull(&mut self, rank: u32, ts: u64, key: u64, n_elems: u64) {
+    /// A pull of `key` by worker `rank`, whose copy of it (compressed pulls) is at version
+    /// `have`.
+    pub fn handle_pull(&mut self, rank: u32, ts: u64, key: u64, n_elems: u64, have: Option<u64>) {
         match self.keys.get(&key) {
             None => self.fail(
                 rank,
@@ -527,6 +599,7 @@ impl ServerState {
                 rank,
                 ts,
                 value: Some(key),
+                have,
             }),
         }
     }
@@ -570,6 +643,7 @@ impl ServerState {
                 rank: p.rank,
                 ts: p.ts,
                 value: p.flags.pull_back.then_some(p.key),
+                have: p.flags.have,
             });
         }
         if p.flags.init {
@@ -675,6 +749,7 @@ impl ServerState {
             rank: p.rank,
             ts: p.ts,
             value: p.flags.pull_back.then_some(p.key),
+            have: p.flags.have,
         });
     }
 
@@ -697,8 +772,17 @@ impl ServerState {
         self.key_bytes = held;
         let mut value = vec![0f32; n];
         dtype.widen_into(&mut value, payload, false);
+        // A copy made again goes whole to every worker: its version is past any they hold.
+        let version = self
+            .keys
+            .get(&key)
+            .and_then(|k| k.shadow.as_ref())
+            .map_or(0, |s| s.version + 1);
         let mut state = KeyState::new(value, 0);
         state.dtype = dtype;
+        if self.pull_scheme().is_some() && dtype == Dtype::F32 {
+            state.shadow = Some(Shadow::new(&state.value, version));
+        }
         self.keys.insert(key, state);
         Ok(())
     }
@@ -738,6 +822,8 @@ mod dtype_tests;
 mod harness;
 #[cfg(test)]
 mod journal_tests;
+#[cfg(test)]
+mod pulled_tests;
 #[cfg(test)]
 mod recovery_tests;
 #[cfg(test)]

@@ -22,6 +22,7 @@ use crate::placement::Placement;
 use crate::value::{Dtype, Value};
 use crate::wire::Received;
 
+mod copies;
 mod layout;
 
 use layout::pieces;
@@ -40,7 +41,12 @@ pub enum Asked {
         /// An init.
         init: bool,
     },
-    /// A pull or a command: sent again as it was.
+    /// A pull of `key` (a stored key): sent again as it was.
+    Pull {
+        /// The key.
+        key: u64,
+    },
+    /// A command: sent again as it was.
     Other,
 }
 
@@ -87,6 +93,8 @@ pub struct WorkerState {
     keys: HashMap<u64, Layout>,
     residuals: HashMap<u64, Vec<f32>>,
     compressor: Option<Arc<dyn Compressor>>,
+    /// Compressed pulls: the copy of every key pulled.
+    copies: copies::Copies,
     /// Counts `set_compressor` calls: residuals kept outside this state (on a GPU) restart
     /// from zero when it changes, as [`Self::residuals`] do.
     compression_epoch: u64,
@@ -140,6 +148,7 @@ impl WorkerState {
             keys: HashMap::new(),
             residuals: HashMap::new(),
             compressor: None,
+            copies: Default::default(),
             compression_epoch: 0,
             dead: BTreeMap::new(),
             shutdown: false,
@@ -215,6 +224,21 @@ impl WorkerState {
         self.compression_epoch += 1;
     }
 
+    /// Compressed pulls on with `scheme`'s codes, or off (see [`crate::proto::pulled`]):
+    /// pulls then say the version of this worker's copy, and answers apply to it.
+    pub fn set_pull_compression(&mut self, scheme: Option<Scheme>) {
+        self.copies.set_scheme(scheme);
+    }
+
+    /// The version of this worker's copy of what request `asked` of `to` pulls (a pull, or
+    /// a push that answers with the value), with compressed pulls.
+    pub fn copy_version(&self, to: NodeId, asked: Asked) -> Option<u64> {
+        match asked {
+            Asked::Pull { key } | Asked::Push { key, init: false } => self.copies.version(to, key),
+            _ => None,
+        }
+    }
+
     /// The compression in force (scheme and threshold), and a number that changes whenever
     /// it is set again (when residuals start again from zero).
     pub fn compression(&self) -> (Option<(Scheme, f32)>, u64) {
@@ -281,6 +305,11 @@ impl WorkerState {
         self.placement.parts(key, len).len()
     }
 
+    /// `key`'s layout, if it is defined.
+    pub fn defined_layout(&self, key: u64) -> Option<&Layout> {
+        self.keys.get(&key)
+    }
+
     /// The layout of `key`, checked against `len` elements of type `dtype`.
     pub fn layout(&self, key: u64, len: usize, dtype: Dtype) -> Result<&Layout, KvError> {
         let layout = self.keys.get(&key).ok_or(KvError::UnknownKey(key))?;
@@ -343,6 +372,7 @@ impl WorkerState {
                     pull_back,
                     retry: None,
                     dtype: V::DTYPE,
+                    have: None,
                 },
                 compressed,
             });
@@ -375,6 +405,7 @@ impl WorkerState {
                     pull_back,
                     retry: None,
                     dtype,
+                    have: None,
                 },
                 compressed: None,
             })
@@ -448,9 +479,10 @@ impl WorkerState {
     /// control only from the scheduler.
     pub fn entitled(&self, from: NodeId, msg: &Msg) -> bool {
         match msg {
-            Msg::Done { ts } | Msg::Failed { ts, .. } | Msg::PeerFailed { ts, .. } => {
-                self.pending.get(ts).is_none_or(|w| w.to == from)
-            }
+            Msg::Done { ts }
+            | Msg::Pulled { ts, .. }
+            | Msg::Failed { ts, .. }
+            | Msg::PeerFailed { ts, .. } => self.pending.get(ts).is_none_or(|w| w.to == from),
             Msg::NodeFailed { .. }
             | Msg::Rejoined { .. }
             | Msg::BarrierDone { .. }
@@ -482,6 +514,28 @@ impl WorkerState {
                             *self.acknowledged.entry((w.to, key)).or_default() += 1;
                         }
                         let _ = w.tx.send(Ok(value));
+                    }
+                }
+                Msg::Pulled { ts, version, form } => {
+                    if let Some(w) = self.pending.remove(&ts) {
+                        if let (Asked::Push { key, init: false }, true) = (w.asked, self.recovery) {
+                            *self.acknowledged.entry((w.to, key)).or_default() += 1;
+                        }
+                        let reply = match w.asked {
+                            Asked::Pull { key } | Asked::Push { key, .. } => self
+                                .copies
+                                .handle_pulled(w.to, key, version, form, value)
+                                .map(Some)
+                                .map_err(|reason| KvError::Protocol {
+                                    node: describe(from),
+                                    reason,
+                                }),
+                            Asked::Other => Err(KvError::Protocol {
+                                node: describe(from),
+                                reason: format!("a pull's answer to request {ts}, a command"),
+                            }),
+                        };
+                        let _ = w.tx.send(reply);
                     }
                 }
                 // A round that waited for a worker now gone: this worker fails on that
@@ -684,7 +738,7 @@ impl WorkerState {
                     Some(place)
                 }
                 Asked::Push { init: true, .. } => Some(0),
-                Asked::Other => None,
+                Asked::Pull { .. } | Asked::Other => None,
             };
             let _ = w.tx.send(Err(KvError::Rejoined {
                 node: describe(server),

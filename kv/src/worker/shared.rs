@@ -41,7 +41,8 @@ impl Ask {
                 key: *key,
                 init: flags.init,
             },
-            _ => Asked::Other,
+            Ask::Pull { key, .. } => Asked::Pull { key: *key },
+            Ask::Command { .. } => Asked::Other,
         }
     }
 
@@ -54,19 +55,29 @@ impl Ask {
         self
     }
 
-    pub(crate) fn into_msg(self, ts: u64) -> Msg {
+    /// The request as sent, as request `ts`, from a worker whose copy of the key pulled is at
+    /// version `have` (compressed pulls).
+    pub(crate) fn into_msg(self, ts: u64, have: Option<u64>) -> Msg {
         match self {
             Ask::Push {
                 key,
-                flags,
+                mut flags,
                 n_elems,
-            } => Msg::Push {
+            } => {
+                flags.have = have.filter(|_| flags.pull_back);
+                Msg::Push {
+                    ts,
+                    key,
+                    flags,
+                    n_elems,
+                }
+            }
+            Ask::Pull { key, n_elems } => Msg::Pull {
                 ts,
                 key,
-                flags,
                 n_elems,
+                have,
             },
-            Ask::Pull { key, n_elems } => Msg::Pull { ts, key, n_elems },
             Ask::Command { kind, body } => Msg::Command { ts, kind, body },
         }
     }
@@ -238,13 +249,17 @@ impl<T: Transport> Shared<T> {
     /// Registers a request and sends it; the receiver yields the answer.
     pub(crate) async fn request(&self, sent: &Outgoing<'_>) -> Result<Answer, KvError> {
         let to = sent.to;
-        let (ts, mut rx) = self.state().begin_request(to, sent.ask.asked())?;
+        let (ts, mut rx, have) = {
+            let mut state = self.state();
+            let (ts, rx) = state.begin_request(to, sent.ask.asked())?;
+            (ts, rx, state.copy_version(to, sent.ask.asked()))
+        };
         let record = self
             .recorder
             .as_ref()
             .map(|r| r.start(self.recorded(sent, ts)));
         let answer = |rx| Answer { rx, record };
-        let msg = sent.ask.clone().into_msg(ts);
+        let msg = sent.ask.clone().into_msg(ts, have);
         let Err(e) = self.link.send_segment(to, &msg, sent.value).await else {
             return Ok(answer(rx));
         };

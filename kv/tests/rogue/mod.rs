@@ -312,7 +312,12 @@ pub fn push_msg(key: u64, n_elems: u64) -> impl FnOnce(u64) -> Msg {
 
 /// A pull of `n_elems` elements of `key`, for a request id.
 pub fn pull_msg(key: u64, n_elems: u64) -> impl FnOnce(u64) -> Msg {
-    move |ts| Msg::Pull { ts, key, n_elems }
+    move |ts| Msg::Pull {
+        ts,
+        key,
+        n_elems,
+        have: None,
+    }
 }
 
 /// An init of `n_elems` elements of `key`, for a request id.

@@ -83,6 +83,7 @@ fn samples() -> Vec<Msg> {
                 pull_back: true,
                 retry: None,
                 dtype: crate::value::Dtype::F32,
+                have: None,
             },
             n_elems: 1 << 40,
         },
@@ -95,6 +96,20 @@ fn samples() -> Vec<Msg> {
                 pull_back: false,
                 retry: Some(41),
                 dtype: crate::value::Dtype::F16,
+                have: None,
+            },
+            n_elems: 2,
+        },
+        Msg::Push {
+            ts: 10,
+            key: 4,
+            flags: PushFlags {
+                init: false,
+                compressed: true,
+                pull_back: true,
+                retry: Some(3),
+                dtype: crate::value::Dtype::BF16,
+                have: Some(u64::MAX - 1),
             },
             n_elems: 2,
         },
@@ -102,6 +117,28 @@ fn samples() -> Vec<Msg> {
             ts: 2,
             key: 7,
             n_elems: 9,
+            have: None,
+        },
+        Msg::Pull {
+            ts: 3,
+            key: 7,
+            n_elems: 9,
+            have: Some(12),
+        },
+        Msg::Pulled {
+            ts: 4,
+            version: 7,
+            form: Form::Full,
+        },
+        Msg::Pulled {
+            ts: 4,
+            version: 8,
+            form: Form::Delta { scale: 0.125 },
+        },
+        Msg::Pulled {
+            ts: 4,
+            version: 8,
+            form: Form::Same,
         },
         Msg::Done { ts: 5 },
         Msg::Failed {
@@ -133,6 +170,26 @@ fn rejects_bad_input() {
         Msg::decode(&[v, 3, 0]),
         Err(DecodeError::Invalid("bad group"))
     ));
+    // A compressed pull's answer with a scale that is not a finite number >= 0, or an
+    // unknown form, is refused.
+    for (form, scale) in [(1u8, f32::NAN), (1, -1.0), (1, f32::INFINITY), (3, 0.0)] {
+        let mut m = vec![v, 20];
+        m.extend_from_slice(&1u64.to_le_bytes());
+        m.extend_from_slice(&2u64.to_le_bytes());
+        m.push(form);
+        if form == 1 {
+            m.extend_from_slice(&scale.to_bits().to_le_bytes());
+        }
+        assert!(
+            matches!(Msg::decode(&m), Err(DecodeError::Invalid(_))),
+            "{form} {scale}"
+        );
+    }
+    // A pull's copy flag is 0 or 1.
+    let mut m = vec![v, 12];
+    m.extend_from_slice(&[0; 24]);
+    m.push(2);
+    assert!(matches!(Msg::decode(&m), Err(DecodeError::Invalid(_))));
 }
 
 #[test]
@@ -261,6 +318,7 @@ fn messages_refuse_segments_they_do_not_carry() {
         ts: 1,
         key: 1,
         n_elems: 1,
+        have: None,
     };
     assert!(pull.check_segments(1).is_err());
     assert!(Msg::Heartbeat.check_segments(1).is_err());

@@ -37,7 +37,7 @@ fn a_half_key_sums_in_f32_and_answers_in_its_type() {
         let sum = [0.625f32, 0.25 + 1.0 / 1024.0];
         assert_eq!(s.value(3), Some(&sum[..]), "{dtype}");
         assert_eq!(s.dtype(3), Some(dtype));
-        let AnswerValue::Narrow(bytes) = s.answer_value(3).unwrap() else {
+        let (AnswerValue::Narrow(bytes), None) = s.answer_value(3, None).unwrap() else {
             panic!("a half key answers in its type");
         };
         assert_eq!(bytes, dtype.narrow(&sum));

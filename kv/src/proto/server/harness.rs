@@ -48,7 +48,7 @@ impl Op {
     pub fn apply(&self, s: &mut ServerState) {
         match self {
             Op::Push(p) => s.handle_push(p.clone()),
-            Op::Pull { rank, ts, key, n } => s.handle_pull(*rank, *ts, *key, *n),
+            Op::Pull { rank, ts, key, n } => s.handle_pull(*rank, *ts, *key, *n, None),
             Op::Command {
                 rank,
                 ts,
@@ -116,7 +116,9 @@ pub(super) fn drain(s: &mut ServerState, mut disk: Option<&mut Disk>) -> Vec<Ans
     let mut answers = Vec::new();
     while let Some(out) = s.poll_output() {
         match out {
-            Output::Done { rank, ts, value } => {
+            Output::Done {
+                rank, ts, value, ..
+            } => {
                 answers.push(Answer {
                     rank,
                     ts,
@@ -262,6 +264,7 @@ impl Job {
                         pull_back: rng.bool(),
                         retry: None,
                         dtype: crate::value::Dtype::F32,
+                        have: None,
                     },
                     n_elems: n as u64,
                     payload,

@@ -14,7 +14,12 @@ fn outputs(s: &mut ServerState) -> Vec<Output> {
 }
 
 fn done(rank: u32, ts: u64, value: Option<u64>) -> Output {
-    Output::Done { rank, ts, value }
+    Output::Done {
+        rank,
+        ts,
+        value,
+        have: None,
+    }
 }
 
 /// The kinds of `out`: `J` journal, `S` snapshot, `D` done, `F` failed.
@@ -90,7 +95,7 @@ fn every_acknowledged_change_is_journaled_before_its_answer() {
     s.handle_command_request(1, 14, CommandKind::SetCompression, r#"{"type":"1bit"}"#);
     assert_eq!(kinds(&outputs(&mut s)), "FFFF");
     // Pulls change nothing.
-    s.handle_pull(0, 15, 9, 2);
+    s.handle_pull(0, 15, 9, 2, None);
     assert_eq!(kinds(&outputs(&mut s)), "D");
     assert_eq!(s.seq(), 8);
 }

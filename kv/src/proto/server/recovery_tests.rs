@@ -235,6 +235,7 @@ fn random_ops(seed: u64, len: usize, workers: u32) -> Vec<Op> {
                         pull_back: rng.bool(),
                         retry: None,
                         dtype: crate::value::Dtype::F32,
+                        have: None,
                     },
                     n_elems: n as u64,
                     payload: payload.into(),

@@ -10,7 +10,12 @@ fn again(mut p: Push, place: u64) -> Push {
 }
 
 fn done(rank: u32, ts: u64, value: Option<u64>) -> Output {
-    Output::Done { rank, ts, value }
+    Output::Done {
+        rank,
+        ts,
+        value,
+        have: None,
+    }
 }
 
 fn with_key(workers: u32) -> ServerState {

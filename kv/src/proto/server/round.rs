@@ -86,6 +86,7 @@ impl ServerState {
             rank: p.rank,
             ts: p.ts,
             value: p.flags.pull_back.then_some(p.key),
+            have: p.flags.have,
         });
     }
 
@@ -149,6 +150,7 @@ impl ServerState {
         round.arrived[rank] = Some(Arrived {
             ts: p.ts,
             pull_back: p.flags.pull_back,
+            have: p.flags.have,
             payload: Some(p.payload),
             compressed: p.flags.compressed,
         });
@@ -201,6 +203,7 @@ impl ServerState {
                     rank,
                     ts: a.ts,
                     value: a.pull_back.then_some(key),
+                    have: a.have,
                 }),
                 Err(e) => self.fail(rank, a.ts, e.clone()),
             }
@@ -218,6 +221,7 @@ impl ServerState {
             .keys
             .get_mut(&key)
             .ok_or_else(|| format!("key {key} was pushed before it was initialized"))?;
+        let pull_scheme = self.compression.and_then(|c| c.pull_scheme());
         let result = match self.updater.as_mut() {
             Some(u) => u
                 .update(key, &merged, Arc::make_mut(&mut k.value).as_mut_slice())
@@ -238,6 +242,10 @@ impl ServerState {
         k.round.merged = merged;
         if result.is_ok() {
             k.updates += 1;
+            // Compressed pulls: the round's change of the weights, as codes for the workers.
+            if let (Some(scheme), Some(shadow)) = (pull_scheme, k.shadow.as_mut()) {
+                shadow.advance(scheme, &k.value);
+            }
         }
         result
     }

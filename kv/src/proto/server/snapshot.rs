@@ -2,12 +2,15 @@
 
 use std::collections::HashMap;
 
-use psnet_compression::CompressionParams;
+use std::sync::Arc;
+
+use psnet_compression::{CompressionParams, Scheme};
 use psnet_transport::le::{LeReader, LeWriter};
 
 use super::{KeyState, Mode, ServerState};
 use crate::error::KvError;
 use crate::proto::msg::{CommandKind, MAX_STRING};
+use crate::proto::pulled::{Delta, KvCompression, Shadow};
 use crate::proto::sum;
 use crate::updater::OptimizerSpec;
 use crate::value::Dtype;
@@ -15,7 +18,7 @@ use crate::value::Dtype;
 /// First bytes of a snapshot.
 const MAGIC: &[u8; 8] = b"PSNSHARD";
 /// Version of the snapshot format.
-const VERSION: u32 = 3;
+const VERSION: u32 = 4;
 
 const NOT_SET: u8 = 0;
 const NO_COMPRESSION: u8 = 1;
@@ -37,13 +40,16 @@ impl ServerState {
     ///
     /// Little-endian: `PSNSHARD`, `u32` version `3`, `u32` workers, `u64` sequence number,
     /// `u8` mode (0 `dist_sync`, 1 `dist_async`), `u8` compression (0 not set, 1 none,
-    /// 2 2-bit, 3 1-bit, the last two followed by the `f32` threshold), `u8` optimizer
+    /// 2 2-bit, 3 1-bit, the last two followed by the `f32` threshold and a `u8` 1 where
+    /// pulls are compressed too, 0 where not), `u8` optimizer
     /// (0 none; 1 followed by `u32` length, its spec's JSON and the updater's state, see
     /// [`Updater::export_state`](crate::updater::Updater::export_state)), `u64` key count,
     /// then per key in ascending order: `u64` key, `u8` element type ([`Dtype::code`]; the
     /// value is kept in `f32` whatever it is), `u64` updates, `u32` m (0, or the
     /// workers once a `dist_async` push was applied), m `u64` (`dist_async` pushes applied by
-    /// each worker), `u64` n, n `f32` (the value).
+    /// each worker), `u64` n, n `f32` (the value), then where pulls are compressed and the
+    /// key is `f32`: `u64` the copy's version, n `f32` (the workers' copy), `u8` 1 followed
+    /// by the last change's `f32` scale and its codes (the scheme's size for n), or 0.
     pub fn snapshot(&self) -> Vec<u8> {
         let values: usize = self.keys.values().map(|k| 32 + 4 * k.value.len()).sum();
         let mut w = LeWriter::with_capacity(64 + values);
@@ -55,11 +61,16 @@ impl ServerState {
                 Mode::Sync => 0,
                 Mode::Async => 1,
             });
-        match self.compression {
+        let pull = self.compression.is_some_and(|c| c.pull);
+        match self.compression.map(|c| c.params) {
             None => w.u8(NOT_SET),
             Some(CompressionParams::None) => w.u8(NO_COMPRESSION),
-            Some(CompressionParams::TwoBit { threshold }) => w.u8(TWO_BIT).u32(threshold.to_bits()),
-            Some(CompressionParams::OneBit { threshold }) => w.u8(ONE_BIT).u32(threshold.to_bits()),
+            Some(CompressionParams::TwoBit { threshold }) => {
+                w.u8(TWO_BIT).u32(threshold.to_bits()).u8(u8::from(pull))
+            }
+            Some(CompressionParams::OneBit { threshold }) => {
+                w.u8(ONE_BIT).u32(threshold.to_bits()).u8(u8::from(pull))
+            }
         };
         match (&self.optimizer, &self.updater) {
             (Some(spec), Some(updater)) => {
@@ -82,6 +93,17 @@ impl ServerState {
                 w.u64(count);
             }
             w.u64(k.value.len() as u64).bytes(sum::as_bytes(&k.value));
+            if let Some(shadow) = &k.shadow {
+                w.u64(shadow.version).bytes(sum::as_bytes(&shadow.copy));
+                match &shadow.last {
+                    Some(d) => {
+                        w.u8(1).u32(d.scale.to_bits()).bytes(&d.codes);
+                    }
+                    None => {
+                        w.u8(0);
+                    }
+                }
+            }
         }
         w.into_vec()
     }
@@ -123,7 +145,7 @@ impl ServerState {
         };
         let compression = match r.u8().map_err(|_| truncated("the compression"))? {
             NOT_SET => None,
-            NO_COMPRESSION => Some(CompressionParams::None),
+            NO_COMPRESSION => Some(KvCompression::from(CompressionParams::None)),
             kind @ (TWO_BIT | ONE_BIT) => {
                 let threshold = f32::from_bits(r.u32().map_err(|_| truncated("the threshold"))?);
                 let params = if kind == TWO_BIT {
@@ -131,12 +153,19 @@ impl ServerState {
                 } else {
                     CompressionParams::one_bit(threshold)
                 };
-                Some(params.map_err(|e| bad(format_args!("compression: {e}")))?)
+                let params = params.map_err(|e| bad(format_args!("compression: {e}")))?;
+                let pull = match r.u8().map_err(|_| truncated("the compression"))? {
+                    0 => false,
+                    1 => true,
+                    other => return Err(bad(format_args!("compressed pulls flag {other}"))),
+                };
+                Some(KvCompression { params, pull })
             }
             other => return Err(bad(format_args!("compression kind {other}"))),
         };
         if let Some(params) = compression {
             s.compressor = params
+                .params
                 .compressor()
                 .map_err(|e| bad(format_args!("compression: {e}")))?;
             s.compression = Some(params);
@@ -211,6 +240,9 @@ impl ServerState {
             let mut state = KeyState::new(value, updates);
             state.pushes_by_worker = pushes_by_worker;
             state.dtype = dtype;
+            if let (Some(scheme), Dtype::F32) = (s.pull_scheme(), dtype) {
+                state.shadow = Some(read_shadow(&mut r, key, n as usize, scheme)?);
+            }
             s.keys.insert(key, state);
         }
         if !r.is_empty() {
@@ -218,4 +250,41 @@ impl ServerState {
         }
         Ok(s)
     }
+}
+
+/// A key's copy for compressed pulls: its version, its `n` values, its last change.
+fn read_shadow(
+    r: &mut LeReader<'_>,
+    key: u64,
+    n: usize,
+    scheme: Scheme,
+) -> Result<Shadow, KvError> {
+    let version = r.u64().map_err(|_| truncated("a copy's version"))?;
+    let raw = r
+        .take(4 * n)
+        .map_err(|_| truncated(&format!("key {key}'s copy")))?;
+    let mut copy = vec![0f32; n];
+    sum::copy_from_le(&mut copy, raw);
+    let last = match r.u8().map_err(|_| truncated("a copy's last change"))? {
+        0 => None,
+        1 => {
+            let scale = f32::from_bits(r.u32().map_err(|_| truncated("a change's scale"))?);
+            if !scale.is_finite() || scale < 0.0 {
+                return Err(bad(format_args!("key {key}: a change's scale of {scale}")));
+            }
+            let codes = r
+                .take(scheme.compressed_size(n))
+                .map_err(|_| truncated(&format!("key {key}'s last change")))?;
+            Some(Delta {
+                scale,
+                codes: Arc::new(codes.to_vec()),
+            })
+        }
+        other => return Err(bad(format_args!("key {key}: change flag {other}"))),
+    };
+    Ok(Shadow {
+        copy: Arc::new(copy),
+        version,
+        last,
+    })
 }

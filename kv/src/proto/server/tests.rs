@@ -26,7 +26,8 @@ fn init(state: &mut ServerState, key: u64, values: &[f32]) {
         Some(Output::Done {
             rank: 0,
             ts: 1000 + key,
-            value: None
+            value: None,
+            have: None,
         })
     );
 }
@@ -65,17 +66,20 @@ fn sync_round_answers_only_when_every_worker_pushed() {
             Output::Done {
                 rank: 0,
                 ts: 2,
-                value: None
+                value: None,
+                have: None,
             },
             Output::Done {
                 rank: 1,
                 ts: 3,
-                value: None
+                value: None,
+                have: None,
             },
             Output::Done {
                 rank: 2,
                 ts: 1,
-                value: None
+                value: None,
+                have: None,
             },
         ]
     );
@@ -111,7 +115,8 @@ fn second_push_in_a_round_waits_for_the_next() {
     assert!(out.contains(&Output::Done {
         rank: 0,
         ts: 2,
-        value: None
+        value: None,
+        have: None,
     }));
     assert_eq!(s.value(1), Some(&[12.0f32][..]));
 }
@@ -128,16 +133,18 @@ fn pull_back_answers_carry_the_value() {
         vec![Output::Done {
             rank: 0,
             ts: 9,
-            value: Some(3)
+            value: Some(3),
+            have: None,
         }]
     );
-    s.handle_pull(0, 10, 3, 1);
+    s.handle_pull(0, 10, 3, 1, None);
     assert_eq!(
         drain(&mut s),
         vec![Output::Done {
             rank: 0,
             ts: 10,
-            value: Some(3)
+            value: Some(3),
+            have: None,
         }]
     );
 }
@@ -147,12 +154,12 @@ fn bad_requests_fail_with_clear_reasons() {
     let mut s = ServerState::new(2);
     s.handle_push(push(0, 1, 5, &[1.0]));
     assert!(failed_reason(&drain(&mut s)).contains("key 5 was pushed before it was initialized"));
-    s.handle_pull(1, 2, 5, 1);
+    s.handle_pull(1, 2, 5, 1, None);
     assert!(failed_reason(&drain(&mut s)).contains("key 5 was pulled before it was initialized"));
     init(&mut s, 5, &[0.0; 4]);
     s.handle_push(push(0, 3, 5, &[1.0; 3]));
     assert!(failed_reason(&drain(&mut s)).contains("pushed 3 elements, this server holds 4"));
-    s.handle_pull(0, 4, 5, 8);
+    s.handle_pull(0, 4, 5, 8, None);
     assert!(failed_reason(&drain(&mut s)).contains("pulled 8 elements"));
     let mut p = push(0, 5, 5, &[1.0; 4]);
     p.flags.compressed = true;
@@ -191,7 +198,8 @@ fn async_needs_an_updater_and_applies_each_push() {
         vec![Output::Done {
             rank: 1,
             ts: 2,
-            value: None
+            value: None,
+            have: None,
         }]
     );
     assert_eq!(s.value(1), Some(&[0.5f32, 0.0][..]));
@@ -240,13 +248,14 @@ fn lost_worker_fails_waiting_rounds_and_later_pushes() {
         "{out:?}"
     );
     assert!(failed_reason(&out).contains("worker 1 (node 11)"));
-    s.handle_pull(0, 3, 1, 1);
+    s.handle_pull(0, 3, 1, 1, None);
     assert_eq!(
         drain(&mut s),
         vec![Output::Done {
             rank: 0,
             ts: 3,
-            value: Some(1)
+            value: Some(1),
+            have: None,
         }]
     );
 }
@@ -373,8 +382,8 @@ fn compression_settings_cannot_change_once_set() {
         let err = s
             .handle_command(CommandKind::SetCompression, other)
             .unwrap_err();
-        let current = CompressionParams::parse(half).unwrap();
-        let wanted = CompressionParams::parse(other).unwrap();
+        let current = psnet_compression::CompressionParams::parse(half).unwrap();
+        let wanted = psnet_compression::CompressionParams::parse(other).unwrap();
         assert!(err.contains(&format!("already {current}")), "{err}");
         assert!(err.contains(&format!("refusing {wanted}")), "{err}");
         assert!(err.contains("every worker must set the same"), "{err}");

@@ -1,0 +1,246 @@
+//! Compressed pulls (`{"type": "2bit", "threshold": 0.5, "pull": true}`), as BytePS
+//! compresses both ways. Lossy, `dist_sync` only, `float32` keys only.
+//!
+//! Every worker holds a copy of each key's value; the server keeps the same copy (the
+//! *shadow*, `W'`) beside its master value `W`. Each completed round the server quantizes
+//! the change `W - W'` into the job's codes (2-bit or 1-bit) with a scale chosen for that
+//! answer, and adds what the codes stand for to `W'`: version `v + 1` of the copy. What the
+//! codes leave out stays in `W - W'`, the server's residual (error feedback), and goes out in
+//! later rounds. A worker whose copy is at `v` gets the codes and applies them the same way,
+//! so every worker's copy is `W'` bit for bit; a worker at any other version (a first pull,
+//! a missed round) gets `W'` whole. Nothing here reads a clock or a socket.
+//!
+//! Weights change on another scale than gradients, so the gradients' threshold is not used
+//! here: the scale of each answer is the mean absolute change `mean(|W - W'|)`. 2-bit codes
+//! then carry `+-scale` where the change is at least the scale, 0 elsewhere; 1-bit codes
+//! carry `+-scale` everywhere (the sign).
+
+use std::sync::Arc;
+
+use psnet_compression::{
+    CompressionError, CompressionParams, OneBitCompressor, ParamsError, Scheme, TwoBitCompressor,
+};
+use serde_json::Value;
+
+/// A kv store's compression: the gradients' (pushes) and, opt-in, compressed pulls.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct KvCompression {
+    /// The pushes' codes (MXNet's settings).
+    pub params: CompressionParams,
+    /// Pulls answered with codes of the weights' change too (see the module docs).
+    pub pull: bool,
+}
+
+impl From<CompressionParams> for KvCompression {
+    fn from(params: CompressionParams) -> Self {
+        KvCompression {
+            params,
+            pull: false,
+        }
+    }
+}
+
+impl KvCompression {
+    /// Parses MXNet's dict form with psnet's `"pull"` (a boolean) beside `type` and
+    /// `threshold`: `{"type": "2bit", "threshold": 0.5, "pull": true}`.
+    pub fn parse(text: &str) -> Result<Self, ParamsError> {
+        let normalised;
+        let text = if text.contains('\'') && !text.contains('"') {
+            normalised = text.replace('\'', "\"");
+            &normalised
+        } else {
+            text
+        };
+        let mut value: Value = serde_json::from_str(text)
+            .map_err(|e| ParamsError::Malformed(format!("{e} in {text:?}")))?;
+        let pull = match value.as_object_mut().and_then(|m| m.remove("pull")) {
+            None | Some(Value::Bool(false)) => false,
+            Some(Value::Bool(true)) => true,
+            Some(other) => {
+                return Err(ParamsError::Malformed(format!(
+                    "\"pull\" must be true or false, got {other}"
+                )))
+            }
+        };
+        let params = CompressionParams::from_json(&value)?;
+        if pull && params.scheme().is_none() {
+            return Err(ParamsError::Malformed(
+                "\"pull\": true needs a compression type (\"2bit\" or \"1bit\")".into(),
+            ));
+        }
+        Ok(KvCompression { params, pull })
+    }
+
+    /// The scheme of compressed pulls, if they are on.
+    pub fn pull_scheme(&self) -> Option<Scheme> {
+        self.params.scheme().filter(|_| self.pull)
+    }
+}
+
+impl std::fmt::Display for KvCompression {
+    /// The gradients' settings as MXNet writes them, with `"pull": true` added when on (so
+    /// that a store without compressed pulls sends exactly MXNet's form).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut value = Value::from(self.params);
+        if let (true, Some(map)) = (self.pull, value.as_object_mut()) {
+            map.insert("pull".into(), Value::Bool(true));
+        }
+        write!(f, "{value}")
+    }
+}
+
+/// How a compressed-pull answer's value is to be read.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Form {
+    /// The copy itself, `f32` values.
+    Full,
+    /// Codes to add to the copy of the version before, with this scale.
+    Delta {
+        /// What a code's unit stands for.
+        scale: f32,
+    },
+    /// No value: the worker's copy is this version already.
+    Same,
+}
+
+/// The codes that made a version of the copy from the one before.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Delta {
+    /// What a code's unit stands for.
+    pub scale: f32,
+    /// The codes.
+    pub codes: Arc<Vec<u8>>,
+}
+
+/// The workers' copy of one key's value as its server keeps it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Shadow {
+    /// `W'`: what every up-to-date worker holds.
+    pub copy: Arc<Vec<f32>>,
+    /// How many times it changed since it was made (or made again by an init).
+    pub version: u64,
+    /// The codes that made `version` from `version - 1`; `None` where that change went
+    /// whole (the first version, or a change whose scale was not finite).
+    pub last: Option<Delta>,
+}
+
+impl Shadow {
+    /// A copy of `value`, version `version`, that workers get whole.
+    pub fn new(value: &[f32], version: u64) -> Shadow {
+        Shadow {
+            copy: Arc::new(value.to_vec()),
+            version,
+            last: None,
+        }
+    }
+
+    /// The next version after the master value became `value`: its change quantized with
+    /// `scheme`'s codes and added to the copy.
+    pub fn advance(&mut self, scheme: Scheme, value: &[f32]) {
+        let copy = Arc::make_mut(&mut self.copy);
+        self.last = quantize(scheme, value, copy);
+        if self.last.is_none() {
+            copy.copy_from_slice(value);
+        }
+        self.version += 1;
+    }
+
+    /// What to answer a worker whose copy is at `have`.
+    pub fn answer(&self, have: Option<u64>) -> Form {
+        match (have, &self.last) {
+            (Some(v), _) if v == self.version => Form::Same,
+            (Some(v), Some(d)) if v.checked_add(1) == Some(self.version) => {
+                Form::Delta { scale: d.scale }
+            }
+            _ => Form::Full,
+        }
+    }
+}
+
+/// The scale of a change: its mean absolute value, summed in order in `f64` (the same bits
+/// wherever it is computed).
+fn scale_of(change: &[f32]) -> f32 {
+    if change.is_empty() {
+        return 0.0;
+    }
+    let sum: f64 = change.iter().map(|x| f64::from(x.abs())).sum();
+    (sum / change.len() as f64) as f32
+}
+
+/// The codes of `value - copy` and their scale, added to `copy`; `None` (copy unchanged)
+/// where the scale is not finite (a NaN or infinite weight goes whole instead).
+pub fn quantize(scheme: Scheme, value: &[f32], copy: &mut [f32]) -> Option<Delta> {
+    debug_assert_eq!(value.len(), copy.len());
+    let change: Vec<f32> = value.iter().zip(copy.iter()).map(|(w, c)| w - c).collect();
+    let scale = scale_of(&change);
+    if !scale.is_finite() {
+        return None;
+    }
+    let mut codes = vec![0u8; scheme.compressed_size(value.len())];
+    if scale > 0.0 {
+        let mut scratch = vec![0.0f32; change.len()];
+        let quantized = match scheme {
+            Scheme::TwoBit => TwoBitCompressor::new(scale)
+                .map_err(|e| e.to_string())
+                .and_then(|c| {
+                    c.quantize(&change, &mut scratch, &mut codes)
+                        .map_err(|e| e.to_string())
+                }),
+            Scheme::OneBit => OneBitCompressor::new(0.0)
+                .map_err(|e| e.to_string())
+                .and_then(|c| {
+                    c.quantize(&change, &mut scratch, &mut codes)
+                        .map_err(|e| e.to_string())
+                }),
+        };
+        if quantized.is_err() {
+            return None;
+        }
+    }
+    apply(scheme, &codes, scale, copy).ok()?;
+    Some(Delta {
+        scale,
+        codes: Arc::new(codes),
+    })
+}
+
+/// Adds what `codes` with `scale` stand for to `copy`: the server's shadow and every
+/// worker's copy change by the same `f32` operations.
+pub fn apply(scheme: Scheme, codes: &[u8], scale: f32, copy: &mut [f32]) -> Result<(), String> {
+    let bad = |e: CompressionError| e.to_string();
+    if codes.len() != scheme.compressed_size(copy.len()) {
+        return Err(format!(
+            "{} bytes of {} codes for {} elements (want {})",
+            codes.len(),
+            scheme.name(),
+            copy.len(),
+            scheme.compressed_size(copy.len())
+        ));
+    }
+    if !scale.is_finite() || scale < 0.0 {
+        return Err(format!("a scale of {scale}"));
+    }
+    if scale == 0.0 {
+        return Ok(());
+    }
+    match scheme {
+        Scheme::TwoBit => TwoBitCompressor::new(scale)
+            .map_err(|e| e.to_string())?
+            .dequantize_add(codes, copy)
+            .map_err(bad),
+        Scheme::OneBit => {
+            let mut signs = vec![0.0f32; copy.len()];
+            OneBitCompressor::new(0.0)
+                .map_err(|e| e.to_string())?
+                .dequantize(codes, &mut signs)
+                .map_err(bad)?;
+            for (c, s) in copy.iter_mut().zip(&signs) {
+                *c += scale * s;
+            }
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

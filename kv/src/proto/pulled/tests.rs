@@ -1,0 +1,130 @@
+use proptest::prelude::*;
+
+use super::*;
+
+fn values(len: usize, seed: u64) -> Vec<f32> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    (0..len).map(|_| rng.f32() * 2.0 - 1.0).collect()
+}
+
+#[test]
+fn settings_parse_with_pull_and_print_mxnets_form_without_it() {
+    let k = KvCompression::parse("{'type': '2bit', 'threshold': 0.5, 'pull': true}").unwrap();
+    assert_eq!(k.pull_scheme(), Some(Scheme::TwoBit));
+    assert_eq!(KvCompression::parse(&k.to_string()).unwrap(), k);
+    let plain = KvCompression::parse(r#"{"type": "1bit", "threshold": 0}"#).unwrap();
+    assert!(!plain.pull);
+    assert_eq!(plain.to_string(), plain.params.to_string());
+    assert!(!plain.to_string().contains("pull"));
+    for bad in [
+        r#"{"type": "2bit", "pull": 1}"#,
+        r#"{"type": "none", "pull": true}"#,
+        r#"{"type": "2bit", "pulls": true}"#,
+    ] {
+        assert!(KvCompression::parse(bad).is_err(), "{bad}");
+    }
+}
+
+#[test]
+fn a_worker_applying_the_codes_holds_the_servers_copy_bit_for_bit() {
+    for scheme in [Scheme::TwoBit, Scheme::OneBit] {
+        let len = 1001;
+        let mut master = values(len, 1);
+        let mut shadow = Shadow::new(&master, 0);
+        let mut worker = master.clone();
+        for round in 0..50u64 {
+            for (w, g) in master.iter_mut().zip(values(len, 100 + round)) {
+                *w -= 0.01 * g;
+            }
+            shadow.advance(scheme, &master);
+            let d = shadow.last.as_ref().expect("a finite change");
+            assert_eq!(
+                shadow.answer(Some(shadow.version - 1)),
+                Form::Delta { scale: d.scale }
+            );
+            apply(scheme, &d.codes, d.scale, &mut worker).unwrap();
+            assert!(
+                worker
+                    .iter()
+                    .zip(shadow.copy.iter())
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{scheme:?} round {round}"
+            );
+            assert_eq!(d.codes.len(), scheme.compressed_size(len));
+        }
+        // Error feedback: the copy trails the master by about one round's change, not by
+        // the sum of what the codes left out.
+        let gap: f32 = master
+            .iter()
+            .zip(shadow.copy.iter())
+            .map(|(m, c)| (m - c).abs())
+            .sum::<f32>()
+            / len as f32;
+        assert!(gap < 0.02, "{scheme:?}: mean gap {gap}");
+    }
+}
+
+#[test]
+fn the_answer_depends_on_the_version_the_worker_holds() {
+    let mut s = Shadow::new(&[1.0, 2.0], 7);
+    assert_eq!(s.answer(None), Form::Full);
+    assert_eq!(s.answer(Some(7)), Form::Same);
+    // Version 7 came whole: a worker at 6 cannot build it from codes.
+    assert_eq!(s.answer(Some(6)), Form::Full);
+    s.advance(Scheme::TwoBit, &[1.5, 2.0]);
+    assert_eq!(s.version, 8);
+    assert!(matches!(s.answer(Some(7)), Form::Delta { .. }));
+    assert_eq!(s.answer(Some(6)), Form::Full);
+    assert_eq!(s.answer(Some(9)), Form::Full);
+    assert_eq!(s.answer(Some(u64::MAX)), Form::Full);
+    // A NaN goes whole, and the next answer to the version before is the whole copy.
+    s.advance(Scheme::TwoBit, &[f32::NAN, 2.0]);
+    assert!(s.last.is_none() && s.copy[0].is_nan());
+    assert_eq!(s.answer(Some(8)), Form::Full);
+}
+
+#[test]
+fn bad_codes_and_scales_are_errors() {
+    let mut copy = vec![0.0f32; 20];
+    assert!(apply(Scheme::TwoBit, &[0; 3], 1.0, &mut copy)
+        .unwrap_err()
+        .contains("3 bytes"));
+    let codes = vec![0xffu8; Scheme::TwoBit.compressed_size(20)];
+    for scale in [f32::NAN, f32::INFINITY, -1.0] {
+        assert!(apply(Scheme::TwoBit, &codes, scale, &mut copy).is_err());
+    }
+    assert!(
+        copy.iter().all(|&x| x == 0.0),
+        "nothing applied on an error"
+    );
+}
+
+proptest! {
+    /// Over any changes, the codes never move the copy away from the master on average:
+    /// the residual `W - W'` stays bounded by the largest single change plus one scale.
+    #[test]
+    fn the_residual_stays_bounded(
+        seed in any::<u64>(),
+        len in 1usize..300,
+        rounds in 1usize..40,
+        one_bit in any::<bool>(),
+    ) {
+        let scheme = if one_bit { Scheme::OneBit } else { Scheme::TwoBit };
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let mut master: Vec<f32> = (0..len).map(|_| rng.f32()).collect();
+        let mut shadow = Shadow::new(&master, 0);
+        let mut worst_step = 0.0f32;
+        for _ in 0..rounds {
+            for w in master.iter_mut() {
+                let step = (rng.f32() - 0.5) * 0.1;
+                worst_step = worst_step.max(step.abs());
+                *w += step;
+            }
+            shadow.advance(scheme, &master);
+        }
+        let mean_gap = master.iter().zip(shadow.copy.iter()).map(|(m, c)| (m - c).abs()).sum::<f32>()
+            / len as f32;
+        prop_assert!(mean_gap <= 10.0 * worst_step + 1e-6, "mean gap {} after {} rounds", mean_gap, rounds);
+        prop_assert!(mean_gap.is_finite());
+    }
+}

@@ -1,0 +1,97 @@
+//! A worker's copies of the keys it pulls, with compressed pulls (see
+//! [`crate::proto::pulled`]): one per stored key and server, at the version its last answer
+//! made. A compressed answer applies to the copy, and the pull gets the whole copy.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use psnet_compression::Scheme;
+use psnet_transport::NodeId;
+
+use crate::proto::pulled::{self, Form};
+use crate::proto::sum;
+
+/// One key's copy.
+struct Held {
+    version: u64,
+    values: Vec<f32>,
+}
+
+/// Every copy this worker holds.
+#[derive(Default)]
+pub(crate) struct Copies {
+    scheme: Option<Scheme>,
+    held: HashMap<(NodeId, u64), Held>,
+}
+
+impl Copies {
+    /// Compressed pulls on with `scheme`, or off; either way the copies start again.
+    pub(crate) fn set_scheme(&mut self, scheme: Option<Scheme>) {
+        self.scheme = scheme;
+        self.held.clear();
+    }
+
+    /// The version of the copy of stored key `key` from `server`, to say in a pull.
+    pub(crate) fn version(&self, server: NodeId, key: u64) -> Option<u64> {
+        self.scheme?;
+        self.held.get(&(server, key)).map(|h| h.version)
+    }
+
+    /// A compressed pull's answer from `server` for `key`: the copy it makes, as the
+    /// value's bytes; `Err` says what does not fit (the copy is then dropped, so the next
+    /// pull asks for the whole value).
+    pub(crate) fn handle_pulled(
+        &mut self,
+        server: NodeId,
+        key: u64,
+        version: u64,
+        form: Form,
+        value: Option<Bytes>,
+    ) -> Result<Bytes, String> {
+        let bytes = value.unwrap_or_default();
+        let Some(scheme) = self.scheme else {
+            // Not keeping copies: only a whole value makes sense.
+            return match form {
+                Form::Full => Ok(bytes),
+                _ => Err(format!(
+                    "key {key}: a compressed pull's answer ({form:?}) to a worker without \
+                     compressed pulls"
+                )),
+            };
+        };
+        let slot = (server, key);
+        let result = match (form, self.held.get_mut(&slot)) {
+            (Form::Full, _) => {
+                if bytes.len() % 4 != 0 {
+                    Err(format!("key {key}: a whole copy of {} bytes", bytes.len()))
+                } else {
+                    let mut values = vec![0.0f32; bytes.len() / 4];
+                    sum::copy_from_le(&mut values, &bytes);
+                    self.held.insert(slot, Held { version, values });
+                    return Ok(bytes);
+                }
+            }
+            // An answer already applied (two pulls of the key in flight at once).
+            (_, Some(h)) if h.version == version => Ok(()),
+            (Form::Delta { scale }, Some(h)) if h.version.checked_add(1) == Some(version) => {
+                pulled::apply(scheme, &bytes, scale, &mut h.values)
+                    .map(|()| h.version = version)
+                    .map_err(|e| format!("key {key}: {e}"))
+            }
+            (form, held) => Err(format!(
+                "key {key}: a compressed pull's answer ({form:?}) for version {version}, this \
+                 worker's copy is at {:?}",
+                held.map(|h| h.version)
+            )),
+        };
+        match result {
+            Ok(()) => Ok(Bytes::copy_from_slice(sum::as_bytes(
+                &self.held[&slot].values,
+            ))),
+            Err(e) => {
+                self.held.remove(&slot);
+                Err(e)
+            }
+        }
+    }
+}
