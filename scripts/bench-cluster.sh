@@ -6,19 +6,23 @@
 # link must carry (in its busier direction, or both directions one after the other where the
 # protocol makes them wait for each other) over RATE. Latency is not emulated (no netem here).
 #
-#   bash scripts/bench-cluster.sh [SECTION...]     SECTION: raw train kv allreduce alltoall ddp fsdp2 (default all)
+#   bash scripts/bench-cluster.sh [SECTION...]     SECTION: raw train kv allreduce compressed alltoall ddp fsdp2 (default all)
 #
 # raw        iperf3 between two hosts, one way and both ways at once (the link as TCP sees it)
 # train      psnet-train seconds of communication per epoch, 2 servers + 2 workers: MXNet's key
 #            layout (PSNET_PARTITION_BYTES=0), the default, the default with a job secret (every
-#            frame tagged), with the secret and PSNET_ENCRYPT=1, 2-bit and 1-bit; the bound is the
-#            busiest link's bytes in its busier direction (counted by the kernel) per epoch
+#            frame tagged), with the secret and PSNET_ENCRYPT=1, 2-bit and 1-bit, each of those with
+#            compressed pulls too (--compression-pull); the bound is the busiest link's bytes in its
+#            busier direction (counted by the kernel) per epoch; epoch s is the whole epoch
 # kv         one key per op, push / pull / push then pull / pushpull, psnet's Python kvstore
 #            against MXNet 1.9.1 (scripts/bench-mxnet.py, one script for both), uncompressed and
 #            2-bit, KV_SIZES at each of KV_SHAPES (servers x workers; servers on hosts of their
 #            own, workers over the other hosts in turn, so 2x4 puts two workers on each)
 # allreduce  psnet-perf allreduce, one rank per host, against Open MPI (mpi4py, btl tcp,self)
 #            started by mpirun through the ssh stand-in; busbw against the link's rate
+# compressed psnet-perf allreduce --compression 2bit and 1bit against the plain allreduce on the
+#            same ranks, one and two ranks per host (HOSTS and 2 x HOSTS ranks): times, the
+#            speed-up, and the code bytes each rank sends against 2(n-1)/n of the codes
 # alltoall   torch's all_to_all_single, A2A_MIB (64) MiB sent by each rank, one rank per host, on
 #            psnet's backend against gloo (python/benchmarks/alltoall.py, PSNET_SHM_RING=0);
 #            busbw against the link's rate
@@ -54,7 +58,7 @@ B=$TARGET/release
 RIG="$ROOT/scripts/cluster/rig.sh"
 export PSNET_CLUSTER=bench
 SECTIONS=("$@")
-[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(raw train kv allreduce alltoall ddp fsdp2)
+[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(raw train kv allreduce compressed alltoall ddp fsdp2)
 LOGS=${KEEP:-$(mktemp -d)}
 mkdir -p "$LOGS"
 say() { echo "bench-cluster: $*" >&2; }
@@ -157,28 +161,31 @@ fi
 if wants train; then
   echo
   echo "## psnet-train, 2 servers + 2 workers (one per host), $EPOCHS epochs of $SAMPLES samples"
-  printf '%-34s %14s %16s %8s %10s\n' "run" "comm s/epoch" "bound s/epoch" "ratio" "loss"
+  printf '%-34s %14s %16s %8s %10s %10s\n' "run" "comm s/epoch" "bound s/epoch" "ratio" "epoch s" "loss"
   hostfile 2 2 "$LOGS/train.hosts"
   # With a job secret every frame carries a session tag: its cost, in the same run.
   (umask 077; echo "bench-cluster secret $$ $RANDOM" > "$LOGS/secret")
   # With PSNET_ENCRYPT too, every data frame is also encrypted.
   for run in "mxnet-layout:PSNET_PARTITION_BYTES=0:none" "default::none" \
              "secret:PSNET_SECRET_FILE=$LOGS/secret:none" \
-             "encrypted:PSNET_SECRET_FILE=$LOGS/secret,PSNET_ENCRYPT=1:none" "2bit::2bit" "1bit::1bit"; do
-    IFS=: read -r name env comp <<< "$run"
+             "encrypted:PSNET_SECRET_FILE=$LOGS/secret,PSNET_ENCRYPT=1:none" "2bit::2bit" "1bit::1bit" \
+             "2bit-pull::2bit:--compression-pull" "1bit-pull::1bit:--compression-pull"; do
+    IFS=: read -r name env comp extra <<< "$run"
     IFS=, read -ra envs <<< "$env"
     bash "$RIG" counters --name bench > "$LOGS/c0"
     launch 2 2 "$LOGS/train.hosts" "${envs[@]}" -- "$B/psnet-train" --epochs "$EPOCHS" \
-      --samples "$SAMPLES" --compression "$comp" > "$LOGS/train.$name.log" 2>&1 \
+      --samples "$SAMPLES" --compression "$comp" $extra > "$LOGS/train.$name.log" 2>&1 \
       || { say "psnet-train $name failed:"; tail -20 "$LOGS/train.$name.log" >&2; exit 1; }
     bash "$RIG" counters --name bench > "$LOGS/c1"
     comm=$(grep -o 'communication [0-9.]* s of [0-9.]* s' "$LOGS/train.$name.log" | grep -v "^$" | head -n "$EPOCHS" \
       | awk '{ s += $2 } END { printf "%.2f", s / NR }')
+    epoch=$(grep -o 'communication [0-9.]* s of [0-9.]* s' "$LOGS/train.$name.log" | head -n "$EPOCHS" \
+      | awk '{ s += $5 } END { printf "%.2f", s / NR }')
     loss=$(grep -o 'loss [0-9.]*' "$LOGS/train.$name.log" | tail -1 | cut -d' ' -f2)
     bound=$(awk -v b="$(busiest "$LOGS/c0" "$LOGS/c1")" -v r="$RATE_BITS" -v e="$EPOCHS" \
       'BEGIN { printf "%.2f", b * 8 / r / e }')
-    printf '%-34s %14s %16s %8s %10s\n' "$name ($comp)" "$comm" "$bound" \
-      "$(awk -v a="$comm" -v b="$bound" 'BEGIN { printf "%.2fx", a / b }')" "$loss"
+    printf '%-34s %14s %16s %8s %10s %10s\n' "$name ($comp)" "$comm" "$bound" \
+      "$(awk -v a="$comm" -v b="$bound" 'BEGIN { printf "%.2fx", a / b }')" "$epoch" "$loss"
   done
   echo "(bound: the busiest link's bytes in its busier direction over the whole job, set-up included, per epoch, over $RATE)"
 fi
@@ -284,6 +291,58 @@ for b in sorted(ps):
           f"{(p / m if m else float('nan')):>10.2f} {ps[b].get('wrong', 0):>6}")
 print(f"(link: {link:.4f} GB/s each way; busbw = algbw x 2(n-1)/n, nccl-tests' definition)")
 PY
+fi
+
+if wants compressed; then
+  echo
+  echo "## compressed allreduce against the plain one, float32, the same ranks (psnet-perf allreduce --compression)"
+  port=29600
+  root="$(addr_of h0)"
+  for per_host in 1 2; do
+    n=$((HOSTS * per_host))
+    for mode in none 2bit 1bit; do
+      port=$((port + 1))
+      args=()
+      case $mode in 2bit) args=(--compression 2bit --threshold 0.5) ;; 1bit) args=(--compression 1bit --threshold 0) ;; esac
+      for ((r = 0; r < n; r++)); do
+        on "h$((r % HOSTS))" env PSNET_RANK=$r PSNET_WORLD_SIZE=$n PSNET_ROOT_ADDR="$root:$port" \
+          DMLC_INTERFACE=eth0 timeout -k 5 900 "$B/psnet-perf" allreduce -b "$AR_MIN" -e "$AR_MAX" \
+          -n "$AR_ITERS" -w 3 --json "${args[@]}" > "$LOGS/car.$n.$mode.$r" 2> "$LOGS/car.$n.$mode.$r.err" &
+      done
+      wait
+      grep -h '"in_place":true' "$LOGS/car.$n.$mode.0" > "$LOGS/car.$n.$mode.json" \
+        || { say "compressed allreduce $mode on $n ranks failed:"; tail -5 "$LOGS/car.$n.$mode.0.err" >&2; }
+    done
+    python3 - "$n" "$per_host" "$LOGS/car.$n.none.json" "$LOGS/car.$n.2bit.json" "$LOGS/car.$n.1bit.json" <<'PY'
+import json, sys
+n, per_host = int(sys.argv[1]), int(sys.argv[2])
+def rows(path):
+    out = {}
+    for line in open(path):
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        out[r["bytes"]] = r
+    return out
+plain, two, one = (rows(p) for p in sys.argv[3:6])
+print(f"{n} ranks, {per_host} per host (in place; ms per call; sent: code bytes per rank, and against 2(n-1)/n of the codes)")
+print(f"{'bytes':>10} {'plain ms':>9} {'2bit ms':>8} {'speed-up':>9} {'sent/ideal':>10} {'1bit ms':>8} {'speed-up':>9} {'sent/ideal':>10} {'wrong':>6}")
+for b in sorted(plain):
+    p = plain[b]["time_us"] / 1e3
+    cells = []
+    for rows_, factor in ((two, 16), (one, 32)):
+        r = rows_.get(b)
+        if r is None:
+            cells.append(f"{'-':>8} {'-':>9} {'-':>10}")
+            continue
+        t = r["time_us"] / 1e3
+        ideal = 2 * (n - 1) / n * (b / factor)
+        cells.append(f"{t:>8.1f} {p / t:>8.2f}x {r['sent_per_rank_bytes'] / ideal:>10.3f}")
+    wrong = sum(r.get(b, {}).get("wrong", 0) for r in (plain, two, one))
+    print(f"{b:>10} {p:>9.1f} {cells[0]} {cells[1]} {wrong:>6}")
+PY
+  done
 fi
 
 if wants alltoall; then

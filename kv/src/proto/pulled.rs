@@ -157,50 +157,59 @@ impl Shadow {
     }
 }
 
-/// The scale of a change: its mean absolute value, summed in order in `f64` (the same bits
-/// wherever it is computed).
-fn scale_of(change: &[f32]) -> f32 {
-    if change.is_empty() {
-        return 0.0;
-    }
-    let sum: f64 = change.iter().map(|x| f64::from(x.abs())).sum();
-    (sum / change.len() as f64) as f32
+thread_local! {
+    /// A server's scratch space for [`quantize`]: the change, and zeros as long as it (the
+    /// codes are taken from the change as a residual with nothing added). One per thread,
+    /// kept across keys and rounds, so that no round allocates a key's worth.
+    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const {
+        std::cell::RefCell::new((Vec::new(), Vec::new()))
+    };
 }
 
 /// The codes of `value - copy` and their scale, added to `copy`; `None` (copy unchanged)
-/// where the scale is not finite (a NaN or infinite weight goes whole instead).
+/// where the scale is not finite (a NaN or infinite weight goes whole instead). The scale is
+/// the change's mean absolute value, summed in order in `f64` (the same bits wherever it is
+/// computed).
 pub fn quantize(scheme: Scheme, value: &[f32], copy: &mut [f32]) -> Option<Delta> {
     debug_assert_eq!(value.len(), copy.len());
-    let change: Vec<f32> = value.iter().zip(copy.iter()).map(|(w, c)| w - c).collect();
-    let scale = scale_of(&change);
-    if !scale.is_finite() {
-        return None;
-    }
-    let mut codes = vec![0u8; scheme.compressed_size(value.len())];
-    if scale > 0.0 {
-        let mut scratch = vec![0.0f32; change.len()];
-        let quantized = match scheme {
-            Scheme::TwoBit => TwoBitCompressor::new(scale)
-                .map_err(|e| e.to_string())
-                .and_then(|c| {
-                    c.quantize(&change, &mut scratch, &mut codes)
-                        .map_err(|e| e.to_string())
-                }),
-            Scheme::OneBit => OneBitCompressor::new(0.0)
-                .map_err(|e| e.to_string())
-                .and_then(|c| {
-                    c.quantize(&change, &mut scratch, &mut codes)
-                        .map_err(|e| e.to_string())
-                }),
-        };
-        if quantized.is_err() {
+    let n = value.len();
+    SCRATCH.with_borrow_mut(|(change, zeros)| {
+        change.clear();
+        let mut sum = 0.0f64;
+        change.extend(value.iter().zip(copy.iter()).map(|(w, c)| {
+            let d = w - c;
+            sum += f64::from(d.abs());
+            d
+        }));
+        let scale = if n == 0 { 0.0 } else { (sum / n as f64) as f32 };
+        if !scale.is_finite() {
             return None;
         }
-    }
-    apply(scheme, &codes, scale, copy).ok()?;
-    Some(Delta {
-        scale,
-        codes: Arc::new(codes),
+        let mut codes = vec![0u8; scheme.compressed_size(n)];
+        if scale > 0.0 {
+            zeros.resize(n.max(zeros.len()), 0.0);
+            let zeros = &zeros[..n];
+            let quantized = match scheme {
+                Scheme::TwoBit => TwoBitCompressor::new(scale)
+                    .map_err(|e| e.to_string())
+                    .and_then(|c| {
+                        c.quantize(zeros, change, &mut codes)
+                            .map_err(|e| e.to_string())
+                    }),
+                Scheme::OneBit => OneBitCompressor::new(0.0)
+                    .map_err(|e| e.to_string())
+                    .and_then(|c| {
+                        c.quantize(zeros, change, &mut codes)
+                            .map_err(|e| e.to_string())
+                    }),
+            };
+            quantized.ok()?;
+        }
+        apply(scheme, &codes, scale, copy).ok()?;
+        Some(Delta {
+            scale,
+            codes: Arc::new(codes),
+        })
     })
 }
 
@@ -228,14 +237,12 @@ pub fn apply(scheme: Scheme, codes: &[u8], scale: f32, copy: &mut [f32]) -> Resu
             .map_err(|e| e.to_string())?
             .dequantize_add(codes, copy)
             .map_err(bad),
+        // MXNet's 1-bit layout: element i is bit `0x80 >> (i & 7)` of byte `i >> 3`, 1 for
+        // +1 and 0 for -1; times the scale, that is exactly +-scale.
         Scheme::OneBit => {
-            let mut signs = vec![0.0f32; copy.len()];
-            OneBitCompressor::new(0.0)
-                .map_err(|e| e.to_string())?
-                .dequantize(codes, &mut signs)
-                .map_err(bad)?;
-            for (c, s) in copy.iter_mut().zip(&signs) {
-                *c += scale * s;
+            for (i, c) in copy.iter_mut().enumerate() {
+                let up = codes[i >> 3] & (0x80 >> (i & 7)) != 0;
+                *c += if up { scale } else { -scale };
             }
             Ok(())
         }

@@ -128,3 +128,26 @@ proptest! {
         prop_assert!(mean_gap.is_finite());
     }
 }
+
+#[test]
+fn one_bit_codes_add_their_sign_times_the_scale_as_mxnets_decoder_reads_them() {
+    let len = 77;
+    let change = values(len, 5);
+    let mut codes = vec![0u8; Scheme::OneBit.compressed_size(len)];
+    let c = OneBitCompressor::new(0.0).unwrap();
+    c.quantize(&change, &mut vec![0.0; len], &mut codes)
+        .unwrap();
+    let mut signs = vec![0.0f32; len];
+    c.dequantize(&codes, &mut signs).unwrap();
+    let start = values(len, 6);
+    let mut copy = start.clone();
+    apply(Scheme::OneBit, &codes, 0.375, &mut copy).unwrap();
+    for i in 0..len {
+        assert_eq!(
+            copy[i].to_bits(),
+            (start[i] + 0.375 * signs[i]).to_bits(),
+            "{i}"
+        );
+        assert_eq!(signs[i] > 0.0, change[i] > 0.0, "{i}");
+    }
+}

@@ -3,6 +3,7 @@
 //! made. A compressed answer applies to the copy, and the pull gets the whole copy.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use psnet_compression::Scheme;
@@ -14,7 +15,18 @@ use crate::proto::sum;
 /// One key's copy.
 struct Held {
     version: u64,
-    values: Vec<f32>,
+    /// Shared with the answer that last carried it (no copy); written in place once that
+    /// is gone.
+    values: Arc<Vec<f32>>,
+}
+
+/// A copy's values as the bytes of an answer.
+struct AsBytes(Arc<Vec<f32>>);
+
+impl AsRef<[u8]> for AsBytes {
+    fn as_ref(&self) -> &[u8] {
+        sum::as_bytes(&self.0)
+    }
 }
 
 /// Every copy this worker holds.
@@ -67,6 +79,7 @@ impl Copies {
                 } else {
                     let mut values = vec![0.0f32; bytes.len() / 4];
                     sum::copy_from_le(&mut values, &bytes);
+                    let values = Arc::new(values);
                     self.held.insert(slot, Held { version, values });
                     return Ok(bytes);
                 }
@@ -74,9 +87,14 @@ impl Copies {
             // An answer already applied (two pulls of the key in flight at once).
             (_, Some(h)) if h.version == version => Ok(()),
             (Form::Delta { scale }, Some(h)) if h.version.checked_add(1) == Some(version) => {
-                pulled::apply(scheme, &bytes, scale, &mut h.values)
-                    .map(|()| h.version = version)
-                    .map_err(|e| format!("key {key}: {e}"))
+                pulled::apply(
+                    scheme,
+                    &bytes,
+                    scale,
+                    Arc::make_mut(&mut h.values).as_mut_slice(),
+                )
+                .map(|()| h.version = version)
+                .map_err(|e| format!("key {key}: {e}"))
             }
             (form, held) => Err(format!(
                 "key {key}: a compressed pull's answer ({form:?}) for version {version}, this \
@@ -85,9 +103,7 @@ impl Copies {
             )),
         };
         match result {
-            Ok(()) => Ok(Bytes::copy_from_slice(sum::as_bytes(
-                &self.held[&slot].values,
-            ))),
+            Ok(()) => Ok(Bytes::from_owner(AsBytes(self.held[&slot].values.clone()))),
             Err(e) => {
                 self.held.remove(&slot);
                 Err(e)
