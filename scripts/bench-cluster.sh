@@ -12,7 +12,8 @@
 # train      psnet-train seconds of communication per epoch, 2 servers + 2 workers: MXNet's key
 #            layout (PSNET_PARTITION_BYTES=0), the default, the default with a job secret (every
 #            frame tagged), with the secret and PSNET_ENCRYPT=1, 2-bit and 1-bit, each of those with
-#            compressed pulls too (--compression-pull); the bound is the busiest link's bytes in its
+#            compressed pulls too (--compression-pull), and the default and compressed pulls again
+#            with PSNET_TCP_CONGESTION=cubic; the bound is the busiest link's bytes in its
 #            busier direction (counted by the kernel) per epoch; epoch s is the whole epoch
 # kv         one key per op, push / pull / push then pull / pushpull, psnet's Python kvstore
 #            against MXNet 1.9.1 (scripts/bench-mxnet.py, one script for both), uncompressed and
@@ -33,7 +34,8 @@
 #            PSNET_SHM_RING=0); needs torch in target/bench-venv (PSNET_TORCH, default
 #            torch==2.15.0, is installed there when missing; none skips)
 #
-# Settings (environment): HOSTS (4), RATE (1gbit), EPOCHS (2), SAMPLES (4096), AR_ITERS (10), KV_SIZES
+# Settings (environment): HOSTS (4), RATE (1gbit), EPOCHS (2), SAMPLES (4096), TRAIN_RUNS (the train
+# runs to make, by name, e.g. "default 2bit-pull"; all when unset), AR_ITERS (10), KV_SIZES
 # (4M,16M), KV_SHAPES ("2x2 2x4"), KV_ITERS (20 timed operations of each kind per size; the
 # median is reported), AR_MIN / AR_MAX (1M / 64M), MXNET_PY (target/mxnet-venv's
 # python; made with python3.10, mxnet==1.9.1 and numpy==1.23.5 when missing; MXNET=0 skips),
@@ -169,8 +171,12 @@ if wants train; then
   for run in "mxnet-layout:PSNET_PARTITION_BYTES=0:none" "default::none" \
              "secret:PSNET_SECRET_FILE=$LOGS/secret:none" \
              "encrypted:PSNET_SECRET_FILE=$LOGS/secret,PSNET_ENCRYPT=1:none" "2bit::2bit" "1bit::1bit" \
-             "2bit-pull::2bit:--compression-pull" "1bit-pull::1bit:--compression-pull"; do
+             "2bit-pull::2bit:--compression-pull" "1bit-pull::1bit:--compression-pull" \
+             "default-cubic:PSNET_TCP_CONGESTION=cubic:none" \
+             "2bit-pull-cubic:PSNET_TCP_CONGESTION=cubic:2bit:--compression-pull" \
+             "1bit-pull-cubic:PSNET_TCP_CONGESTION=cubic:1bit:--compression-pull"; do
     IFS=: read -r name env comp extra <<< "$run"
+    [ -z "${TRAIN_RUNS:-}" ] || [[ " $TRAIN_RUNS " == *" $name "* ]] || continue
     IFS=, read -ra envs <<< "$env"
     bash "$RIG" counters --name bench > "$LOGS/c0"
     launch 2 2 "$LOGS/train.hosts" "${envs[@]}" -- "$B/psnet-train" --epochs "$EPOCHS" \

@@ -103,6 +103,55 @@ def test_dist_sync_with_2bit_compression_matches_the_quantized_reference(tmp_pat
                 assert got[r][f"{k}_{step}"].tobytes() == total.tobytes(), (k, step, r)
 
 
+def lanes(xs):
+    """psnet's sum of magnitudes: element i in lane i % 8 (in double precision), the lanes
+    added as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))."""
+    s = [0.0] * 8
+    for i, x in enumerate(xs):
+        s[i % 8] += x
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
+
+
+def test_compressed_pulls_give_every_worker_the_servers_copy_bit_for_bit(tmp_path):
+    t = np.float32(0.5)
+    got, _ = dist_job(
+        tmp_path,
+        setup="kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5, 'pull': True})",
+    )
+    # Key 5 is split over both servers, each part with a copy and a scale of its own: the
+    # workers must agree on it bit for bit. Keys 3 and 7 live whole on one server each:
+    # NumPy's model of the server, with its master value and the workers' copy.
+    for step in range(STEPS):
+        assert got[0][f"5_{step}"].tobytes() == got[1][f"5_{step}"].tobytes(), step
+    for k, shape in ((3, SHAPES[3]), (7, SHAPES[7])):
+        residual = [np.zeros(shape, dtype=np.float32) for _ in range(2)]
+        copy = np.full(shape, 0.5, dtype=np.float32)
+        lossy = False
+        for step in range(STEPS):
+            total = None
+            for r in range(2):
+                v = residual[r] + grad(r, step, k, shape)
+                q = np.where(v >= t, t, np.where(v <= -t, -t, np.float32(0))).astype(np.float32)
+                residual[r] = np.where(v >= t, v - t, np.where(v <= -t, v + t, v)).astype(np.float32)
+                total = q if total is None else total + q
+            # No optimizer: the round's sum is the master value. The copy moves where the
+            # change's magnitude is at least its mean, by the mean magnitude of those
+            # elements (sums in order, in double precision).
+            change = (total - copy).astype(np.float32)
+            mags = [float(x) for x in np.abs(change).ravel()]
+            mean = np.float32(lanes([x for x in mags]) / len(mags))
+            taken = [x for x in mags if np.float32(x) >= mean]
+            big = lanes([x if np.float32(x) >= mean else 0.0 for x in mags])
+            scale = np.float32(big / len(taken)) if taken else np.float32(0)
+            q = np.where(change >= mean, scale, np.where(change <= -mean, -scale, np.float32(0)))
+            copy = (copy + q.astype(np.float32)).astype(np.float32)
+            for r in range(2):
+                assert got[r][f"{k}_{step}"].tobytes() == copy.tobytes(), (k, step, r)
+            lossy = lossy or copy.tobytes() != total.tobytes()
+        # The workers' copy is not the master value: the pulls were compressed.
+        assert lossy, k
+
+
 def test_dist_async_applies_every_push_once(tmp_path):
     # MXNet's 'test' optimizer (w += g): after every worker's pushes and a barrier, the value
     # is the initial one plus every push, in any order (integers: exact).

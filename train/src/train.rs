@@ -189,10 +189,12 @@ async fn train(args: &Args, kv: &Worker) -> Result<(), Failure> {
             progress.step(epoch, s + 1);
         }
         if rank == 0 {
+            // The epoch's time is its training steps': the evaluation below is not part of it.
+            let trained = epoch_start.elapsed();
             let line = format!(
                 "epoch {epoch} {} | {}",
                 quality(&p, &data, &shard),
-                comm.describe(epoch_start.elapsed())
+                comm.describe(trained)
             );
             progress.line(&line);
         }

@@ -11,9 +11,12 @@
 //! a missed round) gets `W'` whole. Nothing here reads a clock or a socket.
 //!
 //! Weights change on another scale than gradients, so the gradients' threshold is not used
-//! here: the scale of each answer is the mean absolute change `mean(|W - W'|)`. 2-bit codes
-//! then carry `+-scale` where the change is at least the scale, 0 elsewhere; 1-bit codes
-//! carry `+-scale` everywhere (the sign).
+//! here; each answer's codes are chosen from the change `r = W - W'` itself. 2-bit codes
+//! mark the elements where `|r|` is at least its mean, and carry `+-scale` there, the scale
+//! being the mean `|r|` of those elements (as ternary weight networks choose theirs: it
+//! moves the copy by as much as those elements changed, where the mean itself moved it by
+//! about 40% of it and left the rest to later rounds); 0 elsewhere. 1-bit codes carry the
+//! sign of every element times the mean `|r|` (the scale that leaves the least error).
 
 use std::sync::Arc;
 
@@ -166,31 +169,72 @@ thread_local! {
     };
 }
 
+/// The sum of `|x|` over the elements of `xs` with `|x| >= from` (a NaN counts, so that it
+/// shows in the sum), in `f64`, and how many there are. Element i goes to lane `i % 8` and the lanes are added as
+/// `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`: independent lanes vectorize (one
+/// running sum is bound by the latency of each addition), and the order is fixed, so that a
+/// model elsewhere finds the same bits.
+fn magnitudes_from(xs: &[f32], from: f32) -> (f64, u64) {
+    let mut sums = [0.0f64; 8];
+    let mut counts = [0u64; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for lane in 0..8 {
+            let a = c[lane].abs();
+            let taken = a >= from || a.is_nan();
+            sums[lane] += if taken { f64::from(a) } else { 0.0 };
+            counts[lane] += u64::from(taken);
+        }
+    }
+    for (lane, x) in rest.iter().enumerate() {
+        let a = x.abs();
+        let taken = a >= from || a.is_nan();
+        sums[lane] += if taken { f64::from(a) } else { 0.0 };
+        counts[lane] += u64::from(taken);
+    }
+    let s = &sums;
+    let sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    (sum, counts.iter().sum())
+}
+
+thread_local! {
+    /// Decoded 1-bit signs, for [`apply`].
+    static SIGNS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// The codes of `value - copy` and their scale, added to `copy`; `None` (copy unchanged)
 /// where the scale is not finite (a NaN or infinite weight goes whole instead). The scale is
-/// the change's mean absolute value, summed in order in `f64` (the same bits wherever it is
-/// computed).
+/// chosen as the module docs say; its sums are taken in order in `f64`, so that a model
+/// elsewhere finds the same bits.
 pub fn quantize(scheme: Scheme, value: &[f32], copy: &mut [f32]) -> Option<Delta> {
     debug_assert_eq!(value.len(), copy.len());
     let n = value.len();
     SCRATCH.with_borrow_mut(|(change, zeros)| {
         change.clear();
-        let mut sum = 0.0f64;
-        change.extend(value.iter().zip(copy.iter()).map(|(w, c)| {
-            let d = w - c;
-            sum += f64::from(d.abs());
-            d
-        }));
-        let scale = if n == 0 { 0.0 } else { (sum / n as f64) as f32 };
+        change.extend(value.iter().zip(copy.iter()).map(|(w, c)| w - c));
+        let (sum, _) = magnitudes_from(change, 0.0);
+        let mean = if n == 0 { 0.0 } else { (sum / n as f64) as f32 };
+        if !mean.is_finite() {
+            return None;
+        }
+        // 2-bit: the elements at or past the mean, and their mean magnitude.
+        let scale = match scheme {
+            Scheme::OneBit => mean,
+            Scheme::TwoBit => match magnitudes_from(change, mean) {
+                (_, 0) => 0.0,
+                (big, count) => (big / count as f64) as f32,
+            },
+        };
         if !scale.is_finite() {
             return None;
         }
         let mut codes = vec![0u8; scheme.compressed_size(n)];
-        if scale > 0.0 {
+        if scale > 0.0 && mean > 0.0 {
             zeros.resize(n.max(zeros.len()), 0.0);
             let zeros = &zeros[..n];
             let quantized = match scheme {
-                Scheme::TwoBit => TwoBitCompressor::new(scale)
+                Scheme::TwoBit => TwoBitCompressor::new(mean)
                     .map_err(|e| e.to_string())
                     .and_then(|c| {
                         c.quantize(zeros, change, &mut codes)
@@ -237,15 +281,19 @@ pub fn apply(scheme: Scheme, codes: &[u8], scale: f32, copy: &mut [f32]) -> Resu
             .map_err(|e| e.to_string())?
             .dequantize_add(codes, copy)
             .map_err(bad),
-        // MXNet's 1-bit layout: element i is bit `0x80 >> (i & 7)` of byte `i >> 3`, 1 for
-        // +1 and 0 for -1; times the scale, that is exactly +-scale.
-        Scheme::OneBit => {
-            for (i, c) in copy.iter_mut().enumerate() {
-                let up = codes[i >> 3] & (0x80 >> (i & 7)) != 0;
-                *c += if up { scale } else { -scale };
+        // The codes decode to +-1 (MXNet's decoder, vectorized); times the scale, that is
+        // exactly +-scale.
+        Scheme::OneBit => SIGNS.with_borrow_mut(|signs| {
+            signs.resize(copy.len(), 0.0);
+            OneBitCompressor::new(0.0)
+                .map_err(|e| e.to_string())?
+                .dequantize(codes, signs)
+                .map_err(bad)?;
+            for (c, s) in copy.iter_mut().zip(signs.iter()) {
+                *c += scale * s;
             }
             Ok(())
-        }
+        }),
     }
 }
 
