@@ -10,8 +10,9 @@
 //! - **Two phases**, as DeepSpeed's 1-bit Adam: rank j owns chunk j. Each rank quantizes
 //!   every chunk with its worker residual and sends chunk j's codes to rank j (an
 //!   all-to-all); rank j decodes and sums them in rank order and quantizes the sum again
-//!   with its server residual (of its chunk's length); the chunks' codes are then
-//!   allgathered and decoded. 2(n - 1)/n x size/16 bytes each way per rank, whatever n.
+//!   with its server residual (of its chunk's length) and a scale of its own
+//!   (`rescaled.rs`); the chunks' codes and scales are then allgathered and decoded.
+//!   2(n - 1)/n x size/16 bytes each way per rank, whatever n.
 
 use std::future::Future;
 use std::ops::Range;
@@ -24,6 +25,7 @@ use crate::element::{DType, ReduceOp};
 use crate::error::CollectiveError;
 use crate::pieces::HostPieces;
 use crate::plan;
+use crate::rescaled;
 use crate::wire::{Call, Coll};
 
 /// How a compressed allreduce moves its codes.
@@ -80,7 +82,9 @@ impl<T: Transport> Communicator<T> {
         let sent = match self.compressed_scheme(len) {
             CompressedScheme::Allgather => (n - 1) * compressor.compressed_len(len),
             CompressedScheme::TwoPhase => {
-                2 * (n - 1) * compressor.compressed_len(plan::chunk(len, n, 0).len())
+                let longest = plan::chunk(len, n, 0).len();
+                (n - 1) * compressor.compressed_len(longest)
+                    + (n - 1) * rescaled::block_len(compressor.scheme(), longest)
             }
         };
         sent as u64
@@ -243,7 +247,8 @@ impl<T: Transport> Communicator<T> {
         })
         .await?;
 
-        // This rank's chunk: the ranks' codes summed in rank order, quantized again.
+        // This rank's chunk: the ranks' codes summed in rank order, quantized again with a
+        // scale of its own (`rescaled.rs`).
         let mine = codes_of(rank);
         let mut sum = vec![0.0f32; chunks[rank].len()];
         for from in 0..n {
@@ -252,25 +257,31 @@ impl<T: Transport> Communicator<T> {
                 .dequantize_add(&received[at..at + mine], &mut sum)
                 .map_err(|e| invalid(e.to_string()))?;
         }
-        let mut gathered = vec![0u8; n * block];
-        let at = rank * block;
-        let prepared = compressor
-            .quantize(&sum, server, &mut gathered[at..at + mine])
-            .map_err(|e| invalid(e.to_string()))
-            .map(|()| {
-                (
-                    Self::compressed_call(Coll::CompressedGather, len, compressor),
-                    plan::ring_allgather(rank, n, block, 1, piece),
-                )
-            });
+        let scheme = compressor.scheme();
+        let block2 = rescaled::block_len(scheme, chunks[0].len());
+        let mut gathered = vec![0u8; n * block2];
+        let at = rank * block2;
+        let prepared = rescaled::encode(
+            scheme,
+            compressor.threshold(),
+            &sum,
+            server,
+            &mut gathered[at..at + block2],
+        )
+        .map_err(invalid)
+        .map(|()| {
+            (
+                Self::compressed_call(Coll::CompressedGather, len, compressor),
+                plan::ring_allgather(rank, n, block2, 1, piece),
+            )
+        });
 
-        // Phase 2: every chunk's codes to every rank, decoded in place.
+        // Phase 2: every chunk's block to every rank, decoded in place.
         self.run(second, prepared, &mut gathered).await?;
         for (c, range) in chunks.iter().enumerate() {
-            let at = c * block;
-            compressor
-                .dequantize(&gathered[at..at + codes_of(c)], &mut buf[range.clone()])
-                .map_err(|e| invalid(e.to_string()))?;
+            let at = c * block2;
+            rescaled::decode(scheme, &gathered[at..at + block2], &mut buf[range.clone()])
+                .map_err(|e| invalid(format!("chunk {c} (rank {c}'s): {e}")))?;
         }
         Ok(())
     }

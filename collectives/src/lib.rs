@@ -37,6 +37,7 @@ mod owned;
 mod p2p;
 mod payload;
 mod pieces;
+mod rescaled;
 // Used by calls on the device; tested without a GPU.
 #[cfg(any(feature = "cuda", test))]
 mod placing;

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use futures_util::future::{join_all, try_join_all};
 use psnet_collectives::{CompressedScheme, Config};
-use psnet_compression::{Compressor, OneBitCompressor, TwoBitCompressor};
+use psnet_compression::scale::mean_magnitude_from;
+use psnet_compression::{Compressor, OneBitCompressor, Scheme, TwoBitCompressor};
 use psnet_memnet::MemNet;
 
 mod common;
@@ -67,9 +68,33 @@ fn model(
                 for rank_codes in &codes {
                     c.dequantize_add(&rank_codes[j], &mut sum).unwrap();
                 }
-                let mut q = vec![0u8; c.compressed_len(range.len())];
-                c.quantize(&sum, &mut res[j].server, &mut q).unwrap();
-                c.dequantize(&q, &mut out[range]).unwrap();
+                // Rank j's server residual takes the sum; the codes mark (2-bit) what is at
+                // least the job's threshold, or (1-bit) every sign, and stand for the mean
+                // magnitude of what they mark.
+                let server = &mut res[j].server;
+                for (r, s) in server.iter_mut().zip(&sum) {
+                    *r += s;
+                }
+                let decide = match c.scheme() {
+                    Scheme::TwoBit => c.threshold(),
+                    Scheme::OneBit => 0.0,
+                };
+                let scale = mean_magnitude_from(server, decide);
+                let decoded: Vec<f32> = server
+                    .iter()
+                    .map(|&x| match c.scheme() {
+                        _ if scale == 0.0 => 0.0,
+                        Scheme::TwoBit if x >= decide => scale,
+                        Scheme::TwoBit if x <= -decide => -scale,
+                        Scheme::TwoBit => 0.0,
+                        Scheme::OneBit if x > 0.0 => scale,
+                        Scheme::OneBit => -scale,
+                    })
+                    .collect();
+                for (r, d) in server.iter_mut().zip(&decoded) {
+                    *r -= d;
+                }
+                out[range].copy_from_slice(&decoded);
             }
         }
     }

@@ -20,6 +20,7 @@
 
 use std::sync::Arc;
 
+use psnet_compression::scale::{magnitudes_from, mean_magnitude_from};
 use psnet_compression::{
     CompressionError, CompressionParams, OneBitCompressor, ParamsError, Scheme, TwoBitCompressor,
 };
@@ -169,35 +170,6 @@ thread_local! {
     };
 }
 
-/// The sum of `|x|` over the elements of `xs` with `|x| >= from` (a NaN counts, so that it
-/// shows in the sum), in `f64`, and how many there are. Element i goes to lane `i % 8` and the lanes are added as
-/// `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`: independent lanes vectorize (one
-/// running sum is bound by the latency of each addition), and the order is fixed, so that a
-/// model elsewhere finds the same bits.
-fn magnitudes_from(xs: &[f32], from: f32) -> (f64, u64) {
-    let mut sums = [0.0f64; 8];
-    let mut counts = [0u64; 8];
-    let chunks = xs.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for lane in 0..8 {
-            let a = c[lane].abs();
-            let taken = a >= from || a.is_nan();
-            sums[lane] += if taken { f64::from(a) } else { 0.0 };
-            counts[lane] += u64::from(taken);
-        }
-    }
-    for (lane, x) in rest.iter().enumerate() {
-        let a = x.abs();
-        let taken = a >= from || a.is_nan();
-        sums[lane] += if taken { f64::from(a) } else { 0.0 };
-        counts[lane] += u64::from(taken);
-    }
-    let s = &sums;
-    let sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-    (sum, counts.iter().sum())
-}
-
 thread_local! {
     /// Decoded 1-bit signs, for [`apply`].
     static SIGNS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -221,10 +193,7 @@ pub fn quantize(scheme: Scheme, value: &[f32], copy: &mut [f32]) -> Option<Delta
         // 2-bit: the elements at or past the mean, and their mean magnitude.
         let scale = match scheme {
             Scheme::OneBit => mean,
-            Scheme::TwoBit => match magnitudes_from(change, mean) {
-                (_, 0) => 0.0,
-                (big, count) => (big / count as f64) as f32,
-            },
+            Scheme::TwoBit => mean_magnitude_from(change, mean),
         };
         if !scale.is_finite() {
             return None;
