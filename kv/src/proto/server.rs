@@ -221,6 +221,12 @@ struct KeyState {
 }
 
 impl KeyState {
+    /// Bytes of values this key holds: its value, and the workers' copy if it keeps one.
+    fn held_bytes(&self) -> u64 {
+        let copy = self.shadow.as_ref().map_or(0, |s| s.copy.len());
+        (self.value.len() + copy) as u64 * 4
+    }
+
     fn new(value: Vec<f32>, updates: u64) -> Self {
         KeyState {
             value: Arc::new(value),
@@ -540,6 +546,26 @@ impl ServerState {
                         ))
                     }
                     None => {
+                        // Keys initialized before get their copies: held twice from now on.
+                        let copies: u64 = match params.pull {
+                            true => self
+                                .keys
+                                .values()
+                                .filter(|k| k.dtype == Dtype::F32)
+                                .map(|k| k.value.len() as u64 * 4)
+                                .sum(),
+                            false => 0,
+                        };
+                        if self.key_bytes + copies > self.key_limit {
+                            return Err(format!(
+                                "compressed pulls keep a copy of every key: {copies} more bytes \
+                                 would bring this server's keys to {} bytes, beyond \
+                                 PSNET_KV_SERVER_KEY_BYTES={}",
+                                self.key_bytes + copies,
+                                self.key_limit
+                            ));
+                        }
+                        self.key_bytes += copies;
                         self.compressor = params.params.compressor().map_err(|e| e.to_string())?;
                         self.compression = Some(params);
                         // Keys initialized before: their copies start from their values.
@@ -759,13 +785,24 @@ impl ServerState {
         let n = dtype
             .count(payload.len())
             .ok_or_else(|| format!("key {key}: init payload is not {dtype} values"))?;
-        let replaced = self.keys.get(&key).map_or(0, |k| k.value.len() as u64 * 4);
-        let held = self.key_bytes - replaced + n as u64 * 4;
+        let replaced = self.keys.get(&key).map_or(0, KeyState::held_bytes);
+        // With compressed pulls an f32 key is held twice: its value and the workers' copy.
+        let copies = if self.pull_scheme().is_some() && dtype == Dtype::F32 {
+            2
+        } else {
+            1
+        };
+        let bytes = n as u64 * 4 * copies;
+        let held = self.key_bytes - replaced + bytes;
         if held > self.key_limit {
             return Err(format!(
-                "key {key}: {} bytes would bring this server's keys to {held} bytes, beyond \
-                 PSNET_KV_SERVER_KEY_BYTES={}",
-                n * 4,
+                "key {key}: {bytes} bytes{} would bring this server's keys to {held} bytes, \
+                 beyond PSNET_KV_SERVER_KEY_BYTES={}",
+                if copies == 2 {
+                    " (its value and the workers' copy: compressed pulls)"
+                } else {
+                    ""
+                },
                 self.key_limit
             ));
         }

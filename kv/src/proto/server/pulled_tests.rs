@@ -211,3 +211,36 @@ fn the_copy_survives_a_snapshot_and_is_rebuilt_by_the_journal() {
         assert!(e.to_string().contains("malformed snapshot"), "{e}");
     }
 }
+
+#[test]
+fn the_workers_copies_count_against_the_servers_key_bytes() {
+    // 40 bytes of room: a 4-element key (16 bytes) fits, with its copy (32) too.
+    let mut s = ServerState::new(1).with_key_limit(40);
+    init(&mut s, 1, &[1.0; 4]);
+    s.handle_command(CommandKind::SetCompression, PULL_2BIT)
+        .unwrap();
+    // Another 4-element key would bring value and copy to 64 bytes.
+    let mut p = push(0, 7, 2, &[1.0; 4]);
+    p.flags.init = true;
+    s.handle_push(p);
+    let reason = super::tests::failed_reason(&drain(&mut s));
+    assert!(reason.contains("32 bytes (its value and the workers' copy"), "{reason}");
+    assert!(reason.contains("PSNET_KV_SERVER_KEY_BYTES=40"), "{reason}");
+    // Without room for the copies, compressed pulls are refused and nothing changes.
+    let mut s = ServerState::new(1).with_key_limit(20);
+    init(&mut s, 1, &[1.0; 4]);
+    let e = s
+        .handle_command(CommandKind::SetCompression, PULL_2BIT)
+        .unwrap_err();
+    assert!(e.contains("compressed pulls keep a copy of every key"), "{e}");
+    assert!(s.shadow(1).is_none());
+    s.handle_command(CommandKind::SetCompression, r#"{"type":"2bit","threshold":0.5}"#)
+        .unwrap();
+    // A snapshot's copies count when it is read back.
+    let mut s = server(1).with_key_limit(32);
+    init(&mut s, 3, &[1.0; 4]);
+    let bytes = s.snapshot();
+    assert!(ServerState::restore(&bytes, 1, 32).is_ok());
+    let e = ServerState::restore(&bytes, 1, 24).unwrap_err().to_string();
+    assert!(e.contains("workers' copies"), "{e}");
+}

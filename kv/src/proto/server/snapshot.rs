@@ -242,6 +242,13 @@ impl ServerState {
             state.dtype = dtype;
             if let (Some(scheme), Dtype::F32) = (s.pull_scheme(), dtype) {
                 state.shadow = Some(read_shadow(&mut r, key, n as usize, scheme)?);
+                s.key_bytes += 4 * n;
+                if s.key_bytes > key_limit {
+                    return Err(KvError::Checkpoint(format!(
+                        "the snapshot holds more than PSNET_KV_SERVER_KEY_BYTES={key_limit} \
+                         bytes of values and workers' copies"
+                    )));
+                }
             }
             s.keys.insert(key, state);
         }
