@@ -84,8 +84,19 @@ def test_dist_sync_with_sgd_momentum_is_bit_identical_to_numpy(tmp_path):
                 assert got[r][f"{k}_{step}"].tobytes() == w.tobytes(), (k, step, r)
 
 
+def quantized_sum(residual, step, k, shape, t=np.float32(0.5)):
+    """MXNet's 2-bit codes of both workers' gradients (threshold t, each worker's residual
+    updated in place), decoded and summed in rank order: a round's sum at the server."""
+    total = None
+    for r in range(2):
+        v = residual[r] + grad(r, step, k, shape)
+        q = np.where(v >= t, t, np.where(v <= -t, -t, np.float32(0))).astype(np.float32)
+        residual[r][...] = np.where(v >= t, v - t, np.where(v <= -t, v + t, v))
+        total = q if total is None else total + q
+    return total
+
+
 def test_dist_sync_with_2bit_compression_matches_the_quantized_reference(tmp_path):
-    t = np.float32(0.5)
     got, _ = dist_job(
         tmp_path,
         setup="kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})",
@@ -93,12 +104,7 @@ def test_dist_sync_with_2bit_compression_matches_the_quantized_reference(tmp_pat
     for k, shape in SHAPES.items():
         residual = [np.zeros(shape, dtype=np.float32) for _ in range(2)]
         for step in range(STEPS):
-            total = None
-            for r in range(2):
-                v = residual[r] + grad(r, step, k, shape)
-                q = np.where(v >= t, t, np.where(v <= -t, -t, np.float32(0))).astype(np.float32)
-                residual[r] = np.where(v >= t, v - t, np.where(v <= -t, v + t, v)).astype(np.float32)
-                total = q if total is None else total + q
+            total = quantized_sum(residual, step, k, shape)
             for r in range(2):
                 assert got[r][f"{k}_{step}"].tobytes() == total.tobytes(), (k, step, r)
 
@@ -113,7 +119,6 @@ def lanes(xs):
 
 
 def test_compressed_pulls_give_every_worker_the_servers_copy_bit_for_bit(tmp_path):
-    t = np.float32(0.5)
     got, _ = dist_job(
         tmp_path,
         setup="kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5, 'pull': True})",
@@ -128,12 +133,7 @@ def test_compressed_pulls_give_every_worker_the_servers_copy_bit_for_bit(tmp_pat
         copy = np.full(shape, 0.5, dtype=np.float32)
         lossy = False
         for step in range(STEPS):
-            total = None
-            for r in range(2):
-                v = residual[r] + grad(r, step, k, shape)
-                q = np.where(v >= t, t, np.where(v <= -t, -t, np.float32(0))).astype(np.float32)
-                residual[r] = np.where(v >= t, v - t, np.where(v <= -t, v + t, v)).astype(np.float32)
-                total = q if total is None else total + q
+            total = quantized_sum(residual, step, k, shape)
             # No optimizer: the round's sum is the master value. The copy moves where the
             # change's magnitude is at least its mean, by the mean magnitude of those
             # elements (sums in order, in double precision).

@@ -18,6 +18,14 @@ fn epochs(stdout: &str) -> Vec<&str> {
         .collect()
 }
 
+/// The loss of every epoch line.
+fn losses(stdout: &str) -> Vec<f32> {
+    epochs(stdout)
+        .iter()
+        .map(|l| l.split_whitespace().nth(3).unwrap().parse().unwrap())
+        .collect()
+}
+
 /// Runs a distributed job and the reference with the same arguments; both must agree exactly.
 fn matches_reference(name: &str, args: &[&str], env: &[(&str, &str)]) {
     matches_reference_with(train, name, args, env);
@@ -203,10 +211,7 @@ fn async_training_learns() {
         ])
         .output()
         .unwrap());
-    let losses: Vec<f32> = epochs(&out)
-        .iter()
-        .map(|l| l.split_whitespace().nth(3).unwrap().parse().unwrap())
-        .collect();
+    let losses = losses(&out);
     assert_eq!(losses.len(), 4, "{out}");
     assert!(losses[3] < losses[0], "loss did not go down: {losses:?}");
 }
@@ -220,10 +225,7 @@ fn compressed_pulls_train_and_bad_combinations_are_refused_by_name() {
             .env("PSNET_PARTITION_BYTES", "4096")
             .output()
             .unwrap());
-        let losses: Vec<f32> = epochs(&out)
-            .iter()
-            .map(|l| l.split_whitespace().nth(3).unwrap().parse().unwrap())
-            .collect();
+        let losses = losses(&out);
         assert_eq!(losses.len(), 4, "{out}");
         assert!(losses[3] < 0.8 * losses[0], "{scheme:?}: loss {losses:?}");
     }

@@ -12,7 +12,7 @@ use psnet::compression::{CompressionParams, Compressor};
 use psnet::transport::Transport;
 use psnet::AnyTransport;
 
-use super::measure::{lengths, Setup};
+use super::measure::{lengths, Setup, Totals};
 use super::ranks::{banner, describe_ranks};
 use super::sizes;
 use super::table::{self, CollContext, CollRow};
@@ -109,7 +109,7 @@ pub(super) async fn bench(
         );
         println!("{}", table::header(true));
     }
-    let (mut wrong_total, mut busbw_sum, mut measured) = (0u64, 0.0f64, 0usize);
+    let mut totals = Totals::default();
     for &size in &sizes {
         let (bytes, count, ..) = lengths(s.coll, size, 4, n);
         let mut send = vec![0.0f32; count];
@@ -153,32 +153,21 @@ pub(super) async fn bench(
             row.sent_per_rank_bytes = Some(sent);
             row
         });
-        for r in &rows {
-            wrong_total += r.wrong.unwrap_or(0);
-            busbw_sum += r.busbw_gb_s;
-            measured += 1;
-        }
-        if rank == 0 {
-            if args.json {
-                for r in &rows {
-                    println!("{}", crate::report::json_line(&context, r));
-                }
-            } else {
-                println!(
+        totals.report(
+            rank == 0 && !args.json,
+            rank == 0 && args.json,
+            &context,
+            &rows,
+            || {
+                format!(
                     "{}  {:?}",
                     table::line(bytes, count as u64, "float", "sum", -1, &rows[0], &rows[1]),
                     comm.compressed_scheme(count)
-                );
-            }
-        }
-    }
-    if rank == 0 && !args.json {
-        println!(
-            "{}",
-            table::footer(check.then_some(wrong_total), busbw_sum, measured)
+                )
+            },
         );
     }
-    Ok(wrong_total)
+    Ok(totals.finish(rank == 0 && !args.json, check))
 }
 
 /// One call, out of place or in place (on `work`, which then carries the running result:

@@ -215,7 +215,7 @@ pub(super) async fn bench<E: Sample>(
         println!("{}", banner(s, &context, &ranks));
         println!("{}", table::header(false));
     }
-    let (mut wrong_total, mut busbw_sum, mut measured) = (0u64, 0.0f64, 0usize);
+    let mut totals = Totals::default();
     for &size in &sizes {
         let (bytes, count, ls, lr, lw) = lengths(coll, size, elem, n);
         let (send, recv, work) = (&mut send[..ls], &mut recv[..lr], &mut work[..lw]);
@@ -249,38 +249,68 @@ pub(super) async fn bench<E: Sample>(
             let i = usize::from(ip);
             CollRow::new(coll, n, bytes, count as u64, ip, times[i], wrong[i])
         });
-        for r in &rows {
-            wrong_total += r.wrong.unwrap_or(0);
-            busbw_sum += r.busbw_gb_s;
-            measured += 1;
-        }
-        if rank == 0 {
-            if args.json {
-                for r in &rows {
-                    println!("{}", crate::report::json_line(&context, r));
-                }
-            } else {
+        totals.report(
+            rank == 0 && !args.json,
+            rank == 0 && args.json,
+            &context,
+            &rows,
+            || {
                 let root = if coll.rooted() { args.root as i64 } else { -1 };
-                println!(
-                    "{}",
-                    table::line(
-                        bytes,
-                        count as u64,
-                        E::DTYPE.name(),
-                        context.op,
-                        root,
-                        &rows[0],
-                        &rows[1]
-                    )
-                );
-            }
-        }
-    }
-    if rank == 0 && !args.json {
-        println!(
-            "{}",
-            table::footer(check.then_some(wrong_total), busbw_sum, measured)
+                table::line(
+                    bytes,
+                    count as u64,
+                    E::DTYPE.name(),
+                    context.op,
+                    root,
+                    &rows[0],
+                    &rows[1],
+                )
+            },
         );
     }
-    Ok(wrong_total)
+    Ok(totals.finish(rank == 0 && !args.json, check))
+}
+
+/// What every size's rows add to, for the table's last lines.
+#[derive(Default)]
+pub(super) struct Totals {
+    wrong: u64,
+    busbw: f64,
+    measured: usize,
+}
+
+impl Totals {
+    /// Counts a size's rows and prints them: `line()` where `table`, JSON lines where `json`
+    /// (rank 0 prints, the others only count).
+    pub(super) fn report(
+        &mut self,
+        table: bool,
+        json: bool,
+        context: &CollContext,
+        rows: &[CollRow],
+        line: impl FnOnce() -> String,
+    ) {
+        for r in rows {
+            self.wrong += r.wrong.unwrap_or(0);
+            self.busbw += r.busbw_gb_s;
+            self.measured += 1;
+            if json {
+                println!("{}", crate::report::json_line(context, r));
+            }
+        }
+        if table {
+            println!("{}", line());
+        }
+    }
+
+    /// Prints the table's last lines where `table`; the wrong elements of every check.
+    pub(super) fn finish(&self, table: bool, check: bool) -> u64 {
+        if table {
+            println!(
+                "{}",
+                table::footer(check.then_some(self.wrong), self.busbw, self.measured)
+            );
+        }
+        self.wrong
+    }
 }

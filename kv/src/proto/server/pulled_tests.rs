@@ -224,7 +224,10 @@ fn the_workers_copies_count_against_the_servers_key_bytes() {
     p.flags.init = true;
     s.handle_push(p);
     let reason = super::tests::failed_reason(&drain(&mut s));
-    assert!(reason.contains("32 bytes (its value and the workers' copy"), "{reason}");
+    assert!(
+        reason.contains("32 bytes (its value and the workers' copy"),
+        "{reason}"
+    );
     assert!(reason.contains("PSNET_KV_SERVER_KEY_BYTES=40"), "{reason}");
     // Without room for the copies, compressed pulls are refused and nothing changes.
     let mut s = ServerState::new(1).with_key_limit(20);
@@ -232,10 +235,16 @@ fn the_workers_copies_count_against_the_servers_key_bytes() {
     let e = s
         .handle_command(CommandKind::SetCompression, PULL_2BIT)
         .unwrap_err();
-    assert!(e.contains("compressed pulls keep a copy of every key"), "{e}");
+    assert!(
+        e.contains("compressed pulls keep a copy of every key"),
+        "{e}"
+    );
     assert!(s.shadow(1).is_none());
-    s.handle_command(CommandKind::SetCompression, r#"{"type":"2bit","threshold":0.5}"#)
-        .unwrap();
+    s.handle_command(
+        CommandKind::SetCompression,
+        r#"{"type":"2bit","threshold":0.5}"#,
+    )
+    .unwrap();
     // A snapshot's copies count when it is read back.
     let mut s = server(1).with_key_limit(32);
     init(&mut s, 3, &[1.0; 4]);
