@@ -64,6 +64,20 @@ SECTIONS=("$@")
 LOGS=${KEEP:-$(mktemp -d)}
 mkdir -p "$LOGS"
 say() { echo "bench-cluster: $*" >&2; }
+# The allreduce sections' reader of psnet-perf's (and bench-mpi-allreduce.py's) JSON Lines:
+# rows(path) is {bytes: row} of the lines that hold a measurement.
+export BENCH_ROWS_PY='
+def rows(path):
+    out = {}
+    for line in open(path):
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if "busbw_gb_s" in r:
+            out[r["bytes"]] = r
+    return out
+'
 wants() { local s; for s in "${SECTIONS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 [ "$(id -u)" = 0 ] || { say "needs root (network namespaces)"; exit 1; }
 
@@ -277,17 +291,8 @@ if wants allreduce; then
     : > "$LOGS/ar.mpi.json"
   fi
   python3 - "$LOGS/ar.psnet.json" "$LOGS/ar.mpi.json" "$RATE_BITS" <<'PY'
-import json, sys
-def rows(path):
-    out = {}
-    for line in open(path):
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        if "busbw_gb_s" in r:
-            out[r["bytes"]] = r
-    return out
+import json, os, sys
+exec(os.environ["BENCH_ROWS_PY"])
 ps, mpi, link = rows(sys.argv[1]), rows(sys.argv[2]), float(sys.argv[3]) / 8 / 1e9
 print(f"{'bytes':>10} {'psnet busbw GB/s':>17} {'of link':>8} {'Open MPI busbw':>15} {'psnet/MPI':>10} {'wrong':>6}")
 for b in sorted(ps):
@@ -320,17 +325,9 @@ if wants compressed; then
         || { say "compressed allreduce $mode on $n ranks failed:"; tail -5 "$LOGS/car.$n.$mode.0.err" >&2; }
     done
     python3 - "$n" "$per_host" "$LOGS/car.$n.none.json" "$LOGS/car.$n.2bit.json" "$LOGS/car.$n.1bit.json" <<'PY'
-import json, sys
+import json, os, sys
+exec(os.environ["BENCH_ROWS_PY"])
 n, per_host = int(sys.argv[1]), int(sys.argv[2])
-def rows(path):
-    out = {}
-    for line in open(path):
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        out[r["bytes"]] = r
-    return out
 plain, two, one = (rows(p) for p in sys.argv[3:6])
 print(f"{n} ranks, {per_host} per host (in place; ms per call; sent: code bytes per rank, and against 2(n-1)/n of the codes)")
 print(f"{'bytes':>10} {'plain ms':>9} {'2bit ms':>8} {'speed-up':>9} {'sent/ideal':>10} {'1bit ms':>8} {'speed-up':>9} {'sent/ideal':>10} {'wrong':>6}")

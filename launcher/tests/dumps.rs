@@ -92,19 +92,14 @@ fn a_quiet_job_is_asked_for_its_dumps_after_dump_after_seconds() {
     assert!(launcher.try_wait().unwrap().is_none(), "the job ended");
     let pid = rustix::process::Pid::from_child(&launcher);
     rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
-    let (mut out, mut err) = (String::new(), String::new());
+    let mut out = String::new();
     launcher
         .stdout
         .take()
         .unwrap()
         .read_to_string(&mut out)
         .unwrap();
-    launcher
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+    let err = stderr_of(&mut launcher);
     launcher.wait().unwrap();
     assert!(
         err.contains("no output for 1 s (--dump-after): asked 4 processes"),
