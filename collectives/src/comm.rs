@@ -235,8 +235,11 @@ impl<T: Transport> Communicator<T> {
         tracing::error!(rank = self.rank, error = %error, "collective failed");
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let teller = crate::drive::Teller::of(self);
-            runtime
-                .spawn(async move { teller.tell(&format!("rank {}: {error}", teller.rank)).await });
+            runtime.spawn(async move {
+                teller
+                    .tell(seq, &format!("rank {}: {error}", teller.rank))
+                    .await
+            });
         }
     }
 
@@ -335,7 +338,7 @@ impl<T: Transport> Communicator<T> {
             }
         };
         if let Err(e) = &result {
-            crate::drive::fail(self, e).await;
+            crate::drive::fail(self, ticket.seq, e).await;
             self.dump_recorder(&format!("call {} failed: {e}", ticket.seq));
         }
         ticket.finished = true;

@@ -219,11 +219,11 @@ fn take_mail<T: Transport>(
     seq: u64,
 ) -> Result<Vec<crate::mailbox::Arrival>, CollectiveError> {
     let mut mail = comm.mailbox.lock();
-    if let Some((from, why)) = mail.aborted.get(&comm.comm) {
-        if let Some(rank) = rank_of(comm, *from) {
+    if let Some(abort) = mail.abort_of(comm.comm, seq) {
+        if let Some(rank) = rank_of(comm, abort.from) {
             return Err(CollectiveError::Aborted {
                 rank,
-                reason: why.clone(),
+                reason: abort.reason.clone(),
             });
         }
     }
@@ -318,9 +318,12 @@ async fn send_error<T: Transport>(
     });
     let _ = waited.await;
     let aborted = comm.mailbox.lock().aborted.get(&comm.comm).cloned();
-    if let Some((from, reason)) = aborted {
-        if let Some(rank) = rank_of(comm, from) {
-            return CollectiveError::Aborted { rank, reason };
+    if let Some(abort) = aborted {
+        if let Some(rank) = rank_of(comm, abort.from) {
+            return CollectiveError::Aborted {
+                rank,
+                reason: abort.reason,
+            };
         }
     }
     lost_by_send(comm, to, e)
@@ -345,9 +348,9 @@ pub(crate) fn lost_by_send<T: Transport>(
     }
 }
 
-/// Marks the communicator failed with `error` and tells every other rank why, unless the
-/// error came from one of them.
-pub(crate) async fn fail<T: Transport>(comm: &Communicator<T>, error: &CollectiveError) {
+/// Marks the communicator failed with `error` in call `seq` and tells every other rank why,
+/// unless the error came from one of them.
+pub(crate) async fn fail<T: Transport>(comm: &Communicator<T>, seq: u64, error: &CollectiveError) {
     if !comm.set_failed(error) {
         return;
     }
@@ -356,7 +359,7 @@ pub(crate) async fn fail<T: Transport>(comm: &Communicator<T>, error: &Collectiv
         return;
     }
     Teller::of(comm)
-        .tell(&format!("rank {}: {error}", comm.rank))
+        .tell(seq, &format!("rank {}: {error}", comm.rank))
         .await;
 }
 
@@ -378,9 +381,12 @@ impl<T: Transport> Teller<T> {
         }
     }
 
-    /// Sends every other rank an abort carrying `reason`, each send bounded in time.
-    pub(crate) async fn tell(&self, reason: &str) {
-        let header = wire::control(Kind::Abort, self.comm).encode();
+    /// Sends every other rank an abort of call `seq` carrying `reason`, each send bounded in
+    /// time.
+    pub(crate) async fn tell(&self, seq: u64, reason: &str) {
+        let mut header = wire::control(Kind::Abort, self.comm);
+        header.seq = seq;
+        let header = header.encode();
         let segment = [Segment::from(reason.as_bytes())];
         let mut tell = FuturesUnordered::new();
         for (rank, &node) in self.members.iter().enumerate() {

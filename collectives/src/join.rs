@@ -62,7 +62,7 @@ pub(crate) async fn join<T: Transport>(
             Ok(addrs) => addrs,
             Err(e) => {
                 // The ranks that did join are waiting for the table: tell them why none comes.
-                Teller::of(comm).tell(&format!("rank 0: {e}")).await;
+                Teller::of(comm).tell(0, &format!("rank 0: {e}")).await;
                 return Err(e);
             }
         };
@@ -269,8 +269,8 @@ async fn wait_for<R>(
         changed.as_mut().enable();
         {
             let mut mail = comm.mailbox.lock();
-            if let Some((_, why)) = mail.aborted.get(&comm.comm) {
-                return Err(WaitEnd::Aborted(why.clone()));
+            if let Some(abort) = mail.aborted.get(&comm.comm) {
+                return Err(WaitEnd::Aborted(abort.reason.clone()));
             }
             let found = mail
                 .joining

@@ -15,6 +15,17 @@ use tokio::time::Instant;
 use crate::payload::Payload;
 use crate::wire::{Header, Kind};
 
+/// Another rank's abort of a communicator: who, why, and the call it failed in. Calls run
+/// one at a time in order, so it had finished every call before that one, its messages for
+/// them included: a rank still in one of those calls finishes it, and fails at the next.
+#[derive(Clone, Debug)]
+pub(crate) struct Abort {
+    pub from: NodeId,
+    pub reason: String,
+    /// The aborted call's number; 0 (before any call: joining, or an older peer) fails them all.
+    pub seq: u64,
+}
+
 /// A message as it arrived.
 #[derive(Debug)]
 pub(crate) struct Arrival {
@@ -70,8 +81,8 @@ pub(crate) struct Mail {
     pub lost: HashMap<NodeId, String>,
     /// When each peer was last heard from: any message, or its connection opening.
     pub last_heard: HashMap<NodeId, Instant>,
-    /// Communicators a peer aborted: who, and why.
-    pub aborted: HashMap<u32, (NodeId, String)>,
+    /// Communicators a peer aborted, the abort of the earliest call kept.
+    pub aborted: HashMap<u32, Abort>,
     /// Peers that sent something unreadable, and what.
     pub malformed: HashMap<NodeId, String>,
     /// The transport closed, and why.
@@ -136,6 +147,20 @@ impl Mail {
         taken
     }
 
+    /// Keeps the abort of the earliest call: the first call that must fail.
+    fn note_abort(&mut self, comm: u32, abort: Abort) {
+        let kept = self.aborted.entry(comm).or_insert_with(|| abort.clone());
+        if abort.seq < kept.seq {
+            *kept = abort;
+        }
+    }
+
+    /// The abort that call `seq` of communicator `comm` fails by, if any: one sent in that
+    /// call or an earlier one.
+    pub(crate) fn abort_of(&self, comm: u32, seq: u64) -> Option<&Abort> {
+        self.aborted.get(&comm).filter(|a| a.seq <= seq)
+    }
+
     /// Call `seq` of communicator `comm` is over: messages for it, now or later, are late.
     pub(crate) fn finish_call(&mut self, comm: u32, seq: u64) {
         self.finished.insert(comm, seq + 1);
@@ -193,8 +218,15 @@ pub(crate) async fn read_all<T: Transport>(transport: Arc<T>, mailbox: Arc<Mailb
                     match header.kind {
                         Kind::Data => mail.file(arrival),
                         Kind::Abort => {
-                            let why = String::from_utf8_lossy(&arrival.data).into_owned();
-                            mail.aborted.entry(header.comm).or_insert((m.peer, why));
+                            let reason = String::from_utf8_lossy(&arrival.data).into_owned();
+                            mail.note_abort(
+                                header.comm,
+                                Abort {
+                                    from: m.peer,
+                                    reason,
+                                    seq: header.seq,
+                                },
+                            );
                         }
                         Kind::Hello | Kind::Table => mail.joining.push(arrival),
                         Kind::P2p => mail.file_p2p(arrival),

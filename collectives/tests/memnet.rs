@@ -553,6 +553,44 @@ fn different_calls_that_only_send_are_caught_at_the_next_call() {
     });
 }
 
+/// An abort names the call it happened in; the aborting rank had finished every call before
+/// it, so a rank still in one of them finishes it and fails at the aborted call (before, it
+/// failed at once, in a call that would have succeeded: a race the Python doctor test lost).
+#[test]
+fn a_rank_behind_an_abort_finishes_its_earlier_calls_and_fails_at_the_aborted_one() {
+    let rt = runtime();
+    rt.block_on(async {
+        let net = MemNet::reliable();
+        let comms = world(&net, 2, Config::default()).await;
+        // Rank 0 broadcasts (it only sends, so it finishes alone), then makes a call its
+        // arguments fail: it aborts in its second call.
+        let mut sent = vec![7i64; 100];
+        comms[0].broadcast(&mut sent, 0).await.expect("the root only sends");
+        let mut ints = vec![1i64; 10];
+        let refused = comms[0].allreduce(&mut ints, ReduceOp::Avg).await.unwrap_err();
+        assert!(matches!(refused, CollectiveError::Invalid(_)), "{refused}");
+        // Rank 1 gets to its first call only now, with the abort already in its mail.
+        let mut got = vec![0i64; 100];
+        tokio::time::timeout(Duration::from_secs(10), comms[1].broadcast(&mut got, 0))
+            .await
+            .expect("bounded time")
+            .expect("the broadcast rank 0 finished before aborting");
+        assert_eq!(got, sent);
+        let mut next = vec![1i64; 10];
+        let err = tokio::time::timeout(
+            Duration::from_secs(10),
+            comms[1].allreduce(&mut next, ReduceOp::Sum),
+        )
+        .await
+        .expect("bounded time")
+        .unwrap_err();
+        assert!(
+            matches!(&err, CollectiveError::Aborted { rank: 0, reason } if reason.contains("averages are for floating-point")),
+            "{err}"
+        );
+    });
+}
+
 #[test]
 fn different_calls_that_only_receive_time_out_naming_the_ranks() {
     let rt = runtime();
