@@ -3,8 +3,16 @@
 //! policy on its transport, so a process that was not in the table — or one that claims a
 //! member's id without the secret — is refused before anything it sends is read, and a live
 //! member's connection is never swapped for an unproven one.
+//!
+//! A refused claim to a member's id is also noted in the mailbox, failing the communicator's
+//! calls: the process that claims it may be the rank's own, and the member in the table one
+//! that took its rank first (a squatter, or a second process given the same rank).
+
+use std::sync::Arc;
 
 use psnet_transport::{Admission, NodeId, Proof, PROOF_LEN};
+
+use crate::mailbox::Mailbox;
 
 /// The members' ids and the job's secret.
 pub(crate) struct Members {
@@ -13,6 +21,8 @@ pub(crate) struct Members {
     /// While the members still connect to each other, a rank presents the secret but lets
     /// everyone in: a peer that has not received the table yet cannot prove itself.
     strict: bool,
+    /// Where refused claims to a member's id are noted.
+    claims: Option<Arc<Mailbox>>,
 }
 
 impl Members {
@@ -22,15 +32,18 @@ impl Members {
             nodes,
             secret,
             strict: false,
+            claims: None,
         }
     }
 
-    /// Presents the secret and lets in only members that present it.
-    pub(crate) fn checking(nodes: Vec<NodeId>, secret: Proof) -> Self {
+    /// Presents the secret and lets in only members that present it; a claim to a member's
+    /// id without it is noted in `claims`.
+    pub(crate) fn checking(nodes: Vec<NodeId>, secret: Proof, claims: Arc<Mailbox>) -> Self {
         Members {
             nodes,
             secret,
             strict: true,
+            claims: Some(claims),
         }
     }
 }
@@ -47,11 +60,15 @@ impl Admission for Members {
         if !self.nodes.contains(&peer) {
             return Err(format!("{peer} is no rank of this communicator"));
         }
-        match proof {
-            Some(p) if p.matches(&self.secret) => Ok(()),
-            Some(_) => Err(format!("{peer} came with a wrong job secret")),
-            None => Err(format!("{peer} came without the job secret")),
+        let refused = match proof {
+            Some(p) if p.matches(&self.secret) => return Ok(()),
+            Some(_) => format!("{peer} came with a wrong job secret"),
+            None => format!("{peer} came without the job secret"),
+        };
+        if let Some(mailbox) = &self.claims {
+            mailbox.note_claim(peer, refused.clone());
         }
+        Err(refused)
     }
 }
 
@@ -85,7 +102,8 @@ mod tests {
     #[test]
     fn only_members_with_the_secret_get_in() {
         let secret = new_secret().unwrap();
-        let members = Members::checking(vec![NodeId(1), NodeId(2)], secret);
+        let mailbox = Arc::new(Mailbox::new(0));
+        let members = Members::checking(vec![NodeId(1), NodeId(2)], secret, mailbox.clone());
         assert_eq!(
             Members::presenting(vec![NodeId(1)], secret).admit(NodeId(5), None),
             Ok(())
@@ -95,6 +113,8 @@ mod tests {
             .admit(NodeId(3), Some(&secret))
             .unwrap_err()
             .contains("no rank"));
+        // A stranger is only refused; a claim to a member's id is also noted, the first kept.
+        assert!(mailbox.lock().claimed.is_none());
         assert!(members
             .admit(NodeId(1), None)
             .unwrap_err()
@@ -105,6 +125,11 @@ mod tests {
             .admit(NodeId(1), Some(&wrong))
             .unwrap_err()
             .contains("wrong"));
+        let claimed = mailbox.lock().claimed.clone();
+        assert!(
+            matches!(&claimed, Some((NodeId(1), why)) if why.contains("without")),
+            "{claimed:?}"
+        );
         assert_eq!(members.proof(NodeId(1)), Some(secret));
         assert_eq!(members.proof(NodeId(9)), None);
         assert_eq!(from_hex(&to_hex(&secret)), Some(secret));

@@ -241,6 +241,15 @@ fn take_mail<T: Transport>(
             });
         }
     }
+    if let Some((node, why)) = &mail.claimed {
+        if let Some(rank) = rank_of(comm, *node) {
+            return Err(CollectiveError::Claimed {
+                rank,
+                node: *node,
+                detail: why.clone(),
+            });
+        }
+    }
     if let Some(why) = &mail.overflow {
         return Err(CollectiveError::Protocol {
             rank: usize::MAX,

@@ -35,6 +35,18 @@ pub enum CollectiveError {
         /// Its error.
         reason: String,
     },
+    /// A process claimed a rank of this communicator without its secret after the
+    /// communicator was formed: either two processes were given that rank, or the member in
+    /// the table took it before the rank's own process joined.
+    #[error("another process claimed rank {rank} ({node}) after the communicator was formed ({detail}): two processes were given rank {rank}, or one took it before the rank's own process joined")]
+    Claimed {
+        /// The rank claimed.
+        rank: usize,
+        /// Its node id.
+        node: NodeId,
+        /// Why the claim was refused.
+        detail: String,
+    },
     /// The call's arguments are wrong (buffer lengths, root, an average of integers, ...).
     #[error("{0}")]
     Invalid(String),

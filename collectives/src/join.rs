@@ -105,9 +105,25 @@ pub(crate) async fn join<T: Transport>(
                 CollectiveError::Join(format!("connecting to rank {rank} at {addr}: {e}"))
             })?;
     }
-    comm.transport
-        .set_admission(Arc::new(Members::checking(comm.members.clone(), secret)));
-    comm.mailbox.lock().joining.clear();
+    comm.transport.set_admission(Arc::new(Members::checking(
+        comm.members.clone(),
+        secret,
+        comm.mailbox.clone(),
+    )));
+    // A hello after rank 0 had every rank's: a second process says it is a rank in the table.
+    let late = std::mem::take(&mut comm.mailbox.lock().joining)
+        .into_iter()
+        .find(|a| a.header.kind == Kind::Hello);
+    if let (0, Some(hello)) = (comm.rank, late) {
+        let rank = usize::try_from(hello.header.tag).unwrap_or(usize::MAX);
+        let e = CollectiveError::Claimed {
+            rank,
+            node: hello.from,
+            detail: "it said hello to rank 0 after rank 0 had every rank's".into(),
+        };
+        Teller::of(comm).tell(0, &format!("rank 0: {e}")).await;
+        return Err(e);
+    }
     let here = comm.transport.listen_addr().ip();
     let local = (0..size).filter(|&r| table[r].ip() == here).collect();
     Ok((id, local))

@@ -83,6 +83,9 @@ pub(crate) struct Mail {
     pub last_heard: HashMap<NodeId, Instant>,
     /// Communicators a peer aborted, the abort of the earliest call kept.
     pub aborted: HashMap<u32, Abort>,
+    /// The first process this rank's admission refused for claiming a member's id without the
+    /// communicator's secret, and why: another process has (or took) that rank.
+    pub claimed: Option<(NodeId, String)>,
     /// Peers that sent something unreadable, and what.
     pub malformed: HashMap<NodeId, String>,
     /// The transport closed, and why.
@@ -192,6 +195,12 @@ impl Mailbox {
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, Mail> {
         self.mail.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Notes a refused claim to member `node`'s id (the first one is kept) and wakes the calls.
+    pub(crate) fn note_claim(&self, node: NodeId, why: String) {
+        self.lock().claimed.get_or_insert((node, why));
+        self.changed.notify_waiters();
     }
 }
 

@@ -678,12 +678,10 @@ fn once_formed_only_members_with_the_secret_may_connect() {
         let net = MemNet::reliable();
         let comms = world(&net, n, Config::default()).await;
         let root = comms[0].transport().listen_addr();
-        // A process claiming rank 1's id, and one claiming a new id: neither knows the secret.
-        for claimed in [node_of(1), node_of(7)] {
-            let intruder = net.bind(claimed);
-            let refused = intruder.connect(node_of(0), root).await;
-            assert!(refused.is_err(), "{claimed} was let in");
-        }
+        // A process claiming a new id, without the secret: refused, and no member notices.
+        let intruder = net.bind(node_of(7));
+        let refused = intruder.connect(node_of(0), root).await;
+        assert!(refused.is_err(), "a stranger was let in");
         // The members still work together.
         let mut bufs = inputs(n, 100, 8);
         let want = sum(&bufs, 0..100);
@@ -749,4 +747,53 @@ fn without_heartbeats_a_frozen_rank_is_noticed_by_the_call_timeout_only() {
         assert!(!e.contains("PSNET_COLL_HEARTBEAT_TIMEOUT"), "{e}");
     }
     assert!(took >= Duration::from_secs(60), "{took:?}");
+}
+
+/// A process that joins as rank 2 before rank 2's own process gets the table; when the real
+/// rank 2 then dials rank 0 without the communicator's secret, it is refused, and the
+/// communicator's calls fail naming the claim (before, they went on with the squatter: a
+/// silently wrong model). Rank 0 cannot tell the rank's own process from a stranger claiming
+/// its id (neither has the secret), so any such claim ends the job: with `PSNET_SECRET`, only
+/// a holder of the job's secret gets that far.
+#[test]
+fn a_rank_taken_before_its_own_process_joined_fails_the_calls_naming_it() {
+    let rt = runtime();
+    rt.block_on(async {
+        let net = MemNet::reliable();
+        let comms = world(&net, 3, Config::default()).await;
+        let config = Config {
+            join_timeout: Duration::from_secs(2),
+            ..Config::default()
+        };
+        let real = Arc::new(net.bind(node_of(2)));
+        let root = comms[0].transport().listen_addr();
+        let refused = tokio::time::timeout(
+            Duration::from_secs(30),
+            Communicator::join(real, 2, 3, root, config),
+        )
+        .await
+        .expect("bounded time")
+        .map(|_| ())
+        .unwrap_err();
+        assert!(refused.to_string().contains("without the job secret"), "{refused}");
+        let errors = join_all(comms.iter().map(|c| async move {
+            let mut buf = vec![1i64; 8];
+            tokio::time::timeout(Duration::from_secs(30), c.allreduce(&mut buf, ReduceOp::Sum))
+                .await
+                .expect("bounded time")
+                .unwrap_err()
+        }))
+        .await;
+        assert!(
+            matches!(&errors[0], CollectiveError::Claimed { rank: 2, .. }),
+            "{}",
+            errors[0]
+        );
+        for e in &errors[1..] {
+            assert!(
+                matches!(e, CollectiveError::Aborted { rank: 0, reason } if reason.contains("claimed rank 2")),
+                "{e}"
+            );
+        }
+    });
 }

@@ -76,16 +76,19 @@ class Ranks:
         self.out = tmp_path / "out"
         self.out.mkdir(exist_ok=True)
         script = _script(tmp_path, body)
-        root = f"127.0.0.1:{free_port()}"
-        self.procs = []
-        for r in range(n):
-            e = _env({"PSNET_RANK": str(r), "PSNET_WORLD_SIZE": str(n), "PSNET_ROOT_ADDR": root})
-            e.update(env or {})
-            self.procs.append(subprocess.Popen(
-                [sys.executable, str(script), str(self.out)], env=e,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                start_new_session=True,
-            ))
+        self.script, self.root, self.n, self.env = script, f"127.0.0.1:{free_port()}", n, env
+        self.procs = [self.start(r) for r in range(n)]
+
+    def start(self, rank):
+        """Starts one more process of the job as `rank` (the ranks' own are started already)."""
+        e = _env({"PSNET_RANK": str(rank), "PSNET_WORLD_SIZE": str(self.n),
+                  "PSNET_ROOT_ADDR": self.root})
+        e.update(self.env or {})
+        return subprocess.Popen(
+            [sys.executable, str(self.script), str(self.out)], env=e,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )
 
     def wait(self, timeout=JOB_TIMEOUT):
         """(exit status, output) per rank; every rank is killed at the timeout."""

@@ -2,6 +2,7 @@
 ranks as separate processes."""
 
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -161,8 +162,6 @@ def test_a_frozen_rank_is_named_within_the_heartbeat_timeout(tmp_path):
     """Rank 2 stops itself (SIGSTOP) before an allreduce: its connections stay open, so
     only heartbeats tell. The others raise naming it within PSNET_COLL_HEARTBEAT_TIMEOUT,
     not after the 600 s call timeout."""
-    import time
-
     ranks = Ranks(tmp_path, 3, """
         import os, signal, time, numpy as np, psnet
         psnet.init()
@@ -224,9 +223,48 @@ def test_ranks_that_make_different_calls_are_named_by_the_doctor(tmp_path):
     assert "rank 2 called reduce_scatter, the others allgather" in verdict.stdout, verdict.stdout
 
 
+def test_a_rank_taken_before_its_own_process_joined_fails_every_call(tmp_path):
+    """A process joins as rank 2 before rank 2's own process does. The real rank 2 is refused
+    (it does not hold the communicator's secret), and the job's next call fails on every
+    member naming the claim, instead of going on with the squatter's data."""
+    ranks = Ranks(tmp_path, 3, """
+        import os, sys, time, numpy as np, psnet
+        psnet.init()
+        open(os.path.join(sys.argv[1], f"joined{psnet.rank()}"), "w").close()
+        go = os.path.join(sys.argv[1], "go")
+        for _ in range(600):
+            if os.path.exists(go):
+                break
+            time.sleep(0.1)
+        try:
+            psnet.allreduce(np.ones(4, dtype=np.float32))
+        except psnet.PsnetError as e:
+            print("failed:", e, flush=True)
+            raise SystemExit(3)
+        print("the call went on", flush=True)
+    """)
+    try:
+        joined = [ranks.out / f"joined{r}" for r in range(3)]
+        for _ in range(600):
+            if all(j.exists() for j in joined):
+                break
+            time.sleep(0.1)
+        assert all(j.exists() for j in joined), "the first three processes did not join"
+        real = ranks.start(2)
+        out, _ = real.communicate(timeout=60)
+        assert real.returncode != 0, out
+        assert "without the job secret" in out, out
+        (ranks.out / "go").touch()
+        results = ranks.wait(timeout=60)
+    finally:
+        ranks.kill()
+    for r, (rc, out) in enumerate(results):
+        assert rc == 3, f"process {r} exited {rc}:\n{out}"
+        assert "claimed rank 2" in out, out
+
+
 def test_ctrl_c_in_a_waiting_call_raises_keyboard_interrupt(tmp_path):
     import signal
-    import time
 
     ranks = Ranks(tmp_path, 2, """
         import sys, time, numpy as np, psnet
