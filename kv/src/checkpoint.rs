@@ -3,8 +3,8 @@
 //! With a checkpoint directory, server rank `r` keeps two files there:
 //!
 //! * `server-<r>.snapshot`: a whole shard ([`ServerState::snapshot`]) behind a header
-//!   (`PSNETSNP`, `u32` version 1, `u32` rank, `u64` random id of this snapshot, `u64`
-//!   length, `u32` CRC-32 of the header before it and the snapshot). Written to
+//!   (`PSNETSNP`, `u32` version 2, `u32` rank, `u64` [job id](JobId), `u64` random id of
+//!   this snapshot, `u64` length, `u32` CRC-32 of the header before it and the snapshot). Written to
 //!   `server-<r>.snapshot.tmp`, flushed to disk (`fsync`), then renamed over the previous one
 //!   and the directory flushed: a crash leaves the old snapshot or the new one, never a mix.
 //! * `server-<r>.journal`: every change the server acknowledged since that snapshot
@@ -34,6 +34,10 @@
 //! ([`PushFlags::retry`](crate::proto::msg::PushFlags::retry)), which the server compares
 //! with the key's round count ([`ServerState::updates`], `dist_sync`) or the sender's count
 //! of applied pushes (`dist_async`), both kept in the files.
+//!
+//! The job id binds the files to the job that wrote them: a server that rejoins refuses a
+//! snapshot of another job (a checkpoint directory shared between jobs, files copied from
+//! elsewhere), naming the file, rather than serving another job's values.
 //!
 //! A server restarted with its rank while the job waits for it (`PSNET_RECOVERY_TIMEOUT`)
 //! loads its shard with [`load_shard`] and rejoins the running job (see
@@ -83,9 +87,12 @@ fn crc32_parts(parts: &[&[u8]]) -> u32 {
 
 const SNAPSHOT_MAGIC: &[u8; 8] = b"PSNETSNP";
 const JOURNAL_MAGIC: &[u8; 8] = b"PSNETJNL";
-const VERSION: u32 = 1;
-/// Snapshot file header: magic, version, rank, id, length, CRC.
-const SNAPSHOT_HEADER: usize = 36;
+/// The snapshot file's version (2: the job id).
+const SNAPSHOT_VERSION: u32 = 2;
+/// The journal file's version.
+const JOURNAL_VERSION: u32 = 1;
+/// Snapshot file header: magic, version, rank, job, id, length, CRC.
+const SNAPSHOT_HEADER: usize = 44;
 /// Journal file header: magic, version, rank, snapshot id, CRC.
 const JOURNAL_HEADER: usize = 28;
 /// Record header: length, CRC.
@@ -170,12 +177,36 @@ fn sync_dir(dir: &Path) -> Result<(), KvError> {
 fn journal_header(rank: u32, id: u64) -> [u8; JOURNAL_HEADER] {
     let mut h = [0u8; JOURNAL_HEADER];
     h[..8].copy_from_slice(JOURNAL_MAGIC);
-    h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&JOURNAL_VERSION.to_le_bytes());
     h[12..16].copy_from_slice(&rank.to_le_bytes());
     h[16..24].copy_from_slice(&id.to_le_bytes());
     let crc = crc32(&h[..24]);
     h[24..].copy_from_slice(&crc.to_le_bytes());
     h
+}
+
+/// The job a checkpoint belongs to: the first 8 bytes of the commitment to the scheduler's
+/// token, which the scheduler draws afresh at every start and every node receives in its
+/// table (so a server that rejoins the same job computes the same id, and another job's
+/// files differ). It is no secret: it tells jobs apart, it does not prove anything.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct JobId(pub u64);
+
+impl JobId {
+    /// The id of the job whose table is `nodes`; `None` if the table has no scheduler.
+    pub fn of(nodes: &[crate::proto::msg::NodeInfo]) -> Option<JobId> {
+        let scheduler = nodes
+            .iter()
+            .find(|n| n.role == crate::proto::ids::Role::Scheduler)?;
+        let bytes: [u8; 8] = scheduler.commit.0[..8].try_into().ok()?;
+        Some(JobId(u64::from_le_bytes(bytes)))
+    }
+}
+
+impl std::fmt::Display for JobId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
 }
 
 /// A fresh id for a snapshot, that its journal names.
@@ -204,6 +235,7 @@ fn u64_at(bytes: &[u8], at: usize) -> u64 {
 pub(crate) struct ShardFiles {
     dir: PathBuf,
     rank: u32,
+    job: JobId,
     fsync: bool,
     journal: File,
     /// Records appended since the journal was last flushed to disk.
@@ -211,11 +243,12 @@ pub(crate) struct ShardFiles {
 }
 
 impl ShardFiles {
-    /// Creates `dir` if needed and makes `snapshot` (a new server's) rank `rank`'s snapshot,
-    /// with an empty journal, replacing the files of an earlier run.
+    /// Creates `dir` if needed and makes `snapshot` (a new server's) rank `rank`'s snapshot
+    /// in job `job`, with an empty journal, replacing the files of an earlier run.
     pub(crate) fn create(
         dir: &Path,
         rank: u32,
+        job: JobId,
         fsync: bool,
         snapshot: &[u8],
     ) -> Result<Self, KvError> {
@@ -227,10 +260,11 @@ impl ShardFiles {
                 "replacing the checkpoint of an earlier run of this server"
             );
         }
-        let journal = Self::write_snapshot_files(dir, rank, snapshot)?;
+        let journal = Self::write_snapshot_files(dir, rank, job, snapshot)?;
         Ok(ShardFiles {
             dir: dir.to_path_buf(),
             rank,
+            job,
             fsync,
             journal,
             unsynced: false,
@@ -266,25 +300,31 @@ impl ShardFiles {
     /// snapshot and the journal in use still hold every change.
     pub(crate) fn write_snapshot(&mut self, snapshot: &[u8]) -> Result<(), KvError> {
         // Records before the snapshot are in it: they need no flush of their own.
-        self.journal = Self::write_snapshot_files(&self.dir, self.rank, snapshot)?;
+        self.journal = Self::write_snapshot_files(&self.dir, self.rank, self.job, snapshot)?;
         self.unsynced = false;
         Ok(())
     }
 
     /// Writes the snapshot aside, flushes it, renames it into place, then does the same with
     /// an empty journal; returns the new journal, open for appending.
-    fn write_snapshot_files(dir: &Path, rank: u32, snapshot: &[u8]) -> Result<File, KvError> {
+    fn write_snapshot_files(
+        dir: &Path,
+        rank: u32,
+        job: JobId,
+        snapshot: &[u8],
+    ) -> Result<File, KvError> {
         let path = snapshot_path(dir, rank);
         let tmp = dir.join(format!("server-{rank}.snapshot.tmp"));
         let id = snapshot_id();
         let mut header = [0u8; SNAPSHOT_HEADER];
         header[..8].copy_from_slice(SNAPSHOT_MAGIC);
-        header[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        header[8..12].copy_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
         header[12..16].copy_from_slice(&rank.to_le_bytes());
-        header[16..24].copy_from_slice(&id.to_le_bytes());
-        header[24..32].copy_from_slice(&(snapshot.len() as u64).to_le_bytes());
-        let crc = crc32_parts(&[&header[..32], snapshot]);
-        header[32..].copy_from_slice(&crc.to_le_bytes());
+        header[16..24].copy_from_slice(&job.0.to_le_bytes());
+        header[24..32].copy_from_slice(&id.to_le_bytes());
+        header[32..40].copy_from_slice(&(snapshot.len() as u64).to_le_bytes());
+        let crc = crc32_parts(&[&header[..40], snapshot]);
+        header[40..].copy_from_slice(&crc.to_le_bytes());
         File::create(&tmp)
             .and_then(|mut f| {
                 f.write_all(&header)?;
@@ -331,10 +371,13 @@ pub struct Replayed {
 /// when it has no snapshot there, else the state as of its last acknowledged change, for
 /// `num_workers` workers and `key_limit` bytes of values (`PSNET_KV_SERVER_KEY_BYTES`), with
 /// checkpoints off (the caller turns them on and makes a fresh snapshot). A damaged snapshot,
-/// a missing or damaged journal, or files of another rank are errors naming the file.
+/// a missing or damaged journal, files of another rank, or (with `job` given: a server
+/// rejoining its job; tools reading files offline pass `None`) a snapshot of another job
+/// are errors naming the file.
 pub fn load_shard(
     dir: &Path,
     rank: u32,
+    job: Option<JobId>,
     num_workers: u32,
     key_limit: u64,
 ) -> Result<Option<ServerState>, KvError> {
@@ -354,7 +397,7 @@ pub fn load_shard(
         }
         Err(e) => return Err(io_error("read", &snap, e)),
     };
-    let (id, body) = read_snapshot_file(&bytes, rank).map_err(|e| within(&snap, e))?;
+    let (id, body) = read_snapshot_file(&bytes, rank, job).map_err(|e| within(&snap, e))?;
     let mut state =
         ServerState::restore(body, num_workers, key_limit).map_err(|e| within(&snap, e))?;
     drop(bytes);
@@ -392,22 +435,26 @@ pub fn load_shard(
 }
 
 /// The id and the snapshot of a snapshot file, its header checked.
-fn read_snapshot_file(bytes: &[u8], rank: u32) -> Result<(u64, &[u8]), KvError> {
+fn read_snapshot_file(
+    bytes: &[u8],
+    rank: u32,
+    job: Option<JobId>,
+) -> Result<(u64, &[u8]), KvError> {
     let bad = |what: String| KvError::Checkpoint(format!("bad snapshot file: {what}"));
     if bytes.len() < SNAPSHOT_HEADER || &bytes[..8] != SNAPSHOT_MAGIC {
         return Err(bad("no PSNETSNP header".into()));
     }
     let version = u32_at(bytes, 8);
-    if version != VERSION {
+    if version != SNAPSHOT_VERSION {
         return Err(bad(format!(
-            "version {version}, this build reads {VERSION}"
+            "version {version}, this build reads {SNAPSHOT_VERSION}"
         )));
     }
     let of = u32_at(bytes, 12);
     if of != rank {
         return Err(bad(format!("written by server {of}, not {rank}")));
     }
-    let len = u64_at(bytes, 24);
+    let len = u64_at(bytes, 32);
     let body = &bytes[SNAPSHOT_HEADER..];
     if len != body.len() as u64 {
         return Err(bad(format!(
@@ -415,10 +462,17 @@ fn read_snapshot_file(bytes: &[u8], rank: u32) -> Result<(u64, &[u8]), KvError> 
             body.len()
         )));
     }
-    if crc32_parts(&[&bytes[..32], body]) != u32_at(bytes, 32) {
+    if crc32_parts(&[&bytes[..40], body]) != u32_at(bytes, 40) {
         return Err(bad("checksum mismatch".into()));
     }
-    Ok((u64_at(bytes, 16), body))
+    let theirs = JobId(u64_at(bytes, 16));
+    if let Some(ours) = job.filter(|&ours| ours != theirs) {
+        return Err(KvError::Checkpoint(format!(
+            "a snapshot of job {theirs}, not of this job ({ours}): another job's checkpoint \
+             (is PSNET_CHECKPOINT_DIR shared between jobs?)"
+        )));
+    }
+    Ok((u64_at(bytes, 24), body))
 }
 
 /// Applies the records of a journal file (`len` bytes read from `input`) of server `rank`
@@ -443,9 +497,9 @@ pub fn replay_journal(
         return Err(bad("no PSNETJNL header".into()));
     }
     let version = u32_at(&header, 8);
-    if version != VERSION {
+    if version != JOURNAL_VERSION {
         return Err(bad(format!(
-            "version {version}, this build reads {VERSION}"
+            "version {version}, this build reads {JOURNAL_VERSION}"
         )));
     }
     let of = u32_at(&header, 12);

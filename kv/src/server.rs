@@ -8,7 +8,7 @@ use std::time::Duration;
 use psnet_transport::{NodeId, Transport};
 
 use crate::bootstrap::{self, heartbeat_period, Heard, CAUGHT_UP_WAIT};
-use crate::checkpoint::ShardFiles;
+use crate::checkpoint::{JobId, ShardFiles};
 use crate::config::KvConfig;
 use crate::error::KvError;
 use crate::proto::ids::{self, describe, Role, SCHEDULER};
@@ -45,8 +45,13 @@ async fn serve<T: Transport>(
     let mut answers = Answers::new(link.clone());
     let num_workers = joined.num_workers();
     let period = heartbeat_period(config);
+    let Some(job) = JobId::of(&joined.nodes) else {
+        return Err(KvError::Bootstrap(
+            "the scheduler's table has no scheduler in it".into(),
+        ));
+    };
     let mut state = if joined.rejoined {
-        match reload(config, joined.rank, num_workers) {
+        match reload(config, joined.rank, job, num_workers) {
             Ok(state) => state,
             Err(e) => {
                 let reason = format!("server {} cannot rejoin: {e}", joined.rank);
@@ -63,7 +68,8 @@ async fn serve<T: Transport>(
         None => None,
         Some(dir) => {
             state = state.with_checkpoints(config.checkpoint_every);
-            match ShardFiles::create(dir, joined.rank, config.checkpoint_fsync, &state.snapshot()) {
+            let snapshot = state.snapshot();
+            match ShardFiles::create(dir, joined.rank, job, config.checkpoint_fsync, &snapshot) {
                 Ok(files) => Some(files),
                 Err(e) => {
                     let reason = format!("server {} cannot checkpoint: {e}", joined.rank);
@@ -223,17 +229,23 @@ async fn commit_recovery<T: Transport>(
         .await
 }
 
-fn reload(config: &KvConfig, rank: u32, num_workers: u32) -> Result<ServerState, KvError> {
+fn reload(
+    config: &KvConfig,
+    rank: u32,
+    job: JobId,
+    num_workers: u32,
+) -> Result<ServerState, KvError> {
     let Some(dir) = &config.checkpoint_dir else {
         return Err(KvError::Checkpoint(
             "it has no PSNET_CHECKPOINT_DIR to reload its shard from".into(),
         ));
     };
     let started = std::time::Instant::now();
-    let state = crate::checkpoint::load_shard(dir, rank, num_workers, config.server_key_bytes)?
-        .ok_or_else(|| {
-            KvError::Checkpoint(format!("no snapshot of server {rank} in {}", dir.display()))
-        })?;
+    let state =
+        crate::checkpoint::load_shard(dir, rank, Some(job), num_workers, config.server_key_bytes)?
+            .ok_or_else(|| {
+                KvError::Checkpoint(format!("no snapshot of server {rank} in {}", dir.display()))
+            })?;
     tracing::warn!(
         rank,
         keys = state.keys().len(),

@@ -92,7 +92,7 @@ async fn servers_checkpoint_and_load_shard_rebuilds_their_state() {
             "server {rank}'s snapshot"
         );
         assert!(journal_path(&dir, rank).exists(), "server {rank}'s journal");
-        let shard = load_shard(&dir, rank, 2, u64::MAX)
+        let shard = load_shard(&dir, rank, None, 2, u64::MAX)
             .expect("the files load")
             .expect("a shard");
         assert_eq!(shard.updates(2), Some(ROUNDS as u64));

@@ -114,3 +114,60 @@ fn killed_servers_restarted_by_the_launcher_rejoin_and_the_weights_match_the_ref
         recovered.as_millis()
     );
 }
+
+/// A server restarted over another job's checkpoint (its files replaced by those of an
+/// earlier job, its recovery credential its own) refuses the snapshot, naming the file and
+/// both jobs, and the job ends with that reason instead of serving the other job's values.
+#[test]
+fn a_server_restarted_over_another_jobs_checkpoint_refuses_it_and_the_job_ends_naming_it() {
+    let base = std::env::temp_dir().join(format!("psnet-train-other-{}", std::process::id()));
+    let (earlier, dir) = (base.join("earlier"), base.join("this"));
+    ok(train()
+        .args(["--servers", "2", "--workers", "2", "--epochs", "1"])
+        .env("PSNET_CHECKPOINT_DIR", &earlier)
+        .output()
+        .unwrap());
+    let mut launcher = train()
+        .args(ARGS)
+        .env("PSNET_CHECKPOINT_DIR", &dir)
+        .env("PSNET_CHECKPOINT_EVERY", "0")
+        .env("PSNET_MAX_RESTARTS", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel();
+    let stdout = launcher.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.starts_with("epoch ") {
+                let _ = tx.send(());
+            }
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("training never reached its first epoch");
+    // The earlier job's shard of server 0 replaces this job's (renamed over it, as a copy
+    // would land); the credential beside it stays this job's.
+    for name in ["server-0.snapshot", "server-0.journal"] {
+        let aside = dir.join(format!("{name}.other"));
+        std::fs::copy(earlier.join(name), &aside).unwrap();
+        std::fs::rename(&aside, dir.join(name)).unwrap();
+    }
+    kill(server(launcher.id(), "0"));
+    let (status, err) = wait_for_launcher(&mut launcher, Duration::from_secs(120));
+    let out = reader.join().unwrap();
+    let _ = std::fs::remove_dir_all(&base);
+    assert!(
+        !status.success(),
+        "the job went on over another job's shard:\n{out}\n{err}"
+    );
+    assert!(
+        err.contains("server-0.snapshot") && err.contains("not of this job"),
+        "the refusal names the file and the jobs:\n{err}"
+    );
+}

@@ -13,6 +13,8 @@ use crate::proto::server::{Output, Push};
 use crate::proto::sum;
 
 const LIMIT: u64 = 1 << 30;
+/// The job the files are written in.
+const JOB: JobId = JobId(0x5eed_0000_0000_0001);
 
 /// A fresh directory, removed when dropped.
 struct TempDir(PathBuf);
@@ -70,7 +72,7 @@ fn write(s: &mut ServerState, files: &mut ShardFiles) -> usize {
 /// A server with momentum on two keys after `rounds` rounds, and its files in `dir`.
 fn job(dir: &Path, rank: u32, every: u64, rounds: usize) -> ServerState {
     let mut s = ServerState::new(2).with_checkpoints(every);
-    let mut files = ShardFiles::create(dir, rank, true, &s.snapshot()).unwrap();
+    let mut files = ShardFiles::create(dir, rank, JOB, true, &s.snapshot()).unwrap();
     s.handle_command_request(
         0,
         1,
@@ -102,16 +104,22 @@ fn load_shard_rebuilds_the_state_that_wrote_the_files() {
         let s = job(&dir.0, 2, every, 7);
         assert!(snapshot_path(&dir.0, 2).exists() && journal_path(&dir.0, 2).exists());
         assert!(!dir.0.join("server-2.snapshot.tmp").exists());
-        let loaded = load_shard(&dir.0, 2, 2, LIMIT).unwrap().expect("a shard");
+        let loaded = load_shard(&dir.0, 2, Some(JOB), 2, LIMIT)
+            .unwrap()
+            .expect("a shard");
         assert_eq!(loaded.snapshot(), s.snapshot(), "every {every}");
         assert_eq!(loaded.updates(5), Some(7));
         assert!(!loaded.checkpoints());
         // Another rank has no shard here.
-        assert!(load_shard(&dir.0, 1, 2, LIMIT).unwrap().is_none());
+        assert!(load_shard(&dir.0, 1, Some(JOB), 2, LIMIT)
+            .unwrap()
+            .is_none());
     }
-    assert!(load_shard(Path::new("/nonexistent/psnet"), 0, 2, LIMIT)
-        .unwrap()
-        .is_none());
+    assert!(
+        load_shard(Path::new("/nonexistent/psnet"), 0, Some(JOB), 2, LIMIT)
+            .unwrap()
+            .is_none()
+    );
 }
 
 #[test]
@@ -122,7 +130,7 @@ fn a_record_cut_short_at_the_end_is_ignored() {
     let path = journal_path(&dir.0, 0);
     let full = fs::read(&path).unwrap();
     // The state before the last record: the same job one round of key 6 short.
-    let whole = load_shard(&dir.0, 0, 2, LIMIT).unwrap().unwrap();
+    let whole = load_shard(&dir.0, 0, Some(JOB), 2, LIMIT).unwrap().unwrap();
     let last_len = {
         let mut at = JOURNAL_HEADER;
         let mut last = 0;
@@ -137,7 +145,7 @@ fn a_record_cut_short_at_the_end_is_ignored() {
     let start = full.len() - last_len;
     for cut in start..full.len() {
         fs::write(&path, &full[..cut]).unwrap();
-        let s = load_shard(&dir.0, 0, 2, LIMIT).unwrap().unwrap();
+        let s = load_shard(&dir.0, 0, Some(JOB), 2, LIMIT).unwrap().unwrap();
         assert_eq!(s.seq(), whole.seq() - 1, "cut at {cut}");
         assert_eq!(s.updates(6), Some(rounds as u64 - 1));
         assert_eq!(s.updates(5), Some(rounds as u64));
@@ -146,20 +154,24 @@ fn a_record_cut_short_at_the_end_is_ignored() {
     let mut garbled = full.clone();
     *garbled.last_mut().unwrap() ^= 1;
     fs::write(&path, &garbled).unwrap();
-    let s = load_shard(&dir.0, 0, 2, LIMIT).unwrap().unwrap();
+    let s = load_shard(&dir.0, 0, Some(JOB), 2, LIMIT).unwrap().unwrap();
     assert_eq!(s.seq(), whole.seq() - 1);
     // A garbled record followed by others is damage, not a cut.
     let mut garbled = full.clone();
     garbled[start - 1] ^= 1;
     fs::write(&path, &garbled).unwrap();
-    let err = load_shard(&dir.0, 0, 2, LIMIT).unwrap_err().to_string();
+    let err = load_shard(&dir.0, 0, Some(JOB), 2, LIMIT)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("fails its checksum and more follow"), "{err}");
     assert!(err.contains("server-0.journal"), "{err}");
     // Zeros where records were (a machine crash without fsync): damage.
     let mut zeroed = full.clone();
     zeroed[start..].fill(0);
     fs::write(&path, &zeroed).unwrap();
-    let err = load_shard(&dir.0, 0, 2, LIMIT).unwrap_err().to_string();
+    let err = load_shard(&dir.0, 0, Some(JOB), 2, LIMIT)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("empty record"), "{err}");
 }
 
@@ -169,10 +181,10 @@ fn a_crash_between_the_snapshot_and_the_new_journal_loses_nothing() {
     let s = job(&dir.0, 0, 0, 3);
     let old_journal = fs::read(journal_path(&dir.0, 0)).unwrap();
     // The snapshot of the same state made it into place, the new journal did not.
-    let mut files = ShardFiles::create(&dir.0, 0, false, &s.snapshot()).unwrap();
+    let mut files = ShardFiles::create(&dir.0, 0, JOB, false, &s.snapshot()).unwrap();
     files.sync().unwrap();
     fs::write(journal_path(&dir.0, 0), &old_journal).unwrap();
-    let loaded = load_shard(&dir.0, 0, 2, LIMIT).unwrap().unwrap();
+    let loaded = load_shard(&dir.0, 0, Some(JOB), 2, LIMIT).unwrap().unwrap();
     assert_eq!(loaded.snapshot(), s.snapshot());
 }
 
@@ -183,9 +195,9 @@ fn a_server_started_afresh_over_old_files_never_loads_their_records() {
     let old_journal = fs::read(journal_path(&dir.0, 0)).unwrap();
     // A new job's server wrote its empty snapshot, then died before replacing the journal.
     let fresh = ServerState::new(2);
-    ShardFiles::create(&dir.0, 0, false, &fresh.snapshot()).unwrap();
+    ShardFiles::create(&dir.0, 0, JOB, false, &fresh.snapshot()).unwrap();
     fs::write(journal_path(&dir.0, 0), &old_journal).unwrap();
-    let loaded = load_shard(&dir.0, 0, 2, LIMIT).unwrap().unwrap();
+    let loaded = load_shard(&dir.0, 0, Some(JOB), 2, LIMIT).unwrap().unwrap();
     assert_eq!(loaded.snapshot(), fresh.snapshot());
     assert_eq!(loaded.seq(), 0);
 }
@@ -198,8 +210,12 @@ fn damaged_or_mismatched_files_are_clear_errors() {
     let journal = journal_path(&dir.0, 0);
     let good_snap = fs::read(&snap).unwrap();
     let good_journal = fs::read(&journal).unwrap();
-    let err_of = || load_shard(&dir.0, 0, 2, LIMIT).unwrap_err().to_string();
-    for at in [0, 12, 18, 26, 34, good_snap.len() - 1] {
+    let err_of = || {
+        load_shard(&dir.0, 0, Some(JOB), 2, LIMIT)
+            .unwrap_err()
+            .to_string()
+    };
+    for at in [0, 12, 18, 26, 34, 42, good_snap.len() - 1] {
         let mut bad = good_snap.clone();
         bad[at] ^= 0x10;
         fs::write(&snap, &bad).unwrap();
@@ -215,11 +231,28 @@ fn damaged_or_mismatched_files_are_clear_errors() {
     // Another server's files.
     fs::copy(&snap, snapshot_path(&dir.0, 1)).unwrap();
     fs::copy(&journal, journal_path(&dir.0, 1)).unwrap();
-    let err = load_shard(&dir.0, 1, 2, LIMIT).unwrap_err().to_string();
+    let err = load_shard(&dir.0, 1, Some(JOB), 2, LIMIT)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("written by server 0, not 1"), "{err}");
     // Another job's size.
-    let err = load_shard(&dir.0, 0, 3, LIMIT).unwrap_err().to_string();
+    let err = load_shard(&dir.0, 0, Some(JOB), 3, LIMIT)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("for 2 workers, this job has 3"), "{err}");
+    // Another job's files: refused, naming the file and both jobs; read offline, taken.
+    let other = JobId(JOB.0 + 1);
+    let err = load_shard(&dir.0, 0, Some(other), 2, LIMIT)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("server-0.snapshot"), "{err}");
+    assert!(
+        err.contains(&format!(
+            "a snapshot of job {JOB}, not of this job ({other})"
+        )),
+        "{err}"
+    );
+    assert!(load_shard(&dir.0, 0, None, 2, LIMIT).unwrap().is_some());
     // Journal damaged at its head, short, missing; a journal without its snapshot.
     let mut bad = good_journal.clone();
     bad[3] ^= 1;
@@ -239,7 +272,7 @@ fn damaged_or_mismatched_files_are_clear_errors() {
     // Unwritable directory: creating the files fails with the path.
     let file = dir.0.join("plain-file");
     fs::write(&file, b"x").unwrap();
-    let err = ShardFiles::create(&file.join("sub"), 0, false, b"").unwrap_err();
+    let err = ShardFiles::create(&file.join("sub"), 0, JOB, false, b"").unwrap_err();
     assert!(err.to_string().contains("plain-file"), "{err}");
 }
 
@@ -286,4 +319,26 @@ fn recovery_credentials_are_kept_for_this_user_only_and_checked_for_length() {
         "{err}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_job_id_is_the_schedulers_commitment_in_the_table() {
+    use crate::proto::ids::Role;
+    use crate::proto::msg::NodeInfo;
+    use psnet_transport::{NodeId, Proof};
+    let node = |role, byte| NodeInfo {
+        id: NodeId(u64::from(byte)),
+        role,
+        rank: 0,
+        addr: "127.0.0.1:1".parse().unwrap(),
+        commit: Proof([byte; psnet_transport::PROOF_LEN]),
+    };
+    let table = [
+        node(Role::Worker, 3),
+        node(Role::Scheduler, 7),
+        node(Role::Server, 9),
+    ];
+    assert_eq!(JobId::of(&table), Some(JobId(u64::from_le_bytes([7; 8]))));
+    assert_eq!(JobId::of(&table[2..]), None);
+    assert_eq!(JobId(0xab).to_string(), "00000000000000ab");
 }
