@@ -46,6 +46,20 @@ pub struct P2pTicket {
     seq: u64,
 }
 
+impl P2pTicket {
+    /// The send (`send`) or receive as the flight recorder keeps it.
+    fn recorded<E: Element>(&self, send: bool, count: usize) -> psnet_recorder::Op {
+        psnet_recorder::Op::P2p {
+            dir: if send { "send" } else { "recv" },
+            peer: self.peer as u32,
+            tag: self.tag,
+            msg: self.seq,
+            dtype: E::DTYPE.name(),
+            count: count as u64,
+        }
+    }
+}
+
 fn call_of<E: Element>(count: usize, piece: usize) -> Call {
     Call {
         coll: Coll::Send,
@@ -110,8 +124,49 @@ impl<T: Transport> Communicator<T> {
         async move { self.recv_in_turn(ticket?, buf).await }
     }
 
-    /// The send that took `ticket`.
+    /// The send that took `ticket`, in the flight recorder.
     pub async fn send_in_turn<E: Element>(
+        &self,
+        ticket: P2pTicket,
+        data: &[E],
+    ) -> Result<(), CollectiveError> {
+        let record = self
+            .recorder
+            .as_ref()
+            .map(|r| r.start(ticket.recorded::<E>(true, data.len())));
+        let result = self.send_pieces(ticket, data).await;
+        self.recorded_end(record, &result, "send");
+        result
+    }
+
+    /// The receive that took `ticket`, in the flight recorder.
+    pub async fn recv_in_turn<E: Element>(
+        &self,
+        ticket: P2pTicket,
+        buf: &mut [E],
+    ) -> Result<(), CollectiveError> {
+        let record = self
+            .recorder
+            .as_ref()
+            .map(|r| r.start(ticket.recorded::<E>(false, buf.len())));
+        let result = self.recv_pieces(ticket, buf).await;
+        self.recorded_end(record, &result, "recv");
+        result
+    }
+
+    /// Ends a send's or receive's record; a failure dumps the recorder, as a failed call's
+    /// does (a point-to-point failure does not fail the communicator: only two ranks knew).
+    fn recorded_end(&self, record: Option<u64>, result: &Result<(), CollectiveError>, what: &str) {
+        if let (Some(r), Some(id)) = (&self.recorder, record) {
+            let error = result.as_ref().err().map(ToString::to_string);
+            r.finish(id, &[], error.as_deref());
+            if let Some(e) = error {
+                self.dump_recorder(&format!("{what} failed: {e}"));
+            }
+        }
+    }
+
+    async fn send_pieces<E: Element>(
         &self,
         ticket: P2pTicket,
         data: &[E],
@@ -141,8 +196,7 @@ impl<T: Transport> Communicator<T> {
         Ok(())
     }
 
-    /// The receive that took `ticket`.
-    pub async fn recv_in_turn<E: Element>(
+    async fn recv_pieces<E: Element>(
         &self,
         ticket: P2pTicket,
         buf: &mut [E],

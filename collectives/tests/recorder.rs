@@ -101,3 +101,37 @@ fn ranks_that_make_different_calls_are_named_with_both() {
         );
     });
 }
+
+#[test]
+fn a_receive_whose_message_was_never_sent_is_named_with_the_senders_side() {
+    let rt = runtime();
+    rt.block_on(async {
+        let (config, dir) = config("p2p");
+        let comms = world(&MemNet::reliable(), 2, config).await;
+        // Message #0 with tag 5 goes through; rank 1 then waits for #1, which rank 0 never
+        // sends: the receive times out and dumps.
+        let (sent, got) = tokio::join!(comms[0].send(1, 5, &[1.0f32; 100]), async {
+            let mut buf = vec![0.0f32; 100];
+            comms[1].recv(0, 5, &mut buf).await
+        });
+        sent.expect("send #0");
+        got.expect("recv #0");
+        let mut buf = vec![0.0f32; 100];
+        let err = comms[1].recv(0, 5, &mut buf).await.unwrap_err();
+        assert!(matches!(err, CollectiveError::Timeout { .. }), "{err}");
+        assert!(comms[0].dump_flight_recorder("SIGUSR1").is_some());
+        drop(comms);
+        let text = verdict(&dir);
+        assert!(
+            text.contains("rank 1 failed in recv #1 from rank 0 (tag 5) (float, 100 elements)"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "rank 0 never sent message #1 (of those with tag 5, its dump holds only #0); \
+                 its last operation is send #0 to rank 1 (tag 5), done at"
+            ),
+            "{text}"
+        );
+    });
+}

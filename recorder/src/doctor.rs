@@ -84,6 +84,14 @@ pub enum ReadOp {
         key: u64,
         worker: u32,
     },
+    P2p {
+        dir: String,
+        peer: u32,
+        tag: u64,
+        msg: u64,
+        dtype: String,
+        count: u64,
+    },
     Event {
         what: String,
         peer: u64,
@@ -135,7 +143,7 @@ pub fn clock(us: u64) -> String {
 }
 
 /// `n` with thousands separators.
-fn grouped(n: u64) -> String {
+pub(crate) fn grouped(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
@@ -185,7 +193,7 @@ pub fn ranks(list: &[u32]) -> String {
     }
 }
 
-fn describe_call(op: &ReadOp) -> String {
+pub(crate) fn describe_call(op: &ReadOp) -> String {
     match op {
         ReadOp::Call {
             seq,
@@ -198,9 +206,10 @@ fn describe_call(op: &ReadOp) -> String {
     }
 }
 
-fn short_call(op: &ReadOp) -> String {
+pub(crate) fn short_call(op: &ReadOp) -> String {
     match op {
         ReadOp::Call { seq, coll, .. } => format!("{coll} #{seq}"),
+        ReadOp::P2p { .. } => p2p::short(op),
         other => format!("{other:?}"),
     }
 }
@@ -226,6 +235,9 @@ pub fn report(dumps: &[DumpFile]) -> String {
             "Communicator {comm:08x}: {}\n",
             collectives_verdict(dumps)
         );
+        if let Some(text) = p2p::verdict(dumps) {
+            let _ = writeln!(out, "Communicator {comm:08x}, point-to-point: {text}\n");
+        }
     }
     if !kv.is_empty() {
         let _ = writeln!(out, "kv job: {}\n", kv_verdict(&kv));
@@ -280,6 +292,7 @@ fn record_line(r: &ReadRecord) -> String {
             key,
             worker,
         } => format!("served worker {worker}'s request {req}: {what} key {key}"),
+        ReadOp::P2p { .. } => p2p::describe(&r.op),
         ReadOp::Event { what, peer } => format!("{what}: {peer}"),
     };
     let when = match r.state {
@@ -574,5 +587,6 @@ pub fn kv_verdict(dumps: &[&DumpFile]) -> String {
     }
 }
 
+mod p2p;
 #[cfg(test)]
 mod tests;

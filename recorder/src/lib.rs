@@ -112,6 +112,22 @@ pub enum Op {
         /// The worker (its rank).
         worker: u32,
     },
+    /// A point-to-point send or receive between two ranks of a communicator.
+    P2p {
+        /// "send" or "recv".
+        dir: &'static str,
+        /// The other rank.
+        peer: u32,
+        /// The message's tag.
+        tag: u64,
+        /// Its number among the messages between the two ranks with that tag (the n-th send
+        /// meets the n-th receive).
+        msg: u64,
+        /// Element type.
+        dtype: &'static str,
+        /// Elements.
+        count: u64,
+    },
     /// A connection event, or anything else that happens at once.
     Event {
         /// "lost", "connected", ...

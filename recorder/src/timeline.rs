@@ -68,6 +68,18 @@ pub fn chrome_trace(dumps: &[DumpFile]) -> Value {
                     format!("worker {worker}"),
                     json!({ "request": req }),
                 ),
+                ReadOp::P2p {
+                    dir,
+                    peer,
+                    tag,
+                    msg,
+                    dtype,
+                    count,
+                } => (
+                    format!("{dir} #{msg} rank {peer}"),
+                    "p2p".to_string(),
+                    json!({ "tag": tag, "dtype": dtype, "count": count, "peers": r.peers }),
+                ),
                 ReadOp::Event { what, peer } => {
                     (what.clone(), "events".to_string(), json!({ "peer": peer }))
                 }

@@ -210,3 +210,45 @@ fn names_and_ranges_read_as_a_person_writes_them() {
         "12:03:07.114"
     );
 }
+
+#[test]
+fn an_unfinished_receive_is_told_what_its_senders_dump_says() {
+    let dir = scratch("p2p");
+    let p2p = |dir: &'static str, peer, tag, msg| Op::P2p {
+        dir,
+        peer,
+        tag,
+        msg,
+        dtype: "f32",
+        count: 1000,
+    };
+    let ranks: Vec<_> = (0..3).map(|r| rank(&dir, r, 4)).collect();
+    // Rank 0 sent #0 (tag 0) to rank 1, which still waits for it; rank 2 waits for rank 3,
+    // which left no dump.
+    let id = ranks[0].begin(p2p("send", 1, 0, 0));
+    ranks[0].started(id);
+    ranks[0].done(id);
+    let id = ranks[1].begin(p2p("recv", 0, 0, 0));
+    ranks[1].started(id);
+    let id = ranks[2].begin(p2p("recv", 3, 7, 2));
+    ranks[2].started(id);
+    for r in &ranks {
+        r.dump("test");
+    }
+    let text = verdict(&dir);
+    assert!(
+        text.contains(
+            "rank 1 waits in recv #0 from rank 0 (tag 0) (f32, 1,000 elements): rank 0 sent it (done at"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("rank 2 waits in recv #2 from rank 3 (tag 7) (f32, 1,000 elements): rank 3 left no dump"),
+        "{text}"
+    );
+    // The evidence lists them too.
+    assert!(
+        text.contains("send #0 to rank 1 (tag 0) (f32, 1,000 elements): done at"),
+        "{text}"
+    );
+}
