@@ -10,7 +10,8 @@
 The process group runs psnet's collectives (RDMA or TCP, whichever the environment binds) on
 CPU and CUDA tensors: allreduce, broadcast, allgather, reduce_scatter, reduce, barrier,
 all_to_all(_single) with split sizes, gather, scatter, the coalesced forms FSDP uses,
-monitored_barrier, and send / recv / isend / irecv / batch_isend_irecv between two ranks. An
+monitored_barrier, ``split_group`` (through psnet's ``split``, over the group's own
+connections), and send / recv / isend / irecv / batch_isend_irecv between two ranks. An
 allreduce of a contiguous CUDA tensor (DDP's buckets) runs on its GPU: pieces sent from device
 memory, reduced into the tensor by psnet's kernels, bfloat16 included; a broadcast of one
 (DDP's start) copies the pieces in on the GPU, and ``all_gather_into_tensor`` and
@@ -121,12 +122,14 @@ class _Staged:
 class ProcessGroupPsnet(dist.ProcessGroup):
     """A ``torch.distributed`` process group over a psnet communicator."""
 
-    def __init__(self, comm, rank, size):
+    def __init__(self, comm, rank, size, store=None):
         super().__init__(rank, size)
         self._comm = comm
+        self._store = store
         self._calls = _Calls()
         self._group_name = ""
         self._group_desc = ""
+        self._splits = 0
 
     def getBackendName(self):  # noqa: N802 (torch's name)
         return BACKEND
@@ -153,6 +156,53 @@ class ProcessGroupPsnet(dist.ProcessGroup):
 
     def _get_backend(self, device):
         return self
+
+    def get_group_store(self):
+        """The store the group was made with (a split's: its parent's, under its own prefix)."""
+        if self._store is None:
+            raise RuntimeError("psnet: this process group was made without a store")
+        return self._store
+
+    # torch's split_group: through psnet's split, over this group's connections.
+    supports_splitting = True
+
+    def comm_split_count(self):
+        """How many groups were split from this one (torch names them with it)."""
+        return self._splits
+
+    def split_group(self, ranks, timeout=None, opts=None, group_name=None, group_desc=None,
+                    device_types=None):
+        """The group of ``ranks`` (this group's ranks, in their order in the new group), split
+        from this one with psnet's ``split`` (``MPI_Comm_split``): every rank of this group
+        calls it, in the order of its calls; a rank not in ``ranks`` gets ``None``."""
+        del timeout, device_types  # psnet bounds its calls with PSNET_COLL_TIMEOUT
+        if opts is not None:
+            raise ValueError("psnet: split_group takes no pg_options (psnet's settings come "
+                             "from its PSNET_* variables)")
+        ranks = [int(r) for r in ranks]
+        if len(set(ranks)) != len(ranks) or any(r < 0 or r >= self.size() for r in ranks):
+            raise ValueError(f"psnet: split_group ranks {ranks} are not distinct ranks of a "
+                             f"group of {self.size()}")
+        me = self.rank()
+        # Groups do not overlap, so the smallest rank names a group alike on every member.
+        colour, key = (min(ranks), ranks.index(me)) if me in ranks else (None, 0)
+        child = []
+
+        def run():
+            child.append(self._comm.split(colour, key))
+        self._calls.submit(run, None).wait()
+        self._splits += 1
+        if child[0] is None:
+            return None
+        name = group_name or f"{self._group_name}:split:{self._splits - 1}"
+        store = None
+        if self._store is not None:
+            store = dist.PrefixStore(f"psnet/split/{name}/", self._store)
+        pg = ProcessGroupPsnet(child[0], key, len(ranks), store)
+        pg._set_group_name(name)
+        if group_desc is not None:
+            pg._set_group_desc(group_desc)
+        return pg
 
     @property
     def _device_types(self):
@@ -491,7 +541,7 @@ def _create(store, rank, size, timeout):
         port = _free_port(host)
         store.set(key, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     root = store.get(key).decode()
-    return ProcessGroupPsnet(_psnet.Comm.join_world(rank, size, root), rank, size)
+    return ProcessGroupPsnet(_psnet.Comm.join_world(rank, size, root), rank, size, store)
 
 
 dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])

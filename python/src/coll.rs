@@ -17,7 +17,9 @@ use crate::wait::{runtime, wait};
 /// `PSNET_WORLD_SIZE`, `PSNET_ROOT_ADDR`), torchrun's, mpirun's or Slurm's variables.
 #[pyclass(module = "psnet._psnet", frozen)]
 pub(crate) struct Comm {
-    runtime: tokio::runtime::Runtime,
+    /// Shared by the communicators split from this one: they share its transport, whose
+    /// tasks run here.
+    runtime: Arc<tokio::runtime::Runtime>,
     pub(crate) comm: Arc<Communicator<AnyTransport>>,
     /// The GPU stages of `allreduce_cuda`.
     pub(crate) gpu: crate::cuda::Stages,
@@ -186,7 +188,7 @@ impl Comm {
                 .map_err(error::coll)
         })?;
         Ok(Comm {
-            runtime,
+            runtime: Arc::new(runtime),
             comm: Arc::new(comm),
             gpu: crate::cuda::Stages::default(),
         })
@@ -218,10 +220,28 @@ impl Comm {
                 .map_err(error::coll)
         })?;
         Ok(Comm {
-            runtime,
+            runtime: Arc::new(runtime),
             comm: Arc::new(comm),
             gpu: crate::cuda::Stages::default(),
         })
+    }
+
+    /// Splits the ranks by `colour`, as `MPI_Comm_split`: the ranks that pass the same colour
+    /// form a new communicator over this one's connections, ranked by `key` (ties by rank).
+    /// Every rank calls it, in the order of its collective calls; one that passes `None`
+    /// gets `None`.
+    #[pyo3(signature = (colour, key=0))]
+    fn split(&self, py: Python<'_>, colour: Option<u32>, key: i64) -> PyResult<Option<Comm>> {
+        self.usable()?;
+        let comm = self.comm.clone();
+        let child = wait(py, &self.runtime, async move {
+            comm.split(colour, key).await.map_err(error::coll)
+        })?;
+        Ok(child.map(|c| Comm {
+            runtime: self.runtime.clone(),
+            comm: Arc::new(c),
+            gpu: crate::cuda::Stages::default(),
+        }))
     }
 
     /// This rank.

@@ -330,3 +330,60 @@ def test_a_mixture_of_experts_layer_matches_one_process(tmp_path):
     for r in range(n):
         assert np.array_equal(res[r]["y"], want[r].numpy()), r
         assert len(set(choices[r].tolist())) > 1, "tokens go to more than one expert"
+
+
+SPLIT = _torchrun_shim + """
+import torch, torch.distributed as dist
+import psnet.torch
+dist.init_process_group("psnet")
+r, n = dist.get_rank(), dist.get_world_size()
+# Ranks 3 and 1 (in that order), and ranks 0 and 2: the order in a split is the new ranks'.
+g = dist.split_group(split_ranks=[[3, 1], [0, 2]])
+mine = [3, 1] if r in (3, 1) else [0, 2]
+assert (g.rank(), g.size()) == (mine.index(r), 2), (g.rank(), g.size())
+assert dist.get_process_group_ranks(g) == mine, dist.get_process_group_ranks(g)
+t = torch.full((3,), float(r + 1))
+dist.all_reduce(t, group=g)
+assert t.tolist() == [float(sum(m + 1 for m in mine))] * 3, t
+b = torch.full((2,), float(r))
+dist.broadcast(b, src=mine[0], group=g)
+assert b.tolist() == [float(mine[0])] * 2, b
+# The parent goes on, its calls and the split's in the order made.
+w = torch.ones(1)
+dist.all_reduce(w)
+assert w.item() == n, w
+# A split that leaves ranks 2 and 3 out: they get no group.
+h = dist.split_group(split_ranks=[[0, 1]])
+if r < 2:
+    x = torch.full((1,), float(r))
+    dist.all_reduce(x, group=h)
+    assert x.item() == 1.0, x
+else:
+    assert h is dist.GroupMember.NON_GROUP_MEMBER, h
+# Options psnet does not take are refused by name.
+try:
+    dist.split_group(split_ranks=[[0, 1, 2, 3]], pg_options=object())
+    raise AssertionError("pg_options were taken")
+except (ValueError, TypeError) as e:
+    assert "pg_options" in str(e) or "incompatible" in str(e), e
+# A 2 x 2 DeviceMesh (as HSDP and tensor parallelism make): its dimensions' groups (on CPU
+# DeviceMesh makes them with new_group; with a bound GPU it calls split_group).
+from torch.distributed.device_mesh import init_device_mesh
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+for dim, want in (("dp", [r % 2, r % 2 + 2]), ("tp", [r // 2 * 2, r // 2 * 2 + 1])):
+    group = mesh.get_group(dim)
+    assert dist.get_process_group_ranks(group) == want, (dim, dist.get_process_group_ranks(group))
+    v = torch.full((1,), float(r))
+    dist.all_reduce(v, group=group)
+    assert v.item() == float(sum(want)), (dim, v)
+dist.barrier()
+print("ok", r, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_split_group_runs_through_psnets_split(tmp_path):
+    """torch's split_group on 4 ranks: groups in the order given, a rank left out, the
+    parent's calls still in order, and options psnet does not take refused."""
+    out, results = run_ranks(tmp_path, 4, SPLIT, env=torchrun_env(free_port()))
+    assert all("ok" in o for _, o in results), results
