@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use psnet_transport::codec::{FrameHeader, HeaderBuf};
 use psnet_transport::device::StreamError;
-use psnet_transport::session::Sealer;
 use psnet_transport::{FrameKind, Limits, OutMessage, Segment};
 use smallvec::SmallVec;
 
@@ -76,9 +75,12 @@ impl Conn {
         let mut header = FrameHeader::for_message(kind, &out, limits)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
         // PSNET_ENCRYPT: data frames on the socket are sealed (the same-host ring's are not:
-        // no network path).
-        header.sealed =
-            kind == FrameKind::Data && writer.sealer.as_ref().is_some_and(Sealer::encrypts);
+        // no network path); so is a message that carries a secret, whatever the setting.
+        header.sealed = kind == FrameKind::Data
+            && writer
+                .sealer
+                .as_ref()
+                .is_some_and(|s| s.encrypts() || msg.confidential);
         header.encode_into(&mut head);
         let marker = async || match &queue {
             Some(q) => self.push_waiting(q, Kind::Socket, &[]).await,

@@ -125,6 +125,16 @@ async fn through_the_relay(
     encrypt: bool,
     flip_at: Option<usize>,
 ) -> (Result<Vec<u8>, String>, Vec<u8>) {
+    through_the_relay_as(secret, encrypt, flip_at, false).await
+}
+
+/// [`through_the_relay`], the message marked confidential or not.
+async fn through_the_relay_as(
+    secret: Option<&str>,
+    encrypt: bool,
+    flip_at: Option<usize>,
+    confidential: bool,
+) -> (Result<Vec<u8>, String>, Vec<u8>) {
     let a = node(1, secret, encrypt).await;
     let b = node(2, secret, false).await;
     let (addr, seen) = relay(b.listen_addr(), flip_at.unwrap_or(usize::MAX)).await;
@@ -133,12 +143,12 @@ async fn through_the_relay(
         .unwrap()
         .expect("connect through the relay");
     let payload = payload();
-    a.send(
-        b.local_id(),
-        OutMessage::new(b"metadata of key 7", &[Segment::new(&payload)]),
-    )
-    .await
-    .unwrap();
+    let segments = [Segment::new(&payload)];
+    let mut msg = OutMessage::new(b"metadata of key 7", &segments);
+    if confidential {
+        msg = msg.confidential();
+    }
+    a.send(b.local_id(), msg).await.unwrap();
     let got = loop {
         match timeout(LIMIT, b.recv())
             .await
@@ -206,4 +216,33 @@ async fn with_encryption_a_changed_frame_still_ends_the_connection() {
     let (got, _) = through_the_relay(Some("the job's secret"), true, Some(100_000)).await;
     let reason = got.expect_err("the changed message is refused, not delivered");
     assert!(reason.contains("fails its session tag"), "{reason}");
+}
+
+#[tokio::test]
+async fn with_a_secret_a_confidential_message_is_sealed_without_psnet_encrypt() {
+    let (got, seen) = through_the_relay_as(Some("the job's secret"), false, None, true).await;
+    assert_eq!(got.expect("delivered"), payload());
+    assert!(seen.len() > PAYLOAD, "the message went through the relay");
+    assert!(
+        !contains(&seen, PATTERN),
+        "the confidential segment crossed in clear"
+    );
+    assert!(
+        !contains(&seen, b"metadata of key"),
+        "its metadata crossed in clear"
+    );
+    // Changed on the path, it is refused like any other frame.
+    let (got, _) = through_the_relay_as(Some("the job's secret"), false, Some(100_000), true).await;
+    let reason = got.expect_err("the changed message is refused, not delivered");
+    assert!(reason.contains("fails its session tag"), "{reason}");
+}
+
+#[tokio::test]
+async fn without_a_secret_a_confidential_message_goes_in_clear_as_everything_does() {
+    let (got, seen) = through_the_relay_as(None, false, None, true).await;
+    assert_eq!(got.expect("delivered"), payload());
+    assert!(
+        contains(&seen, PATTERN),
+        "an open job has no key to seal it with"
+    );
 }

@@ -35,7 +35,11 @@ pub async fn send_segment<T: Transport>(
         }
         None => &[],
     };
-    t.send(to, OutMessage::new(&meta, segs)).await?;
+    let mut out = OutMessage::new(&meta, segs);
+    if msg.is_confidential() {
+        out = out.confidential();
+    }
+    t.send(to, out).await?;
     Ok(())
 }
 

@@ -111,12 +111,29 @@ pub struct OutMessage<'a> {
     /// Data segments, at most [`crate::Capabilities::max_segments`]; empty segments are allowed
     /// and arrive as empty segments.
     pub segments: &'a [Segment<'a>],
+    /// Carries a secret (a credential): a transport with a session seals it (encrypted and
+    /// tagged) even where data frames are only tagged (`PSNET_ENCRYPT` off). See
+    /// [`Self::confidential`].
+    pub confidential: bool,
 }
 
 impl<'a> OutMessage<'a> {
     /// A message of metadata and segments.
     pub fn new(meta: &'a [u8], segments: &'a [Segment<'a>]) -> Self {
-        OutMessage { meta, segments }
+        OutMessage {
+            meta,
+            segments,
+            confidential: false,
+        }
+    }
+
+    /// The message carries a secret: over TCP with a job secret its frame is sealed whatever
+    /// `PSNET_ENCRYPT` says. Without a job secret there is no session key and it goes in
+    /// clear, as everything does in an open job; the same-host paths have no network path to
+    /// be on; RDMA's queue pairs carry no session (RELIABILITY.md).
+    pub fn confidential(mut self) -> Self {
+        self.confidential = true;
+        self
     }
 
     /// Metadata plus all segments, in bytes.

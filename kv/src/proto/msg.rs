@@ -562,6 +562,18 @@ impl Msg {
         }
     }
 
+    /// Whether the message carries a secret (a restarted server's recovery credential): the
+    /// transport then seals it where it has a session, `PSNET_ENCRYPT` or not.
+    pub fn is_confidential(&self) -> bool {
+        matches!(
+            self,
+            Msg::Register {
+                recovery: Some(_),
+                ..
+            }
+        )
+    }
+
     /// Refuses more data segments than this message carries: a push and a `Done` carry at
     /// most one (the values), every other message none.
     pub fn check_segments(&self, got: usize) -> Result<(), DecodeError> {

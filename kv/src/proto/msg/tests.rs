@@ -380,3 +380,18 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn only_a_registration_with_a_recovery_credential_is_confidential() {
+    let confidential: Vec<Msg> = samples().into_iter().filter(Msg::is_confidential).collect();
+    assert!(
+        matches!(
+            &confidential[..],
+            [Msg::Register {
+                recovery: Some(_),
+                ..
+            }]
+        ),
+        "{confidential:?}"
+    );
+}
