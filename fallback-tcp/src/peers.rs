@@ -117,6 +117,31 @@ impl Peers {
         }
     }
 
+    /// The live connection to `peer`, waiting (at most `limit`) while one is being set up. An
+    /// acceptor installs its connection just after it acknowledged the hello, so the dialler
+    /// may send over it while this side is a moment behind (on a loaded host, long enough for
+    /// a send from here to find no connection yet).
+    pub(crate) async fn settled(
+        &self,
+        peer: NodeId,
+        limit: std::time::Duration,
+    ) -> Option<Arc<Conn>> {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            match self.lock().get(&peer) {
+                Some(Slot::Connected(c)) => return Some(c.clone()),
+                Some(Slot::Dialing(_) | Slot::Accepting(_)) => {}
+                None => return None,
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return None;
+            }
+        }
+    }
+
     /// Removes the pending marker `token` if it is still there.
     pub(crate) fn clear_pending(&self, peer: NodeId, token: u64) {
         let mut slots = self.lock();
@@ -204,6 +229,40 @@ impl Drop for PendingGuard<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_send_waits_for_a_connection_being_set_up_and_no_longer() {
+        use std::time::Duration;
+        let peers = Arc::new(Peers::default());
+        let peer = NodeId(4);
+        let limit = Duration::from_secs(5);
+        assert!(
+            peers.settled(peer, limit).await.is_none(),
+            "nothing to wait for"
+        );
+        let token = peers.token();
+        peers.lock().insert(peer, Slot::Accepting(token));
+        let waiter = tokio::spawn({
+            let peers = peers.clone();
+            async move { peers.settled(peer, limit).await.is_none() }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            !waiter.is_finished(),
+            "it waits while the accept is under way"
+        );
+        peers.clear_pending(peer, token);
+        assert!(
+            waiter.await.unwrap(),
+            "woken when the setup ended, and nothing there"
+        );
+        // A setup that never ends is given up at the limit.
+        let token = peers.token();
+        peers.lock().insert(peer, Slot::Dialing(token));
+        let started = tokio::time::Instant::now();
+        assert!(peers.settled(peer, limit).await.is_none());
+        assert_eq!(started.elapsed(), limit);
+    }
 
     #[test]
     fn smaller_id_wins_simultaneous_connect() {

@@ -432,10 +432,14 @@ impl Transport for TcpTransport {
         }
         let header = FrameHeader::for_message(FrameKind::Data, &msg, &inner.config.limits)
             .map_err(|source| TransportError::Invalid { peer, source })?;
-        let conn = inner
-            .peers
-            .get(peer)
-            .ok_or(TransportError::NotConnected { peer })?;
+        let conn = match inner.peers.get(peer) {
+            Some(conn) => conn,
+            None => inner
+                .peers
+                .settled(peer, inner.config.connect_timeout)
+                .await
+                .ok_or(TransportError::NotConnected { peer })?,
+        };
         let lost = |e: std::io::Error| TransportError::PeerLost {
             peer,
             reason: e.to_string(),
