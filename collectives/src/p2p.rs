@@ -28,12 +28,32 @@ pub(crate) struct Counters {
 }
 
 impl Counters {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(bool, usize, u64), u64>> {
+        self.next.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn take(&self, send: bool, peer: usize, tag: u64) -> u64 {
-        let mut next = self.next.lock().unwrap_or_else(|p| p.into_inner());
+        let mut next = self.lock();
         let n = next.entry((send, peer, tag)).or_insert(0);
         let seq = *n;
         *n += 1;
         seq
+    }
+
+    /// The number the next receive from `peer` with `tag` would take.
+    fn peek_recv(&self, peer: usize, tag: u64) -> u64 {
+        self.lock().get(&(false, peer, tag)).copied().unwrap_or(0)
+    }
+
+    /// Takes number `seq` for a receive from `peer` with `tag` if it is still the next one.
+    fn take_recv_if(&self, peer: usize, tag: u64, seq: u64) -> bool {
+        let mut next = self.lock();
+        let n = next.entry((false, peer, tag)).or_insert(0);
+        if *n != seq {
+            return false;
+        }
+        *n += 1;
+        true
     }
 }
 
@@ -154,9 +174,108 @@ impl<T: Transport> Communicator<T> {
         result
     }
 
+    /// Receives into `buf` the next message with `tag` from whichever other rank's comes
+    /// first (MPI's `MPI_ANY_SOURCE`, torch's `recv_anysource`); returns the sender's rank.
+    ///
+    /// It takes a sender's next message number once a first piece of that message is here,
+    /// so a receive from that rank made earlier keeps the message it was numbered for. Unlike
+    /// MPI, a receive from that rank made *later*, while this one waits, takes its number
+    /// first (MPI would match the earlier-posted any-source receive first). Among ranks whose
+    /// messages are here, the lowest rank's is taken.
+    pub async fn recv_any<E: Element>(
+        &self,
+        tag: u64,
+        buf: &mut [E],
+    ) -> Result<usize, CollectiveError> {
+        let record = self.recorder.as_ref().map(|r| {
+            r.start(psnet_recorder::Op::P2p {
+                dir: "recv_any",
+                peer: u32::MAX,
+                tag,
+                msg: 0,
+                dtype: E::DTYPE.name(),
+                count: buf.len() as u64,
+            })
+        });
+        let result = match self.match_any(tag).await {
+            Ok(ticket) => self.recv_pieces(ticket, buf).await.map(|()| ticket.peer),
+            Err(e) => Err(e),
+        };
+        self.recorded_end(record, &result, "recv from any rank");
+        result
+    }
+
+    /// Waits for a first piece of the next message with `tag` from any other rank, and takes
+    /// that message's number.
+    async fn match_any(&self, tag: u64) -> Result<P2pTicket, CollectiveError> {
+        let others: Vec<usize> = (0..self.size()).filter(|&p| p != self.rank).collect();
+        if others.is_empty() {
+            return Err(CollectiveError::Invalid(
+                "recv from any rank: this communicator has no other rank".into(),
+            ));
+        }
+        let deadline = self.config.call_timeout.map(|t| Instant::now() + t);
+        loop {
+            let changed = self.mailbox.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let mail = self.mailbox.lock();
+                for &peer in &others {
+                    let seq = self.p2p.peek_recv(peer, tag);
+                    let here = mail
+                        .p2p
+                        .contains_key(&(self.comm, self.members[peer], tag, seq));
+                    if here && self.p2p.take_recv_if(peer, tag, seq) {
+                        return Ok(P2pTicket { peer, tag, seq });
+                    }
+                }
+                // Nobody left to send: every other rank lost, or this transport closed.
+                let lost: Vec<(usize, &String)> = others
+                    .iter()
+                    .filter_map(|&p| mail.lost.get(&self.members[p]).map(|why| (p, why)))
+                    .collect();
+                if lost.len() == others.len() {
+                    let (rank, why) = lost[0];
+                    return Err(CollectiveError::RankLost {
+                        rank,
+                        node: self.members[rank],
+                        reason: format!("every other rank is gone ({why})"),
+                    });
+                }
+                if let Some(why) = &mail.closed {
+                    return Err(CollectiveError::Transport(format!(
+                        "closed while receiving from any rank: {why}"
+                    )));
+                }
+            }
+            let timeout = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = &mut changed => {}
+                () = timeout => {
+                    return Err(CollectiveError::Timeout {
+                        call: format!("recv from any rank (tag {tag})"),
+                        waited: self.config.call_timeout.unwrap_or_default(),
+                        ranks: others.clone(),
+                    });
+                }
+            }
+        }
+    }
+
     /// Ends a send's or receive's record; a failure dumps the recorder, as a failed call's
     /// does (a point-to-point failure does not fail the communicator: only two ranks knew).
-    fn recorded_end(&self, record: Option<u64>, result: &Result<(), CollectiveError>, what: &str) {
+    fn recorded_end<R>(
+        &self,
+        record: Option<u64>,
+        result: &Result<R, CollectiveError>,
+        what: &str,
+    ) {
         if let (Some(r), Some(id)) = (&self.recorder, record) {
             let error = result.as_ref().err().map(ToString::to_string);
             r.finish(id, &[], error.as_deref());

@@ -117,3 +117,63 @@ fn only_other_ranks_are_peers() {
         assert_eq!(buf, [9]);
     });
 }
+
+/// A receive from any rank takes whichever sender's next message with its tag arrives, says
+/// who sent it, and leaves a receive from a named rank made before it its own message.
+#[test]
+fn a_receive_from_any_rank_names_the_sender_and_keeps_earlier_receives_theirs() {
+    for seed in 0..8 {
+        runtime().block_on(async {
+            let net = delayed(seed);
+            let config = Config {
+                piece_bytes: 16,
+                ..Config::default()
+            };
+            let comms = world(&net, 3, config).await;
+            let msg = |from: usize, k: i32| vec![from as i32 * 100 + k; 10];
+            // Rank 0 names rank 1 for its first message with tag 3, then takes two from any
+            // rank: rank 1's second and rank 2's first, in whichever order they come.
+            let mut first = vec![0i32; 10];
+            let named = comms[0].recv(1, 3, &mut first);
+            let sends = async {
+                comms[1].send(0, 3, &msg(1, 0)).await?;
+                comms[1].send(0, 3, &msg(1, 1)).await?;
+                comms[2].send(0, 3, &msg(2, 0)).await
+            };
+            let any = async {
+                let (mut a, mut b) = (vec![0i32; 10], vec![0i32; 10]);
+                let fa = comms[0].recv_any(3, &mut a).await?;
+                let fb = comms[0].recv_any(3, &mut b).await?;
+                Ok::<_, psnet_collectives::CollectiveError>(vec![(fa, a), (fb, b)])
+            };
+            let (n, s, got) = tokio::join!(named, sends, any);
+            n.expect("the named receive");
+            s.expect("the sends");
+            let mut got = got.expect("the receives from any rank");
+            got.sort();
+            assert_eq!(first, msg(1, 0), "seed {seed}");
+            assert_eq!(got, vec![(1, msg(1, 1)), (2, msg(2, 0))], "seed {seed}");
+        });
+    }
+}
+
+#[test]
+fn a_receive_from_any_rank_that_nobody_sends_times_out_naming_them_all() {
+    runtime().block_on(async {
+        let config = Config {
+            call_timeout: Some(std::time::Duration::from_secs(5)),
+            ..Config::default()
+        };
+        let comms = world(&MemNet::reliable(), 3, config).await;
+        let mut buf = [0u8; 4];
+        let e = comms[1]
+            .recv_any(0, &mut buf)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("recv from any rank (tag 0)") && e.contains("[0, 2]"),
+            "{e}"
+        );
+    });
+}

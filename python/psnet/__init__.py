@@ -6,7 +6,8 @@
 - ``psnet.init()`` then ``psnet.allreduce``, ``allgather``, ``reduce_scatter``,
   ``broadcast``, ``reduce``, ``barrier``, ``alltoall``, ``gather``, ``scatter``: collectives
   among the job's ranks, named by psnet's, torchrun's, mpirun's or Slurm's variables; ``send``
-  / ``recv`` / ``isend`` / ``irecv`` between two of them.
+  / ``recv`` / ``isend`` / ``irecv`` between two of them, ``recv_any`` from whichever rank
+  sends first.
 
 As with ``import mxnet``, importing psnet in a process that a launcher started as the job's
 scheduler or a server (``DMLC_ROLE=scheduler|server``) runs that role until the job ends and
@@ -31,7 +32,7 @@ from .collectives import (
     shutdown,
     size,
 )
-from .exchange import Request, alltoall, gather, irecv, isend, recv, scatter, send
+from .exchange import Request, alltoall, gather, irecv, isend, recv, recv_any, scatter, send
 
 __version__ = _psnet.__version__
 
@@ -44,6 +45,7 @@ __all__ = [
     "irecv",
     "isend",
     "recv",
+    "recv_any",
     "scatter",
     "send",
     "KvError",

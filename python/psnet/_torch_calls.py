@@ -52,6 +52,15 @@ class _Work(dist.Work):
     def get_future(self):
         return self._fut
 
+    def _source_rank(self):
+        """The sender of a receive from any rank (torch's ``recv(src=None)`` asks), once
+        done."""
+        self.wait()
+        source = getattr(self, "_psnet_source", None)
+        if not source:
+            raise RuntimeError("psnet: only a receive from any rank has a source rank to tell")
+        return source[0]
+
     def result(self):
         return self._fut.value()
 

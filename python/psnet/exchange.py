@@ -159,6 +159,16 @@ def _with_array(x, what, call, write=False):
         call(a.reshape(-1))
 
 
+def recv_any(out, tag=0):
+    """Receives into ``out`` the next message with ``tag`` from whichever rank's comes first
+    (MPI's ``MPI_ANY_SOURCE``); returns the sender's rank. A sender's next message is taken
+    once it starts arriving, so a receive from that rank made before keeps its message."""
+    comm = _get()
+    source = []
+    _with_array(out, "recv", lambda a: source.append(_psnet.recv_any(comm, a, tag)), write=True)
+    return source[0]
+
+
 def send(tensor, dst, tag=0):
     """Sends ``tensor`` to rank ``dst``; returns once the transport has taken it."""
     isend(tensor, dst, tag).wait()

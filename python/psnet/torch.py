@@ -466,9 +466,22 @@ class ProcessGroupPsnet(dist.ProcessGroup):
         return _p2p_work(run, tensors)
 
     def recv_anysource(self, tensors, tag=0):
-        raise NotImplementedError(
-            "psnet: recv without a source rank (recv_anysource) is not supported: name the "
-            "sending rank")
+        """``recv`` without a source rank: the next message with ``tag`` from whichever rank's
+        comes first (psnet's ``recv_any``); the Work's ``_source_rank()`` names the sender."""
+        t = tensors[0]
+        source = []
+
+        def run():
+            if _any_cuda(t) or not t.is_contiguous():
+                host = torch.empty(t.shape, dtype=t.dtype)
+                source.append(_psnet.recv_any(self._comm, _array(host, "recv").reshape(-1), tag))
+                with torch.no_grad():
+                    t.copy_(host)
+            else:
+                source.append(_psnet.recv_any(self._comm, _array(t, "recv").reshape(-1), tag))
+        work = _p2p_work(run, tensors)
+        work._psnet_source = source
+        return work
 
     def barrier(self, opts=None):
         # device_ids, where given, only say which GPU a NCCL barrier would use.

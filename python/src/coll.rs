@@ -50,11 +50,11 @@ impl Comm {
 
     /// Runs a point-to-point call: outside the order of collective calls, so a communicator
     /// failed by a collective still sends and receives between the ranks that are there.
-    pub(crate) fn run_p2p(
+    pub(crate) fn run_p2p<R: Send>(
         &self,
         py: Python<'_>,
-        call: impl std::future::Future<Output = Result<(), psnet_collectives::CollectiveError>> + Send,
-    ) -> PyResult<()> {
+        call: impl std::future::Future<Output = Result<R, psnet_collectives::CollectiveError>> + Send,
+    ) -> PyResult<R> {
         wait(py, &self.runtime, async { call.await.map_err(error::coll) })
     }
 

@@ -172,3 +172,19 @@ pub(crate) fn recv_with(
         comm.run_p2p(py, comm.comm.recv_in_turn(t, a))
     })
 }
+
+/// Receives into `array` the next message with `tag` from whichever rank's comes first;
+/// returns the sender's rank.
+#[pyfunction]
+pub(crate) fn recv_any(
+    py: Python<'_>,
+    comm: &Comm,
+    array: &Bound<'_, PyAny>,
+    tag: u64,
+) -> PyResult<usize> {
+    with_element!(arrays::kind_of(array, "recv")?, E => {
+        let mut a = arrays::write::<E>(array, "recv")?;
+        let a = arrays::elems_mut(&mut a, "recv")?;
+        comm.run_p2p(py, comm.comm.recv_any(tag, a))
+    })
+}

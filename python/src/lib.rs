@@ -48,6 +48,7 @@ fn _psnet(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(exchange::p2p_ticket, m)?)?;
     m.add_function(wrap_pyfunction!(exchange::send_with, m)?)?;
     m.add_function(wrap_pyfunction!(exchange::recv_with, m)?)?;
+    m.add_function(wrap_pyfunction!(exchange::recv_any, m)?)?;
     m.add_function(wrap_pyfunction!(kv::run_role, m)?)?;
     m.add_function(wrap_pyfunction!(kv::role, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::allreduce_cuda, m)?)?;

@@ -342,6 +342,17 @@ for i in range(n):
         res[f"p2p_{i}"] = np.concatenate([six, second])
 for q in reqs:
     q.wait()
+# Tag 8: every rank sends rank 0 its rank; rank 0 takes them from whichever comes first.
+if r != 0:
+    psnet.send(np.full(2, r, dtype=np.int32), 0, tag=8)
+else:
+    senders = []
+    for _ in range(n - 1):
+        got = np.empty(2, dtype=np.int32)
+        src = psnet.recv_any(got, tag=8)
+        assert (got == src).all(), (got, src)
+        senders.append(src)
+    assert sorted(senders) == list(range(1, n)), senders
 np.savez(f"{out}/rank{r}.npz", **res)
 """
 

@@ -387,3 +387,34 @@ def test_split_group_runs_through_psnets_split(tmp_path):
     parent's calls still in order, and options psnet does not take refused."""
     out, results = run_ranks(tmp_path, 4, SPLIT, env=torchrun_env(free_port()))
     assert all("ok" in o for _, o in results), results
+
+
+ANY = _torchrun_shim + """
+import torch, torch.distributed as dist
+import psnet, psnet.torch
+dist.init_process_group("psnet")
+r, n = dist.get_rank(), dist.get_world_size()
+if r == 0:
+    got = {}
+    for _ in range(n - 1):
+        t = torch.empty(3)
+        src = dist.recv(t)
+        got[src] = t.tolist()
+    assert got == {s: [float(s)] * 3 for s in range(1, n)}, got
+    # irecv without a source, waited on later.
+    w = dist.irecv(t, tag=5)
+    w.wait()
+    assert w._source_rank() == 2 and t.tolist() == [20.0] * 3, (w._source_rank(), t)
+else:
+    dist.send(torch.full((3,), float(r)), 0)
+    if r == 2:
+        dist.send(torch.full((3,), 20.0), 0, tag=5)
+dist.barrier()
+print("ok", r, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_recv_without_a_source_rank_names_the_sender(tmp_path):
+    out, results = run_ranks(tmp_path, 3, ANY, env=torchrun_env(free_port()))
+    assert all("ok" in o for _, o in results), results

@@ -42,9 +42,15 @@ pub(crate) fn short(op: &ReadOp) -> String {
 }
 
 fn headline(dir: &str, peer: u32, tag: u64, msg: u64) -> String {
+    if dir == ANY {
+        return format!("recv from any rank (tag {tag})");
+    }
     let way = if dir == "send" { "to" } else { "from" };
     format!("{dir} #{msg} {way} rank {peer} (tag {tag})")
 }
+
+/// A receive from any rank: it has no partner until a message matches it.
+const ANY: &str = "recv_any";
 
 /// A message's key as both ends record it: sender, receiver, tag, number.
 type Key = (u32, u32, u64, u64);
@@ -57,6 +63,7 @@ struct Ranks<'a> {
 
 fn key_of(rank: u32, op: &ReadOp) -> Option<(bool, Key)> {
     match op {
+        ReadOp::P2p { dir, .. } if dir == ANY => None,
         ReadOp::P2p {
             dir,
             peer,
@@ -96,6 +103,26 @@ fn ranks<'a>(dumps: &[&'a DumpFile]) -> Ranks<'a> {
 pub(crate) fn verdict(dumps: &[&DumpFile]) -> Option<String> {
     let ranks = ranks(dumps);
     let mut lines = Vec::new();
+    for (&rank, all) in &ranks.all {
+        for r in all.iter().filter(|r| r.state != State::Done) {
+            if let ReadOp::P2p { dir, tag, .. } = &r.op {
+                if dir == ANY {
+                    lines.push(format!(
+                        "rank {rank} {} {}: no message with tag {tag} reached it from any rank{}",
+                        if r.state == State::Failed {
+                            "failed in"
+                        } else {
+                            "waits in"
+                        },
+                        describe(&r.op),
+                        r.error
+                            .as_ref()
+                            .map_or_else(String::new, |e| format!(" ({e})"))
+                    ));
+                }
+            }
+        }
+    }
     for (&rank, records) in &ranks.p2p {
         for (&(send, key), r) in records {
             if r.state == State::Done {

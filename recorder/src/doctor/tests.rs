@@ -232,6 +232,9 @@ fn an_unfinished_receive_is_told_what_its_senders_dump_says() {
     ranks[1].started(id);
     let id = ranks[2].begin(p2p("recv", 3, 7, 2));
     ranks[2].started(id);
+    // Rank 0 waits for a message from any rank that none sent.
+    let id = ranks[0].begin(p2p("recv_any", u32::MAX, 9, 0));
+    ranks[0].started(id);
     for r in &ranks {
         r.dump("test");
     }
@@ -244,6 +247,10 @@ fn an_unfinished_receive_is_told_what_its_senders_dump_says() {
     );
     assert!(
         text.contains("rank 2 waits in recv #2 from rank 3 (tag 7) (f32, 1,000 elements): rank 3 left no dump"),
+        "{text}"
+    );
+    assert!(
+        text.contains("rank 0 waits in recv from any rank (tag 9) (f32, 1,000 elements): no message with tag 9 reached it from any rank"),
         "{text}"
     );
     // The evidence lists them too.
