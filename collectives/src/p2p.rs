@@ -150,13 +150,9 @@ impl<T: Transport> Communicator<T> {
         ticket: P2pTicket,
         data: &[E],
     ) -> Result<(), CollectiveError> {
-        let record = self
-            .recorder
-            .as_ref()
-            .map(|r| r.start(ticket.recorded::<E>(true, data.len())));
-        let result = self.send_pieces(ticket, data).await;
-        self.recorded_end(record, &result, "send");
-        result
+        let op = ticket.recorded::<E>(true, data.len());
+        self.recorded(op, "send", self.send_pieces(ticket, data))
+            .await
     }
 
     /// The receive that took `ticket`, in the flight recorder.
@@ -165,13 +161,9 @@ impl<T: Transport> Communicator<T> {
         ticket: P2pTicket,
         buf: &mut [E],
     ) -> Result<(), CollectiveError> {
-        let record = self
-            .recorder
-            .as_ref()
-            .map(|r| r.start(ticket.recorded::<E>(false, buf.len())));
-        let result = self.recv_pieces(ticket, buf).await;
-        self.recorded_end(record, &result, "recv");
-        result
+        let op = ticket.recorded::<E>(false, buf.len());
+        self.recorded(op, "recv", self.recv_pieces(ticket, buf))
+            .await
     }
 
     /// Receives into `buf` the next message with `tag` from whichever other rank's comes
@@ -187,22 +179,19 @@ impl<T: Transport> Communicator<T> {
         tag: u64,
         buf: &mut [E],
     ) -> Result<usize, CollectiveError> {
-        let record = self.recorder.as_ref().map(|r| {
-            r.start(psnet_recorder::Op::P2p {
-                dir: "recv_any",
-                peer: u32::MAX,
-                tag,
-                msg: 0,
-                dtype: E::DTYPE.name(),
-                count: buf.len() as u64,
-            })
-        });
-        let result = match self.match_any(tag).await {
-            Ok(ticket) => self.recv_pieces(ticket, buf).await.map(|()| ticket.peer),
-            Err(e) => Err(e),
+        let op = psnet_recorder::Op::P2p {
+            dir: "recv_any",
+            peer: u32::MAX,
+            tag,
+            msg: 0,
+            dtype: E::DTYPE.name(),
+            count: buf.len() as u64,
         };
-        self.recorded_end(record, &result, "recv from any rank");
-        result
+        let receive = async {
+            let ticket = self.match_any(tag).await?;
+            self.recv_pieces(ticket, buf).await.map(|()| ticket.peer)
+        };
+        self.recorded(op, "recv from any rank", receive).await
     }
 
     /// Waits for a first piece of the next message with `tag` from any other rank, and takes
@@ -268,14 +257,17 @@ impl<T: Transport> Communicator<T> {
         }
     }
 
-    /// Ends a send's or receive's record; a failure dumps the recorder, as a failed call's
-    /// does (a point-to-point failure does not fail the communicator: only two ranks knew).
-    fn recorded_end<R>(
+    /// Runs a send or receive as the recorded operation `op`; a failure dumps the recorder,
+    /// as a failed call's does (a point-to-point failure does not fail the communicator: only
+    /// two ranks knew).
+    async fn recorded<R>(
         &self,
-        record: Option<u64>,
-        result: &Result<R, CollectiveError>,
+        op: psnet_recorder::Op,
         what: &str,
-    ) {
+        run: impl std::future::Future<Output = Result<R, CollectiveError>>,
+    ) -> Result<R, CollectiveError> {
+        let record = self.recorder.as_ref().map(|r| r.start(op));
+        let result = run.await;
         if let (Some(r), Some(id)) = (&self.recorder, record) {
             let error = result.as_ref().err().map(ToString::to_string);
             r.finish(id, &[], error.as_deref());
@@ -283,6 +275,7 @@ impl<T: Transport> Communicator<T> {
                 self.dump_recorder(&format!("{what} failed: {e}"));
             }
         }
+        result
     }
 
     async fn send_pieces<E: Element>(

@@ -41,25 +41,16 @@ fn server(launcher: u32, rank: &str) -> u32 {
         .unwrap_or_else(|| panic!("no server {rank} under the launcher"))
 }
 
-fn kill(pid: u32) {
-    assert!(Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status()
-        .unwrap()
-        .success());
-}
-
-#[test]
-fn killed_servers_restarted_by_the_launcher_rejoin_and_the_weights_match_the_reference() {
-    let dir = std::env::temp_dir().join(format!("psnet-train-restart-{}", std::process::id()));
-    let (dist, refr) = (tmp("restart-dist"), tmp("restart-ref"));
-    let mut launcher = train()
-        .args(ARGS)
-        .arg("--dump")
-        .arg(&dist)
-        .env("PSNET_CHECKPOINT_DIR", &dir)
-        .env("PSNET_CHECKPOINT_EVERY", "7")
-        .env("PSNET_MAX_RESTARTS", "1")
+/// Starts the launcher and waits for its first epoch; returns it, a signal per later epoch
+/// line it prints, and all it printed once it ends.
+fn started(
+    cmd: &mut Command,
+) -> (
+    std::process::Child,
+    mpsc::Receiver<()>,
+    std::thread::JoinHandle<String>,
+) {
+    let mut launcher = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -77,9 +68,32 @@ fn killed_servers_restarted_by_the_launcher_rejoin_and_the_weights_match_the_ref
         }
         all
     });
-    // Server 1 dies in the second epoch; once the job is past it, server 0.
     rx.recv_timeout(Duration::from_secs(60))
         .expect("training never reached its first epoch");
+    (launcher, rx, reader)
+}
+
+fn kill(pid: u32) {
+    assert!(Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+}
+
+#[test]
+fn killed_servers_restarted_by_the_launcher_rejoin_and_the_weights_match_the_reference() {
+    let dir = std::env::temp_dir().join(format!("psnet-train-restart-{}", std::process::id()));
+    let (dist, refr) = (tmp("restart-dist"), tmp("restart-ref"));
+    let mut job = train();
+    job.args(ARGS)
+        .arg("--dump")
+        .arg(&dist)
+        .env("PSNET_CHECKPOINT_DIR", &dir)
+        .env("PSNET_CHECKPOINT_EVERY", "7")
+        .env("PSNET_MAX_RESTARTS", "1");
+    let (mut launcher, rx, reader) = started(&mut job);
+    // Server 1 dies in the second epoch; once the job is past it, server 0.
     kill(server(launcher.id(), "1"));
     let struck = Instant::now();
     rx.recv_timeout(Duration::from_secs(60))
@@ -127,30 +141,12 @@ fn a_server_restarted_over_another_jobs_checkpoint_refuses_it_and_the_job_ends_n
         .env("PSNET_CHECKPOINT_DIR", &earlier)
         .output()
         .unwrap());
-    let mut launcher = train()
-        .args(ARGS)
+    let mut job = train();
+    job.args(ARGS)
         .env("PSNET_CHECKPOINT_DIR", &dir)
         .env("PSNET_CHECKPOINT_EVERY", "0")
-        .env("PSNET_MAX_RESTARTS", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (tx, rx) = mpsc::channel();
-    let stdout = launcher.stdout.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut all = String::new();
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if line.starts_with("epoch ") {
-                let _ = tx.send(());
-            }
-            all.push_str(&line);
-            all.push('\n');
-        }
-        all
-    });
-    rx.recv_timeout(Duration::from_secs(60))
-        .expect("training never reached its first epoch");
+        .env("PSNET_MAX_RESTARTS", "1");
+    let (mut launcher, _rx, reader) = started(&mut job);
     // The earlier job's shard of server 0 replaces this job's (renamed over it, as a copy
     // would land); the credential beside it stays this job's.
     for name in ["server-0.snapshot", "server-0.journal"] {

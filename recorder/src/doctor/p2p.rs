@@ -8,21 +8,12 @@ use std::collections::BTreeMap;
 use super::{clock, grouped, short_call, DumpFile, ReadOp, ReadRecord};
 use crate::{Scope, State};
 
-/// "recv #3 from rank 0 (tag 5, float, 1,000 elements)".
+/// "recv #3 from rank 0 (tag 5) (float, 1,000 elements)".
 pub(crate) fn describe(op: &ReadOp) -> String {
     match op {
-        ReadOp::P2p {
-            dir,
-            peer,
-            tag,
-            msg,
-            dtype,
-            count,
-        } => format!(
-            "{} ({dtype}, {} elements)",
-            headline(dir, *peer, *tag, *msg),
-            grouped(*count)
-        ),
+        ReadOp::P2p { dtype, count, .. } => {
+            format!("{} ({dtype}, {} elements)", short(op), grouped(*count))
+        }
         other => format!("{other:?}"),
     }
 }
