@@ -400,7 +400,14 @@ class KVStore:
         raise NotImplementedError("row_sparse_pull: psnet's kvstore holds dense values only")
 
     def set_gradient_compression(self, compression_params):
-        """MXNet's ``{'type': '2bit', 'threshold': 0.5}`` (or ``'1bit'``); dist stores only."""
+        """MXNet's ``{'type': '2bit', 'threshold': 0.5}`` (or ``'1bit'``; ``'pull': True``
+        compresses pulls too); dist stores only.
+
+        Set once per job, the same on every worker. MXNet lets a job change the threshold
+        later; psnet's servers keep the first settings they get and refuse others, naming
+        them: a server sums pushes quantized under one setting with its residuals, and could
+        not tell which pushes a change applies to (to change it, start the job again, from a
+        checkpoint if need be)."""
         if self._worker is None:
             raise ValueError(
                 "gradient compression is for dist kvstores (as in MXNet), not 'local'"
