@@ -176,6 +176,37 @@ dist.destroy_process_group()
 """.replace("MODE", repr(mode)), env=env)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: split_group with a bound GPU is not tested")
+def test_a_device_mesh_with_a_bound_gpu_splits_through_psnet_and_recv_needs_no_source(tmp_path):
+    """With a bound GPU, DeviceMesh makes its dimensions' groups with split_group (on CPU it
+    uses new_group): a 2 x 2 mesh's groups reduce CUDA tensors; a receive without a source
+    rank fills a CUDA tensor and names the sender. Written without a GPU at hand: it has
+    not run yet (scripts/gpu-checks.sh runs this file)."""
+    run_ranks(tmp_path, 4, _torchrun_shim + """
+import torch, torch.distributed as dist
+import psnet.torch
+from torch.distributed.device_mesh import init_device_mesh
+dev = torch.device("cuda", 0)
+dist.init_process_group("psnet", device_id=dev)
+r, n = dist.get_rank(), dist.get_world_size()
+mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
+for dim, want in (("dp", [r % 2, r % 2 + 2]), ("tp", [r // 2 * 2, r // 2 * 2 + 1])):
+    group = mesh.get_group(dim)
+    assert dist.get_process_group_ranks(group) == want, (dim, dist.get_process_group_ranks(group))
+    v = torch.full((8,), float(r), device="cuda")
+    dist.all_reduce(v, group=group)
+    assert v.cpu().tolist() == [float(sum(want))] * 8, (dim, v)
+if r == 0:
+    t = torch.empty(4, device="cuda")
+    senders = sorted(dist.recv(t) for _ in range(n - 1))
+    assert senders == list(range(1, n)), senders
+else:
+    dist.send(torch.full((4,), float(r), device="cuda"), 0)
+dist.barrier()
+dist.destroy_process_group()
+""", env=torchrun_env(free_port()))
+
+
 def test_a_tensor_on_another_device_is_refused():
     import psnet.torch as pt
     t = torch.zeros(2, device="meta")
