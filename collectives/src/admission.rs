@@ -4,20 +4,38 @@
 //! member's id without the secret — is refused before anything it sends is read, and a live
 //! member's connection is never swapped for an unproven one.
 //!
+//! A hello proves the secret without showing it: it carries a MAC under the secret of the
+//! connection's binding and the id claimed ([`Proof::shared`]), so a proof read on one
+//! connection (with a job secret, a member in the middle can read hellos) passes on no other.
+//! Every rank holds the same secret, so a rank can still make the proof of another rank's id.
+//!
 //! A refused claim to a member's id is also noted in the mailbox, failing the communicator's
 //! calls: the process that claims it may be the rank's own, and the member in the table one
 //! that took its rank first (a squatter, or a second process given the same rank).
 
 use std::sync::Arc;
 
-use psnet_transport::{Admission, NodeId, Proof, PROOF_LEN};
+use psnet_transport::{Admission, Binding, NodeId, Proof};
 
 use crate::mailbox::Mailbox;
+
+/// Bytes of a communicator's secret.
+pub(crate) const SECRET_LEN: usize = 16;
+
+/// The secret rank 0 draws for a communicator and sends with its table. Never printed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CommSecret([u8; SECRET_LEN]);
+
+impl std::fmt::Debug for CommSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CommSecret(..)")
+    }
+}
 
 /// The members' ids and the job's secret.
 pub(crate) struct Members {
     nodes: Vec<NodeId>,
-    secret: Proof,
+    secret: CommSecret,
     /// While the members still connect to each other, a rank presents the secret but lets
     /// everyone in: a peer that has not received the table yet cannot prove itself.
     strict: bool,
@@ -27,7 +45,7 @@ pub(crate) struct Members {
 
 impl Members {
     /// Presents the secret and lets everyone in (while connecting).
-    pub(crate) fn presenting(nodes: Vec<NodeId>, secret: Proof) -> Self {
+    pub(crate) fn presenting(nodes: Vec<NodeId>, secret: CommSecret) -> Self {
         Members {
             nodes,
             secret,
@@ -38,7 +56,7 @@ impl Members {
 
     /// Presents the secret and lets in only members that present it; a claim to a member's
     /// id without it is noted in `claims`.
-    pub(crate) fn checking(nodes: Vec<NodeId>, secret: Proof, claims: Arc<Mailbox>) -> Self {
+    pub(crate) fn checking(nodes: Vec<NodeId>, secret: CommSecret, claims: Arc<Mailbox>) -> Self {
         Members {
             nodes,
             secret,
@@ -49,11 +67,13 @@ impl Members {
 }
 
 impl Admission for Members {
-    fn proof(&self, local: NodeId) -> Option<Proof> {
-        self.nodes.contains(&local).then_some(self.secret)
+    fn proof(&self, local: NodeId, binding: &Binding) -> Option<Proof> {
+        self.nodes
+            .contains(&local)
+            .then(|| Proof::shared(&self.secret.0, local, binding))
     }
 
-    fn admit(&self, peer: NodeId, proof: Option<&Proof>) -> Result<(), String> {
+    fn admit(&self, peer: NodeId, proof: Option<&Proof>, binding: &Binding) -> Result<(), String> {
         if !self.strict {
             return Ok(());
         }
@@ -61,7 +81,7 @@ impl Admission for Members {
             return Err(format!("{peer} is no rank of this communicator"));
         }
         let refused = match proof {
-            Some(p) if p.matches(&self.secret) => return Ok(()),
+            Some(p) if p.matches(&Proof::shared(&self.secret.0, peer, binding)) => return Ok(()),
             Some(_) => format!("{peer} came with a wrong job secret"),
             None => format!("{peer} came without the job secret"),
         };
@@ -73,65 +93,79 @@ impl Admission for Members {
 }
 
 /// A new job secret from the operating system's random source.
-pub(crate) fn new_secret() -> Result<Proof, String> {
-    let mut bytes = [0u8; PROOF_LEN];
+pub(crate) fn new_secret() -> Result<CommSecret, String> {
+    let mut bytes = [0u8; SECRET_LEN];
     getrandom::fill(&mut bytes).map_err(|e| format!("no random source for the job secret: {e}"))?;
-    Ok(Proof(bytes))
+    Ok(CommSecret(bytes))
 }
 
 /// The secret as text for the table (hex), and back.
-pub(crate) fn to_hex(p: &Proof) -> String {
+pub(crate) fn to_hex(p: &CommSecret) -> String {
     p.0.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-pub(crate) fn from_hex(text: &str) -> Option<Proof> {
-    if text.len() != 2 * PROOF_LEN || !text.is_ascii() {
+pub(crate) fn from_hex(text: &str) -> Option<CommSecret> {
+    if text.len() != 2 * SECRET_LEN || !text.is_ascii() {
         return None;
     }
-    let mut bytes = [0u8; PROOF_LEN];
+    let mut bytes = [0u8; SECRET_LEN];
     for (i, b) in bytes.iter_mut().enumerate() {
         *b = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).ok()?;
     }
-    Some(Proof(bytes))
+    Some(CommSecret(bytes))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    use psnet_transport::session::{Role, SessionBase};
+
+    fn binding(seed: u8) -> Binding {
+        Binding::new(Some(&SessionBase::from_bytes([seed; 32])), Role::Dialler)
+    }
+
     #[test]
     fn only_members_with_the_secret_get_in() {
         let secret = new_secret().unwrap();
+        let here = binding(1);
         let mailbox = Arc::new(Mailbox::new(0));
         let members = Members::checking(vec![NodeId(1), NodeId(2)], secret, mailbox.clone());
         assert_eq!(
-            Members::presenting(vec![NodeId(1)], secret).admit(NodeId(5), None),
+            Members::presenting(vec![NodeId(1)], secret).admit(NodeId(5), None, &here),
             Ok(())
         );
-        assert_eq!(members.admit(NodeId(2), Some(&secret)), Ok(()));
+        let proof_of = |id| members.proof(id, &here).unwrap();
+        assert_eq!(
+            members.admit(NodeId(2), Some(&proof_of(NodeId(2))), &here),
+            Ok(())
+        );
         assert!(members
-            .admit(NodeId(3), Some(&secret))
+            .admit(NodeId(3), Some(&proof_of(NodeId(1))), &here)
             .unwrap_err()
             .contains("no rank"));
         // A stranger is only refused; a claim to a member's id is also noted, the first kept.
         assert!(mailbox.lock().claimed.is_none());
         assert!(members
-            .admit(NodeId(1), None)
+            .admit(NodeId(1), None, &here)
             .unwrap_err()
             .contains("without"));
-        let mut wrong = secret;
-        wrong.0[0] ^= 1;
-        assert!(members
-            .admit(NodeId(1), Some(&wrong))
-            .unwrap_err()
-            .contains("wrong"));
+        // Rank 2's proof read on this connection, or rank 1's read on another, does not pass.
+        for (proof, on) in [
+            (proof_of(NodeId(2)), here),
+            (proof_of(NodeId(1)), binding(2)),
+        ] {
+            assert!(members
+                .admit(NodeId(1), Some(&proof), &on)
+                .unwrap_err()
+                .contains("wrong"));
+        }
         let claimed = mailbox.lock().claimed.clone();
         assert!(
             matches!(&claimed, Some((NodeId(1), why)) if why.contains("without")),
             "{claimed:?}"
         );
-        assert_eq!(members.proof(NodeId(1)), Some(secret));
-        assert_eq!(members.proof(NodeId(9)), None);
+        assert_eq!(members.proof(NodeId(9), &here), None);
         assert_eq!(from_hex(&to_hex(&secret)), Some(secret));
         assert_eq!(from_hex("zz"), None);
     }

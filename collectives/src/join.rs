@@ -15,10 +15,10 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use psnet_transport::{NodeId, OutMessage, Proof, Segment, Transport};
+use psnet_transport::{NodeId, OutMessage, Segment, Transport};
 use tokio::time::Instant;
 
-use crate::admission::{self, Members};
+use crate::admission::{self, CommSecret, Members};
 use crate::comm::{node_of, Communicator};
 use crate::drive::Teller;
 use crate::error::CollectiveError;
@@ -140,7 +140,7 @@ async fn say_hello<T: Transport>(
     root: SocketAddr,
     size: usize,
     deadline: Instant,
-) -> Result<(u32, Proof, Vec<SocketAddr>), CollectiveError> {
+) -> Result<(u32, CommSecret, Vec<SocketAddr>), CollectiveError> {
     let root_node = node_of(0);
     tokio::time::timeout_at(deadline, comm.transport.connect(root_node, root))
         .await
@@ -244,7 +244,10 @@ async fn gather_hellos<T: Transport>(
     Ok(addrs.into_iter().map(|a| a.expect("all present")).collect())
 }
 
-fn parse_table(a: &Arrival, size: usize) -> Result<(u32, Proof, Vec<SocketAddr>), CollectiveError> {
+fn parse_table(
+    a: &Arrival,
+    size: usize,
+) -> Result<(u32, CommSecret, Vec<SocketAddr>), CollectiveError> {
     let text = String::from_utf8_lossy(&a.data);
     let mut lines = text.lines();
     let first = lines.next().and_then(|l| l.split_once(' '));

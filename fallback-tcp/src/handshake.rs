@@ -1,7 +1,8 @@
 //! Opening a connection: with a job secret both sides first prove they know it
 //! ([`psnet_transport::auth`]); then the dialler says who it is, the acceptor agrees or
 //! refuses. With a secret the hello and its answer are sealed under the connection's session
-//! keys ([`psnet_transport::session`]): the tokens they carry never cross the wire in clear.
+//! keys ([`psnet_transport::session`]): the proofs of identity they carry never cross the wire
+//! in clear.
 
 use std::io;
 
@@ -9,7 +10,7 @@ use bytes::BytesMut;
 use psnet_transport::auth::{self, Acceptor, Dialler, Secret};
 use psnet_transport::codec::{self, DataPath, Frame, Hello};
 use psnet_transport::session::{Opener, Role, Sealer, Session, SessionBase, TAG_LEN};
-use psnet_transport::{FrameKind, Limits, NodeId, OutMessage, Proof};
+use psnet_transport::{Binding, FrameKind, Limits, NodeId, OutMessage, Proof};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -120,22 +121,26 @@ pub(crate) enum Answer {
     Reject(String),
 }
 
-/// Dialler side: prove the secret (if the job has one), send our hello, read the answer. An
-/// acceptor that fails the secret exchange is an [`Answer::Reject`] with the reason.
+/// Dialler side: prove the secret (if the job has one), send our hello with the proof of our
+/// id that `prove` makes for this connection's binding, read the answer. An acceptor that
+/// fails the secret exchange is an [`Answer::Reject`] with the reason.
 pub(crate) async fn dial(
     stream: &mut TcpStream,
     local: NodeId,
     path: DataPath,
-    proof: Option<&Proof>,
+    prove: impl Fn(&Binding) -> Option<Proof>,
     secret: Option<&Secret>,
 ) -> io::Result<(Answer, BytesMut, Option<SessionBase>)> {
-    let hello_body = codec::encode_hello_proved(local, path, proof);
+    let hello_body = |session: Option<&SessionBase>| {
+        let proof = prove(&Binding::new(session, Role::Dialler));
+        codec::encode_hello_proved(local, path, proof.as_ref())
+    };
     let mut buf = fresh();
     let mut session = None;
     match secret {
         None => {
             stream
-                .write_all(&encode(FrameKind::Hello, &hello_body)?)
+                .write_all(&encode(FrameKind::Hello, &hello_body(None))?)
                 .await?
         }
         Some(secret) => {
@@ -170,11 +175,11 @@ pub(crate) async fn dial(
             };
             let (mut sealer, opener) = Session::opening(&base, Role::Dialler);
             // The hello rides right behind the proof, sealed: no extra round trip, and its
-            // token is not in clear.
+            // proof is not in clear.
             let mut both = encode(FrameKind::AuthProof, &proof)?;
             both.extend_from_slice(
                 &sealer
-                    .seal_handshake(FrameKind::Hello, &hello_body)
+                    .seal_handshake(FrameKind::Hello, &hello_body(Some(&base)))
                     .map_err(|e| invalid(e.to_string()))?,
             );
             stream.write_all(&both).await?;
@@ -205,7 +210,7 @@ pub(crate) async fn dial(
 pub(crate) enum Opening {
     /// The dialler's hello (after it proved the secret, where the job has one), the bytes
     /// read past it, and the connection's session where the job has a secret.
-    Hello(Hello, BytesMut, Option<AcceptedSession>),
+    Hello(Box<Hello>, BytesMut, Option<AcceptedSession>),
     /// Refuse it with this reason (sent back and logged with the dialler's address).
     Refuse(String),
 }
@@ -261,7 +266,7 @@ pub(crate) async fn accept_opening(
         (other, _) => return Err(invalid(format!("expected a hello, got {other:?}"))),
     };
     let hello = codec::decode_hello(&hello_body).map_err(|e| invalid(e.to_string()))?;
-    Ok(Opening::Hello(hello, buf, session))
+    Ok(Opening::Hello(Box::new(hello), buf, session))
 }
 
 /// Why two nodes whose data paths differ cannot talk.

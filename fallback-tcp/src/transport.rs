@@ -8,8 +8,8 @@ use psnet_transport::codec::FrameHeader;
 use psnet_transport::device::{DevicePath, PathLog, StreamError};
 use psnet_transport::session::{Role, Session, SessionBase};
 use psnet_transport::{
-    Admission, Capabilities, Event, FrameKind, NodeId, OutMessage, Placer, Proof, RegisteredBuf,
-    Transport, TransportError,
+    Admission, Binding, Capabilities, Event, FrameKind, NodeId, OutMessage, Placer, Proof,
+    RegisteredBuf, Transport, TransportError,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
@@ -184,9 +184,10 @@ impl Inner {
             .clone()
     }
 
-    /// The proof our hellos carry under the current id.
-    fn own_proof(&self) -> Option<Proof> {
-        self.admission().and_then(|a| a.proof(self.local()))
+    /// The proof our hello carries under the current id on the connection of `binding`.
+    fn own_proof(&self, binding: &Binding) -> Option<Proof> {
+        self.admission()
+            .and_then(|a| a.proof(self.local(), binding))
     }
 
     fn is_closed(&self) -> bool {

@@ -9,7 +9,9 @@ use std::time::Duration;
 use bytes::BytesMut;
 use psnet_fallback_tcp::{TcpConfig, TcpTransport};
 use psnet_transport::codec::{self, DataPath, FrameKind};
-use psnet_transport::{Admission, Event, Limits, NodeId, OutMessage, Proof, Transport, PROOF_LEN};
+use psnet_transport::{
+    Admission, Binding, Event, Limits, NodeId, OutMessage, Proof, Transport, PROOF_LEN,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::timeout;
@@ -24,11 +26,11 @@ fn token(n: u8) -> Proof {
 }
 
 impl Admission for Table {
-    fn proof(&self, local: NodeId) -> Option<Proof> {
+    fn proof(&self, local: NodeId, _: &Binding) -> Option<Proof> {
         self.0.get(&local).copied()
     }
 
-    fn admit(&self, peer: NodeId, proof: Option<&Proof>) -> Result<(), String> {
+    fn admit(&self, peer: NodeId, proof: Option<&Proof>, _: &Binding) -> Result<(), String> {
         match (self.0.get(&peer), proof) {
             (None, _) => Err(format!("{peer} is unknown")),
             (Some(t), Some(p)) if t.matches(p) => Ok(()),

@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use psnet_fallback_tcp::{TcpConfig, TcpTransport};
 use psnet_transport::auth::Secret;
-use psnet_transport::{Admission, Event, NodeId, OutMessage, Proof, Segment, Transport, PROOF_LEN};
+use psnet_transport::{
+    Admission, Binding, Event, NodeId, OutMessage, Proof, Segment, Transport, PROOF_LEN,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::timeout;
@@ -29,10 +31,10 @@ fn token(id: NodeId) -> Proof {
 }
 
 impl Admission for KnownTokens {
-    fn proof(&self, local: NodeId) -> Option<Proof> {
+    fn proof(&self, local: NodeId, _: &Binding) -> Option<Proof> {
         Some(token(local))
     }
-    fn admit(&self, peer: NodeId, proof: Option<&Proof>) -> Result<(), String> {
+    fn admit(&self, peer: NodeId, proof: Option<&Proof>, _: &Binding) -> Result<(), String> {
         match proof {
             Some(p) if p.matches(&token(peer)) => Ok(()),
             _ => Err(format!("{peer} did not prove its id")),

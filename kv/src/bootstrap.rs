@@ -10,7 +10,7 @@ use tokio::time::{timeout_at, Instant};
 
 use crate::config::KvConfig;
 use crate::error::KvError;
-use crate::proto::admission::{commitment, random_token, JobAdmission};
+use crate::proto::admission::{random_identity, JobAdmission};
 use crate::proto::ids::{self, describe, Group, Role, SCHEDULER};
 use crate::proto::msg::{Msg, NodeInfo};
 use crate::reliable::Link;
@@ -29,7 +29,7 @@ pub struct Joined<T: Transport> {
     /// What arrived during the start-up barrier that is not part of it (a worker that left
     /// the barrier first may already be pushing): the node's loop handles these first.
     pub early: Vec<Received>,
-    /// Who may connect: learns the token of a server that rejoins.
+    /// Who may connect: learns the identity of a server that rejoins.
     pub admission: Arc<JobAdmission>,
     /// This node took back the id of a lost server in a running job (`Reassign`): no
     /// start-up barrier was held, and its shard is to be reloaded.
@@ -71,9 +71,9 @@ pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joine
                 config.root
             ))
         })?;
-    // The token this node will prove its id with: drawn here, and only its commitment
+    // The identity this node will prove its id with: drawn here, and only its public half
     // leaves the node (see `proto::admission`).
-    let token = random_token();
+    let identity = random_identity();
     wire::send(
         &transport,
         SCHEDULER,
@@ -82,7 +82,7 @@ pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joine
             addr: listen,
             rank_hint: config.rank_hint,
             recovery: recovery_credential(config),
-            token_commit: commitment(&token),
+            identity: identity.public(),
         },
         None,
     )
@@ -132,7 +132,7 @@ pub async fn join<T: Transport>(config: &KvConfig, transport: T) -> Result<Joine
     }
     // Reconnect to the scheduler under the assigned id. From here on, messages go through
     // the link (PS_RESEND, if on, covers every message between assigned ids).
-    let admission = Arc::new(JobAdmission::member(id, token, &nodes));
+    let admission = Arc::new(JobAdmission::member(id, identity, &nodes));
     transport.set_admission(admission.clone());
     transport.set_local_id(id);
     let link = Link::new(Arc::new(transport), config.resend);

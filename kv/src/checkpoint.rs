@@ -185,8 +185,8 @@ fn journal_header(rank: u32, id: u64) -> [u8; JOURNAL_HEADER] {
     h
 }
 
-/// The job a checkpoint belongs to: the first 8 bytes of the commitment to the scheduler's
-/// token, which the scheduler draws afresh at every start and every node receives in its
+/// The job a checkpoint belongs to: the first 8 bytes of the public half of the scheduler's
+/// identity, which the scheduler draws afresh at every start and every node receives in its
 /// table (so a server that rejoins the same job computes the same id, and another job's
 /// files differ). It is no secret: it tells jobs apart, it does not prove anything.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -198,7 +198,7 @@ impl JobId {
         let scheduler = nodes
             .iter()
             .find(|n| n.role == crate::proto::ids::Role::Scheduler)?;
-        let bytes: [u8; 8] = scheduler.commit.0[..8].try_into().ok()?;
+        let bytes: [u8; 8] = scheduler.identity.0[..8].try_into().ok()?;
         Some(JobId(u64::from_le_bytes(bytes)))
     }
 }

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use crate::config::KvConfig;
 use crate::error::KvError;
-use crate::proto::admission::{random_token, JobAdmission};
+use crate::proto::admission::{random_identity, JobAdmission};
 use crate::proto::ids::{describe, SCHEDULER};
 use crate::proto::msg::Msg;
 use crate::proto::scheduler::{Registration, SchedulerState};
@@ -48,15 +48,16 @@ impl<T: Transport> Scheduler<T> {
         let link = Link::new(Arc::new(t), config.resend);
         let t = link.transport();
         tracing::info!(addr = %t.listen_addr(), servers = config.num_servers, workers = config.num_workers, "scheduler up");
+        let identity = random_identity();
         let mut state = SchedulerState::new(
             config.num_servers,
             config.num_workers,
             t.listen_addr(),
             config.heartbeat_timeout,
-            random_token(),
+            identity.public(),
         )
         .with_recovery(config.recovery_timeout);
-        let admission = Arc::new(JobAdmission::scheduler(state.token()));
+        let admission = Arc::new(JobAdmission::scheduler(identity));
         t.set_admission(admission.clone());
         let started = Instant::now();
         let tick_every = config
@@ -78,9 +79,9 @@ impl<T: Transport> Scheduler<T> {
                                 addr,
                                 rank_hint,
                                 recovery,
-                                token_commit,
+                                identity,
                             } => {
-                                let reg = Registration { role, addr, rank_hint, recovery, token_commit };
+                                let reg = Registration { role, addr, rank_hint, recovery, identity };
                                 state.handle_register(from, reg, now)
                             }
                             Msg::RecoveryKey { commit } => state.handle_recovery_key(from, commit),
@@ -111,11 +112,11 @@ impl<T: Transport> Scheduler<T> {
                 match &msg {
                     Msg::Assign { nodes, .. } => {
                         // Where to redial nodes whose connection drops (PS_RESEND), and the
-                        // commitments to the tokens they will prove their assigned ids with.
+                        // public identities they will prove their assigned ids with.
                         link.learn_nodes(nodes);
                         admission.learn(nodes);
                     }
-                    // A restarted server: its new address and token's commitment, and
+                    // A restarted server: its new address and public identity, and
                     // (PS_RESEND) a fresh start with the new process.
                     Msg::Reassign { your_id, nodes } => {
                         if let Some(node) = nodes.iter().find(|n| n.id == *your_id) {

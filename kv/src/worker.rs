@@ -612,7 +612,6 @@ fn partition_bytes(config: &KvConfig, nodes: &[crate::proto::msg::NodeInfo]) -> 
 mod tests {
     use super::*;
     use crate::proto::msg::NodeInfo;
-    use psnet_transport::{Proof, PROOF_LEN};
 
     fn node(role: Role, rank: u32, addr: &str) -> NodeInfo {
         NodeInfo {
@@ -620,7 +619,7 @@ mod tests {
             role,
             rank,
             addr: addr.parse().unwrap(),
-            commit: Proof([0; PROOF_LEN]),
+            identity: psnet_transport::PublicIdentity([0; 32]),
         }
     }
 

@@ -370,7 +370,7 @@ async fn a_second_registration_is_refused_and_the_job_goes_on() {
             addr,
             rank_hint: hint,
             recovery: None,
-            token_commit: psnet_transport::Proof([1; psnet_transport::PROOF_LEN]),
+            identity: psnet_transport::Identity::from_seed([1; 32]).public(),
         };
         job.rogue.send(SCHEDULER, &again, &[]).await;
         let (from, msg, _) = job.rogue.next().await;
@@ -474,8 +474,9 @@ async fn oversize_frames_are_refused_by_the_servers_listener() {
 
 /// The second hardening round: every `Assign` carried every node's token, so a member could
 /// dial a server as worker 0 (and `init` or set the optimizer as it), or as the scheduler
-/// (and send `Shutdown`). A member now holds only commitments to the others' tokens (each
-/// node draws its own and registers a commitment), which do not pass as them.
+/// (and send `Shutdown`). A member now holds only the others' public identities (each node
+/// draws its own and registers the public half): a proof it signs for their ids does not
+/// pass as theirs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_cannot_speak_as_another_member_or_the_scheduler() {
     use psnet_transport::codec::{self, DataPath};
@@ -488,8 +489,9 @@ async fn a_member_cannot_speak_as_another_member_or_the_scheduler() {
     let target = job.rogue.addr_of(server);
     let worker0 = psnet_kv::proto::ids::node_id(Role::Worker, 0);
     for id in [worker0, SCHEDULER] {
-        let learned = job.rogue.nodes.iter().find(|n| n.id == id).unwrap().commit;
-        let hello = codec::encode_hello_proved(id, DataPath::Tcp, Some(&learned));
+        let binding = psnet_transport::Binding::new(None, psnet_transport::session::Role::Dialler);
+        let forged = psnet_transport::Identity::from_seed(job.rogue.seed).prove(id, &binding);
+        let hello = codec::encode_hello_proved(id, DataPath::Tcp, Some(&forged));
         let frame = codec::encode_frame(
             FrameKind::Hello,
             &OutMessage::new(&hello, &[]),
@@ -511,7 +513,10 @@ async fn a_member_cannot_speak_as_another_member_or_the_scheduler() {
             assert!(read > 0, "closed without an answer");
         };
         assert_eq!(answer.kind, FrameKind::HelloReject, "{id:?} was let in");
-        assert_names(&String::from_utf8_lossy(&answer.meta), &["wrong job token"]);
+        assert_names(
+            &String::from_utf8_lossy(&answer.meta),
+            &["not its identity's"],
+        );
     }
     end_round_and_job(job, go, honest).await;
 }

@@ -184,8 +184,8 @@ async fn forged_hellos_over_tcp_are_refused_and_the_job_goes_on() {
     let victim = c.workers[0].debug_transport().listen_addr();
     // The scheduler's id, the other worker's (live) id, an id never assigned.
     for (id, why) in [
-        (1, "without its job token"),
-        (11, "without its job token"),
+        (1, "without the proof of its id"),
+        (11, "without the proof of its id"),
         (77, "never assigned"),
     ] {
         let (kind, reason) = forged_hello(victim, id).await;

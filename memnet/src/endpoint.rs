@@ -8,9 +8,10 @@ use bytes::Bytes;
 use psnet_transport::auth;
 use psnet_transport::device::{copy_all, DevicePath, PathLog, DEFAULT_STAGE_CHUNK};
 use psnet_transport::placement::{Placer, ReceivePlacing};
+use psnet_transport::session::Role;
 use psnet_transport::{
-    Admission, Capabilities, CodecError, Event, Incoming, NodeId, OutMessage, RegisteredBuf,
-    Transport, TransportError,
+    Admission, Binding, Capabilities, CodecError, Event, Incoming, NodeId, OutMessage,
+    RegisteredBuf, Transport, TransportError,
 };
 use smallvec::SmallVec;
 use tokio::time::Instant;
@@ -143,8 +144,12 @@ impl MemTransport {
                     let theirs = &net.eps[&l];
                     let admitted =
                         auth::exchange_in_process(me.secret.as_ref(), theirs.secret.as_ref())
-                            .and_then(|()| theirs.admit(me.id, me.proof().as_ref()))
-                            .and_then(|()| me.admit(peer, theirs.proof().as_ref()));
+                            .and_then(|session| {
+                                let dialler = Binding::new(session.as_ref(), Role::Dialler);
+                                let acceptor = Binding::new(session.as_ref(), Role::Acceptor);
+                                theirs.admit(me.id, me.proof(&dialler).as_ref(), &dialler)?;
+                                me.admit(peer, theirs.proof(&acceptor).as_ref(), &acceptor)
+                            });
                     if let Err(reason) = admitted {
                         tracing::warn!(claimed = %me.id, %peer, %reason, "connection refused");
                         return Step::Done(Err(TransportError::Handshake { peer, reason }));

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use psnet_transport::auth::Secret;
-use psnet_transport::{Admission, Event, Limits, NodeId, Proof};
+use psnet_transport::{Admission, Binding, Event, Limits, NodeId, Proof};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -92,16 +92,23 @@ pub(crate) struct Ep {
 }
 
 impl Ep {
-    /// The proof this endpoint presents under its current id.
-    pub(crate) fn proof(&self) -> Option<Proof> {
-        self.admission.as_ref().and_then(|a| a.proof(self.id))
-    }
-
-    /// Whether this endpoint lets in `peer` presenting `proof`.
-    pub(crate) fn admit(&self, peer: NodeId, proof: Option<&Proof>) -> Result<(), String> {
+    /// The proof this endpoint presents under its current id on the connection of `binding`.
+    pub(crate) fn proof(&self, binding: &Binding) -> Option<Proof> {
         self.admission
             .as_ref()
-            .map_or(Ok(()), |a| a.admit(peer, proof))
+            .and_then(|a| a.proof(self.id, binding))
+    }
+
+    /// Whether this endpoint lets in `peer` presenting `proof` made for `binding`.
+    pub(crate) fn admit(
+        &self,
+        peer: NodeId,
+        proof: Option<&Proof>,
+        binding: &Binding,
+    ) -> Result<(), String> {
+        self.admission
+            .as_ref()
+            .map_or(Ok(()), |a| a.admit(peer, proof, binding))
     }
 }
 

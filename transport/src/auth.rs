@@ -23,7 +23,9 @@
 //! process that holds the job's secret but only watches the connection (another member of
 //! the job on the path) cannot derive the session's keys: it would need one of the two
 //! private keys, which never leave their ends. One that sits in the middle and runs an
-//! exchange with each end can; that is the limit of a shared secret.
+//! exchange with each end can; that is the limit of a shared secret. What it cannot do is
+//! speak as either end: each hello's proof of its node id is bound to the session it was made
+//! on ([`crate::Binding`]), so a proof it reads on one connection fails on the other.
 //!
 //! This module only computes and checks messages; transports move them.
 
@@ -192,20 +194,22 @@ fn split<const N: usize>(bytes: &[u8]) -> [u8; N] {
 
 /// The whole exchange between a dialler holding `dialler` and an acceptor holding `acceptor`,
 /// for transports whose two ends live in one process (the in-memory network): the same
-/// messages and checks as on a wire, with fresh nonces. The error is the refusal's reason.
+/// messages and checks as on a wire, with fresh nonces. Returns the connection's session
+/// (`None` for an open job); the error is the refusal's reason.
 pub fn exchange_in_process(
     dialler: Option<&Secret>,
     acceptor: Option<&Secret>,
-) -> Result<(), String> {
+) -> Result<Option<SessionBase>, String> {
     match (dialler, acceptor) {
-        (None, None) => Ok(()),
+        (None, None) => Ok(None),
         (None, Some(_)) => Err(REFUSE_NO_PROOF.into()),
         (Some(_), None) => Err(REFUSE_UNEXPECTED_PROOF.into()),
         (Some(d), Some(a)) => {
-            let run = || -> Result<(), AuthError> {
+            let run = || -> Result<Option<SessionBase>, AuthError> {
                 let (dialler, hello) = Dialler::start(d, Fresh::draw()?);
                 let (acceptor, challenge) = Acceptor::handle_hello(a, &hello, Fresh::draw()?)?;
-                acceptor.handle_proof(&dialler.handle_challenge(&challenge)?.0)
+                acceptor.handle_proof(&dialler.handle_challenge(&challenge)?.0)?;
+                Ok(Some(acceptor.session_base()))
             };
             run().map_err(|e| e.to_string())
         }

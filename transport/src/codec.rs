@@ -475,11 +475,11 @@ pub struct Hello {
 pub fn decode_hello(meta: &[u8]) -> Result<Hello, CodecError> {
     if meta.len() != HELLO_LEN && meta.len() != HELLO_PROOF_LEN {
         return Err(CodecError::BadHandshake(
-            "hello body must be 9 bytes, or 25 with a proof",
+            "hello body must be 9 bytes, or 73 with a proof",
         ));
     }
     let mut r = LeReader::new(meta);
-    let short = |_| CodecError::BadHandshake("hello body must be 9 bytes, or 25 with a proof");
+    let short = |_| CodecError::BadHandshake("hello body must be 9 bytes, or 73 with a proof");
     let id = NodeId(r.u64().map_err(short)?);
     let path = match r.u8().map_err(short)? {
         0 => DataPath::Tcp,

@@ -13,7 +13,8 @@
 //! - [`RegisteredBuf`]: memory the transport may hand to the NIC without copying (plain memory on
 //!   TCP, a memory registration on RDMA).
 //! - [`le`]: bounded little-endian reading and writing for every wire format.
-//! - [`Admission`]: who may connect, and the [`Proof`] of identity a node's hello carries.
+//! - [`Admission`]: who may connect, and the [`Proof`] of identity a node's hello carries,
+//!   bound to its connection ([`Binding`]) and signed with the node's own [`Identity`].
 //! - [`auth`]: the shared-secret exchange (HMAC-SHA256 over both sides' nonces) that opens
 //!   every connection of a job with `PSNET_SECRET`.
 //! - [`device`]: GPU memory in messages ([`DeviceBytes`]), staged through host buffers in a
@@ -40,7 +41,7 @@ mod node;
 pub mod placement;
 pub mod session;
 
-pub use admission::{Admission, Proof, PROOF_LEN};
+pub use admission::{Admission, Binding, Identity, Proof, PublicIdentity, IDENTITY_LEN, PROOF_LEN};
 pub use caps::Capabilities;
 pub use codec::{CodecError, FrameKind, Limits};
 pub use contract::Transport;

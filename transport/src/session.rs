@@ -5,7 +5,7 @@
 //! job's secret of the exchange and of an X25519 shared secret of two fresh keys. From it each direction of the connection gets keys of
 //! its own, so a frame cannot be reflected back to its sender:
 //!
-//! - the opening keys protect the hello and its answer. Their bodies carry the nodes' tokens,
+//! - the opening keys protect the hello and its answer. Their bodies carry the nodes' proofs,
 //!   so they are sealed (encrypted and authenticated) and never cross the wire in clear;
 //! - once both hellos are through, the keys are derived again with both node ids mixed in
 //!   ([`Session::bound`]): every later frame is bound to the two nodes it is between.
@@ -59,6 +59,11 @@ impl SessionBase {
     /// A base from raw bytes, for tests and in-process transports.
     pub fn from_bytes(bytes: [u8; BASE_LEN]) -> Self {
         SessionBase(bytes)
+    }
+
+    /// The bytes hello proofs are bound to ([`crate::admission::Binding`]).
+    pub(crate) fn material(&self) -> &[u8; BASE_LEN] {
+        &self.0
     }
 }
 

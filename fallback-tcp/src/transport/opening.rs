@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use psnet_transport::codec::Hello;
-use psnet_transport::session::SessionBase;
-use psnet_transport::{FrameKind, NodeId, TransportError};
+use psnet_transport::session::{Role, SessionBase};
+use psnet_transport::{Binding, FrameKind, NodeId, TransportError};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{sleep, timeout, Instant};
 
@@ -68,7 +68,8 @@ impl Inner {
             self.dial(peer, addr, deadline, refusal_is_final).await?;
         if let (Answer::Ack(hello), Some(admission)) = (&answer, self.admission()) {
             if hello.id == peer {
-                if let Err(reason) = admission.admit(peer, hello.proof.as_ref()) {
+                let binding = Binding::new(session.as_ref(), Role::Acceptor);
+                if let Err(reason) = admission.admit(peer, hello.proof.as_ref(), &binding) {
                     tracing::warn!(%peer, %addr, %reason, "refusing the node that answered");
                     let _ = handshake::write_frame(
                         &mut stream,
@@ -135,12 +136,11 @@ impl Inner {
             let attempt = async {
                 let mut stream = TcpStream::connect(addr).await?;
                 tune(&stream, &self.config)?;
-                let proof = self.own_proof();
                 let (answer, rest, session) = handshake::dial(
                     &mut stream,
                     self.local(),
                     self.config.data_path,
-                    proof.as_ref(),
+                    |binding| self.own_proof(binding),
                     self.config.secret.as_ref(),
                 )
                 .await?;
@@ -205,7 +205,7 @@ impl Inner {
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no hello in time"))??;
         let (hello, leftover, mut session) = match opening {
-            Opening::Hello(hello, leftover, session) => (hello, leftover, session),
+            Opening::Hello(hello, leftover, session) => (*hello, leftover, session),
             Opening::Refuse(reason) => {
                 let from = stream
                     .peer_addr()
@@ -221,8 +221,10 @@ impl Inner {
         };
         let (peer, path) = (hello.id, hello.path);
         let local = self.local();
+        let base = session.as_ref().map(|s| &s.base);
         if let Some(admission) = self.admission() {
-            if let Err(reason) = admission.admit(peer, hello.proof.as_ref()) {
+            let binding = Binding::new(base, Role::Dialler);
+            if let Err(reason) = admission.admit(peer, hello.proof.as_ref(), &binding) {
                 let from = stream.peer_addr().ok();
                 tracing::warn!(claimed = %peer, ?from, %reason, "refusing a connection");
                 return handshake::write_frame(
@@ -262,7 +264,8 @@ impl Inner {
                     peer,
                     token,
                 };
-                let proof = self.own_proof();
+                let binding = Binding::new(session.as_ref().map(|s| &s.base), Role::Acceptor);
+                let proof = self.own_proof(&binding);
                 let ack = psnet_transport::codec::encode_hello_proved(
                     local,
                     self.config.data_path,

@@ -322,16 +322,16 @@ fn recovery_credentials_are_kept_for_this_user_only_and_checked_for_length() {
 }
 
 #[test]
-fn the_job_id_is_the_schedulers_commitment_in_the_table() {
+fn the_job_id_is_the_schedulers_public_identity_in_the_table() {
     use crate::proto::ids::Role;
     use crate::proto::msg::NodeInfo;
-    use psnet_transport::{NodeId, Proof};
+    use psnet_transport::NodeId;
     let node = |role, byte| NodeInfo {
         id: NodeId(u64::from(byte)),
         role,
         rank: 0,
         addr: "127.0.0.1:1".parse().unwrap(),
-        commit: Proof([byte; psnet_transport::PROOF_LEN]),
+        identity: psnet_transport::PublicIdentity([byte; 32]),
     };
     let table = [
         node(Role::Worker, 3),

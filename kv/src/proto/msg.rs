@@ -13,7 +13,7 @@
 use std::net::SocketAddr;
 
 use psnet_transport::le::{LeReader, LeWriter, Truncated};
-use psnet_transport::{NodeId, Proof, PROOF_LEN};
+use psnet_transport::{NodeId, PublicIdentity, IDENTITY_LEN};
 
 use super::ids::{Group, Role};
 use super::pulled::Form;
@@ -21,7 +21,7 @@ use super::recovery::CREDENTIAL_LEN;
 use crate::value::Dtype;
 
 /// The kv protocol version in every message.
-pub const VERSION: u8 = 5;
+pub const VERSION: u8 = 6;
 /// Longest string field (reasons, optimizer and compression specs).
 pub const MAX_STRING: usize = 64 << 10;
 /// Most nodes in an assignment.
@@ -52,10 +52,10 @@ pub struct NodeInfo {
     pub rank: u32,
     /// Where it listens.
     pub addr: SocketAddr,
-    /// The commitment to the token it proves its id with when it connects
-    /// ([`super::admission::commitment`]): each node draws its own token and only ever sends
-    /// it in its sealed hellos, so no table carries one.
-    pub commit: Proof,
+    /// The public half of the identity it proves its id with when it connects
+    /// ([`super::admission`]): each node draws its own, and its private half never leaves the
+    /// node, so a table gives nobody the means to prove another node's id.
+    pub identity: PublicIdentity,
 }
 
 /// Commands a worker sends to every server.
@@ -163,9 +163,8 @@ pub enum Msg {
         /// directory): a lost rank is given back only to a server that shows the credential
         /// whose commitment the lost server sent ([`Msg::RecoveryKey`]).
         recovery: Option<[u8; CREDENTIAL_LEN]>,
-        /// The commitment to the token the node drew for itself ([`super::admission`]): the
-        /// token never leaves the node but in its sealed hellos.
-        token_commit: Proof,
+        /// The public half of the identity the node drew for itself ([`super::admission`]).
+        identity: PublicIdentity,
     },
     /// Server to scheduler, once assigned (or reassigned): the commitment to the recovery
     /// credential it keeps in its checkpoint directory ([`super::recovery`]).
@@ -469,7 +468,7 @@ impl Writer {
     }
     fn node(&mut self, n: &NodeInfo) -> &mut Self {
         self.u64(n.id.0).u8(n.role.code()).u32(n.rank).addr(n.addr);
-        self.0.bytes(&n.commit.0);
+        self.0.bytes(&n.identity.0);
         self
     }
 }
@@ -521,11 +520,13 @@ impl<'a> Reader<'a> {
             role: self.role()?,
             rank: self.u32()?,
             addr: self.addr()?,
-            commit: self.proof()?,
+            identity: self.identity()?,
         })
     }
-    fn proof(&mut self) -> Result<Proof, DecodeError> {
-        Ok(Proof(self.take(PROOF_LEN)?.try_into().expect("taken")))
+    fn identity(&mut self) -> Result<PublicIdentity, DecodeError> {
+        Ok(PublicIdentity(
+            self.take(IDENTITY_LEN)?.try_into().expect("taken"),
+        ))
     }
     fn group(&mut self) -> Result<Group, DecodeError> {
         let g = self.u8()?;
@@ -600,12 +601,12 @@ impl Msg {
                 addr,
                 rank_hint,
                 recovery,
-                token_commit,
+                identity,
             } => {
                 w.u8(role.code())
                     .addr(*addr)
                     .u32(rank_hint.unwrap_or(NO_RANK_HINT));
-                w.0.bytes(&token_commit.0);
+                w.0.bytes(&identity.0);
                 match recovery {
                     Some(c) => {
                         w.u8(1);
@@ -706,7 +707,7 @@ impl Msg {
                 role: r.role()?,
                 addr: r.addr()?,
                 rank_hint: Some(r.u32()?).filter(|&h| h != NO_RANK_HINT),
-                token_commit: r.proof()?,
+                identity: r.identity()?,
                 recovery: match r.u8()? {
                     0 => None,
                     1 => Some(r.credential()?),

@@ -25,11 +25,7 @@ const DOMAIN: &[u8] = b"psnet kv recovery credential v1";
 
 /// A fresh random credential from the operating system.
 pub fn fresh() -> [u8; CREDENTIAL_LEN] {
-    let mut c = [0u8; CREDENTIAL_LEN];
-    let (a, b) = c.split_at_mut(psnet_transport::PROOF_LEN);
-    a.copy_from_slice(&super::admission::random_token().0);
-    b.copy_from_slice(&super::admission::random_token().0);
-    c
+    super::admission::random_bytes()
 }
 
 /// The commitment the scheduler keeps for `credential`.

@@ -13,8 +13,8 @@
 //! lost server is not declared failed at once: its rank is held for the timeout, and a
 //! server that registers meanwhile showing the lost server's recovery credential (from its
 //! checkpoint directory, see [`super::recovery`]) takes the lost one's id back with the new
-//! token it drew (`Reassign`); every other member learns its new address and the commitment
-//! to that token (`Rejoined`).
+//! identity it drew (`Reassign`); every other member learns its new address and the public
+//! half of that identity (`Rejoined`).
 //! Any other server's registration is refused and logged. Past the timeout the loss is
 //! declared as any other. Workers are not recovered: a lost worker ends the job.
 
@@ -22,9 +22,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use psnet_transport::{NodeId, Proof};
+use psnet_transport::{NodeId, PublicIdentity};
 
-use super::admission::commitment;
 use super::ids::{self, describe, Group, Role, SCHEDULER};
 use super::msg::{Msg, NodeInfo, NO_REQUEST};
 use super::recovery::{Credentials, CREDENTIAL_LEN};
@@ -40,8 +39,8 @@ pub struct Registration {
     pub rank_hint: Option<u32>,
     /// A restarted server's recovery credential.
     pub recovery: Option<[u8; CREDENTIAL_LEN]>,
-    /// The commitment to the token it drew.
-    pub token_commit: Proof,
+    /// The public half of the identity it drew.
+    pub identity: PublicIdentity,
 }
 
 /// What the scheduler knows about one assigned node.
@@ -56,9 +55,9 @@ pub struct SchedulerState {
     num_servers: u32,
     num_workers: u32,
     heartbeat_timeout: Option<Duration>,
-    /// Registrations before assignment: provisional id, role, address, wished rank, token
-    /// commitment.
-    pending: Vec<(NodeId, Role, SocketAddr, Option<u32>, Proof)>,
+    /// Registrations before assignment: provisional id, role, address, wished rank, public
+    /// identity.
+    pending: Vec<(NodeId, Role, SocketAddr, Option<u32>, PublicIdentity)>,
     members: BTreeMap<NodeId, Member>,
     barriers: BTreeMap<u8, BTreeSet<NodeId>>,
     dead: BTreeMap<NodeId, String>,
@@ -69,8 +68,8 @@ pub struct SchedulerState {
     shutting_down: bool,
     out: VecDeque<(NodeId, Msg)>,
     scheduler_addr: SocketAddr,
-    /// The scheduler's own token (the nodes draw theirs).
-    token: Proof,
+    /// The public half of the scheduler's own identity (the nodes draw theirs).
+    identity: PublicIdentity,
     /// When time last passed here ([`Self::handle_timeout`]).
     last_tick: Option<Instant>,
     /// How long a lost server's rank is held for it to rejoin (None: not at all).
@@ -88,16 +87,16 @@ pub struct SchedulerState {
 impl SchedulerState {
     /// A scheduler expecting `num_servers` and `num_workers`, listening at `addr`.
     /// `heartbeat_timeout`: a node silent for longer is declared dead (None: never).
-    /// `token` is the one the scheduler proves its id with.
+    /// `identity` is the public half of the one the scheduler proves its id with.
     pub fn new(
         num_servers: u32,
         num_workers: u32,
         addr: SocketAddr,
         heartbeat_timeout: Option<Duration>,
-        token: Proof,
+        identity: PublicIdentity,
     ) -> Self {
         SchedulerState {
-            token,
+            identity,
             last_tick: None,
             num_servers,
             num_workers,
@@ -136,9 +135,9 @@ impl SchedulerState {
         self.recovering.keys().copied().collect()
     }
 
-    /// The scheduler's own token.
-    pub fn token(&self) -> Proof {
-        self.token
+    /// The public half of the scheduler's own identity.
+    pub fn identity(&self) -> PublicIdentity {
+        self.identity
     }
 
     /// The next message to send.
@@ -190,10 +189,10 @@ impl SchedulerState {
             addr,
             rank_hint,
             recovery,
-            token_commit,
+            identity,
         } = reg;
         if self.members.contains_key(&from) {
-            // A member has its id (and its token): nothing to register, nothing changes.
+            // A member has its id (and its identity): nothing to register, nothing changes.
             let reason = format!(
                 "{} is already registered: a node registers once",
                 describe(from)
@@ -204,7 +203,7 @@ impl SchedulerState {
             return;
         }
         if self.is_assigned() && role == Role::Server && ids::is_provisional(from) {
-            return self.handle_rejoin(from, addr, rank_hint, recovery.as_ref(), token_commit, now);
+            return self.handle_rejoin(from, addr, rank_hint, recovery.as_ref(), identity, now);
         }
         let limit = match role {
             Role::Server => self.num_servers,
@@ -227,8 +226,7 @@ impl SchedulerState {
                 .push_back((from, Msg::NodeFailed { id: from, reason }));
             return;
         }
-        self.pending
-            .push((from, role, addr, rank_hint, token_commit));
+        self.pending.push((from, role, addr, rank_hint, identity));
         if self.pending.len() as u32 == self.num_servers + self.num_workers {
             self.assign(now);
         }
@@ -284,7 +282,7 @@ impl SchedulerState {
         let mut nodes = vec![self.own_info()];
         let mut provisional = Vec::new();
         for role in [Role::Server, Role::Worker] {
-            for (rank, (prov, _, addr, _, commit)) in
+            for (rank, (prov, _, addr, _, identity)) in
                 pending.iter().filter(|p| p.1 == role).enumerate()
             {
                 let info = NodeInfo {
@@ -292,7 +290,7 @@ impl SchedulerState {
                     role,
                     rank: rank as u32,
                     addr: *addr,
-                    commit: *commit,
+                    identity: *identity,
                 };
                 provisional.push((*prov, info.id));
                 nodes.push(info);
@@ -319,7 +317,7 @@ impl SchedulerState {
     }
 
     /// A server registers while the job runs: it takes back the id of a lost server whose
-    /// rank is held (the one it wishes, or any), with the new token it drew, if its
+    /// rank is held (the one it wishes, or any), with the new identity it drew, if its
     /// recovery credential is the one that server committed to.
     fn handle_rejoin(
         &mut self,
@@ -327,7 +325,7 @@ impl SchedulerState {
         addr: SocketAddr,
         hint: Option<u32>,
         credential: Option<&[u8; CREDENTIAL_LEN]>,
-        token_commit: Proof,
+        identity: PublicIdentity,
         now: Instant,
     ) {
         let wished = hint.map(|rank| ids::node_id(Role::Server, rank));
@@ -376,7 +374,7 @@ impl SchedulerState {
             return;
         };
         member.info.addr = addr;
-        member.info.commit = token_commit;
+        member.info.identity = identity;
         member.last_seen = now;
         let info = member.info.clone();
         tracing::warn!(node = %describe(id), %addr, %lost, "a restarted server took its rank back");
@@ -386,7 +384,7 @@ impl SchedulerState {
         self.rejoining.insert(id, info);
     }
 
-    /// Every node, the scheduler first, with the commitments to their tokens.
+    /// Every node, the scheduler first, with their public identities.
     pub fn member_infos(&self) -> Vec<NodeInfo> {
         let mut nodes = vec![self.own_info()];
         nodes.extend(self.members.values().map(|m| m.info.clone()));
@@ -400,7 +398,7 @@ impl SchedulerState {
             role: Role::Scheduler,
             rank: 0,
             addr: self.scheduler_addr,
-            commit: commitment(&self.token),
+            identity: self.identity,
         }
     }
 

@@ -18,10 +18,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use psnet_compression::CompressionParams;
 use psnet_fallback_tcp::{TcpConfig, TcpTransport};
-use psnet_kv::proto::admission::{commitment, random_token, JobAdmission};
+use psnet_kv::proto::admission::{random_bytes, JobAdmission};
 use psnet_kv::proto::ids::{self, Group, Role, SCHEDULER};
 use psnet_kv::proto::msg::{decode_frame, CommandKind, Envelope, Msg, NodeInfo, PushFlags};
-use psnet_transport::{Event, NodeId, OutMessage, Segment, Transport, TransportError};
+use psnet_transport::{Event, Identity, NodeId, OutMessage, Segment, Transport, TransportError};
 
 /// How long any answer may take before the test fails (a hang is a failure, not a pass).
 pub const PATIENCE: Duration = Duration::from_secs(30);
@@ -35,8 +35,10 @@ pub struct Rogue {
     pub t: TcpTransport,
     /// Its assigned id.
     pub id: NodeId,
-    /// Every node of the job, tokens included.
+    /// Every node of the job, with their public identities.
     pub nodes: Vec<NodeInfo>,
+    /// The seed of the identity it registered: it can sign as it likes with it.
+    pub seed: [u8; 32],
     next_ts: u64,
     /// `PS_RESEND`: per peer, the last sequence number sent and the last one received.
     resend: Option<Mutex<HashMap<NodeId, (u64, u64)>>>,
@@ -48,7 +50,7 @@ impl Rogue {
     /// runs with `PS_RESEND`.
     pub async fn join(root: SocketAddr, rank: u32, config: TcpConfig, resend: bool) -> Rogue {
         let t = TcpTransport::bind(NodeId(0), config).await.expect("bind");
-        let token = random_token();
+        let seed = random_bytes();
         t.set_local_id(ids::provisional_id(t.listen_addr()));
         t.connect(SCHEDULER, root)
             .await
@@ -58,7 +60,7 @@ impl Rogue {
             addr: t.listen_addr(),
             rank_hint: Some(rank),
             recovery: None,
-            token_commit: commitment(&token),
+            identity: Identity::from_seed(seed).public(),
         };
         let meta = register.encode();
         t.send(SCHEDULER, OutMessage::new(&meta, &[]))
@@ -76,7 +78,11 @@ impl Rogue {
             }
         };
         assert_eq!(ids::role_rank(id), Some((Role::Worker, rank)));
-        t.set_admission(Arc::new(JobAdmission::member(id, token, &nodes)));
+        t.set_admission(Arc::new(JobAdmission::member(
+            id,
+            Identity::from_seed(seed),
+            &nodes,
+        )));
         t.set_local_id(id);
         t.disconnect(SCHEDULER);
         t.connect(SCHEDULER, root)
@@ -86,6 +92,7 @@ impl Rogue {
             t,
             id,
             nodes,
+            seed,
             next_ts: 1,
             resend: resend.then(|| Mutex::new(HashMap::new())),
         };

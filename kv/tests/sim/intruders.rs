@@ -40,8 +40,11 @@ async fn intruded_job(plan: Arc<Plan>) -> Result<(), String> {
                         }
                         Err(e) => {
                             let e = e.to_string();
-                            let admission =
-                                ["never assigned", "without its job token", "registrations"];
+                            let admission = [
+                                "never assigned",
+                                "without the proof of its id",
+                                "registrations",
+                            ];
                             if admission.iter().any(|r| e.contains(r)) {
                                 refused.insert((claim, port));
                             }

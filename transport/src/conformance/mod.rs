@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::{
-    Admission, Event, Incoming, NodeId, OutMessage, Proof, Segment, Transport, TransportError,
-    PROOF_LEN,
+    Admission, Binding, Event, Identity, Incoming, NodeId, OutMessage, Proof, Segment, Transport,
+    TransportError,
 };
 
 mod device;
@@ -473,19 +473,25 @@ pub async fn last_messages_before_shutdown_arrive_before_the_loss<F: TransportFa
     }
 }
 
-/// Nodes 1 to 3, node n proving its id with `[n; 16]`.
+/// Nodes 1 to 3, node n proving its id with the identity of seed `[n; 32]`.
 struct Table;
 
-impl Admission for Table {
-    fn proof(&self, local: NodeId) -> Option<Proof> {
+impl Table {
+    fn identity(node: NodeId) -> Option<Identity> {
         (1..=3)
-            .contains(&local.0)
-            .then_some(Proof([local.0 as u8; PROOF_LEN]))
+            .contains(&node.0)
+            .then(|| Identity::from_seed([node.0 as u8; 32]))
+    }
+}
+
+impl Admission for Table {
+    fn proof(&self, local: NodeId, binding: &Binding) -> Option<Proof> {
+        Self::identity(local).map(|i| i.prove(local, binding))
     }
 
-    fn admit(&self, peer: NodeId, proof: Option<&Proof>) -> Result<(), String> {
-        match (self.proof(peer), proof) {
-            (Some(want), Some(got)) if want.matches(got) => Ok(()),
+    fn admit(&self, peer: NodeId, proof: Option<&Proof>, binding: &Binding) -> Result<(), String> {
+        match (Self::identity(peer), proof) {
+            (Some(id), Some(got)) if id.public().verify(peer, binding, got) => Ok(()),
             (None, _) => Err(format!("{peer} is not a member")),
             _ => Err(format!("{peer} did not prove its id")),
         }

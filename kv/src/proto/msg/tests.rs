@@ -8,7 +8,7 @@ fn samples() -> Vec<Msg> {
         role: Role::Server,
         rank: 1,
         addr,
-        commit: psnet_transport::Proof([5; psnet_transport::PROOF_LEN]),
+        identity: psnet_transport::PublicIdentity([5; 32]),
     };
     vec![
         Msg::Register {
@@ -16,14 +16,14 @@ fn samples() -> Vec<Msg> {
             addr,
             rank_hint: None,
             recovery: None,
-            token_commit: psnet_transport::Proof([1; psnet_transport::PROOF_LEN]),
+            identity: psnet_transport::PublicIdentity([1; 32]),
         },
         Msg::Register {
             role: Role::Server,
             addr,
             rank_hint: Some(3),
             recovery: Some([3; 32]),
-            token_commit: psnet_transport::Proof([2; psnet_transport::PROOF_LEN]),
+            identity: psnet_transport::PublicIdentity([2; 32]),
         },
         Msg::RecoveryKey { commit: [4; 32] },
         Msg::PeerFailed {
@@ -38,7 +38,7 @@ fn samples() -> Vec<Msg> {
                 role: Role::Server,
                 rank: 0,
                 addr: "[::1]:7".parse().unwrap(),
-                commit: psnet_transport::Proof([3; psnet_transport::PROOF_LEN]),
+                identity: psnet_transport::PublicIdentity([3; 32]),
             }],
         },
         Msg::Reassign {

@@ -1,5 +1,6 @@
 use super::*;
 use crate::proto::ids::{node_id, provisional_id};
+use psnet_transport::PublicIdentity;
 
 fn addr(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
@@ -31,20 +32,20 @@ fn out_id(m: &Msg) -> NodeId {
     }
 }
 
-/// The scheduler's token in these tests.
-fn own() -> Proof {
-    Proof([0xee; psnet_transport::PROOF_LEN])
+/// The scheduler's public identity in these tests.
+fn own() -> PublicIdentity {
+    PublicIdentity([0xee; psnet_transport::IDENTITY_LEN])
 }
 
-/// The token the node listening at `addr` draws in these tests: distinct per node.
-fn token_of(addr: SocketAddr) -> Proof {
-    let mut t = [0u8; psnet_transport::PROOF_LEN];
+/// The public identity the node listening at `addr` registers in these tests: distinct per
+/// node.
+fn identity_of(addr: SocketAddr) -> PublicIdentity {
+    let mut t = [0u8; psnet_transport::IDENTITY_LEN];
     t[..2].copy_from_slice(&addr.port().to_le_bytes());
-    Proof(t)
+    PublicIdentity(t)
 }
 
-/// Registrations as the tests spell them: each node registers the commitment to
-/// [`token_of`] its address.
+/// Registrations as the tests spell them: each node registers [`identity_of`] its address.
 trait Registers {
     fn register(
         &mut self,
@@ -91,7 +92,7 @@ impl Registers for SchedulerState {
             addr,
             rank_hint,
             recovery,
-            token_commit: commitment(&token_of(addr)),
+            identity: identity_of(addr),
         };
         SchedulerState::handle_register(self, from, reg, now);
     }
@@ -281,20 +282,13 @@ fn tables_carry_only_the_commitments_nodes_registered_and_heartbeats_are_answere
         let Msg::Assign { nodes, .. } = msg else {
             panic!("{out:?}")
         };
-        // Every entry is the commitment the node registered (the scheduler's to its own
-        // token): no table carries a token (see `admission`).
-        let commits: Vec<Proof> = nodes.iter().map(|n| n.commit).collect();
+        // Every entry is the public identity the node registered (the scheduler's own
+        // first): a table carries nothing that proves an id (see `admission`).
+        let identities: Vec<PublicIdentity> = nodes.iter().map(|n| n.identity).collect();
         assert_eq!(
-            commits,
-            vec![
-                commitment(&own()),
-                commitment(&token_of(addr(9100))),
-                commitment(&token_of(addr(9200)))
-            ]
+            identities,
+            vec![own(), identity_of(addr(9100)), identity_of(addr(9200))]
         );
-        for token in [own(), token_of(addr(9100)), token_of(addr(9200))] {
-            assert!(!commits.contains(&token), "a token in a table");
-        }
     }
     let w0 = node_id(Role::Worker, 0);
     s.handle_heartbeat(w0, now);
@@ -561,8 +555,8 @@ fn a_lost_server_rank_is_held_and_a_restarted_server_takes_it_back() {
         told,
         vec![node_id(Role::Worker, 0), node_id(Role::Worker, 1)]
     );
-    // The workers learn the commitment it registered, never its token (see `admission`).
-    assert_eq!(info.commit, commitment(&token_of(b)));
+    // The workers learn the public identity it registered (see `admission`).
+    assert_eq!(info.identity, identity_of(b));
     let announced = info.clone();
     assert!(out
         .iter()

@@ -302,7 +302,7 @@ fn rejoined(id: NodeId) -> Received {
                 role: Role::Server,
                 rank: 0,
                 addr: "127.0.0.1:1".parse().unwrap(),
-                commit: psnet_transport::Proof([1; psnet_transport::PROOF_LEN]),
+                identity: psnet_transport::PublicIdentity([1; 32]),
             },
         },
     )
