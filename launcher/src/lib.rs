@@ -26,6 +26,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 pub mod batch;
 pub mod cluster;
 mod dumps;
+mod remote_dumps;
 pub mod ssh;
 #[allow(unsafe_code)]
 mod sys;
@@ -293,19 +294,26 @@ pub fn process_env(spec: &JobSpec, role: Role, index: u32, port: u16) -> Vec<(St
 
 /// Launches the job on this host and waits for every process.
 pub fn launch_local(spec: &JobSpec) -> Result<Outcome, LaunchError> {
-    launch_with(spec, |role, index, port| {
-        let mut cmd = Command::new(&spec.command[0]);
-        cmd.args(&spec.command[1..]);
-        cmd.envs(process_env(spec, role, index, port));
-        cmd
-    })
+    launch_with(
+        spec,
+        |_, _| {},
+        |role, index, port| {
+            let mut cmd = Command::new(&spec.command[0]);
+            cmd.args(&spec.command[1..]);
+            cmd.envs(process_env(spec, role, index, port));
+            cmd
+        },
+    )
 }
 
 /// Launches the job, each process started by the command `command(role, index, port)`
 /// returns (the program itself here, `ssh HOST ...` for another host), and waits for every
 /// process: one group each, signals passed on, output tagged, the first failure blamed.
+/// `fetch_dumps` brings the dumps of processes on other hosts into the job's dump folder
+/// (given it and the scheduler's port) before a failed job's report.
 pub(crate) fn launch_with(
     spec: &JobSpec,
+    fetch_dumps: impl Fn(&std::path::Path, u16),
     command: impl Fn(Role, u32, u16) -> Command,
 ) -> Result<Outcome, LaunchError> {
     if spec.servers == 0 || spec.workers == 0 {
@@ -387,6 +395,7 @@ pub(crate) fn launch_with(
         .as_ref()
         .is_ok_and(|o| o.first_failure.is_some() && o.signal.is_none())
     {
+        fetch_dumps(&dir, port);
         dumps::report_failure(&dir);
     }
     outcome

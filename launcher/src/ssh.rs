@@ -97,7 +97,7 @@ pub fn remote_line(env: &[(String, String)], dir: &str, command: &[String]) -> S
     )
 }
 
-fn ssh_command(host: &str, line: &str) -> Command {
+pub(crate) fn ssh_command(host: &str, line: &str) -> Command {
     let mut cmd = Command::new("ssh");
     cmd.args([
         "-o",
@@ -143,7 +143,16 @@ pub fn launch_ssh(spec: &JobSpec, job: &SshJob) -> Result<Outcome, LaunchError> 
     }
     crate::cluster::refuse_inline_secret("an ssh command line")?;
     let forwarded = forwarded_env();
-    crate::launch_with(spec, |role, index, port| {
+    let remote_hosts: Vec<String> = (0..spec.servers)
+        .map(|i| (Role::Server, i))
+        .chain((0..spec.workers).map(|i| (Role::Worker, i)))
+        .filter_map(|(role, i)| host_of(&job.hosts, spec.servers, role, i))
+        .map(str::to_string)
+        .collect();
+    let fetch = |dir: &std::path::Path, port| {
+        crate::remote_dumps::fetch(&remote_hosts, &spec.env, dir, port);
+    };
+    crate::launch_with(spec, fetch, |role, index, port| {
         let mut env = process_env(spec, role, index, port);
         match host_of(&job.hosts, spec.servers, role, index) {
             None => {
@@ -155,10 +164,16 @@ pub fn launch_ssh(spec: &JobSpec, job: &SshJob) -> Result<Outcome, LaunchError> 
                 let mut all = forwarded.clone();
                 all.retain(|(k, _)| !env.iter().any(|(e, _)| e == k));
                 env.extend(all);
+                // Dumps go to the remote host's own folder (this host's path may not exist
+                // there), fetched after a failure.
+                let dumps = crate::remote_dumps::remote_export(&spec.env, port);
+                if !dumps.is_empty() {
+                    env.retain(|(k, _)| k != psnet_config::env::PSNET_RECORDER_DIR.name);
+                }
                 // Through `sh -c`: the remote login shell may be csh or fish.
                 let line = format!(
                     "sh -c {}",
-                    shell_quote(&remote_line(&env, &job.dir, &spec.command))
+                    shell_quote(&(dumps + &remote_line(&env, &job.dir, &spec.command)))
                 );
                 ssh_command(host, &line)
             }
