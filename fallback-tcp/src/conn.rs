@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use psnet_transport::codec::{FrameHeader, HeaderBuf};
 use psnet_transport::device::{prefetch, ChunkSink, StreamError};
-use psnet_transport::session::{FrameMac, Sealer, TAG_LEN};
+use psnet_transport::session::{FrameMac, Role, Sealer, SessionBase, TAG_LEN};
 use psnet_transport::{FrameKind, Limits, NodeId, OutMessage, Segment};
 use smallvec::SmallVec;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -51,6 +51,9 @@ pub(crate) struct Conn {
     /// Frames the control task writes (ring offers and answers, released regions).
     pub(crate) control: Arc<Control>,
     control_task: Mutex<Option<AbortHandle>>,
+    /// The connection's session (a job secret), and which end this is: what a channel
+    /// beside it derives its keys from (see [`crate::TcpTransport::session_with`]).
+    pub(crate) session: Option<(SessionBase, Role)>,
 }
 
 impl Conn {
@@ -61,8 +64,10 @@ impl Conn {
         writer: OwnedWriteHalf,
         control_socket: std::net::TcpStream,
         sealer: Option<Sealer>,
+        session: Option<(SessionBase, Role)>,
     ) -> Self {
         Conn {
+            session,
             peer,
             dialed_by_us,
             writer: tokio::sync::Mutex::new(Writer {

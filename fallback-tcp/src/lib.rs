@@ -42,4 +42,4 @@ mod transport;
 
 pub use config::{Congestion, TcpConfig};
 pub use faults::{FaultCounts, FaultSpec};
-pub use transport::{SendPaths, TcpTransport};
+pub use transport::{PeerSession, SendPaths, TcpTransport};

@@ -101,7 +101,34 @@ impl TcpTransport {
     }
 }
 
+/// The session of a live connection, as [`TcpTransport::session_with`] tells it.
+#[derive(Clone, Debug)]
+pub enum PeerSession {
+    /// The job has no secret: the connection has no session (an open job).
+    Open,
+    /// The connection's session, and which end of it this node is.
+    Keyed(SessionBase, Role),
+    /// No live connection to the peer.
+    NotConnected,
+}
+
 impl TcpTransport {
+    /// The session of the live connection to `peer`: what a channel beside it between the
+    /// same two nodes (RDMA's queue pairs, whose control connection this is) derives its
+    /// keys from ([`psnet_transport::session::Session::channel`]).
+    pub fn session_with(&self, peer: NodeId) -> PeerSession {
+        if self.inner.config.secret.is_none() {
+            return PeerSession::Open;
+        }
+        match self.inner.peers.get(peer) {
+            Some(conn) if !conn.is_broken() => match &conn.session {
+                Some((base, role)) => PeerSession::Keyed(base.clone(), *role),
+                None => PeerSession::NotConnected,
+            },
+            _ => PeerSession::NotConnected,
+        }
+    }
+
     /// What `PSNET_FAULTS` injected so far (`None` without it).
     pub fn fault_counts(&self) -> Option<FaultCounts> {
         self.inner.faults.as_ref().map(Faults::counts)
@@ -259,8 +286,8 @@ impl Inner {
     ) -> io::Result<bool> {
         let addr = stream.peer_addr()?;
         // Every frame from here on is tagged under keys bound to both ends' ids.
-        let (sealer, opener) = match session {
-            None => (None, None),
+        let (sealer, opener, kept) = match session {
+            None => (None, None, None),
             Some(base) => {
                 let local = self.local();
                 let (role, dialler, acceptor) = match side {
@@ -268,7 +295,8 @@ impl Inner {
                     Side::Accepted(_) => (Role::Acceptor, peer, local),
                 };
                 let (sealer, opener) = Session::bound(&base, role, dialler, acceptor);
-                (Some(sealer.encrypting(self.config.encrypt)), Some(opener))
+                let sealer = sealer.encrypting(self.config.encrypt);
+                (Some(sealer), Some(opener), Some((base, role)))
             }
         };
         let control = stream.into_std()?;
@@ -283,6 +311,7 @@ impl Inner {
             write,
             dup,
             sealer,
+            kept,
         ));
         match side {
             Side::Dialled => self.peers.install_dialled(peer, conn.clone()),

@@ -242,9 +242,10 @@ pub fn verbs_config_from_env(
         static ONCE: std::sync::Once = std::sync::Once::new();
         ONCE.call_once(|| {
             tracing::warn!(
-                "PSNET_SECRET authenticates and tags RDMA's control connections, but the bytes \
-                 of its queue pairs carry no tag: a process able to inject RoCE packets on the \
-                 path is not stopped (RELIABILITY.md, \"Not covered yet\")"
+                "PSNET_SECRET tags RDMA's control connections and every message of its queue \
+                 pairs, but not the bytes of RDMA writes (the payload of large messages): a \
+                 process able to inject RoCE packets on the path can change those \
+                 (RELIABILITY.md, \"Not covered yet\")"
             );
             if config.tcp.encrypt {
                 tracing::warn!(

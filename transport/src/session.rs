@@ -181,6 +181,14 @@ impl Session {
         Self::pair("bound", role, &material)
     }
 
+    /// The keys of a channel that runs beside the connection of `base` between the same two
+    /// nodes (an RDMA queue pair beside its TCP control connection), named `name` by both
+    /// ends: the same name gives both ends the same keys, and different names unrelated
+    /// ones. `role` says which end this is: the two ends must take opposite roles.
+    pub fn channel(base: &SessionBase, role: Role, name: &str) -> (Sealer, Opener) {
+        Self::pair(&format!("channel {name}"), role, &base.0)
+    }
+
     fn pair(stage: &str, role: Role, material: &[u8]) -> (Sealer, Opener) {
         let other = match role {
             Role::Dialler => Role::Acceptor,
@@ -327,6 +335,14 @@ impl Sealer {
         self.0.next_frame(sealed)
     }
 
+    /// The tag of the next message of a channel that carries whole messages (each with its
+    /// own tag: [`Opener::check_message`] at the other end), numbered like frames.
+    pub fn tag_message(&mut self, bytes: &[u8]) -> [u8; TAG_LEN] {
+        let mut mac = self.frame(false);
+        mac.update(bytes);
+        mac.tag()
+    }
+
     /// A whole handshake frame of `kind` whose body is `plain` encrypted, then its tag: the
     /// bytes to write.
     pub fn seal_handshake(&mut self, kind: FrameKind, plain: &[u8]) -> Result<Vec<u8>, CodecError> {
@@ -348,6 +364,14 @@ impl Opener {
     /// Starts checking the next frame, whose header says whether it is `sealed`.
     pub fn frame(&mut self, sealed: bool) -> FrameMac {
         self.0.next_frame(sealed)
+    }
+
+    /// Checks the next message of a channel that carries whole messages against its `tag`
+    /// ([`Sealer::tag_message`]): one altered, dropped, replayed or reordered fails.
+    pub fn check_message(&mut self, bytes: &[u8], tag: &[u8]) -> Result<(), TagMismatch> {
+        let mut mac = self.frame(false);
+        mac.update(bytes);
+        mac.check(tag)
     }
 
     /// Checks a sealed handshake frame (`kind` and encrypted `body`, as decoded) against its

@@ -221,3 +221,69 @@ fn a_sealed_frame_opens_only_as_sealed() {
     );
     assert!(receive(&mut reflected, &[again], true).1);
 }
+
+proptest! {
+    /// A channel beside a connection (an RDMA queue pair's messages): whatever the path does
+    /// to its messages, the receiver accepts an unchanged prefix and then detects it; and a
+    /// channel of another name, or of another connection's session, accepts nothing.
+    #[test]
+    fn a_channels_messages_are_checked_like_frames(
+        messages in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 1..200), 2..10),
+        attack in attack(),
+        key in any::<u8>(),
+    ) {
+        let (mut sealer, _) = Session::channel(&base(key), Role::Dialler, "rdma 1 2");
+        let sent: Vec<(Vec<u8>, [u8; TAG_LEN])> =
+            messages.iter().map(|m| (m.clone(), sealer.tag_message(m))).collect();
+        let receive_all = |opener: &mut Opener, wire: &[(Vec<u8>, [u8; TAG_LEN])]| {
+            let mut accepted = Vec::new();
+            for (m, tag) in wire {
+                if opener.check_message(m, tag).is_err() {
+                    return (accepted, true);
+                }
+                accepted.push(m.clone());
+            }
+            (accepted, false)
+        };
+        for (other_key, name) in [(key.wrapping_add(1), "rdma 1 2"), (key, "rdma 1 3")] {
+            let (_, mut elsewhere) = Session::channel(&base(other_key), Role::Acceptor, name);
+            prop_assert!(receive_all(&mut elsewhere, &sent).0.is_empty());
+        }
+        let mut wire = sent.clone();
+        let n = wire.len();
+        let changed = match attack {
+            Attack::FlipBody { frame, byte, bit } => {
+                let m = &mut wire[frame % n].0;
+                let i = byte % m.len();
+                m[i] ^= 1 << bit;
+                true
+            }
+            Attack::FlipTag { frame, byte, bit } => {
+                wire[frame % n].1[byte % TAG_LEN] ^= 1 << bit;
+                true
+            }
+            Attack::Drop { frame } => {
+                wire.remove(frame % (n - 1));
+                true
+            }
+            Attack::Replay { frame, at } => {
+                let f = frame % n;
+                let at = f + 1 + at % (n - f);
+                let copy = wire[f].clone();
+                wire.insert(at, copy);
+                true
+            }
+            Attack::Swap { a, b } => {
+                let (a, b) = (a % n, b % n);
+                wire.swap(a, b);
+                a != b && messages[a] != messages[b]
+            }
+        };
+        let (_, mut opener) = Session::channel(&base(key), Role::Acceptor, "rdma 1 2");
+        let (accepted, failed) = receive_all(&mut opener, &wire);
+        prop_assert_eq!(&accepted[..], &messages[..accepted.len()]);
+        if changed {
+            prop_assert!(failed, "the change was detected");
+        }
+    }
+}

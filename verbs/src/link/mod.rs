@@ -22,6 +22,7 @@ use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
+use psnet_transport::session::{Opener, Sealer, TAG_LEN};
 use psnet_transport::{Limits, NodeId, TransportError};
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::queue_pair::{QueuePairAttribute, QueuePairState};
@@ -177,6 +178,9 @@ struct State {
     offers: Offers,
     stats: LinkStats,
     failed: Option<String>,
+    /// With a job secret: the keys that tag every message this link sends and check every
+    /// one it receives ([`Link::protect`]).
+    tags: Option<(Sealer, Opener)>,
 }
 
 /// What the link's mutex guards: the protocol state, and the queue pair its decisions are
@@ -389,5 +393,20 @@ impl Link {
     /// The transport tag in registration keys handed out by this transport.
     pub fn tag(&self) -> u32 {
         self.tag
+    }
+
+    /// Tags every message this link sends from now on under `tags`' sealer, and checks every
+    /// one it receives against their opener (a job secret: keys derived from the control
+    /// connection's session, [`psnet_transport::session::Session::channel`]). Called before
+    /// the queue pair is connected, so that no message goes or comes unchecked. RDMA writes
+    /// (the payload of large messages) are not covered: see RELIABILITY.md.
+    pub fn protect(&self, tags: Option<(Sealer, Opener)>) {
+        self.lock().tags = tags;
+    }
+
+    /// Bytes of a send buffer a message may fill: the buffer less the room its tag takes
+    /// (kept whether or not the link tags, so that both ends agree on what is eager).
+    fn room(&self) -> usize {
+        self.params.slot_size - TAG_LEN
     }
 }

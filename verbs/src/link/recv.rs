@@ -3,6 +3,7 @@
 //! landed writes into deliverable messages.
 
 use bytes::Bytes;
+use psnet_transport::session::TAG_LEN;
 use psnet_transport::{Incoming, NodeId};
 use sideway::ibverbs::completion::{WorkCompletionOperationType, WorkCompletionStatus};
 use smallvec::SmallVec;
@@ -91,6 +92,22 @@ impl Link {
         bytes: &[u8],
         inbox_full: bool,
     ) -> Result<bool, VerbsError> {
+        let bytes = match st.tags.as_mut() {
+            None => bytes,
+            Some((_, opener)) => {
+                let Some(body_len) = bytes.len().checked_sub(TAG_LEN) else {
+                    return Err(VerbsError::Protocol(format!(
+                        "a {}-byte message, too short for its session tag",
+                        bytes.len()
+                    )));
+                };
+                let (body, tag) = bytes.split_at(body_len);
+                opener
+                    .check_message(body, tag)
+                    .map_err(|e| VerbsError::Protocol(format!("RDMA message: {e}")))?;
+                body
+            }
+        };
         let base = wire::parse_base(bytes)?;
         st.credits.granted(base.credits)?;
         match base.kind {

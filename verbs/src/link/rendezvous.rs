@@ -103,7 +103,7 @@ impl Link {
         registrar: &Registrar,
     ) -> Result<LargeSend, TransportError> {
         let peer = self.peer;
-        let meta_inline = header_len + msg.meta.len() <= self.params.slot_size;
+        let meta_inline = header_len + msg.meta.len() <= self.room();
         let mut gather = Gather::default();
         let mut regs = Vec::new();
         let mut starts = SmallVec::new();
@@ -181,7 +181,7 @@ impl Link {
         large: LargeSend,
         may_direct: bool,
     ) -> Result<Started<'_>, TransportError> {
-        let meta_inline = header_len + msg.meta.len() <= self.params.slot_size;
+        let meta_inline = header_len + msg.meta.len() <= self.room();
         let total = large.gather.total();
         let ready = large.ready;
         let (tx, rx) = oneshot::channel();

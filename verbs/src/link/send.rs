@@ -3,6 +3,7 @@
 //! offers, credits) from a send buffer or inline.
 
 use psnet_transport::codec::FrameHeader;
+use psnet_transport::session::TAG_LEN;
 use psnet_transport::{FrameKind, OutMessage, TransportError};
 
 use smallvec::SmallVec;
@@ -25,7 +26,7 @@ impl Link {
         let nseg = msg.segments.len();
         let header_len = DataHeader::encoded_len(nseg);
         let eager_len = header_len as u64 + msg.total_len();
-        let eager = eager_len <= self.params.slot_size as u64;
+        let eager = eager_len <= self.room() as u64;
         if msg.has_device() {
             return self.send_with_device(msg, header_len, eager, cache).await;
         }
@@ -85,7 +86,13 @@ impl Link {
         let report = st.credits.take_report();
         // The slot was free (its previous send completed) and is ours until posted.
         let buf = self.send.fill(&mut slot);
-        let len = fill(buf, report);
+        let room = buf.len() - TAG_LEN;
+        let mut len = fill(&mut buf[..room], report);
+        if let Some((sealer, _)) = st.tags.as_mut() {
+            let tag = sealer.tag_message(&buf[..len]);
+            buf[len..len + TAG_LEN].copy_from_slice(&tag);
+            len += TAG_LEN;
+        }
         if len <= self.params.inline_bytes as usize {
             // The bytes travel in the work request itself: the buffer is free again.
             st.wrs

@@ -118,6 +118,7 @@ impl Link {
                     offers: Offers::default(),
                     stats: LinkStats::default(),
                     failed: None,
+                    tags: None,
                 },
             }),
             params,

@@ -144,7 +144,9 @@ impl VerbsTransport {
     /// Opens the device, listens for control connections, and starts the completion poller.
     pub async fn bind(id: NodeId, config: VerbsConfig) -> Result<Self, TransportError> {
         let unavailable = TransportError::Unavailable;
-        let min_slot = DataHeader::encoded_len(config.tcp.limits.max_segments as usize) + 64;
+        let min_slot = DataHeader::encoded_len(config.tcp.limits.max_segments as usize)
+            + 64
+            + psnet_transport::session::TAG_LEN;
         if config.eager_bytes < min_slot {
             return Err(unavailable(format!(
                 "PSNET_RDMA_EAGER={} is below {min_slot} bytes (a request-to-send for {} segments)",

@@ -77,6 +77,8 @@ pub enum OnWelcome {
         recv_depth: u32,
         /// Bytes per receive buffer.
         slot_size: u32,
+        /// The peer's link nonce (with this side's, it names the queue pair's keys).
+        nonce: u64,
     },
     /// The link was superseded by the peer's own request meanwhile: let this connection
     /// go (drop the link's rdma_cm ids).
@@ -149,7 +151,7 @@ impl<L: LinkHandle> Links<L> {
         data: &[u8],
     ) -> Result<OnWelcome, VerbsError> {
         let Some(CmMessage::Welcome {
-            nonce: _,
+            nonce,
             recv_depth,
             slot_size,
         }) = CmMessage::decode(data)
@@ -166,6 +168,7 @@ impl<L: LinkHandle> Links<L> {
             OnWelcome::Connect {
                 recv_depth,
                 slot_size,
+                nonce,
             }
         } else {
             OnWelcome::LetGo

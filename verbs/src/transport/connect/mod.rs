@@ -9,12 +9,15 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use psnet_fallback_tcp::PeerSession;
+use psnet_transport::session::{Opener, Role, Sealer, Session};
 use psnet_transport::{Event, NodeId, Transport, TransportError};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, watch};
 
 use super::{lock, random_u64, Handshake, Inner};
 use crate::control::Control;
+use crate::error::VerbsError;
 use crate::link::Link;
 use crate::proto::handshake::connect::{Connect, Poll, Step};
 use crate::proto::handshake::{LinkHandle, REPLACED, SUPERSEDED};
@@ -23,6 +26,32 @@ use crate::rdmacm::CmChannel;
 
 mod rdma_cm;
 mod socket;
+
+/// The name both ends give a queue pair's keys: the requesting side's link nonce, then the
+/// answering side's (each drawn afresh for every link, so no two links share keys).
+fn link_channel(requester: u64, answerer: u64) -> String {
+    format!("rdma queue pair {requester:016x} {answerer:016x}")
+}
+
+impl Inner {
+    /// The keys that tag the messages of a queue pair to `peer` named `name`, this side
+    /// being `role` (the requesting side the dialler): derived from the session of the control
+    /// connection to `peer` where the job has a secret, none where it has not.
+    fn link_tags(
+        &self,
+        peer: NodeId,
+        role: Role,
+        name: &str,
+    ) -> Result<Option<(Sealer, Opener)>, VerbsError> {
+        match self.tcp.session_with(peer) {
+            PeerSession::Open => Ok(None),
+            PeerSession::Keyed(base, _) => Ok(Some(Session::channel(&base, role, name))),
+            PeerSession::NotConnected => Err(VerbsError::Protocol(format!(
+                "no control connection to {peer} to derive the queue pair's keys from"
+            ))),
+        }
+    }
+}
 
 pub(super) use rdma_cm::{listen_cm, CmState};
 

@@ -6,9 +6,11 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
+use psnet_transport::session::Role;
 use psnet_transport::{Event, NodeId, Transport};
 use sideway::ibverbs::queue_pair::QueuePairState;
 
+use super::link_channel;
 use crate::control::{CmMessage, Refusal};
 use crate::device::Device;
 use crate::error::VerbsError;
@@ -259,6 +261,7 @@ impl Inner {
         let OnWelcome::Connect {
             recv_depth,
             slot_size,
+            nonce,
         } = step
         else {
             // Superseded by the peer's own request meanwhile: let this connection go.
@@ -275,6 +278,8 @@ impl Inner {
                 attr(QueuePairState::ReadyToReceive)?,
                 attr(QueuePairState::ReadyToSend)?,
             );
+            let name = link_channel(link.nonce, nonce);
+            link.protect(self.link_tags(peer, Role::Dialler, &name)?);
             link.connect_with(recv_depth, slot_size, rtr, rts)
                 .map_err(|e| e.during(FAILED))?;
             id.establish()
@@ -317,13 +322,18 @@ impl Inner {
             OnHello::Answer(hello) => hello,
         };
         let built = self.new_link(peer, random_u64()).and_then(|link| {
-            let connected = id
-                .qp_attr(QueuePairState::ReadyToReceive)
-                .and_then(|rtr| Ok((rtr, id.qp_attr(QueuePairState::ReadyToSend)?)))
-                .map_err(|e| {
-                    VerbsError::os("rdma_init_qp_attr", "rdma_cm queue-pair attributes", &e)
-                })
-                .and_then(|(rtr, rts)| link.connect_with(recv_depth, slot_size, rtr, rts));
+            let name = link_channel(nonce, link.nonce);
+            let connected = self
+                .link_tags(peer, Role::Acceptor, &name)
+                .map(|tags| link.protect(tags))
+                .and_then(|()| {
+                    id.qp_attr(QueuePairState::ReadyToReceive)
+                        .and_then(|rtr| Ok((rtr, id.qp_attr(QueuePairState::ReadyToSend)?)))
+                        .map_err(|e| {
+                            VerbsError::os("rdma_init_qp_attr", "rdma_cm queue-pair attributes", &e)
+                        })
+                        .and_then(|(rtr, rts)| link.connect_with(recv_depth, slot_size, rtr, rts))
+                });
             if let Err(e) = connected {
                 link.fail(&e.to_string());
                 lock(&self.by_id).remove(&link.id);

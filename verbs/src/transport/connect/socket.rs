@@ -1,8 +1,10 @@
 //! The socket handshake's driver: [`Control`] messages over the TCP control connection,
 //! decided by [`crate::proto::handshake::socket`].
 
+use psnet_transport::session::Role;
 use psnet_transport::{NodeId, OutMessage, Transport, TransportError};
 
+use super::link_channel;
 use crate::control::Control;
 use crate::proto::handshake::socket::{Answered, OnReply, OnRequest};
 use crate::transport::{lock, random_u64, Inner};
@@ -31,7 +33,13 @@ impl Inner {
                     OnRequest::Answer => {}
                 }
                 let link = match self.new_link(peer, random_u64()).and_then(|l| {
-                    l.connect_to(&info).map(|()| l.clone()).inspect_err(|e| {
+                    let name = link_channel(nonce, l.nonce);
+                    let tags = self.link_tags(peer, Role::Acceptor, &name);
+                    let connected = tags.and_then(|tags| {
+                        l.protect(tags);
+                        l.connect_to(&info)
+                    });
+                    connected.map(|()| l.clone()).inspect_err(|e| {
                         l.fail(&e.to_string());
                         lock(&self.by_id).remove(&l.id);
                     })
@@ -75,7 +83,12 @@ impl Inner {
                     }
                     OnReply::Connect { link, ready } => (link, ready),
                 };
-                if let Err(e) = link.connect_to(&info) {
+                let tags = self.link_tags(peer, Role::Dialler, &link_channel(link.nonce, nonce));
+                let connected = tags.and_then(|tags| {
+                    link.protect(tags);
+                    link.connect_to(&info)
+                });
+                if let Err(e) = connected {
                     let reason = e.to_string();
                     tracing::warn!(%peer, %reason, "cannot connect the queue pair");
                     self.remove_link(peer, Some(link.id), &reason);

@@ -131,7 +131,8 @@ fn a_welcome_connects_only_the_current_request() {
         links.handle_welcome(B, 1, &welcome),
         Ok(OnWelcome::Connect {
             recv_depth: 16,
-            slot_size: 4096
+            slot_size: 4096,
+            nonce: 9,
         })
     );
     assert_eq!(links.handle_welcome(B, 2, &welcome), Ok(OnWelcome::LetGo));
