@@ -76,6 +76,22 @@ ps=$(sed -n '/"test":"lat"/s/.*"rtt_median_us": *\([0-9.eE+-]*\).*/\1/p' $OUT/ps
 echo "FIGURE lat size=8 ib_write_lat_typical_us=$wlat ib_send_lat_typical_us=$slat psnet_rdma_rtt_median_us=$ps one_way_ratio_vs_send_lat=$(awk -v a="$ps" -v b="$slat" 'BEGIN{ if (b > 0) printf "%.2f", a/2/b; else print "n/a" }')"
 check "lat (ib_write_lat rc=$rc1, ib_send_lat rc=$rc3, psnet-perf rc=$rc2)" $(( rc1 != 0 || rc2 != 0 || rc3 != 0 ))
 
+# 3b. psnet-perf lat and bw again with a job secret: every queue-pair message carries a session
+# tag (RDMA writes do not). Compare with the rows above, same run.
+secret_perf() { # secret_perf lat|bw SIZE ITERS JSON-FIELD -> prints the figure
+  PSNET_SECRET="guest perf secret" DMLC_INTERFACE=$RXE_NETDEV timeout -k 5 120 $B/psnet-perf $1 --transport rdma > $OUT/ps$1-secret-srv 2>&1 &
+  sleep 1
+  PSNET_SECRET="guest perf secret" DMLC_INTERFACE=$RXE_NETDEV timeout -k 5 120 $B/psnet-perf $1 --transport rdma -s $2 -n $3 --json $RXE_ADDR > $OUT/ps$1-secret 2>&1
+  rc=$?; wait
+  [ $rc = 0 ] || { cat $OUT/ps$1-secret $OUT/ps$1-secret-srv | tail -30 >&2; }
+  sed -n "/\"test\":\"$1\"/s/.*\"$4\": *\([0-9.eE+-]*\).*/\1/p" $OUT/ps$1-secret | tail -1
+  return $rc
+}
+lat_secret=$(secret_perf lat 8 1000 rtt_median_us); rc1=$?
+bw_secret=$(secret_perf bw 1048576 200 bw_avg_mib_s); rc2=$?
+echo "FIGURE secret lat size=8 psnet_rdma_rtt_median_us=$lat_secret without_secret_us=$ps; bw size=1048576 psnet_rdma_MiBps=$bw_secret (without: the bw row above)"
+check "psnet-perf lat and bw over rdma with PSNET_SECRET (rc=$rc1, $rc2)" $(( rc1 != 0 || rc2 != 0 ))
+
 # 4. The kv store: 1 scheduler + 1 server + 2 workers, dist_sync training, on the rxe-bound
 # interface (RDMA) and on an interface without RDMA (TCP); both must end bit-identical to
 # the single-process reference.
