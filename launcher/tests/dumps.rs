@@ -117,23 +117,6 @@ fn a_quiet_job_is_asked_for_its_dumps_after_dump_after_seconds() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The pid of the process whose environment holds every one of `marks`, if one runs.
-fn process_with(marks: &[String]) -> Option<i32> {
-    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
-            continue;
-        };
-        let vars: Vec<&[u8]> = environ.split(|&b| b == 0).collect();
-        if marks.iter().all(|m| vars.contains(&m.as_bytes())) {
-            return Some(pid);
-        }
-    }
-    None
-}
-
 /// Starts a long psnet-train job (1 server, 2 workers, `env` added) dumping into `dir`,
 /// waits until the process whose environment holds `marks` runs and trains, sends it `sig`,
 /// and returns whether the launcher succeeded, and its stderr.
@@ -148,7 +131,7 @@ fn strike(
     marks.push(format!("PSNET_RECORDER_DIR={}", dir.display()));
     let mut target = None;
     common::wait_for(Duration::from_secs(30), "the process never ran", || {
-        target = process_with(&marks);
+        target = common::process_with(&marks);
         target.is_some()
     });
     // Past its start and into the training.

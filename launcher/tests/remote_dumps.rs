@@ -11,23 +11,6 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-/// The pid of a process whose environment holds every one of `marks`, if one runs.
-fn process_with(marks: &[String]) -> Option<i32> {
-    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
-            continue;
-        };
-        let vars: Vec<&[u8]> = environ.split(|&b| b == 0).collect();
-        if marks.iter().all(|m| vars.contains(&m.as_bytes())) {
-            return Some(pid);
-        }
-    }
-    None
-}
-
 fn dumps_in(dir: &Path) -> Vec<String> {
     let mut names = Vec::new();
     for job in std::fs::read_dir(dir).into_iter().flatten().flatten() {
@@ -77,7 +60,7 @@ fn after_a_failed_job_the_dumps_of_other_hosts_are_fetched_and_read() {
     let started = Instant::now();
     let target = loop {
         let found = ["h1", "h2"].iter().find_map(|h| {
-            process_with(&[
+            common::process_with(&[
                 "DMLC_WORKER_ID=1".to_string(),
                 format!("TMPDIR={}/host-{h}", dir.display()),
             ])

@@ -71,6 +71,42 @@ fn attack() -> impl Strategy<Value = Attack> {
     ]
 }
 
+/// Does `attack` to `wire` (frames or messages as sent, with their tags; `sent` their bodies
+/// as sent); returns whether the receiver must notice.
+fn apply(attack: &Attack, wire: &mut Vec<(Vec<u8>, [u8; TAG_LEN])>, sent: &[Vec<u8>]) -> bool {
+    let n = wire.len();
+    match *attack {
+        Attack::FlipBody { frame, byte, bit } => {
+            let f = &mut wire[frame % n].0;
+            let i = byte % f.len();
+            f[i] ^= 1 << bit;
+            true
+        }
+        Attack::FlipTag { frame, byte, bit } => {
+            wire[frame % n].1[byte % TAG_LEN] ^= 1 << bit;
+            true
+        }
+        Attack::Drop { frame } => {
+            // A dropped last frame is indistinguishable from one not yet sent; the next
+            // frame reveals the gap, so drop one that has a successor.
+            wire.remove(frame % (n - 1));
+            true
+        }
+        Attack::Replay { frame, at } => {
+            let f = frame % n;
+            let at = f + 1 + at % (n - f);
+            let copy = wire[f].clone();
+            wire.insert(at, copy);
+            true
+        }
+        Attack::Swap { a, b } => {
+            let (a, b) = (a % n, b % n);
+            wire.swap(a, b);
+            a != b && sent[a] != sent[b]
+        }
+    }
+}
+
 proptest! {
     /// Whatever the path does to a stream of frames (a bit flipped in a frame or its tag, a
     /// frame dropped, replayed or two swapped), the receiver accepts an unchanged prefix of
@@ -98,37 +134,7 @@ proptest! {
             }
         }
         let mut wire = sent.clone();
-        let n = wire.len();
-        let changed = match attack {
-            Attack::FlipBody { frame, byte, bit } => {
-                let f = &mut wire[frame % n].0;
-                let i = byte % f.len();
-                f[i] ^= 1 << bit;
-                true
-            }
-            Attack::FlipTag { frame, byte, bit } => {
-                wire[frame % n].1[byte % TAG_LEN] ^= 1 << bit;
-                true
-            }
-            Attack::Drop { frame } => {
-                // A dropped last frame is indistinguishable from one not yet sent; the next
-                // frame reveals the gap, so drop one that has a successor.
-                wire.remove(frame % (n - 1));
-                true
-            }
-            Attack::Replay { frame, at } => {
-                let f = frame % n;
-                let at = f + 1 + at % (n - f);
-                let copy = wire[f].clone();
-                wire.insert(at, copy);
-                true
-            }
-            Attack::Swap { a, b } => {
-                let (a, b) = (a % n, b % n);
-                wire.swap(a, b);
-                a != b && frames[a] != frames[b]
-            }
-        };
+        let changed = apply(&attack, &mut wire, &frames);
         let (accepted, failed) = receive(&mut opener, &wire, sealed);
         prop_assert!(accepted.len() <= frames.len());
         prop_assert_eq!(&accepted[..], &frames[..accepted.len()], "only frames as sent are accepted");
@@ -250,35 +256,7 @@ proptest! {
             prop_assert!(receive_all(&mut elsewhere, &sent).0.is_empty());
         }
         let mut wire = sent.clone();
-        let n = wire.len();
-        let changed = match attack {
-            Attack::FlipBody { frame, byte, bit } => {
-                let m = &mut wire[frame % n].0;
-                let i = byte % m.len();
-                m[i] ^= 1 << bit;
-                true
-            }
-            Attack::FlipTag { frame, byte, bit } => {
-                wire[frame % n].1[byte % TAG_LEN] ^= 1 << bit;
-                true
-            }
-            Attack::Drop { frame } => {
-                wire.remove(frame % (n - 1));
-                true
-            }
-            Attack::Replay { frame, at } => {
-                let f = frame % n;
-                let at = f + 1 + at % (n - f);
-                let copy = wire[f].clone();
-                wire.insert(at, copy);
-                true
-            }
-            Attack::Swap { a, b } => {
-                let (a, b) = (a % n, b % n);
-                wire.swap(a, b);
-                a != b && messages[a] != messages[b]
-            }
-        };
+        let changed = apply(&attack, &mut wire, &messages);
         let (_, mut opener) = Session::channel(&base(key), Role::Acceptor, "rdma 1 2");
         let (accepted, failed) = receive_all(&mut opener, &wire);
         prop_assert_eq!(&accepted[..], &messages[..accepted.len()]);
