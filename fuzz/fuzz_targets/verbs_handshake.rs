@@ -229,13 +229,14 @@ fn check_private_data(bytes: &[u8], control_up: bool) {
             Some(CmMessage::Welcome {
                 recv_depth,
                 slot_size,
-                ..
+                nonce,
             }),
             Ok(OnWelcome::Connect {
                 recv_depth: d,
                 slot_size: s,
+                nonce: n,
             }),
-        ) => assert_eq!((d, s), (recv_depth, slot_size)),
+        ) => assert_eq!((d, s, n), (recv_depth, slot_size, nonce)),
         (Some(CmMessage::Welcome { .. }), other) => panic!("accept of our request: {other:?}"),
         (_, r) => assert!(r.is_err(), "an accept without psnet's welcome: {r:?}"),
     }

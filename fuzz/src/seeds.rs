@@ -84,7 +84,11 @@ fn kv_checkpoint() -> Vec<Seed> {
     vec![
         seed("kv_checkpoint", "snapshot-fresh", cat(&[0], &snapshot)),
         seed("kv_checkpoint", "journal-file-guess", cat(&[1], &snapshot)),
-        seed("kv_checkpoint", "snapshot-compressed-pulls", cat(&[0], &pulled)),
+        seed(
+            "kv_checkpoint",
+            "snapshot-compressed-pulls",
+            cat(&[0], &pulled),
+        ),
     ]
 }
 
