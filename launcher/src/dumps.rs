@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use psnet_config::env;
 
+use crate::Role;
+
 /// How long the processes get to write their dumps once asked.
 const DUMP_WAIT: Duration = Duration::from_secs(2);
 
@@ -52,19 +54,61 @@ impl Drop for DumpRequests {
     }
 }
 
-/// Asks every running process for its dump (`SIGUSR1` to its group; psnet's processes
-/// catch it from their start), waits for them, and prints the doctor's report.
-pub(crate) fn ask_and_report<'a>(children: impl Iterator<Item = &'a Child>, dir: &Path, why: &str) {
+/// A job's processes on other hosts (`--launcher ssh`): which they are, asking them for
+/// dumps, and bringing their dumps into this host's folder.
+pub(crate) trait OtherHosts {
+    /// Whether the process of `role` `index` runs on another host (its child here is the
+    /// `ssh` client, which must not be sent `SIGUSR1`: it would die, and its remote
+    /// command with it).
+    fn is_remote(&self, role: Role, index: u32) -> bool;
+    /// How many hosts other than this one the job runs on.
+    fn count(&self) -> usize;
+    /// Asks every process of the job on other hosts for its dump.
+    fn ask(&self, port: u16);
+    /// Copies the dumps of the processes on other hosts into `dir`.
+    fn fetch(&self, dir: &Path, port: u16);
+}
+
+/// A job that runs on this host only.
+pub(crate) struct ThisHostOnly;
+
+impl OtherHosts for ThisHostOnly {
+    fn is_remote(&self, _: Role, _: u32) -> bool {
+        false
+    }
+    fn count(&self) -> usize {
+        0
+    }
+    fn ask(&self, _: u16) {}
+    fn fetch(&self, _: &Path, _: u16) {}
+}
+
+/// Asks every running process for its dump (`SIGUSR1` to the group of each process here;
+/// psnet's processes catch it from their start; those on other hosts through `others`),
+/// waits for them, brings the other hosts' dumps here, and prints the doctor's report.
+pub(crate) fn ask_and_report<'a>(
+    here: impl Iterator<Item = &'a Child>,
+    others: &dyn OtherHosts,
+    port: u16,
+    dir: &Path,
+    why: &str,
+) {
     let mut asked = 0;
-    for child in children {
+    for child in here {
         crate::signal_group(child, rustix::process::Signal::USR1);
         asked += 1;
     }
+    others.ask(port);
+    let elsewhere = match others.count() {
+        0 => String::new(),
+        n => format!(" here and every process on {n} other hosts"),
+    };
     eprintln!(
-        "psnet-launch: {why}: asked {asked} processes for their flight recorder dumps ({})",
+        "psnet-launch: {why}: asked {asked} processes{elsewhere} for their flight recorder dumps ({})",
         dir.display()
     );
     std::thread::sleep(DUMP_WAIT);
+    others.fetch(dir, port);
     print_report(dir, false);
 }
 

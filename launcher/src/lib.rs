@@ -294,26 +294,22 @@ pub fn process_env(spec: &JobSpec, role: Role, index: u32, port: u16) -> Vec<(St
 
 /// Launches the job on this host and waits for every process.
 pub fn launch_local(spec: &JobSpec) -> Result<Outcome, LaunchError> {
-    launch_with(
-        spec,
-        |_, _| {},
-        |role, index, port| {
-            let mut cmd = Command::new(&spec.command[0]);
-            cmd.args(&spec.command[1..]);
-            cmd.envs(process_env(spec, role, index, port));
-            cmd
-        },
-    )
+    launch_with(spec, &dumps::ThisHostOnly, |role, index, port| {
+        let mut cmd = Command::new(&spec.command[0]);
+        cmd.args(&spec.command[1..]);
+        cmd.envs(process_env(spec, role, index, port));
+        cmd
+    })
 }
 
 /// Launches the job, each process started by the command `command(role, index, port)`
 /// returns (the program itself here, `ssh HOST ...` for another host), and waits for every
 /// process: one group each, signals passed on, output tagged, the first failure blamed.
-/// `fetch_dumps` brings the dumps of processes on other hosts into the job's dump folder
-/// (given it and the scheduler's port) before a failed job's report.
+/// `others`: the job's processes on other hosts, asked for dumps and whose dumps are
+/// brought into the job's dump folder before a report.
 pub(crate) fn launch_with(
     spec: &JobSpec,
-    fetch_dumps: impl Fn(&std::path::Path, u16),
+    others: &dyn dumps::OtherHosts,
     command: impl Fn(Role, u32, u16) -> Command,
 ) -> Result<Outcome, LaunchError> {
     if spec.servers == 0 || spec.workers == 0 {
@@ -386,7 +382,13 @@ pub(crate) fn launch_with(
     };
     let dir = dumps::job_dir(dumps::told_dir(&spec.env).as_deref(), port);
     let watch = dumps::Watch::new(dir.clone(), spec.dump_after, activity);
-    let outcome = wait_all(children, spec.grace, &signals, restarts, watch);
+    let outcome = wait_all(
+        children,
+        spec.grace,
+        &signals,
+        restarts,
+        (watch, others, port),
+    );
     if let Some(t) = tagger {
         t.finish(OUTPUT_DRAIN);
     }
@@ -395,7 +397,7 @@ pub(crate) fn launch_with(
         .as_ref()
         .is_ok_and(|o| o.first_failure.is_some() && o.signal.is_none())
     {
-        fetch_dumps(&dir, port);
+        others.fetch(&dir, port);
         dumps::report_failure(&dir);
     }
     outcome
@@ -469,7 +471,7 @@ fn wait_all(
     grace: Duration,
     signals: &StopSignals,
     restarts: Restarts<'_>,
-    mut watch: dumps::Watch,
+    (mut watch, others, port): (dumps::Watch, &dyn dumps::OtherHosts, u16),
 ) -> Result<Outcome, LaunchError> {
     let dump_requests = dumps::DumpRequests::install();
     let mut restarted: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
@@ -553,11 +555,17 @@ fn wait_all(
                 kill_at = Some(kill_at.map_or(by, |t| t.min(by)));
             }
         }
+        let here = || {
+            running
+                .iter()
+                .filter(|(role, index, _)| !others.is_remote(*role, *index))
+                .map(|(_, _, c)| c)
+        };
         if dump_requests.take() {
-            dumps::ask_and_report(running.iter().map(|(_, _, c)| c), &watch.dir, "SIGUSR1");
+            dumps::ask_and_report(here(), others, port, &watch.dir, "SIGUSR1");
         } else if let Some(quiet) = watch.due().filter(|_| kill_at.is_none()) {
             let why = format!("no output for {} s (--dump-after)", quiet.as_secs());
-            dumps::ask_and_report(running.iter().map(|(_, _, c)| c), &watch.dir, &why);
+            dumps::ask_and_report(here(), others, port, &watch.dir, &why);
         }
         if kill_at.is_some_and(|t| Instant::now() >= t) {
             for (role, index, mut child) in running.drain(..) {

@@ -1,6 +1,7 @@
 //! The flight recorder dumps of a job's processes on other hosts (`--launcher ssh`): where
-//! they write them, and bringing them into the launcher's dump folder after a failed job, so
-//! that `psnet-doctor` reads the whole job in one place.
+//! they write them, asking them for dumps (`SIGUSR1` to the launcher, `--dump-after`), and
+//! bringing their dumps into the launcher's folder, so that `psnet-doctor` reads the whole job
+//! in one place.
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -8,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use psnet_config::env;
 
-use crate::dumps;
-use crate::ssh::{shell_quote, ssh_command};
+use crate::dumps::{self, OtherHosts};
+use crate::ssh::{host_of, shell_quote, ssh_command};
+use crate::{JobSpec, Role};
 
 /// How long one host may take to send its dumps.
 const FETCH_LIMIT: Duration = Duration::from_secs(30);
@@ -40,10 +42,10 @@ pub(crate) fn remote_export(spec_env: &[(String, String)], port: u16) -> String 
 /// Copies every dump in the job's folder on each of `hosts` into `dir` (ssh, and `tar` at
 /// both ends); says on stderr what came from where. A host that cannot be reached, or takes
 /// longer than [`FETCH_LIMIT`], is named and skipped.
-pub(crate) fn fetch(hosts: &[String], spec_env: &[(String, String)], dir: &Path, port: u16) {
+fn fetch(hosts: &[String], spec_env: &[(String, String)], dir: &Path, port: u16) {
     let line = format!(
-        "cd {} 2>/dev/null || exit 0; set -- psnet-*.json; [ -e \"$1\" ] || exit 0; \
-         exec tar cf - -- \"$@\"",
+        "none() {{ exec tar cf - --files-from /dev/null; }}; cd {} 2>/dev/null || none; \
+         set -- psnet-*.json; [ -e \"$1\" ] || none; exec tar cf - -- \"$@\"",
         remote_dir(spec_env, port)
     );
     if let Err(e) = std::fs::create_dir_all(dir) {
@@ -123,6 +125,75 @@ fn wait_until(child: &mut Child, deadline: Instant) -> Result<bool, String> {
             Ok(None) => std::thread::sleep(Duration::from_millis(20)),
             Err(e) => return Err(e.to_string()),
         }
+    }
+}
+
+/// The hosts of an ssh job: each server and worker on the host the hostfile gives it, the
+/// scheduler here.
+pub(crate) struct SshHosts<'a> {
+    hosts: &'a [String],
+    servers: u32,
+    spec_env: &'a [(String, String)],
+    /// Every host a process of the job runs on, each once.
+    used: Vec<String>,
+}
+
+impl<'a> SshHosts<'a> {
+    pub(crate) fn new(hosts: &'a [String], spec: &'a JobSpec) -> Self {
+        let mut used: Vec<String> = Vec::new();
+        let all = (0..spec.servers)
+            .map(|i| (Role::Server, i))
+            .chain((0..spec.workers).map(|i| (Role::Worker, i)));
+        for (role, i) in all {
+            if let Some(h) = host_of(hosts, spec.servers, role, i) {
+                if !used.iter().any(|u| u == h) {
+                    used.push(h.to_string());
+                }
+            }
+        }
+        SshHosts {
+            hosts,
+            servers: spec.servers,
+            spec_env: &spec.env,
+            used,
+        }
+    }
+}
+
+impl OtherHosts for SshHosts<'_> {
+    fn is_remote(&self, role: Role, index: u32) -> bool {
+        host_of(self.hosts, self.servers, role, index).is_some()
+    }
+
+    fn count(&self) -> usize {
+        self.used.len()
+    }
+
+    /// `SIGUSR1` to the process group every remote line wrote down in the job's dump folder
+    /// there (`ssh::remote_line`).
+    fn ask(&self, port: u16) {
+        let line = format!(
+            "cd {} 2>/dev/null || exit 0; for f in .psnet-launch-*.pid; do \
+             [ -e \"$f\" ] && kill -USR1 \"$(cat \"$f\")\" 2>/dev/null; done; exit 0",
+            remote_dir(self.spec_env, port)
+        );
+        for host in &self.used {
+            let mut ssh = ssh_command(host, &format!("sh -c {}", shell_quote(&line)));
+            ssh.stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            let asked = ssh
+                .spawn()
+                .map_err(|e| format!("ssh: {e}"))
+                .and_then(|mut c| wait_until(&mut c, Instant::now() + FETCH_LIMIT));
+            if !matches!(asked, Ok(true)) {
+                eprintln!("psnet-launch: could not ask the processes on {host} for their dumps");
+            }
+        }
+    }
+
+    fn fetch(&self, dir: &Path, port: u16) {
+        fetch(&self.used, self.spec_env, dir, port);
     }
 }
 

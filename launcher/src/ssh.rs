@@ -83,14 +83,19 @@ pub fn remote_line(env: &[(String, String)], dir: &str, command: &[String]) -> S
     // fd 3 keeps the session's input for the watchdog: an asynchronous list's own input is
     // /dev/null in a shell without job control. With setsid (util-linux) the command leads a
     // process group of its own (a background child is no group leader, so setsid does not
-    // fork), and the watchdog stops the whole group: what the command started goes too.
+    // fork), and the watchdog stops the whole group: what the command started goes too. The
+    // group is written down in the job's dump folder, where the launcher's dump requests
+    // find it (`remote_dumps::SshHosts::ask`).
     format!(
         "cd {dir} || exit 127; exec 3<&0; export {exports}; \
          if command -v setsid >/dev/null 2>&1; then setsid {cmd} </dev/null & pid=$!; grp=-$pid; \
          else {cmd} </dev/null & pid=$!; grp=$pid; fi; \
+         pidf=\"${{PSNET_RECORDER_DIR:-}}/.psnet-launch-$$.pid\"; \
+         [ -n \"${{PSNET_RECORDER_DIR:-}}\" ] && mkdir -p \"$PSNET_RECORDER_DIR\" 2>/dev/null \
+         && echo \"$grp\" > \"$pidf\"; \
          {{ while read -r _ <&3; do :; done; kill -TERM $grp 2>/dev/null; sleep 2; \
          kill -KILL $grp 2>/dev/null; }} & dog=$!; wait $pid; rc=$?; kill $dog 2>/dev/null; \
-         exit $rc",
+         rm -f \"$pidf\"; exit $rc",
         dir = shell_quote(dir),
         exports = exports.join(" "),
         cmd = cmd.join(" "),
@@ -143,16 +148,8 @@ pub fn launch_ssh(spec: &JobSpec, job: &SshJob) -> Result<Outcome, LaunchError> 
     }
     crate::cluster::refuse_inline_secret("an ssh command line")?;
     let forwarded = forwarded_env();
-    let remote_hosts: Vec<String> = (0..spec.servers)
-        .map(|i| (Role::Server, i))
-        .chain((0..spec.workers).map(|i| (Role::Worker, i)))
-        .filter_map(|(role, i)| host_of(&job.hosts, spec.servers, role, i))
-        .map(str::to_string)
-        .collect();
-    let fetch = |dir: &std::path::Path, port| {
-        crate::remote_dumps::fetch(&remote_hosts, &spec.env, dir, port);
-    };
-    crate::launch_with(spec, fetch, |role, index, port| {
+    let others = crate::remote_dumps::SshHosts::new(&job.hosts, spec);
+    crate::launch_with(spec, &others, |role, index, port| {
         let mut env = process_env(spec, role, index, port);
         match host_of(&job.hosts, spec.servers, role, index) {
             None => {
