@@ -106,6 +106,7 @@ if command -v mpirun >/dev/null && mpirun --version 2>/dev/null | grep -q "Open 
   want="0 $(addr h0 3) 1 $(addr h1 3) 2 $(addr h2 3) "
   check "mpirun with the ssh stand-in as plm_rsh_agent: rank i on host i ($got)" $(( rc != 0 )) 
   [ "$got" = "$want" ] || { echo "mpirun placed: $got, wanted: $want"; failed=$((failed + 1)); }
+  [ $rc = 0 ] && [ "$got" = "$want" ] || tail -30 "$OUT/mpi.err"
 else
   echo "SKIPPED: mpirun through the stand-in (no Open MPI here)"
 fi

@@ -16,6 +16,10 @@
 # RATE is tc's syntax (1gbit, 200mbit). Hosts are named h0..h{H-1}; eth0 has 10.240.X.(i+1)
 # and ib0 10.241.X.(i+1), X derived from the rig's name, so several rigs can coexist. Nothing
 # here reaches an address outside these namespaces. State lives in /run/psnet-cluster/N/.
+# Each host has its own temporary directory, /run/psnet-cluster/N/hI/tmp, as TMPDIR in
+# `rig.sh exec` and through the ssh stand-in: the namespaces share one /tmp and one host name,
+# and Open MPI's daemons, which name their session directories by host name, removed each
+# other's (mpirun failed about one start in 15).
 # Jobs start through psnet's own launcher: scripts/cluster/bin/ssh, first on PATH inside
 # `rig.sh exec`, runs `ssh hI CMD` in host hI's namespace, so `psnet-launch --launcher ssh -H
 # HOSTFILE` (and mpirun with it as plm_rsh_agent) run across the hosts unchanged.
@@ -107,6 +111,8 @@ up() {
     local ns
     ns=$(ns_of "$i")
     ip netns add "$ns"
+    mkdir -p "$STATE/h$i/tmp"
+    chmod 1777 "$STATE/h$i/tmp"
     ip -n "$ns" link set dev lo up
     # eth0 in the host, its switch port `eI` on br0; both ends shaped, so the host's link is
     # RATE each way, as a NIC and its switch port are.
@@ -152,7 +158,8 @@ case "$cmd" in
   exec)
     [ $# -ge 2 ] || die "exec HOST CMD..."
     i=$(host_index "$1"); shift
-    exec ip netns exec "$(ns_of "$i")" env PATH="$HERE/bin:$PATH" PSNET_CLUSTER="$NAME" "$@"
+    exec ip netns exec "$(ns_of "$i")" env PATH="$HERE/bin:$PATH" PSNET_CLUSTER="$NAME" \
+      TMPDIR="$STATE/h$i/tmp" "$@"
     ;;
   counters)
     [ -f "$STATE/hosts" ] || die "rig $NAME is not up"
