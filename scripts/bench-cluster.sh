@@ -14,7 +14,10 @@
 #            frame tagged), with the secret and PSNET_ENCRYPT=1, 2-bit and 1-bit, each of those with
 #            compressed pulls too (--compression-pull), and the default and compressed pulls again
 #            with PSNET_TCP_CONGESTION=cubic; the bound is the busiest link's bytes in its
-#            busier direction (counted by the kernel) per epoch; epoch s is the whole epoch
+#            busier direction (counted by the kernel) per epoch; epoch s is the whole epoch.
+#            by-layer / by-layer-fifo: a call per tensor, last layer's first, as backward hooks
+#            start them (--by-layer), with priority scheduling (PSNET_KV_PRIORITY=1, the
+#            default) and without: the last column is when the first layer was back
 # kv         one key per op, push / pull / push then pull / pushpull, psnet's Python kvstore
 #            against MXNet 1.9.1 (scripts/bench-mxnet.py, one script for both), uncompressed and
 #            2-bit, KV_SIZES at each of KV_SHAPES (servers x workers; servers on hosts of their
@@ -177,7 +180,8 @@ fi
 if wants train; then
   echo
   echo "## psnet-train, 2 servers + 2 workers (one per host), $EPOCHS epochs of $SAMPLES samples"
-  printf '%-34s %14s %16s %8s %10s %10s\n' "run" "comm s/epoch" "bound s/epoch" "ratio" "epoch s" "loss"
+  printf '%-34s %14s %16s %8s %10s %10s  %s\n' "run" "comm s/epoch" "bound s/epoch" "ratio" "epoch s" "loss" \
+    "first layer back (--by-layer), ms of the step's"
   hostfile 2 2 "$LOGS/train.hosts"
   # With a job secret every frame carries a session tag: its cost, in the same run.
   (umask 077; echo "bench-cluster secret $$ $RANDOM" > "$LOGS/secret")
@@ -186,6 +190,8 @@ if wants train; then
              "secret:PSNET_SECRET_FILE=$LOGS/secret:none" \
              "encrypted:PSNET_SECRET_FILE=$LOGS/secret,PSNET_ENCRYPT=1:none" "2bit::2bit" "1bit::1bit" \
              "2bit-pull::2bit:--compression-pull" "1bit-pull::1bit:--compression-pull" \
+             "by-layer:PSNET_KV_PRIORITY=1:none:--by-layer" \
+             "by-layer-fifo:PSNET_KV_PRIORITY=0:none:--by-layer" \
              "default-cubic:PSNET_TCP_CONGESTION=cubic:none" \
              "2bit-pull-cubic:PSNET_TCP_CONGESTION=cubic:2bit:--compression-pull" \
              "1bit-pull-cubic:PSNET_TCP_CONGESTION=cubic:1bit:--compression-pull"; do
@@ -202,10 +208,12 @@ if wants train; then
     epoch=$(grep -o 'communication [0-9.]* s of [0-9.]* s' "$LOGS/train.$name.log" | head -n "$EPOCHS" \
       | awk '{ s += $5 } END { printf "%.2f", s / NR }')
     loss=$(grep -o 'loss [0-9.]*' "$LOGS/train.$name.log" | tail -1 | cut -d' ' -f2)
+    first=$(grep -o 'first layer back after [0-9.]* ms of [0-9.]* ms' "$LOGS/train.$name.log" | tail -1 \
+      | awk '{ printf "%s of %s (%.0f%%)", $5, $8, 100 * $5 / $8 }' || true)
     bound=$(awk -v b="$(busiest "$LOGS/c0" "$LOGS/c1")" -v r="$RATE_BITS" -v e="$EPOCHS" \
       'BEGIN { printf "%.2f", b * 8 / r / e }')
-    printf '%-34s %14s %16s %8s %10s %10s\n' "$name ($comp)" "$comm" "$bound" \
-      "$(awk -v a="$comm" -v b="$bound" 'BEGIN { printf "%.2fx", a / b }')" "$epoch" "$loss"
+    printf '%-34s %14s %16s %8s %10s %10s  %s\n' "$name ($comp)" "$comm" "$bound" \
+      "$(awk -v a="$comm" -v b="$bound" 'BEGIN { printf "%.2fx", a / b }')" "$epoch" "$loss" "${first:--}"
   done
   echo "(bound: the busiest link's bytes in its busier direction over the whole job, set-up included, per epoch, over $RATE)"
 fi

@@ -248,6 +248,10 @@ crate::declare_env_vars! {
         "kv: seconds the job waits for a lost server to be restarted with the same DMLC_SERVER_ID and PSNET_CHECKPOINT_DIR and rejoin (it reloads its shard; workers hold their requests to it and send again what it had not answered); past it the loss ends the job. Default: 60 with PSNET_CHECKPOINT_DIR set, else 0 (a lost server ends the job at once). Set it the same on every node.";
     PSNET_KV_SERIAL_SENDS = "PSNET_KV_SERIAL_SENDS", "0",
         "Benchmarks only: 1 makes a worker send a call's requests one server after another (the parts of a sharded key wait for each other's sends) instead of to all servers at once, to measure what sending in parallel gains.";
+    PSNET_KV_PRIORITY = "PSNET_KV_PRIORITY", "1",
+        "kv workers: 1 sends requests, and has servers answer them, by priority: the order the job declared (initialized) its keys, first declared first, as BytePS schedules (a send in progress is not interrupted). 0: in the order they were made, for comparison.";
+    PSNET_KV_CREDIT_BYTES = "PSNET_KV_CREDIT_BYTES", "0",
+        "kv workers: bytes each worker may have in flight to one server, sent or asked for and not yet answered (BytePS's scheduling credit). Requests past it wait in the worker, where priorities (PSNET_KV_PRIORITY) can still reorder them, instead of in the kernel's socket and device queues, which cannot. A request larger than it goes alone. 0: no limit.";
     PSNET_COMPRESSION_SIMD = "PSNET_COMPRESSION_SIMD", "",
         "Caps gradient compression's SIMD level: avx2, sse2 or scalar (default: the best this CPU has).";
     RUST_LOG = "RUST_LOG", "",

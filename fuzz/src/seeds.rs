@@ -255,6 +255,7 @@ fn kv() -> Vec<Seed> {
                     have: None,
                 },
                 n_elems: 1000,
+                priority: 0,
             },
         ),
         (
@@ -264,6 +265,7 @@ fn kv() -> Vec<Seed> {
                 key: 7,
                 n_elems: 9,
                 have: None,
+                priority: 0,
             },
         ),
         (
@@ -273,6 +275,7 @@ fn kv() -> Vec<Seed> {
                 key: 7,
                 n_elems: 9,
                 have: Some(4),
+                priority: 0,
             },
         ),
         (
@@ -298,6 +301,7 @@ fn kv() -> Vec<Seed> {
                     have: Some(16),
                 },
                 n_elems: 1000,
+                priority: 0,
             },
         ),
         (

@@ -120,8 +120,9 @@ async fn serve<T: Transport>(
         tokio::select! {
             event = next => match heard_from_scheduler(event?, &heard) {
                 Received::Msg { from, msg, value } => match (msg, worker_rank(from)) {
-                    (Msg::Push { ts, key, flags, n_elems }, Some(rank)) => {
+                    (Msg::Push { ts, key, flags, n_elems, priority }, Some(rank)) => {
                         served.took(rank, ts, if flags.init { "init" } else { "push" }, key);
+                        answers.expect(rank, ts, priority);
                         state.handle_push(Push {
                             rank,
                             ts,
@@ -131,8 +132,9 @@ async fn serve<T: Transport>(
                             payload: value.unwrap_or_default(),
                         })
                     }
-                    (Msg::Pull { ts, key, n_elems, have }, Some(rank)) => {
+                    (Msg::Pull { ts, key, n_elems, have, priority }, Some(rank)) => {
                         served.took(rank, ts, "pull", key);
+                        answers.expect(rank, ts, priority);
                         state.handle_pull(rank, ts, key, n_elems, have)
                     }
                     (Msg::Command { ts, kind, body }, Some(rank)) => {
@@ -142,6 +144,7 @@ async fn serve<T: Transport>(
                     (Msg::NodeFailed { id, reason }, _) if from == SCHEDULER => {
                         if let Some(rank) = worker_rank(id) {
                             state.handle_worker_lost(rank, &reason);
+                            answers.forget(rank);
                         }
                         failure.get_or_insert((id, reason));
                     }
@@ -170,6 +173,7 @@ async fn serve<T: Transport>(
                             .remove(&rank)
                             .map_or(reason, |why| format!("it left: {why}"));
                         state.handle_worker_lost(rank, &reason);
+                        answers.forget(rank);
                     }
                 }
                 Received::Connected(_) => {}
@@ -288,7 +292,8 @@ fn heard_from_scheduler(event: Received, heard: &Heard) -> Received {
 }
 
 /// Queues every answer the state has ready for its worker's sending task ([`Answers`]):
-/// answers to different workers go out in parallel, each worker's in order, and the loop goes
+/// answers to different workers go out in parallel, each worker's by its requests' priority
+/// ([`Answers`]), and the loop goes
 /// on taking requests meanwhile. Values are shared with
 /// the state, not copied. Journal records are written (and flushed to disk with
 /// `PSNET_CHECKPOINT_FSYNC=1`) before any answer that follows them; an error writing one is

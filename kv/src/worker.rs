@@ -28,6 +28,7 @@ use crate::value::{self, Value};
 use crate::wire::Received;
 
 mod device;
+mod gate;
 mod shared;
 
 pub(crate) use shared::{Ask, Outgoing, Sent, Shared};
@@ -78,11 +79,14 @@ impl<T: Transport> Worker<T> {
             crate::clock::now(),
         )
         .with_recovery(config.recovery_timeout.is_some())
-        .with_partition_bytes(partition_bytes(config, &joined.nodes));
+        .with_partition_bytes(partition_bytes(config, &joined.nodes))
+        .with_priorities(config.priorities);
         let shared = Arc::new(Shared {
             link: joined.link,
             admission: joined.admission,
             rank: joined.rank,
+            gates: servers.iter().map(|_| Default::default()).collect(),
+            credits: gate::Credits::new(servers.len(), config.credit_bytes),
             servers,
             num_workers,
             state: Mutex::new(state),

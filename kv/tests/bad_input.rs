@@ -265,6 +265,7 @@ async fn commands_that_would_strand_a_round_are_refused() {
             have: None,
         },
         n_elems: 4,
+        priority: 0,
     };
     let e = refused(r.request(s, compressed_init, &[&[0u8; 16]]).await);
     assert_names(&e, &["key 5", "init", "compressed"]);

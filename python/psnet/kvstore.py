@@ -217,7 +217,11 @@ class KVStore:
         self._grouped(self._worker.init, [(k, readable(a[0], "init")) for _, k, a in pairs])
 
     def push(self, key, value, priority=0):
-        """Pushes values (a list per key is summed first, as MXNet sums devices' values)."""
+        """Pushes values (a list per key is summed first, as MXNet sums devices' values).
+
+        ``priority`` is accepted for MXNet's signature; psnet orders requests by the order the
+        keys were initialized, first first, which is what Gluon's ``priority=-index`` gives
+        (``PSNET_KV_PRIORITY``)."""
         del priority
         with staged():
             self._push(key, value)
@@ -310,7 +314,9 @@ class KVStore:
         self._grouped(self._worker.push, [(k, m) for _, k, m in pairs])
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
-        """Pulls each key's value into ``out`` (an array, or a list of arrays per key)."""
+        """Pulls each key's value into ``out`` (an array, or a list of arrays per key).
+
+        ``priority``: as for :meth:`push`."""
         del priority, ignore_sparse
         if out is None:
             raise ValueError("pull: out is required (the arrays to pull into)")
@@ -348,7 +354,9 @@ class KVStore:
                 writable(a, "pull out")[...] = arrays[0].reshape(a.shape)
 
     def pushpull(self, key, value, out=None, priority=0):
-        """Pushes ``value`` and pulls the result into ``out`` (``value`` itself if None)."""
+        """Pushes ``value`` and pulls the result into ``out`` (``value`` itself if None).
+
+        ``priority``: as for :meth:`push`."""
         del priority
         with staged():
             self._pushpull(key, value, out)

@@ -98,6 +98,13 @@ pub struct Args {
     /// Pause per step (to test failures mid-run).
     #[arg(long, default_value_t = 0)]
     pub step_delay_ms: u64,
+    /// Push-pull each tensor as a call of its own, all at once, last layer's first, as a
+    /// framework's backward hooks start them; the epoch lines then say when the first
+    /// layer's parameters were back (the next forward pass can start there). Compare
+    /// PSNET_KV_PRIORITY=1 (declared order first, the default) with 0 (the order of the
+    /// calls).
+    #[arg(long)]
+    pub by_layer: bool,
 }
 
 fn main() -> ExitCode {

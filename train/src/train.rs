@@ -179,9 +179,16 @@ async fn train(args: &Args, kv: &Worker) -> Result<(), Failure> {
             let g = p.gradients(&data, start..start + args.batch);
             let grads: Vec<&[f32]> = g.tensors.iter().map(|t| &t[..]).collect();
             let t = Instant::now();
-            kv.pushpull_many(&keys, &grads, &mut p.tensors)
-                .await
-                .map_err(err)?;
+            if args.by_layer {
+                let first = by_layer(kv, &keys, &grads, &mut p.tensors)
+                    .await
+                    .map_err(err)?;
+                comm.first_layer.push(first);
+            } else {
+                kv.pushpull_many(&keys, &grads, &mut p.tensors)
+                    .await
+                    .map_err(err)?;
+            }
             comm.add(t.elapsed(), 2 * 4 * p.len() as u64);
             if args.step_delay_ms > 0 {
                 tokio::time::sleep(Duration::from_millis(args.step_delay_ms)).await;
@@ -243,11 +250,38 @@ fn job_line(args: &Args, kv: &Worker, p: &Params) -> String {
     )
 }
 
+/// One step's push-pulls as `--by-layer` makes them: a call per tensor, all at once, the
+/// last layer's first; returns how long the first layer's tensors (keys 0 and 1) took.
+async fn by_layer(
+    kv: &Worker,
+    keys: &[u64],
+    grads: &[&[f32]],
+    tensors: &mut [Vec<f32>],
+) -> Result<Duration, psnet::kv::KvError> {
+    let start = Instant::now();
+    let calls = keys.iter().zip(grads).zip(tensors.iter_mut()).rev().map(
+        |((&key, grad), out)| async move {
+            kv.pushpull(key, grad, out)
+                .await
+                .map(|()| (key, start.elapsed()))
+        },
+    );
+    let done = futures_util::future::try_join_all(calls).await?;
+    Ok(done
+        .iter()
+        .filter(|(key, _)| *key < 2)
+        .map(|(_, at)| *at)
+        .max()
+        .unwrap_or_default())
+}
+
 /// Time spent in push+pull and the bytes moved (pushed plus pulled, uncompressed).
 #[derive(Default)]
 struct Comm {
     time: Duration,
     bytes: u64,
+    /// `--by-layer`: per step, when the first layer's tensors were back.
+    first_layer: Vec<Duration>,
 }
 
 impl Comm {
@@ -258,12 +292,26 @@ impl Comm {
 
     fn merge(&mut self, other: &Comm) {
         self.add(other.time, other.bytes);
+        self.first_layer.extend_from_slice(&other.first_layer);
     }
 
     fn describe(&self, wall: Duration) -> String {
         let secs = self.time.as_secs_f64();
+        let first = if self.first_layer.is_empty() {
+            String::new()
+        } else {
+            let mut at = self.first_layer.clone();
+            at.sort_unstable();
+            let steps = self.first_layer.len() as f64;
+            format!(
+                ", first layer back after {:.1} ms of {:.1} ms a step (median {:.1} ms)",
+                at.iter().map(Duration::as_secs_f64).sum::<f64>() * 1e3 / steps,
+                secs * 1e3 / steps,
+                at[at.len() / 2].as_secs_f64() * 1e3
+            )
+        };
         format!(
-            "push+pull {:.1} MB/s, communication {:.2} s of {:.2} s ({:.0}%)",
+            "push+pull {:.1} MB/s, communication {:.2} s of {:.2} s ({:.0}%){first}",
             if secs > 0.0 {
                 self.bytes as f64 / secs / 1e6
             } else {

@@ -21,7 +21,7 @@ use super::recovery::CREDENTIAL_LEN;
 use crate::value::Dtype;
 
 /// The kv protocol version in every message.
-pub const VERSION: u8 = 6;
+pub const VERSION: u8 = 7;
 /// Longest string field (reasons, optimizer and compression specs).
 pub const MAX_STRING: usize = 64 << 10;
 /// Most nodes in an assignment.
@@ -250,6 +250,10 @@ pub enum Msg {
         flags: PushFlags,
         /// Elements of this server's part (the payload may be compressed).
         n_elems: u64,
+        /// Where the answer goes in the server's queue to this worker: higher first, equal
+        /// ones in the order they came (MXNet's `priority`; psnet's worker sends a key's
+        /// declaration order, first declared highest, as BytePS does).
+        priority: i32,
     },
     /// Worker to server: send me `key`.
     Pull {
@@ -262,6 +266,8 @@ pub enum Msg {
         /// With compressed pulls: the version of this worker's copy of the key; `None`: it
         /// holds none.
         have: Option<u64>,
+        /// As a push's.
+        priority: i32,
     },
     /// Server to worker: request `ts` done, a compressed pull's answer: the copy of version
     /// `version` of the key, read as `form` says (in segment 0, but for [`Form::Same`]).
@@ -650,6 +656,7 @@ impl Msg {
                 key,
                 flags,
                 n_elems,
+                priority,
             } => {
                 w.u64(*ts).u64(*key).u8(flags.bits()).u64(*n_elems);
                 if let Some(n) = flags.retry {
@@ -658,18 +665,21 @@ impl Msg {
                 if let Some(v) = flags.have {
                     w.u64(v);
                 }
+                w.u32(*priority as u32);
             }
             Msg::Pull {
                 ts,
                 key,
                 n_elems,
                 have,
+                priority,
             } => {
                 w.u64(*ts).u64(*key).u64(*n_elems);
                 match have {
                     Some(v) => w.u8(1).u64(*v),
                     None => w.u8(0),
                 };
+                w.u32(*priority as u32);
             }
             Msg::Pulled { ts, version, form } => {
                 w.u64(*ts).u64(*version);
@@ -771,6 +781,7 @@ impl Msg {
                     key,
                     flags,
                     n_elems,
+                    priority: r.u32()? as i32,
                 }
             }
             12 => Msg::Pull {
@@ -782,6 +793,7 @@ impl Msg {
                     1 => Some(r.u64()?),
                     _ => return Err(DecodeError::Invalid("bad copy version flag")),
                 },
+                priority: r.u32()? as i32,
             },
             20 => Msg::Pulled {
                 ts: r.u64()?,

@@ -24,9 +24,11 @@ use crate::wire::Received;
 
 mod copies;
 mod layout;
+mod priority;
 
 use layout::pieces;
 pub use layout::{key_of_slot, piece_key, Layout, Part, PIECE_ALIGN, PIECE_SHIFT};
+pub use priority::{Priorities, UNDECLARED};
 
 /// A server's answer: its value, if it carries one.
 pub type Reply = Result<Option<Bytes>, KvError>;
@@ -55,6 +57,8 @@ struct Waiting {
     to: NodeId,
     asked: Asked,
     tx: oneshot::Sender<Reply>,
+    /// Dropped when the request is answered or forgotten (the driver's send credit).
+    _held: Option<Box<dyn std::any::Any + Send>>,
 }
 
 /// One part of a push, ready to send.
@@ -91,6 +95,8 @@ pub struct WorkerState {
     acknowledged: HashMap<(NodeId, u64), u64>,
     barrier: Option<(Group, oneshot::Sender<Result<(), KvError>>)>,
     keys: HashMap<u64, Layout>,
+    /// The priority of each key's requests: its declaration order.
+    priorities: Priorities,
     residuals: HashMap<u64, Vec<f32>>,
     compressor: Option<Arc<dyn Compressor>>,
     /// Compressed pulls: the copy of every key pulled.
@@ -146,6 +152,7 @@ impl WorkerState {
             acknowledged: HashMap::new(),
             barrier: None,
             keys: HashMap::new(),
+            priorities: Priorities::new(true),
             residuals: HashMap::new(),
             compressor: None,
             copies: Default::default(),
@@ -165,6 +172,19 @@ impl WorkerState {
     pub fn with_partition_bytes(mut self, bytes: usize) -> Self {
         self.partition_bytes = bytes;
         self
+    }
+
+    /// Gives requests the priority of their key's declaration order (`on`, the default), or
+    /// none (`PSNET_KV_PRIORITY=0`).
+    pub fn with_priorities(mut self, on: bool) -> Self {
+        self.priorities = Priorities::new(on);
+        self
+    }
+
+    /// The priority of a request for `slot` (a key, or a piece of one): higher is sent and
+    /// answered first ([`Priorities`]).
+    pub fn priority(&self, slot: u64) -> i32 {
+        self.priorities.of_slot(slot)
     }
 
     /// Holds requests to a lost server until the scheduler says it rejoined or failed
@@ -294,6 +314,7 @@ impl WorkerState {
             }
         };
         self.keys.insert(key, Layout { len, dtype, parts });
+        self.priorities.declare(key);
         // An init starts the key's updates again on every server.
         self.acknowledged.retain(|(_, k), _| key_of_slot(*k) != key);
         Ok(())
@@ -438,8 +459,24 @@ impl WorkerState {
         let ts = self.next_ts;
         self.next_ts += 1;
         let (tx, rx) = oneshot::channel();
-        self.pending.insert(ts, Waiting { to, asked, tx });
+        self.pending.insert(
+            ts,
+            Waiting {
+                to,
+                asked,
+                tx,
+                _held: None,
+            },
+        );
         Ok((ts, rx))
+    }
+
+    /// Keeps `guard` with request `ts` until it is answered or forgotten, then drops it: the
+    /// driver's credit for what the request has in flight (`PSNET_KV_CREDIT_BYTES`).
+    pub fn hold_until_answered(&mut self, ts: u64, guard: Box<dyn std::any::Any + Send>) {
+        if let Some(w) = self.pending.get_mut(&ts) {
+            w._held = Some(guard);
+        }
     }
 
     /// The request `ts` could not be sent: forget it. Returns the loss that explains it, if

@@ -15,6 +15,8 @@ use crate::proto::msg::{CommandKind, Msg, NodeInfo, PushFlags};
 use crate::proto::worker::{Asked, Reply, WorkerState};
 use crate::reliable::Link;
 
+use super::gate::{Credits, Gate};
+
 /// What one request asks of a server; its id is given when it is sent.
 #[derive(Clone)]
 pub(crate) enum Ask {
@@ -55,9 +57,17 @@ impl Ask {
         self
     }
 
-    /// The request as sent, as request `ts`, from a worker whose copy of the key pulled is at
-    /// version `have` (compressed pulls).
-    pub(crate) fn into_msg(self, ts: u64, have: Option<u64>) -> Msg {
+    /// The key (or piece) it asks about; None for commands.
+    pub(crate) fn slot(&self) -> Option<u64> {
+        match self {
+            Ask::Push { key, .. } | Ask::Pull { key, .. } => Some(*key),
+            Ask::Command { .. } => None,
+        }
+    }
+
+    /// The request as sent, as request `ts` at `priority`, from a worker whose copy of the
+    /// key pulled is at version `have` (compressed pulls).
+    pub(crate) fn into_msg(self, ts: u64, have: Option<u64>, priority: i32) -> Msg {
         match self {
             Ask::Push {
                 key,
@@ -70,6 +80,7 @@ impl Ask {
                     key,
                     flags,
                     n_elems,
+                    priority,
                 }
             }
             Ask::Pull { key, n_elems } => Msg::Pull {
@@ -77,6 +88,7 @@ impl Ask {
                 key,
                 n_elems,
                 have,
+                priority,
             },
             Ask::Command { kind, body } => Msg::Command { ts, kind, body },
         }
@@ -88,6 +100,18 @@ pub(crate) struct Outgoing<'a> {
     pub(crate) to: NodeId,
     pub(crate) ask: Ask,
     pub(crate) value: Option<Segment<'a>>,
+}
+
+impl Outgoing<'_> {
+    /// The bytes it puts in flight: its value, or what a pull asks for (as float32, the
+    /// most a pulled element takes but for f64 keys).
+    fn bytes(&self) -> u64 {
+        match (&self.value, &self.ask) {
+            (Some(v), _) => v.len() as u64,
+            (None, Ask::Pull { n_elems, .. }) => n_elems.saturating_mul(4),
+            (None, _) => 0,
+        }
+    }
 }
 
 /// A request sent and waiting for its answer, with what it takes to send it again if its
@@ -140,6 +164,10 @@ pub(crate) struct Shared<T: Transport> {
     /// Fixed at join: read without the lock.
     pub(crate) rank: u32,
     pub(crate) servers: Vec<NodeId>,
+    /// The turns of sends to each server (as `servers`), by priority.
+    pub(crate) gates: Vec<Gate>,
+    /// The bytes each server may still be sent or asked for (`PSNET_KV_CREDIT_BYTES`).
+    pub(crate) credits: Credits,
     pub(crate) num_workers: u32,
     pub(crate) state: Mutex<WorkerState>,
     /// `PSNET_KV_SERIAL_SENDS`: one request after another, for benchmarks.
@@ -205,7 +233,7 @@ impl<T: Transport> Shared<T> {
         }
     }
 
-    /// Sends a call's requests: to each server in the call's order, to all servers at once.
+    /// Sends a call's requests: to each server by priority, to all servers at once.
     /// (A large send completes only once its bytes are out, after its RDMA WRITE on verbs: one
     /// server after another would serialize the parts of a sharded key.) The receivers come
     /// back in the requests' order.
@@ -220,26 +248,28 @@ impl<T: Transport> Shared<T> {
             }
             return Ok(Sent { requests, answers });
         }
-        let mut by_server: Vec<(NodeId, Vec<usize>)> = Vec::new();
-        for (i, r) in requests.iter().enumerate() {
-            match by_server.iter_mut().find(|(to, _)| *to == r.to) {
-                Some((_, queue)) => queue.push(i),
-                None => by_server.push((r.to, vec![i])),
-            }
+        // Every request waits for its server's turn at once (`Gate`): each server's go by
+        // priority, then in the call's order, and servers are sent to in parallel. They are
+        // queued highest priority first, so that the first, which finds its server free,
+        // is the call's most urgent.
+        let mut order: Vec<usize> = (0..requests.len()).collect();
+        {
+            let state = self.state();
+            let priority = |i: usize| {
+                requests[i]
+                    .ask
+                    .slot()
+                    .map_or(i32::MAX, |s| state.priority(s))
+            };
+            order.sort_by_key(|&i| std::cmp::Reverse(priority(i)));
         }
         let requests_ref = &requests;
-        let sends = by_server.into_iter().map(|(_, queue)| async move {
-            let mut sent = Vec::with_capacity(queue.len());
-            for i in queue {
-                sent.push((i, self.request(&requests_ref[i]).await?));
-            }
-            Ok::<_, KvError>(sent)
-        });
+        let sends = order
+            .into_iter()
+            .map(|i| async move { (i, self.request(&requests_ref[i]).await) });
         let mut slots: Vec<Option<Answer>> = (0..requests.len()).map(|_| None).collect();
-        for sent in futures_util::future::join_all(sends).await {
-            for (i, rx) in sent? {
-                slots[i] = Some(rx);
-            }
+        for (i, sent) in futures_util::future::join_all(sends).await {
+            slots[i] = Some(sent?);
         }
         // Every slot is filled: each request was sent, or the call failed above.
         let answers = slots.into_iter().flatten().collect();
@@ -249,9 +279,27 @@ impl<T: Transport> Shared<T> {
     /// Registers a request and sends it; the receiver yields the answer.
     pub(crate) async fn request(&self, sent: &Outgoing<'_>) -> Result<Answer, KvError> {
         let to = sent.to;
+        let priority = {
+            let state = self.state();
+            sent.ask.slot().map_or(i32::MAX, |s| state.priority(s))
+        };
+        // The request's id is drawn once it is this server's turn: ids go in sending order.
+        let server = self.servers.iter().position(|&s| s == to);
+        let turn = match server {
+            Some(i) => Some(self.gates[i].turn(priority).await),
+            None => None,
+        };
+        // With its turn, the request waits for credit: the most urgent waits at the head.
+        let credit = match server {
+            Some(i) => self.credits.take(i, sent.bytes()).await,
+            None => None,
+        };
         let (ts, mut rx, have) = {
             let mut state = self.state();
             let (ts, rx) = state.begin_request(to, sent.ask.asked())?;
+            if let Some(credit) = credit {
+                state.hold_until_answered(ts, Box::new(credit));
+            }
             (ts, rx, state.copy_version(to, sent.ask.asked()))
         };
         let record = self
@@ -259,8 +307,10 @@ impl<T: Transport> Shared<T> {
             .as_ref()
             .map(|r| r.start(self.recorded(sent, ts)));
         let answer = |rx| Answer { rx, record };
-        let msg = sent.ask.clone().into_msg(ts, have);
-        let Err(e) = self.link.send_segment(to, &msg, sent.value).await else {
+        let msg = sent.ask.clone().into_msg(ts, have, priority);
+        let sent_out = self.link.send_segment(to, &msg, sent.value).await;
+        drop(turn);
+        let Err(e) = sent_out else {
             return Ok(answer(rx));
         };
         // A server that may rejoin: the request waits for it, and goes again then.

@@ -242,6 +242,7 @@ impl Rogue {
                 key,
                 flags: PushFlags::default(),
                 n_elems: values.len() as u64,
+                priority: 0,
             },
             &[&bytes],
         )
@@ -314,6 +315,7 @@ pub fn push_msg(key: u64, n_elems: u64) -> impl FnOnce(u64) -> Msg {
         key,
         flags: PushFlags::default(),
         n_elems,
+        priority: 0,
     }
 }
 
@@ -324,6 +326,7 @@ pub fn pull_msg(key: u64, n_elems: u64) -> impl FnOnce(u64) -> Msg {
         key,
         n_elems,
         have: None,
+        priority: 0,
     }
 }
 
@@ -337,6 +340,7 @@ pub fn init_msg(key: u64, n_elems: u64) -> impl FnOnce(u64) -> Msg {
             ..PushFlags::default()
         },
         n_elems,
+        priority: 0,
     }
 }
 
@@ -360,6 +364,7 @@ pub fn compressed_push(n_elems: u64) -> impl FnOnce(u64) -> Msg {
             ..PushFlags::default()
         },
         n_elems,
+        priority: 0,
     }
 }
 

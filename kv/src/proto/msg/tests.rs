@@ -86,6 +86,7 @@ fn samples() -> Vec<Msg> {
                 have: None,
             },
             n_elems: 1 << 40,
+            priority: i32::MIN,
         },
         Msg::Push {
             ts: 9,
@@ -99,6 +100,7 @@ fn samples() -> Vec<Msg> {
                 have: None,
             },
             n_elems: 2,
+            priority: -5,
         },
         Msg::Push {
             ts: 10,
@@ -112,18 +114,21 @@ fn samples() -> Vec<Msg> {
                 have: Some(u64::MAX - 1),
             },
             n_elems: 2,
+            priority: i32::MAX,
         },
         Msg::Pull {
             ts: 2,
             key: 7,
             n_elems: 9,
             have: None,
+            priority: 0,
         },
         Msg::Pull {
             ts: 3,
             key: 7,
             n_elems: 9,
             have: Some(12),
+            priority: -1,
         },
         Msg::Pulled {
             ts: 4,
@@ -272,6 +277,7 @@ fn request_ids_are_read_from_metadata_that_does_not_decode() {
         key: 7,
         flags: PushFlags::default(),
         n_elems: 3,
+        priority: 0,
     }
     .encode();
     // Truncated after the id, or with a bad field after it: the id is still there.
@@ -304,6 +310,7 @@ fn messages_refuse_segments_they_do_not_carry() {
         key: 1,
         flags: PushFlags::default(),
         n_elems: 1,
+        priority: 0,
     };
     assert_eq!(push.check_segments(0), Ok(()));
     assert_eq!(push.check_segments(1), Ok(()));
@@ -319,6 +326,7 @@ fn messages_refuse_segments_they_do_not_carry() {
         key: 1,
         n_elems: 1,
         have: None,
+        priority: 0,
     };
     assert!(pull.check_segments(1).is_err());
     assert!(Msg::Heartbeat.check_segments(1).is_err());
