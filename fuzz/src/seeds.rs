@@ -279,6 +279,16 @@ fn kv() -> Vec<Seed> {
             },
         ),
         (
+            "pull-ranges",
+            Msg::PullRanges {
+                ts: 4,
+                key: 7,
+                n_elems: 90,
+                n_ranges: 2,
+                priority: -1,
+            },
+        ),
+        (
             "pulled-delta",
             Msg::Pulled {
                 ts: 3,

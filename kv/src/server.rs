@@ -137,6 +137,12 @@ async fn serve<T: Transport>(
                         answers.expect(rank, ts, priority);
                         state.handle_pull(rank, ts, key, n_elems, have)
                     }
+                    (Msg::PullRanges { ts, key, n_elems, n_ranges, priority }, Some(rank)) => {
+                        served.took(rank, ts, "pull_rows", key);
+                        answers.expect(rank, ts, priority);
+                        let list = value.unwrap_or_default();
+                        state.handle_pull_ranges(rank, ts, key, n_elems, n_ranges, &list)
+                    }
                     (Msg::Command { ts, kind, body }, Some(rank)) => {
                         served.took(rank, ts, "command", 0);
                         state.handle_command_request(rank, ts, kind, &body)
@@ -325,6 +331,18 @@ fn flush<T: Transport>(
                 None => (rank, Msg::Done { ts }, None),
             },
             Output::Failed { rank, ts, reason } => (rank, Msg::Failed { ts, reason }, None),
+            Output::Rows {
+                rank,
+                ts,
+                key,
+                ranges,
+            } => match state.rows_value(key, &ranges) {
+                Some(bytes) => (rank, Msg::Done { ts }, Some(AnswerValue::Narrow(bytes))),
+                None => {
+                    let reason = format!("key {key} is no longer held");
+                    (rank, Msg::Failed { ts, reason }, None)
+                }
+            },
             Output::PeerFailed {
                 rank,
                 ts,

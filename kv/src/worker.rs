@@ -29,6 +29,7 @@ use crate::wire::Received;
 
 mod device;
 mod gate;
+mod rows;
 mod shared;
 
 pub(crate) use shared::{Ask, Outgoing, Sent, Shared};

@@ -19,7 +19,8 @@ the GPU (the residual stays there, and only the compressed bytes cross PCIe); pu
 are copied into it (``PSNET_CUDA_TENSORS=staged`` stages it instead). Other CUDA tensors go
 through a host copy made for the call (a pulled value is copied back into it when the call
 ends).
-``row_sparse_pull`` is not provided (psnet has no sparse values).
+``row_sparse_pull`` fetches only the rows asked for; values stay dense on the servers (a
+row-sparse push is not provided yet).
 
 A dist store needs a job: run the script under ``psnet-launch -n W -s S python3 train.py``
 (or mpirun, srun, ...), which starts the scheduler, servers and workers; ``import psnet`` in
@@ -404,8 +405,61 @@ class KVStore:
                 writable(a, "pushpull out")[...] = arrays[0].reshape(a.shape)
 
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
-        """Not provided: psnet's values are dense."""
-        raise NotImplementedError("row_sparse_pull: psnet's kvstore holds dense values only")
+        """Pulls only rows ``row_ids`` of each key (an embedding table's rows a step touches):
+        the servers send those rows and nothing else. A key's rows are its first dimension.
+
+        ``out`` is an array of the key's shape (or a list, one per device, with a list of
+        ``row_ids`` to match); it ends as MXNet's row_sparse result reads densely: the rows
+        asked for hold the key's values, every other row zeros. Ids may repeat and come in
+        any order; an id past the last row, or none given, is an error. A list of keys takes
+        lists of outs and ids. ``priority``: as for :meth:`push`."""
+        del priority
+        if out is None:
+            raise ValueError("row_sparse_pull: out is required (the arrays to pull into)")
+        if row_ids is None:
+            raise ValueError("row_sparse_pull: row_ids is required (the rows to pull)")
+        keys, outs, ids = (key, out, row_ids) if isinstance(key, (list, tuple)) else (
+            [key], [out], [row_ids])
+        if not (isinstance(outs, (list, tuple)) and isinstance(ids, (list, tuple))
+                and len(outs) == len(ids) == len(keys)):
+            raise ValueError(f"row_sparse_pull: {len(keys)} keys need as many outs and row_ids")
+        for k, o, r in zip(keys, outs, ids):
+            per_device = isinstance(o, (list, tuple))
+            os_ = list(o) if per_device else [o]
+            rs = list(r) if per_device and isinstance(r, (list, tuple)) else [r] * len(os_)
+            if len(rs) != len(os_):
+                raise ValueError(f"row_sparse_pull: key {k!r}: {len(os_)} outs, {len(rs)} row_ids")
+            with staged():
+                for a, rows in zip(os_, rs):
+                    self._pull_rows(k, a, rows)
+
+    def _pull_rows(self, name, out, row_ids):
+        if not _is_key(name):
+            raise TypeError(f"a key is an int or a str, not {type(name).__name__}")
+        target = as_array(out, f"row_sparse_pull {name!r}", True, read=False)
+        self._check_dtype(target, "row_sparse_pull out")
+        self._check_shape(name, target, "row_sparse_pull out")
+        shape = self._shapes[name]
+        rows = shape[0] if len(shape) else 1
+        width = self._sizes[name] // max(rows, 1)
+        ids = np.asarray(row_ids.cpu() if is_tensor(row_ids) else row_ids)
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"row_sparse_pull: key {name!r}: row ids are integers, not {ids.dtype}")
+        ids = ids.astype(np.int64).ravel()
+        if ids.size and (ids.min() < 0 or ids.max() >= rows):
+            bad = ids[(ids < 0) | (ids >= rows)][0]
+            raise ValueError(f"row_sparse_pull: key {name!r}: row {bad} asked for, it has {rows} rows")
+        unique = np.unique(ids)
+        fetched = np.empty((unique.size, width), dtype=target.dtype)
+        if unique.size:
+            if self._worker is None:
+                fetched[...] = self._values[name].reshape(rows, width)[unique]
+            else:
+                self._worker.pull_rows(self._key(name), width, unique.astype(np.uint64).tolist(),
+                                       fetched)
+        dense = writable(target, "row_sparse_pull out").reshape(rows, width)
+        dense[...] = 0
+        dense[unique] = fetched
 
     def set_gradient_compression(self, compression_params):
         """MXNet's ``{'type': '2bit', 'threshold': 0.5}`` (or ``'1bit'``; ``'pull': True``

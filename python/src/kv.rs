@@ -150,6 +150,20 @@ impl Worker {
         self.run(py, w.pull_many(keys, &mut slices))
     }
 
+    fn pull_rows_t<V: Value + Element>(
+        &self,
+        py: Python<'_>,
+        key: u64,
+        width: usize,
+        row_ids: &[u64],
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let mut borrowed = arrays::write::<V>(out, "row_sparse_pull out")?;
+        let slice = arrays::elems_mut(&mut borrowed, "row_sparse_pull out")?;
+        let w = self.get()?;
+        self.run(py, w.pull_rows(key, width, row_ids, slice))
+    }
+
     fn pushpull_t<V: Value + Element>(
         &self,
         py: Python<'_>,
@@ -323,6 +337,22 @@ impl Worker {
         match kind {
             Kind::F16 => self.pushpull_t::<half::f16>(py, &keys, &values, &outs),
             _ => self.pushpull_t::<f32>(py, &keys, &values, &outs),
+        }
+    }
+
+    /// Pulls rows `row_ids` of `key`, read as rows of `width` elements, into `out` (row
+    /// `row_ids[i]` into its i-th `width` elements), in place.
+    fn pull_rows(
+        &self,
+        py: Python<'_>,
+        key: u64,
+        width: usize,
+        row_ids: Vec<u64>,
+        out: Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        match kv_kind(std::slice::from_ref(&out), "row_sparse_pull out")? {
+            Kind::F16 => self.pull_rows_t::<half::f16>(py, key, width, &row_ids, &out),
+            _ => self.pull_rows_t::<f32>(py, key, width, &row_ids, &out),
         }
     }
 

@@ -227,7 +227,9 @@ def test_dist_errors_are_python_exceptions_and_the_job_goes_on(tmp_path):
         raises(TypeError, kv.push, 'one', np.zeros(8, dtype=np.float32))
         raises(ValueError, kv.set_gradient_compression, {'type': '3bit'})
         raises(ValueError, kv.set_optimizer, 'rmsprop')
-        raises(NotImplementedError, kv.row_sparse_pull, 1)
+        raises(ValueError, kv.row_sparse_pull, 1)
+        # Past the Python layer's checks: a row past the end, refused by the worker.
+        raises(ValueError, kv._worker.pull_rows, 1, 2, [4], np.zeros(2, dtype=np.float32))
         # Past the Python layer's checks: the worker's own refusal, as a Python exception.
         raises(ValueError, kv._worker.pull, [99], [np.zeros(8, dtype=np.float32)])
         raises(ValueError, kv._worker.push, [1], [np.zeros(9, dtype=np.float32)])
@@ -381,3 +383,82 @@ def test_the_numpy_example_trains(tmp_path):
     assert set(losses) == {"0", "1"}, output
     for series in losses.values():
         assert len(series) == 5 and series[-1] < series[0] * 0.5, series
+
+
+ROWS_JOB = """
+import sys
+import numpy as np
+import psnet
+
+out = sys.argv[1]
+kv = psnet.kvstore.create('dist_sync')
+r = kv.rank
+table = np.arange(50 * 6, dtype=np.float32).reshape(50, 6) * 0.25
+kv.init('emb', table)
+kv.init('half', table.astype(np.float16))
+# One round: the sum of both workers' pushes replaces the value (no optimizer).
+kv.push('emb', np.full((50, 6), 1.0 + r, dtype=np.float32))
+res = {}
+sets = [[], [3], [49, 0, 49, 0], list(range(50)), [7, 2, 30, 2, 41]]
+for i, ids in enumerate(sets):
+    o = np.full((50, 6), -1.0, dtype=np.float32)
+    kv.row_sparse_pull('emb', out=o, row_ids=np.array(ids, dtype=np.int64))
+    res[f"emb{i}"] = o
+    h = np.full((50, 6), -1.0, dtype=np.float16)
+    kv.row_sparse_pull('half', out=h, row_ids=ids)
+    res[f"half{i}"] = h
+# MXNet's list form: one key, an out and row ids per device.
+outs = [np.zeros((50, 6), dtype=np.float32) for _ in range(2)]
+kv.row_sparse_pull('emb', out=outs, row_ids=[np.array([1]), np.array([2, 1])])
+res["dev0"], res["dev1"] = outs
+try:
+    kv.row_sparse_pull('emb', out=np.zeros((50, 6), dtype=np.float32), row_ids=[50])
+except ValueError as e:
+    res["past"] = np.frombuffer(str(e).encode(), dtype=np.uint8)
+kv.barrier()
+np.savez(f"{out}/worker{r}.npz", **res)
+"""
+
+
+def test_row_sparse_pull_sends_the_rows_asked_for_and_reads_as_mxnets_dense_view(tmp_path):
+    """2 workers, 2 servers, the table split over both (rows straddle the split); each row
+    set is checked against a NumPy model: the rows asked for hold the key's values, every
+    other row zeros, as MXNet's row_sparse result reads densely."""
+    _, output, out = launch(tmp_path, 2, 2, ROWS_JOB, env={"MXNET_KVSTORE_BIGARRAY_BOUND": "100"})
+    table = np.arange(50 * 6, dtype=np.float32).reshape(50, 6) * 0.25
+    summed = np.full((50, 6), 3.0, dtype=np.float32)
+    sets = [[], [3], [49, 0, 49, 0], list(range(50)), [7, 2, 30, 2, 41]]
+
+    def dense(values, ids):
+        want = np.zeros_like(values)
+        want[ids] = values[ids]
+        return want
+
+    for r in range(2):
+        got = dict(np.load(out / f"worker{r}.npz"))
+        for i, ids in enumerate(sets):
+            assert got[f"emb{i}"].tobytes() == dense(summed, ids).tobytes(), (r, ids)
+            half = table.astype(np.float16)
+            assert got[f"half{i}"].tobytes() == dense(half, ids).tobytes(), (r, ids)
+        assert got["dev0"].tobytes() == dense(summed, [1]).tobytes()
+        assert got["dev1"].tobytes() == dense(summed, [1, 2]).tobytes()
+        assert "row 50 asked for, it has 50 rows" in got["past"].tobytes().decode(), output
+
+
+def test_row_sparse_pull_on_the_local_store_and_its_refusals():
+    kv = psnet.kvstore.create("local")
+    table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    kv.init(9, table)
+    out = np.full((4, 3), 7.0, dtype=np.float32)
+    kv.row_sparse_pull(9, out=out, row_ids=[2, 2, 0])
+    want = np.zeros((4, 3), dtype=np.float32)
+    want[[0, 2]] = table[[0, 2]]
+    assert out.tobytes() == want.tobytes()
+    with pytest.raises(ValueError, match="row_ids is required"):
+        kv.row_sparse_pull(9, out=out)
+    with pytest.raises(ValueError, match="row -1 asked for"):
+        kv.row_sparse_pull(9, out=out, row_ids=[-1])
+    with pytest.raises(TypeError, match="row ids are integers"):
+        kv.row_sparse_pull(9, out=out, row_ids=[0.5])
+    with pytest.raises(ValueError, match="holds shape"):
+        kv.row_sparse_pull(9, out=np.zeros((2, 3), dtype=np.float32), row_ids=[0])

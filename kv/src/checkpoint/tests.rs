@@ -62,7 +62,7 @@ fn write(s: &mut ServerState, files: &mut ShardFiles) -> usize {
                 records += 1;
             }
             Output::Snapshot { bytes, .. } => files.write_snapshot(&bytes).unwrap(),
-            Output::Done { .. } => files.sync().unwrap(),
+            Output::Done { .. } | Output::Rows { .. } => files.sync().unwrap(),
             Output::Failed { reason, .. } | Output::PeerFailed { reason, .. } => panic!("{reason}"),
         }
     }

@@ -269,6 +269,22 @@ pub enum Msg {
         /// As a push's.
         priority: i32,
     },
+    /// Worker to server: send me these element ranges of `key`'s part on this server (a
+    /// row-sparse pull: the rows asked for), listed in segment 0 as `n_ranges` little-endian
+    /// `(start, len)` u64 pairs, in increasing order and not overlapping. Answered `Done`
+    /// with the elements of the ranges, one after another, in the key's type.
+    PullRanges {
+        /// Request id.
+        ts: u64,
+        /// The key (or piece) pulled.
+        key: u64,
+        /// Elements of the part this server holds (checked against it).
+        n_elems: u64,
+        /// Ranges listed in segment 0.
+        n_ranges: u64,
+        /// As a push's.
+        priority: i32,
+    },
     /// Server to worker: request `ts` done, a compressed pull's answer: the copy of version
     /// `version` of the key, read as `form` says (in segment 0, but for [`Form::Same`]).
     Pulled {
@@ -437,7 +453,7 @@ pub fn peek_exchange(bytes: &[u8]) -> Option<Exchange> {
     let tag = r.u8().ok()?;
     let ts = r.u64().ok()?;
     match tag {
-        10..=12 => Some(Exchange::Request(ts)),
+        10..=12 | 21 => Some(Exchange::Request(ts)),
         13 | 14 | 20 => Some(Exchange::Answer(ts)),
         _ => None,
     }
@@ -559,6 +575,7 @@ impl Msg {
             Msg::Command { .. } => 10,
             Msg::Push { .. } => 11,
             Msg::Pull { .. } => 12,
+            Msg::PullRanges { .. } => 21,
             Msg::Done { .. } => 13,
             Msg::Pulled { .. } => 20,
             Msg::Failed { .. } => 14,
@@ -588,6 +605,7 @@ impl Msg {
             Msg::Push { .. } => ("push", 1),
             Msg::Done { .. } | Msg::Pulled { .. } => ("answer", 1),
             Msg::Pull { .. } => ("pull", 0),
+            Msg::PullRanges { .. } => ("row pull", 1),
             Msg::Command { .. } => ("command", 0),
             _ => ("control message", 0),
         };
@@ -679,6 +697,16 @@ impl Msg {
                     Some(v) => w.u8(1).u64(*v),
                     None => w.u8(0),
                 };
+                w.u32(*priority as u32);
+            }
+            Msg::PullRanges {
+                ts,
+                key,
+                n_elems,
+                n_ranges,
+                priority,
+            } => {
+                w.u64(*ts).u64(*key).u64(*n_elems).u64(*n_ranges);
                 w.u32(*priority as u32);
             }
             Msg::Pulled { ts, version, form } => {
@@ -793,6 +821,13 @@ impl Msg {
                     1 => Some(r.u64()?),
                     _ => return Err(DecodeError::Invalid("bad copy version flag")),
                 },
+                priority: r.u32()? as i32,
+            },
+            21 => Msg::PullRanges {
+                ts: r.u64()?,
+                key: r.u64()?,
+                n_elems: r.u64()?,
+                n_ranges: r.u64()?,
                 priority: r.u32()? as i32,
             },
             20 => Msg::Pulled {

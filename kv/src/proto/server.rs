@@ -57,6 +57,7 @@ use crate::value::Dtype;
 
 mod journal;
 mod round;
+mod rows;
 mod snapshot;
 
 #[doc(hidden)]
@@ -127,6 +128,18 @@ pub enum Output {
         lost: u32,
         /// Why, naming the key and the loss.
         reason: String,
+    },
+    /// Request `ts` of worker `rank`, a row pull, is answered with these ranges of `key`
+    /// ([`ServerState::rows_value`]).
+    Rows {
+        /// Worker rank.
+        rank: u32,
+        /// Request id.
+        ts: u64,
+        /// The key (or piece).
+        key: u64,
+        /// The element ranges, in increasing order.
+        ranges: Vec<std::ops::Range<usize>>,
     },
     /// With checkpoints on: append this record to the journal before sending any output that
     /// follows (the answers that acknowledge its change follow it). See

@@ -29,6 +29,14 @@ pub(crate) enum Ask {
         key: u64,
         n_elems: u64,
     },
+    /// A row pull: ranges of a part, listed in the request's value.
+    PullRanges {
+        key: u64,
+        n_elems: u64,
+        n_ranges: u64,
+        /// Elements the ranges hold (what the answer brings).
+        elems: u64,
+    },
     Command {
         kind: CommandKind,
         body: String,
@@ -44,7 +52,8 @@ impl Ask {
                 init: flags.init,
             },
             Ask::Pull { key, .. } => Asked::Pull { key: *key },
-            Ask::Command { .. } => Asked::Other,
+            // Sent again as it was, and answered with plain values.
+            Ask::PullRanges { .. } | Ask::Command { .. } => Asked::Other,
         }
     }
 
@@ -60,7 +69,9 @@ impl Ask {
     /// The key (or piece) it asks about; None for commands.
     pub(crate) fn slot(&self) -> Option<u64> {
         match self {
-            Ask::Push { key, .. } | Ask::Pull { key, .. } => Some(*key),
+            Ask::Push { key, .. } | Ask::Pull { key, .. } | Ask::PullRanges { key, .. } => {
+                Some(*key)
+            }
             Ask::Command { .. } => None,
         }
     }
@@ -90,6 +101,18 @@ impl Ask {
                 have,
                 priority,
             },
+            Ask::PullRanges {
+                key,
+                n_elems,
+                n_ranges,
+                ..
+            } => Msg::PullRanges {
+                ts,
+                key,
+                n_elems,
+                n_ranges,
+                priority,
+            },
             Ask::Command { kind, body } => Msg::Command { ts, kind, body },
         }
     }
@@ -107,6 +130,7 @@ impl Outgoing<'_> {
     /// most a pulled element takes but for f64 keys).
     fn bytes(&self) -> u64 {
         match (&self.value, &self.ask) {
+            (_, Ask::PullRanges { elems, .. }) => elems.saturating_mul(4),
             (Some(v), _) => v.len() as u64,
             (None, Ask::Pull { n_elems, .. }) => n_elems.saturating_mul(4),
             (None, _) => 0,
@@ -340,6 +364,7 @@ impl<T: Transport> Shared<T> {
             Ask::Push { key, flags, .. } if flags.pull_back => ("push_pull", *key),
             Ask::Push { key, .. } => ("push", *key),
             Ask::Pull { key, .. } => ("pull", *key),
+            Ask::PullRanges { key, .. } => ("pull_rows", *key),
             Ask::Command { .. } => ("command", 0),
         };
         psnet_recorder::Op::Request {

@@ -130,6 +130,13 @@ fn samples() -> Vec<Msg> {
             have: Some(12),
             priority: -1,
         },
+        Msg::PullRanges {
+            ts: 5,
+            key: u64::MAX,
+            n_elems: 1 << 40,
+            n_ranges: 3,
+            priority: -7,
+        },
         Msg::Pulled {
             ts: 4,
             version: 7,

@@ -127,6 +127,23 @@ pub(super) fn drain(s: &mut ServerState, mut disk: Option<&mut Disk>) -> Vec<Ans
                     ),
                 })
             }
+            Output::Rows {
+                rank,
+                ts,
+                key,
+                ranges,
+            } => {
+                let bytes = s.rows_value(key, &ranges).unwrap();
+                let bits = bytes
+                    .chunks_exact(4)
+                    .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+                    .collect();
+                answers.push(Answer {
+                    rank,
+                    ts,
+                    result: Ok(Some(bits)),
+                })
+            }
             Output::Failed { rank, ts, reason }
             | Output::PeerFailed {
                 rank, ts, reason, ..

@@ -28,7 +28,7 @@ fn kinds(out: &[Output]) -> String {
         .map(|o| match o {
             Output::Journal(_) => 'J',
             Output::Snapshot { .. } => 'S',
-            Output::Done { .. } => 'D',
+            Output::Done { .. } | Output::Rows { .. } => 'D',
             Output::Failed { .. } | Output::PeerFailed { .. } => 'F',
         })
         .collect()
