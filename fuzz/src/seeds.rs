@@ -282,8 +282,6 @@ fn kv() -> Vec<Seed> {
             "pull-ranges",
             Msg::PullRanges {
                 ts: 4,
-                key: 7,
-                n_elems: 90,
                 n_ranges: 2,
                 priority: -1,
             },

@@ -137,11 +137,11 @@ async fn serve<T: Transport>(
                         answers.expect(rank, ts, priority);
                         state.handle_pull(rank, ts, key, n_elems, have)
                     }
-                    (Msg::PullRanges { ts, key, n_elems, n_ranges, priority }, Some(rank)) => {
-                        served.took(rank, ts, "pull_rows", key);
+                    (Msg::PullRanges { ts, n_ranges, priority }, Some(rank)) => {
+                        served.took(rank, ts, "pull_rows", 0);
                         answers.expect(rank, ts, priority);
                         let list = value.unwrap_or_default();
-                        state.handle_pull_ranges(rank, ts, key, n_elems, n_ranges, &list)
+                        state.handle_pull_ranges(rank, ts, n_ranges, &list)
                     }
                     (Msg::Command { ts, kind, body }, Some(rank)) => {
                         served.took(rank, ts, "command", 0);
@@ -331,17 +331,9 @@ fn flush<T: Transport>(
                 None => (rank, Msg::Done { ts }, None),
             },
             Output::Failed { rank, ts, reason } => (rank, Msg::Failed { ts, reason }, None),
-            Output::Rows {
-                rank,
-                ts,
-                key,
-                ranges,
-            } => match state.rows_value(key, &ranges) {
-                Some(bytes) => (rank, Msg::Done { ts }, Some(AnswerValue::Narrow(bytes))),
-                None => {
-                    let reason = format!("key {key} is no longer held");
-                    (rank, Msg::Failed { ts, reason }, None)
-                }
+            Output::Rows { rank, ts, ranges } => match state.rows_value(&ranges) {
+                Ok(bytes) => (rank, Msg::Done { ts }, Some(AnswerValue::Narrow(bytes))),
+                Err(reason) => (rank, Msg::Failed { ts, reason }, None),
             },
             Output::PeerFailed {
                 rank,

@@ -81,6 +81,7 @@ class KVStore:
         self._key_kind = None
         self._shapes = {}
         self._sizes = {}
+        self._dtypes = {}
         # int key per name, once checked (the hot path skips _key's checks).
         self._ints = {}
         # 'local' only: values, and the optimizer applied to them.
@@ -211,6 +212,7 @@ class KVStore:
         for name, _, arrays in pairs:
             self._shapes[name] = arrays[0].shape
             self._sizes[name] = arrays[0].size
+            self._dtypes[name] = np.dtype(arrays[0].dtype)
         if self._worker is None:
             for name, _, arrays in pairs:
                 self._values[name] = np.array(arrays[0], copy=True, order="C")
@@ -433,22 +435,53 @@ class KVStore:
                 for a, rows in zip(os_, rs):
                     self._pull_rows(k, a, rows)
 
+    def pull_rows(self, key, row_ids, out=None):
+        """psnet's compact row pull: rows ``row_ids`` of ``key`` (its first dimension), row
+        ``row_ids[i]`` in ``out[i]``; ``out`` (C-contiguous, of shape ``(len(row_ids),) +
+        the key's other dimensions``) is made when not given, and returned. Unlike
+        :meth:`row_sparse_pull`, nothing else of an embedding table's size is written."""
+        if not _is_key(key):
+            raise TypeError(f"a key is an int or a str, not {type(key).__name__}")
+        shape, rows, width, ids = self._rows_of(key, row_ids, "pull_rows")
+        if out is None:
+            out = np.empty((ids.size,) + tuple(shape[1:]), dtype=self._dtypes[key])
+        target = writable(as_array(out, f"pull_rows {key!r}", True, read=False), "pull_rows out")
+        self._check_dtype(target, "pull_rows out")
+        if target.size != ids.size * width or not target.flags.c_contiguous:
+            raise ValueError(f"pull_rows: key {key!r}: {ids.size} rows of {width} elements go "
+                             f"into a C-contiguous array of {ids.size * width}, not {target.shape}")
+        if ids.size:
+            if self._worker is None:
+                target.reshape(ids.size, width)[...] = self._values[key].reshape(rows, width)[ids]
+            else:
+                self._worker.pull_rows(self._key(key), width, ids.astype(np.uint64).tolist(),
+                                       target.reshape(-1))
+        return out
+
+    def _rows_of(self, name, row_ids, what):
+        """The key's shape, rows, row width and the row ids checked, as int64."""
+        size = self._sizes.get(name)
+        if size is None:
+            raise ValueError(f"{what}: key {name!r} is not initialized (call init first)")
+        shape = self._shapes[name]
+        rows = shape[0] if len(shape) else 1
+        width = size // max(rows, 1)
+        ids = np.asarray(row_ids.cpu() if is_tensor(row_ids) else row_ids)
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"{what}: key {name!r}: row ids are integers, not {ids.dtype}")
+        ids = ids.astype(np.int64).ravel()
+        if ids.size and (ids.min() < 0 or ids.max() >= rows):
+            bad = ids[(ids < 0) | (ids >= rows)][0]
+            raise ValueError(f"{what}: key {name!r}: row {bad} asked for, it has {rows} rows")
+        return shape, rows, width, ids
+
     def _pull_rows(self, name, out, row_ids):
         if not _is_key(name):
             raise TypeError(f"a key is an int or a str, not {type(name).__name__}")
         target = as_array(out, f"row_sparse_pull {name!r}", True, read=False)
         self._check_dtype(target, "row_sparse_pull out")
         self._check_shape(name, target, "row_sparse_pull out")
-        shape = self._shapes[name]
-        rows = shape[0] if len(shape) else 1
-        width = self._sizes[name] // max(rows, 1)
-        ids = np.asarray(row_ids.cpu() if is_tensor(row_ids) else row_ids)
-        if ids.size and not np.issubdtype(ids.dtype, np.integer):
-            raise TypeError(f"row_sparse_pull: key {name!r}: row ids are integers, not {ids.dtype}")
-        ids = ids.astype(np.int64).ravel()
-        if ids.size and (ids.min() < 0 or ids.max() >= rows):
-            bad = ids[(ids < 0) | (ids >= rows)][0]
-            raise ValueError(f"row_sparse_pull: key {name!r}: row {bad} asked for, it has {rows} rows")
+        _, rows, width, ids = self._rows_of(name, row_ids, "row_sparse_pull")
         unique = np.unique(ids)
         fetched = np.empty((unique.size, width), dtype=target.dtype)
         if unique.size:

@@ -411,6 +411,9 @@ for i, ids in enumerate(sets):
 outs = [np.zeros((50, 6), dtype=np.float32) for _ in range(2)]
 kv.row_sparse_pull('emb', out=outs, row_ids=[np.array([1]), np.array([2, 1])])
 res["dev0"], res["dev1"] = outs
+# psnet's compact form: row_ids[i] in out[i], nothing else written.
+res["compact"] = kv.pull_rows('emb', [7, 2, 7])
+res["compact_half"] = kv.pull_rows('half', np.array([49, 0]))
 try:
     kv.row_sparse_pull('emb', out=np.zeros((50, 6), dtype=np.float32), row_ids=[50])
 except ValueError as e:
@@ -442,6 +445,8 @@ def test_row_sparse_pull_sends_the_rows_asked_for_and_reads_as_mxnets_dense_view
             assert got[f"half{i}"].tobytes() == dense(half, ids).tobytes(), (r, ids)
         assert got["dev0"].tobytes() == dense(summed, [1]).tobytes()
         assert got["dev1"].tobytes() == dense(summed, [1, 2]).tobytes()
+        assert got["compact"].tobytes() == summed[[7, 2, 7]].tobytes()
+        assert got["compact_half"].tobytes() == table.astype(np.float16)[[49, 0]].tobytes()
         assert "row 50 asked for, it has 50 rows" in got["past"].tobytes().decode(), output
 
 
@@ -462,3 +467,10 @@ def test_row_sparse_pull_on_the_local_store_and_its_refusals():
         kv.row_sparse_pull(9, out=out, row_ids=[0.5])
     with pytest.raises(ValueError, match="holds shape"):
         kv.row_sparse_pull(9, out=np.zeros((2, 3), dtype=np.float32), row_ids=[0])
+    assert kv.pull_rows(9, [3, 0, 3]).tobytes() == table[[3, 0, 3]].tobytes()
+    mine = np.zeros((1, 3), dtype=np.float32)
+    assert kv.pull_rows(9, [1], out=mine) is mine and mine.tobytes() == table[[1]].tobytes()
+    with pytest.raises(ValueError, match="go into"):
+        kv.pull_rows(9, [1, 2], out=mine)
+    with pytest.raises(ValueError, match="row 4 asked for"):
+        kv.pull_rows(9, [4])

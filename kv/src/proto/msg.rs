@@ -269,17 +269,14 @@ pub enum Msg {
         /// As a push's.
         priority: i32,
     },
-    /// Worker to server: send me these element ranges of `key`'s part on this server (a
-    /// row-sparse pull: the rows asked for), listed in segment 0 as `n_ranges` little-endian
-    /// `(start, len)` u64 pairs, in increasing order and not overlapping. Answered `Done`
-    /// with the elements of the ranges, one after another, in the key's type.
+    /// Worker to server: send me these element ranges of keys this server holds (a
+    /// row-sparse pull: the rows asked for, in every part or piece of the table here), listed
+    /// in segment 0 as `n_ranges` little-endian u64 triples `(key, start, len)`; a key's
+    /// ranges come in increasing order, not overlapping. Answered `Done` with the elements of
+    /// the ranges, one after another, each in its key's type.
     PullRanges {
         /// Request id.
         ts: u64,
-        /// The key (or piece) pulled.
-        key: u64,
-        /// Elements of the part this server holds (checked against it).
-        n_elems: u64,
         /// Ranges listed in segment 0.
         n_ranges: u64,
         /// As a push's.
@@ -701,13 +698,10 @@ impl Msg {
             }
             Msg::PullRanges {
                 ts,
-                key,
-                n_elems,
                 n_ranges,
                 priority,
             } => {
-                w.u64(*ts).u64(*key).u64(*n_elems).u64(*n_ranges);
-                w.u32(*priority as u32);
+                w.u64(*ts).u64(*n_ranges).u32(*priority as u32);
             }
             Msg::Pulled { ts, version, form } => {
                 w.u64(*ts).u64(*version);
@@ -825,8 +819,6 @@ impl Msg {
             },
             21 => Msg::PullRanges {
                 ts: r.u64()?,
-                key: r.u64()?,
-                n_elems: r.u64()?,
                 n_ranges: r.u64()?,
                 priority: r.u32()? as i32,
             },

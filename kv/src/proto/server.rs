@@ -129,17 +129,15 @@ pub enum Output {
         /// Why, naming the key and the loss.
         reason: String,
     },
-    /// Request `ts` of worker `rank`, a row pull, is answered with these ranges of `key`
-    /// ([`ServerState::rows_value`]).
+    /// Request `ts` of worker `rank`, a row pull, is answered with these ranges of these
+    /// keys ([`ServerState::rows_value`]).
     Rows {
         /// Worker rank.
         rank: u32,
         /// Request id.
         ts: u64,
-        /// The key (or piece).
-        key: u64,
-        /// The element ranges, in increasing order.
-        ranges: Vec<std::ops::Range<usize>>,
+        /// Each key (or piece) and an element range of it, in the order asked.
+        ranges: Vec<(u64, std::ops::Range<usize>)>,
     },
     /// With checkpoints on: append this record to the journal before sending any output that
     /// follows (the answers that acknowledge its change follow it). See

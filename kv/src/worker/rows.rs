@@ -51,44 +51,67 @@ impl<T: Transport> Worker<T> {
         let mut unique = row_ids.to_vec();
         unique.sort_unstable();
         unique.dedup();
-        let asked: Vec<(Part, Vec<u8>, u64, u64)> = layout
-            .parts
-            .iter()
-            .filter_map(|p| {
-                let (list, n_ranges, elems) = ranges_in(p, &unique, width);
-                (n_ranges > 0).then_some((*p, list, n_ranges, elems))
-            })
-            .collect();
+        // One request per server, listing the ranges of every part (or piece) it holds.
+        let mut asked: Vec<Asked> = Vec::new();
+        for (i, p) in layout.parts.iter().enumerate() {
+            let ranges = ranges_in(p, &unique, width);
+            if ranges.is_empty() {
+                continue;
+            }
+            let at = match asked.iter().position(|a| a.server == p.server) {
+                Some(at) => at,
+                None => {
+                    asked.push(Asked {
+                        server: p.server,
+                        ..Asked::default()
+                    });
+                    asked.len() - 1
+                }
+            };
+            let a = &mut asked[at];
+            for (start, len) in ranges {
+                for word in [p.slot, start as u64, len as u64] {
+                    a.list.extend_from_slice(&word.to_le_bytes());
+                }
+                a.n_ranges += 1;
+                a.elems += len as u64;
+            }
+            a.parts.push(i);
+        }
         let requests = asked
             .iter()
-            .map(|(p, list, n_ranges, elems)| Outgoing {
-                to: self.shared.servers[p.server],
+            .map(|a| Outgoing {
+                to: self.shared.servers[a.server],
                 ask: Ask::PullRanges {
-                    key: p.slot,
-                    n_elems: p.len as u64,
-                    n_ranges: *n_ranges,
-                    elems: *elems,
+                    key,
+                    n_ranges: a.n_ranges,
+                    elems: a.elems,
                 },
-                value: Some(Segment::new(list)),
+                value: Some(Segment::new(&a.list)),
             })
             .collect();
         // The rows asked for, in increasing order, as the servers' answers lay them out.
         let mut fetched = vec![<V as bytemuck::Zeroable>::zeroed(); unique.len() * width];
         let waits = self.shared.send_all(requests).await?;
-        for ((p, _, _, elems), wait) in asked.iter().zip(waits) {
+        for (a, wait) in asked.iter().zip(waits) {
             let value: Option<Bytes> = self.shared.settle(wait).await?;
-            let n = *elems as usize;
-            let from = self.shared.servers[p.server];
-            let mut answered = vec![<V as bytemuck::Zeroable>::zeroed(); n];
-            fill(key, &mut answered, value, from)?;
-            // Scatter this part's ranges back to the rows they belong to.
+            let mut answered = vec![<V as bytemuck::Zeroable>::zeroed(); a.elems as usize];
+            fill(key, &mut answered, value, self.shared.servers[a.server])?;
+            // Scatter the answer back to the rows, part by part in the order listed.
             let mut next = answered.iter();
-            for (i, &row) in unique.iter().enumerate() {
-                let (lo, hi) = overlap(p, row, width);
-                for slot in &mut fetched[i * width + lo..i * width + hi] {
-                    *slot = *next
-                        .next()
-                        .expect("the answer was checked to hold every range");
+            for &i in &a.parts {
+                let p = &layout.parts[i];
+                let within = rows_within(p, &unique, width);
+                for (u, &row) in unique
+                    .iter()
+                    .enumerate()
+                    .skip(within.start)
+                    .take(within.len())
+                {
+                    let (lo, hi) = overlap(p, row, width);
+                    for slot in &mut fetched[u * width + lo..u * width + hi] {
+                        *slot = *next.next().expect("the answer holds every range listed");
+                    }
                 }
             }
         }
@@ -100,6 +123,25 @@ impl<T: Transport> Worker<T> {
         }
         Ok(())
     }
+}
+
+/// One server's share of a row pull: the ranges listed, their count and elements, and the
+/// parts (indices in the key's layout) they are of, in the order listed.
+#[derive(Default)]
+struct Asked {
+    server: usize,
+    list: Vec<u8>,
+    n_ranges: u64,
+    elems: u64,
+    parts: Vec<usize>,
+}
+
+/// The positions in `rows` (sorted) of the rows part `p` holds some of: a part of a large
+/// table holds few of the rows a call asks for, and a table has many parts.
+fn rows_within(p: &Part, rows: &[u64], width: usize) -> std::ops::Range<usize> {
+    let first = (p.offset / width) as u64;
+    let end = (p.offset + p.len).div_ceil(width) as u64;
+    rows.partition_point(|&r| r < first)..rows.partition_point(|&r| r < end)
 }
 
 /// The part of row `row` (of `width` elements) that part `p` holds, as offsets within the row
@@ -115,11 +157,11 @@ fn overlap(p: &Part, row: u64, width: usize) -> (usize, usize) {
     }
 }
 
-/// The ranges of part `p` (local to it) that rows `rows` (sorted, unique) cover, merged where
-/// they touch, as a row pull lists them; with their count and their elements in all.
-fn ranges_in(p: &Part, rows: &[u64], width: usize) -> (Vec<u8>, u64, u64) {
+/// The ranges of part `p` (local to it, as `(start, len)`) that rows `rows` (sorted,
+/// unique) cover, merged where they touch.
+fn ranges_in(p: &Part, rows: &[u64], width: usize) -> Vec<(usize, usize)> {
     let mut merged: Vec<(usize, usize)> = Vec::new();
-    for &row in rows {
+    for &row in &rows[rows_within(p, rows, width)] {
         let (lo, hi) = overlap(p, row, width);
         if lo == hi {
             continue;
@@ -131,17 +173,7 @@ fn ranges_in(p: &Part, rows: &[u64], width: usize) -> (Vec<u8>, u64, u64) {
             _ => merged.push((start, len)),
         }
     }
-    let elems = merged.iter().map(|(_, l)| *l as u64).sum();
-    let list = merged
-        .iter()
-        .flat_map(|&(s, l)| {
-            (s as u64)
-                .to_le_bytes()
-                .into_iter()
-                .chain((l as u64).to_le_bytes())
-        })
-        .collect();
-    (list, merged.len() as u64, elems)
+    merged
 }
 
 #[cfg(test)]
@@ -157,20 +189,14 @@ mod tests {
             len: 12,
             slot: 0,
         };
-        let (list, n, elems) = ranges_in(&p, &[0, 1, 2, 4, 9], 4);
-        let pairs: Vec<(u64, u64)> = list
-            .chunks_exact(16)
-            .map(|c| {
-                let v = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap());
-                (v(&c[..8]), v(&c[8..]))
-            })
-            .collect();
         // Row 1 from element 6 (its last 2) and row 2 whole touch: 0..6; row 4 is 16..18,
         // its first 2, local 10..12. Rows 0 and 9 are not in the part.
-        assert_eq!(pairs, vec![(0, 6), (10, 2)]);
-        assert_eq!((n, elems), (2, 8));
+        assert_eq!(ranges_in(&p, &[0, 1, 2, 4, 9], 4), vec![(0, 6), (10, 2)]);
         assert_eq!(overlap(&p, 1, 4), (2, 4));
         assert_eq!(overlap(&p, 4, 4), (0, 2));
         assert_eq!(overlap(&p, 9, 4), (0, 0));
+        assert_eq!(rows_within(&p, &[0, 1, 2, 4, 9], 4), 1..4);
+        let empty = Part { len: 0, ..p };
+        assert!(ranges_in(&empty, &[0, 1, 2, 4, 9], 4).is_empty());
     }
 }

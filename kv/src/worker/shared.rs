@@ -29,10 +29,10 @@ pub(crate) enum Ask {
         key: u64,
         n_elems: u64,
     },
-    /// A row pull: ranges of a part, listed in the request's value.
+    /// A row pull of `key`: ranges of its parts on one server, listed in the request's
+    /// value.
     PullRanges {
         key: u64,
-        n_elems: u64,
         n_ranges: u64,
         /// Elements the ranges hold (what the answer brings).
         elems: u64,
@@ -101,15 +101,8 @@ impl Ask {
                 have,
                 priority,
             },
-            Ask::PullRanges {
-                key,
-                n_elems,
-                n_ranges,
-                ..
-            } => Msg::PullRanges {
+            Ask::PullRanges { n_ranges, .. } => Msg::PullRanges {
                 ts,
-                key,
-                n_elems,
                 n_ranges,
                 priority,
             },

@@ -132,9 +132,7 @@ fn samples() -> Vec<Msg> {
         },
         Msg::PullRanges {
             ts: 5,
-            key: u64::MAX,
-            n_elems: 1 << 40,
-            n_ranges: 3,
+            n_ranges: u64::MAX,
             priority: -7,
         },
         Msg::Pulled {

@@ -127,13 +127,8 @@ pub(super) fn drain(s: &mut ServerState, mut disk: Option<&mut Disk>) -> Vec<Ans
                     ),
                 })
             }
-            Output::Rows {
-                rank,
-                ts,
-                key,
-                ranges,
-            } => {
-                let bytes = s.rows_value(key, &ranges).unwrap();
+            Output::Rows { rank, ts, ranges } => {
+                let bytes = s.rows_value(&ranges).unwrap();
                 let bits = bytes
                     .chunks_exact(4)
                     .map(|b| u32::from_le_bytes(b.try_into().unwrap()))

@@ -5,85 +5,70 @@ use std::ops::Range;
 
 use super::{Output, ServerState};
 
-/// Bytes of one range in a request's list: start and length, little-endian u64s.
-const RANGE_BYTES: usize = 16;
+/// Bytes of one range in a request's list: key, start and length, little-endian u64s.
+const RANGE_BYTES: usize = 24;
 
 impl ServerState {
-    /// Worker `rank` asks for `n_ranges` ranges of `key` (listed in `list`, see
-    /// [`crate::proto::msg::Msg::PullRanges`]) of the `n_elems` it believes this server holds.
-    /// Anything that does not add up is refused, naming it: an unknown key, another length,
-    /// a list of another size, a range past the end, empty, or out of order.
-    pub fn handle_pull_ranges(
-        &mut self,
-        rank: u32,
-        ts: u64,
-        key: u64,
-        n_elems: u64,
-        n_ranges: u64,
-        list: &[u8],
-    ) {
-        match self.ranges_of(key, n_elems, n_ranges, list) {
-            Ok(ranges) => self.out.push_back(Output::Rows {
-                rank,
-                ts,
-                key,
-                ranges,
-            }),
+    /// Worker `rank` asks for `n_ranges` ranges (listed in `list`, see
+    /// [`crate::proto::msg::Msg::PullRanges`]) of keys this server holds. Anything that does
+    /// not add up is refused, naming it: a list of another size, an unknown key, a range
+    /// past its key's end, empty, or before the key's previous range.
+    pub fn handle_pull_ranges(&mut self, rank: u32, ts: u64, n_ranges: u64, list: &[u8]) {
+        match self.ranges_of(n_ranges, list) {
+            Ok(ranges) => self.out.push_back(Output::Rows { rank, ts, ranges }),
             Err(reason) => self.fail(rank, ts, reason),
         }
     }
 
-    fn ranges_of(
-        &self,
-        key: u64,
-        n_elems: u64,
-        n_ranges: u64,
-        list: &[u8],
-    ) -> Result<Vec<Range<usize>>, String> {
-        let k = self
-            .keys
-            .get(&key)
-            .ok_or_else(|| format!("key {key} was pulled before it was initialized"))?;
-        let held = k.value.len();
-        if n_elems != held as u64 {
-            return Err(format!(
-                "key {key}: pulled rows of {n_elems} elements, this server holds {held}"
-            ));
-        }
+    fn ranges_of(&self, n_ranges: u64, list: &[u8]) -> Result<Vec<(u64, Range<usize>)>, String> {
         // Checked before anything is allocated for the list.
         if n_ranges.checked_mul(RANGE_BYTES as u64) != Some(list.len() as u64) {
             return Err(format!(
-                "key {key}: a row pull announces {n_ranges} ranges and lists {} bytes",
+                "a row pull announces {n_ranges} ranges and lists {} bytes",
                 list.len()
             ));
         }
-        let mut ranges = Vec::with_capacity(list.len() / RANGE_BYTES);
-        let mut end = 0u64;
-        for pair in list.chunks_exact(RANGE_BYTES) {
-            let start = u64::from_le_bytes(pair[..8].try_into().expect("8 bytes"));
-            let len = u64::from_le_bytes(pair[8..].try_into().expect("8 bytes"));
-            let stop = start.checked_add(len).filter(|&s| s <= held as u64);
-            let Some(stop) = stop.filter(|_| len > 0 && start >= end) else {
+        let mut ranges: Vec<(u64, Range<usize>)> = Vec::with_capacity(list.len() / RANGE_BYTES);
+        for triple in list.chunks_exact(RANGE_BYTES) {
+            let word = |i: usize| u64::from_le_bytes(triple[i..i + 8].try_into().expect("8"));
+            let (key, start, len) = (word(0), word(8), word(16));
+            let k = self
+                .keys
+                .get(&key)
+                .ok_or_else(|| format!("key {key} was pulled before it was initialized"))?;
+            let held = k.value.len() as u64;
+            // A key's ranges in increasing order: after the end of its previous one.
+            let after = match ranges.last() {
+                Some((last, r)) if *last == key => r.end as u64,
+                _ => 0,
+            };
+            let stop = start.checked_add(len).filter(|&s| s <= held);
+            let Some(stop) = stop.filter(|_| len > 0 && start >= after) else {
                 return Err(format!(
                     "key {key}: a row pull's range of {len} elements from {start} is empty, \
                      out of order or past the {held} elements this server holds"
                 ));
             };
-            ranges.push(start as usize..stop as usize);
-            end = stop;
+            ranges.push((key, start as usize..stop as usize));
         }
         Ok(ranges)
     }
 
-    /// The elements of `ranges` of `key`, one range after another, in the key's type; None
-    /// if the key is gone.
-    pub fn rows_value(&self, key: u64, ranges: &[Range<usize>]) -> Option<Vec<u8>> {
-        let k = self.keys.get(&key)?;
-        let mut out = Vec::with_capacity(ranges.iter().map(|r| r.len()).sum::<usize>() * 4);
-        for r in ranges {
-            out.extend_from_slice(&k.dtype.narrow(k.value.get(r.clone())?));
+    /// The elements of `ranges`, one range after another, each in its key's type; an error
+    /// naming a key no longer held.
+    pub fn rows_value(&self, ranges: &[(u64, Range<usize>)]) -> Result<Vec<u8>, String> {
+        let mut out = Vec::with_capacity(ranges.iter().map(|(_, r)| r.len()).sum::<usize>() * 4);
+        for (key, r) in ranges {
+            let values = self
+                .keys
+                .get(key)
+                .and_then(|k| Some((k.dtype, k.value.get(r.clone())?)));
+            let Some((dtype, values)) = values else {
+                return Err(format!("key {key} is no longer held as it was asked for"));
+            };
+            out.extend_from_slice(&dtype.narrow(values));
         }
-        Some(out)
+        Ok(out)
     }
 }
 
@@ -94,10 +79,11 @@ mod tests {
     use crate::proto::msg::PushFlags;
     use crate::value::Dtype;
 
-    fn list(ranges: &[(u64, u64)]) -> Vec<u8> {
+    fn list(ranges: &[(u64, u64, u64)]) -> Vec<u8> {
         ranges
             .iter()
-            .flat_map(|(s, l)| s.to_le_bytes().into_iter().chain(l.to_le_bytes()))
+            .flat_map(|(k, s, l)| [*k, *s, *l])
+            .flat_map(u64::to_le_bytes)
             .collect()
     }
 
@@ -120,50 +106,62 @@ mod tests {
     }
 
     #[test]
-    fn the_ranges_asked_for_are_answered_one_after_another_in_the_keys_type() {
+    fn the_ranges_asked_for_are_answered_one_after_another_in_their_keys_types() {
         let value: Vec<f32> = (0..12).map(|v| v as f32).collect();
         for dtype in [Dtype::F32, Dtype::F16] {
             let mut s = server_with(3, &value, dtype);
-            s.handle_pull_ranges(0, 2, 3, 12, 2, &list(&[(1, 2), (8, 4)]));
-            let Some(Output::Rows {
-                rank,
-                ts,
-                key,
-                ranges,
-            }) = s.poll_output()
-            else {
+            let other: Vec<f32> = value.iter().map(|v| v + 100.0).collect();
+            s.handle_push(Push {
+                rank: 0,
+                ts: 2,
+                key: 5,
+                flags: PushFlags {
+                    init: true,
+                    ..PushFlags::default()
+                },
+                n_elems: 12,
+                payload: Dtype::F32.narrow(&other).into(),
+            });
+            assert!(matches!(s.poll_output(), Some(Output::Done { .. })));
+            // Two keys, each in increasing order; keys may come back to back in any order.
+            s.handle_pull_ranges(0, 3, 3, &list(&[(5, 0, 1), (3, 1, 2), (3, 8, 4)]));
+            let Some(Output::Rows { rank, ts, ranges }) = s.poll_output() else {
                 panic!("a rows answer");
             };
-            assert_eq!((rank, ts, key), (0, 2, 3));
-            assert_eq!(ranges, vec![1..3, 8..12]);
-            let want = dtype.narrow(&[1.0, 2.0, 8.0, 9.0, 10.0, 11.0]);
-            assert_eq!(s.rows_value(3, &ranges), Some(want));
+            assert_eq!((rank, ts), (0, 3));
+            assert_eq!(ranges, vec![(5, 0..1), (3, 1..3), (3, 8..12)]);
+            let mut want = Dtype::F32.narrow(&[100.0]);
+            want.extend(dtype.narrow(&[1.0, 2.0, 8.0, 9.0, 10.0, 11.0]));
+            assert_eq!(s.rows_value(&ranges), Ok(want));
         }
     }
 
     proptest::proptest! {
-        /// Whatever a member lists, the server answers it (rows within what it holds, in
-        /// order, not overlapping) or refuses it; it never panics or answers past its value.
+        /// Whatever a member lists, the server answers it (ranges within what it holds, each
+        /// key's in order, not overlapping) or refuses it; it never panics or answers past a
+        /// value.
         #[test]
-        fn any_list_is_answered_within_the_value_or_refused(
+        fn any_list_is_answered_within_the_values_or_refused(
             n_ranges in 0u64..6,
-            pairs in proptest::collection::vec((0u64..20, 0u64..20), 0..6),
+            triples in proptest::collection::vec((2u64..5, 0u64..20, 0u64..20), 0..6),
             junk in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..3),
         ) {
             let mut s = server_with(3, &[1.0; 12], Dtype::F32);
-            let mut bytes = list(&pairs);
+            let mut bytes = list(&triples);
             bytes.extend(junk);
-            s.handle_pull_ranges(0, 2, 3, 12, n_ranges, &bytes);
+            s.handle_pull_ranges(0, 2, n_ranges, &bytes);
             match s.poll_output() {
                 Some(Output::Rows { ranges, .. }) => {
                     proptest::prop_assert_eq!(ranges.len() as u64, n_ranges);
                     let mut end = 0;
-                    for r in &ranges {
+                    for (key, r) in &ranges {
+                        proptest::prop_assert_eq!(*key, 3);
                         proptest::prop_assert!(r.start >= end && r.start < r.end && r.end <= 12);
                         end = r.end;
                     }
-                    let got = s.rows_value(3, &ranges).unwrap();
-                    proptest::prop_assert_eq!(got.len(), ranges.iter().map(|r| r.len() * 4).sum::<usize>());
+                    let got = s.rows_value(&ranges).unwrap();
+                    let want: usize = ranges.iter().map(|(_, r)| r.len() * 4).sum();
+                    proptest::prop_assert_eq!(got.len(), want);
                 }
                 Some(Output::Failed { .. }) => {}
                 other => proptest::prop_assert!(false, "{:?}", other),
@@ -174,26 +172,25 @@ mod tests {
     #[test]
     fn row_pulls_that_do_not_add_up_are_refused_naming_the_problem() {
         let mut s = server_with(3, &[0.0; 12], Dtype::F32);
-        let refused = |s: &mut ServerState, key, n, count, ranges: &[u8]| {
-            s.handle_pull_ranges(0, 9, key, n, count, ranges);
+        let refused = |s: &mut ServerState, count, ranges: &[u8]| {
+            s.handle_pull_ranges(0, 9, count, ranges);
             match s.poll_output() {
                 Some(Output::Failed { reason, .. }) => reason,
                 other => panic!("refused, not {other:?}"),
             }
         };
-        let one = list(&[(0, 1)]);
-        assert!(refused(&mut s, 4, 12, 1, &one).contains("before it was initialized"));
-        assert!(refused(&mut s, 3, 13, 1, &one).contains("holds 12"));
-        assert!(refused(&mut s, 3, 12, 2, &one).contains("announces 2 ranges"));
-        assert!(refused(&mut s, 3, 12, u64::MAX, &one).contains("announces"));
-        for bad in [[(0, 0)], [(11, 2)], [(u64::MAX, 2)], [(12, 1)]] {
-            let reason = refused(&mut s, 3, 12, 1, &list(&bad));
+        let one = list(&[(3, 0, 1)]);
+        assert!(refused(&mut s, 1, &list(&[(4, 0, 1)])).contains("key 4 was pulled before"));
+        assert!(refused(&mut s, 2, &one).contains("announces 2 ranges"));
+        assert!(refused(&mut s, u64::MAX, &one).contains("announces"));
+        for bad in [(3, 0, 0), (3, 11, 2), (3, u64::MAX, 2), (3, 12, 1)] {
+            let reason = refused(&mut s, 1, &list(&[bad]));
             assert!(
                 reason.contains("key 3: a row pull's range"),
                 "{bad:?}: {reason}"
             );
         }
-        let reason = refused(&mut s, 3, 12, 2, &list(&[(4, 2), (5, 1)]));
+        let reason = refused(&mut s, 2, &list(&[(3, 4, 2), (3, 5, 1)]));
         assert!(reason.contains("out of order"), "{reason}");
         // Nothing was answered but the refusals.
         assert!(s.poll_output().is_none());
