@@ -250,8 +250,6 @@ crate::declare_env_vars! {
         "Benchmarks only: 1 makes a worker send a call's requests one server after another (the parts of a sharded key wait for each other's sends) instead of to all servers at once, to measure what sending in parallel gains.";
     PSNET_KV_PRIORITY = "PSNET_KV_PRIORITY", "1",
         "kv workers: 1 sends requests, and has servers answer them, by priority: the order the job declared (initialized) its keys, first declared first, as BytePS schedules (a send in progress is not interrupted). 0: in the order they were made, for comparison.";
-    PSNET_KV_CREDIT_BYTES = "PSNET_KV_CREDIT_BYTES", "0",
-        "kv workers: bytes each worker may have in flight to one server, sent or asked for and not yet answered (BytePS's scheduling credit). Requests past it wait in the worker, where priorities (PSNET_KV_PRIORITY) can still reorder them, instead of in the kernel's socket and device queues, which cannot. A request larger than it goes alone. 0: no limit.";
     PSNET_COMPRESSION_SIMD = "PSNET_COMPRESSION_SIMD", "",
         "Caps gradient compression's SIMD level: avx2, sse2 or scalar (default: the best this CPU has).";
     RUST_LOG = "RUST_LOG", "",

@@ -68,9 +68,6 @@ pub struct KvConfig {
     /// Requests go, and are answered, by their key's declaration order (`PSNET_KV_PRIORITY`,
     /// on by default) rather than in the order they were made.
     pub priorities: bool,
-    /// Bytes a worker may have in flight to one server (`PSNET_KV_CREDIT_BYTES`; 0: no
-    /// limit).
-    pub credit_bytes: u64,
     /// The flight recorder of this node's requests (`PSNET_RECORDER_*`).
     pub recorder: psnet_recorder::Settings,
     /// The rank this node wishes (`DMLC_WORKER_ID` / `DMLC_SERVER_ID`, set by psnet-launch so
@@ -209,7 +206,6 @@ impl KvConfig {
             server_key_bytes: half_the_memory(),
             serial_sends: false,
             priorities: true,
-            credit_bytes: 0,
             recorder: psnet_recorder::Settings::default(),
             rank_hint: None,
             checkpoint_dir: None,
@@ -263,7 +259,6 @@ impl KvConfig {
             },
             serial_sends: env::PSNET_KV_SERIAL_SENDS.parse_or_default::<u8>()? != 0,
             priorities: env::PSNET_KV_PRIORITY.parse_or_default::<u8>()? != 0,
-            credit_bytes: env::PSNET_KV_CREDIT_BYTES.parse_or_default::<u64>()?,
             recorder: psnet_recorder::Settings::from_env(),
             rank_hint: match role {
                 Role::Worker => DMLC_WORKER_ID.parse()?,

@@ -87,7 +87,6 @@ impl<T: Transport> Worker<T> {
             admission: joined.admission,
             rank: joined.rank,
             gates: servers.iter().map(|_| Default::default()).collect(),
-            credits: gate::Credits::new(servers.len(), config.credit_bytes),
             servers,
             num_workers,
             state: Mutex::new(state),

@@ -428,7 +428,11 @@ class KVStore:
         for k, o, r in zip(keys, outs, ids):
             per_device = isinstance(o, (list, tuple))
             os_ = list(o) if per_device else [o]
-            rs = list(r) if per_device and isinstance(r, (list, tuple)) else [r] * len(os_)
+            # Row ids per device: a list of id lists or arrays; a plain list of ints is one
+            # set of ids, for every device.
+            ids_per_device = (per_device and isinstance(r, (list, tuple)) and len(r) > 0
+                              and not any(isinstance(x, numbers.Integral) for x in r))
+            rs = list(r) if ids_per_device else [r] * len(os_)
             if len(rs) != len(os_):
                 raise ValueError(f"row_sparse_pull: key {k!r}: {len(os_)} outs, {len(rs)} row_ids")
             with staged():
@@ -442,11 +446,18 @@ class KVStore:
         :meth:`row_sparse_pull`, nothing else of an embedding table's size is written."""
         if not _is_key(key):
             raise TypeError(f"a key is an int or a str, not {type(key).__name__}")
+        with staged():
+            return self._pull_rows_compact(key, row_ids, out)
+
+    def _pull_rows_compact(self, key, row_ids, out):
         shape, rows, width, ids = self._rows_of(key, row_ids, "pull_rows")
         if out is None:
             out = np.empty((ids.size,) + tuple(shape[1:]), dtype=self._dtypes[key])
         target = writable(as_array(out, f"pull_rows {key!r}", True, read=False), "pull_rows out")
         self._check_dtype(target, "pull_rows out")
+        if target.dtype != self._dtypes[key]:
+            raise TypeError(f"pull_rows: key {key!r} holds {self._dtypes[key]} values, "
+                            f"out is {target.dtype}")
         if target.size != ids.size * width or not target.flags.c_contiguous:
             raise ValueError(f"pull_rows: key {key!r}: {ids.size} rows of {width} elements go "
                              f"into a C-contiguous array of {ids.size * width}, not {target.shape}")

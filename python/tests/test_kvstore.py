@@ -474,3 +474,11 @@ def test_row_sparse_pull_on_the_local_store_and_its_refusals():
         kv.pull_rows(9, [1, 2], out=mine)
     with pytest.raises(ValueError, match="row 4 asked for"):
         kv.pull_rows(9, [4])
+    with pytest.raises(TypeError, match="holds float32 values, out is float16"):
+        kv.pull_rows(9, [1], out=np.zeros((1, 3), dtype=np.float16))
+    # Per-device outs with one plain list of ids: the same rows for every device.
+    outs = [np.zeros((4, 3), dtype=np.float32) for _ in range(2)]
+    kv.row_sparse_pull(9, out=outs, row_ids=[0, 3])
+    want = np.zeros((4, 3), dtype=np.float32)
+    want[[0, 3]] = table[[0, 3]]
+    assert outs[0].tobytes() == want.tobytes() and outs[1].tobytes() == want.tobytes()

@@ -57,8 +57,6 @@ struct Waiting {
     to: NodeId,
     asked: Asked,
     tx: oneshot::Sender<Reply>,
-    /// Dropped when the request is answered or forgotten (the driver's send credit).
-    _held: Option<Box<dyn std::any::Any + Send>>,
 }
 
 /// One part of a push, ready to send.
@@ -459,24 +457,8 @@ impl WorkerState {
         let ts = self.next_ts;
         self.next_ts += 1;
         let (tx, rx) = oneshot::channel();
-        self.pending.insert(
-            ts,
-            Waiting {
-                to,
-                asked,
-                tx,
-                _held: None,
-            },
-        );
+        self.pending.insert(ts, Waiting { to, asked, tx });
         Ok((ts, rx))
-    }
-
-    /// Keeps `guard` with request `ts` until it is answered or forgotten, then drops it: the
-    /// driver's credit for what the request has in flight (`PSNET_KV_CREDIT_BYTES`).
-    pub fn hold_until_answered(&mut self, ts: u64, guard: Box<dyn std::any::Any + Send>) {
-        if let Some(w) = self.pending.get_mut(&ts) {
-            w._held = Some(guard);
-        }
     }
 
     /// The request `ts` could not be sent: forget it. Returns the loss that explains it, if

@@ -117,44 +117,6 @@ impl Drop for Turn {
     }
 }
 
-/// Per server, the bytes a worker may have in flight to it (`PSNET_KV_CREDIT_BYTES`), as
-/// BytePS's scheduling credit: past it, requests wait at their server's [`Gate`], where
-/// priority can still reorder them, rather than in the kernel's queues, where it cannot.
-pub(crate) struct Credits {
-    per_server: Vec<Arc<tokio::sync::Semaphore>>,
-    window: u64,
-}
-
-impl Credits {
-    /// `window` bytes for each of `servers` servers; 0: no limit.
-    pub(crate) fn new(servers: usize, window: u64) -> Self {
-        // A semaphore holds at most u32::MAX permits per acquisition: a larger window is
-        // that much.
-        let window = window.min(u64::from(u32::MAX));
-        Credits {
-            per_server: (0..servers)
-                .filter(|_| window > 0)
-                .map(|_| Arc::new(tokio::sync::Semaphore::new(window as usize)))
-                .collect(),
-            window,
-        }
-    }
-
-    /// Waits until server `server` may be sent a request putting `bytes` in flight (one
-    /// larger than the window goes alone); the permit returns the credit when dropped.
-    /// None without a limit.
-    pub(crate) async fn take(
-        &self,
-        server: usize,
-        bytes: u64,
-    ) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        let semaphore = self.per_server.get(server)?.clone();
-        let n = bytes.clamp(1, self.window) as u32;
-        // The semaphores are never closed.
-        semaphore.acquire_many_owned(n).await.ok()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -206,31 +168,6 @@ mod tests {
             want.sort_by_key(|&(p, i)| (std::cmp::Reverse(p), i));
             prop_assert_eq!(order, want);
         }
-    }
-
-    #[test]
-    fn credit_is_waited_for_and_returned_and_a_large_request_goes_alone() {
-        runtime().block_on(async {
-            let credits = Credits::new(2, 100);
-            let a = credits.take(0, 60).await.expect("a limit");
-            let mut b = Box::pin(credits.take(0, 60));
-            assert!((&mut b).now_or_never().is_none(), "over the window waits");
-            // Another server's credit is its own.
-            let other = credits.take(1, 100).now_or_never().flatten();
-            assert!(other.is_some());
-            drop(a);
-            let b = (&mut b).now_or_never().flatten().expect("credit returned");
-            drop(b);
-            // Larger than the window: takes all of it, alone.
-            let big = credits
-                .take(0, 10_000)
-                .now_or_never()
-                .flatten()
-                .expect("alone");
-            assert!(credits.take(0, 1).now_or_never().is_none());
-            drop(big);
-            assert!(Credits::new(2, 0).take(0, 1).await.is_none(), "no limit");
-        });
     }
 
     #[test]

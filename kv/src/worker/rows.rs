@@ -85,7 +85,6 @@ impl<T: Transport> Worker<T> {
                 ask: Ask::PullRanges {
                     key,
                     n_ranges: a.n_ranges,
-                    elems: a.elems,
                 },
                 value: Some(Segment::new(&a.list)),
             })

@@ -15,7 +15,7 @@ use crate::proto::msg::{CommandKind, Msg, NodeInfo, PushFlags};
 use crate::proto::worker::{Asked, Reply, WorkerState};
 use crate::reliable::Link;
 
-use super::gate::{Credits, Gate};
+use super::gate::Gate;
 
 /// What one request asks of a server; its id is given when it is sent.
 #[derive(Clone)]
@@ -34,8 +34,6 @@ pub(crate) enum Ask {
     PullRanges {
         key: u64,
         n_ranges: u64,
-        /// Elements the ranges hold (what the answer brings).
-        elems: u64,
     },
     Command {
         kind: CommandKind,
@@ -118,19 +116,6 @@ pub(crate) struct Outgoing<'a> {
     pub(crate) value: Option<Segment<'a>>,
 }
 
-impl Outgoing<'_> {
-    /// The bytes it puts in flight: its value, or what a pull asks for (as float32, the
-    /// most a pulled element takes but for f64 keys).
-    fn bytes(&self) -> u64 {
-        match (&self.value, &self.ask) {
-            (_, Ask::PullRanges { elems, .. }) => elems.saturating_mul(4),
-            (Some(v), _) => v.len() as u64,
-            (None, Ask::Pull { n_elems, .. }) => n_elems.saturating_mul(4),
-            (None, _) => 0,
-        }
-    }
-}
-
 /// A request sent and waiting for its answer, with what it takes to send it again if its
 /// server restarts first.
 pub(crate) struct Wait<'a> {
@@ -183,8 +168,6 @@ pub(crate) struct Shared<T: Transport> {
     pub(crate) servers: Vec<NodeId>,
     /// The turns of sends to each server (as `servers`), by priority.
     pub(crate) gates: Vec<Gate>,
-    /// The bytes each server may still be sent or asked for (`PSNET_KV_CREDIT_BYTES`).
-    pub(crate) credits: Credits,
     pub(crate) num_workers: u32,
     pub(crate) state: Mutex<WorkerState>,
     /// `PSNET_KV_SERIAL_SENDS`: one request after another, for benchmarks.
@@ -306,17 +289,9 @@ impl<T: Transport> Shared<T> {
             Some(i) => Some(self.gates[i].turn(priority).await),
             None => None,
         };
-        // With its turn, the request waits for credit: the most urgent waits at the head.
-        let credit = match server {
-            Some(i) => self.credits.take(i, sent.bytes()).await,
-            None => None,
-        };
         let (ts, mut rx, have) = {
             let mut state = self.state();
             let (ts, rx) = state.begin_request(to, sent.ask.asked())?;
-            if let Some(credit) = credit {
-                state.hold_until_answered(ts, Box::new(credit));
-            }
             (ts, rx, state.copy_version(to, sent.ask.asked()))
         };
         let record = self

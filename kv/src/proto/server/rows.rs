@@ -1,6 +1,7 @@
 //! Row-sparse pulls at a server: the element ranges of a key's part that a worker asks for
 //! (the rows of an embedding table one step touches), answered without sending the rest.
 
+use std::collections::HashMap;
 use std::ops::Range;
 
 use super::{Output, ServerState};
@@ -29,6 +30,9 @@ impl ServerState {
             ));
         }
         let mut ranges: Vec<(u64, Range<usize>)> = Vec::with_capacity(list.len() / RANGE_BYTES);
+        // Where each key's last range ended: a key's ranges never overlap, wherever they are
+        // listed, so an answer holds no more than the values asked about.
+        let mut ends: HashMap<u64, u64> = HashMap::new();
         for triple in list.chunks_exact(RANGE_BYTES) {
             let word = |i: usize| u64::from_le_bytes(triple[i..i + 8].try_into().expect("8"));
             let (key, start, len) = (word(0), word(8), word(16));
@@ -38,10 +42,7 @@ impl ServerState {
                 .ok_or_else(|| format!("key {key} was pulled before it was initialized"))?;
             let held = k.value.len() as u64;
             // A key's ranges in increasing order: after the end of its previous one.
-            let after = match ranges.last() {
-                Some((last, r)) if *last == key => r.end as u64,
-                _ => 0,
-            };
+            let after = ends.get(&key).copied().unwrap_or(0);
             let stop = start.checked_add(len).filter(|&s| s <= held);
             let Some(stop) = stop.filter(|_| len > 0 && start >= after) else {
                 return Err(format!(
@@ -50,6 +51,7 @@ impl ServerState {
                 ));
             };
             ranges.push((key, start as usize..stop as usize));
+            ends.insert(key, stop);
         }
         Ok(ranges)
     }
@@ -57,7 +59,11 @@ impl ServerState {
     /// The elements of `ranges`, one range after another, each in its key's type; an error
     /// naming a key no longer held.
     pub fn rows_value(&self, ranges: &[(u64, Range<usize>)]) -> Result<Vec<u8>, String> {
-        let mut out = Vec::with_capacity(ranges.iter().map(|(_, r)| r.len()).sum::<usize>() * 4);
+        let elems = ranges
+            .iter()
+            .map(|(_, r)| r.len())
+            .fold(0usize, usize::saturating_add);
+        let mut out = Vec::with_capacity(elems.saturating_mul(4));
         for (key, r) in ranges {
             let values = self
                 .keys
@@ -137,31 +143,45 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// Whatever a member lists, the server answers it (ranges within what it holds, each
-        /// key's in order, not overlapping) or refuses it; it never panics or answers past a
-        /// value.
+        /// Whatever a member lists, over two keys in any interleaving, the server answers it
+        /// (each key's ranges within its value, in order, never overlapping) or refuses it;
+        /// it never panics or answers more than the values asked about.
         #[test]
         fn any_list_is_answered_within_the_values_or_refused(
-            n_ranges in 0u64..6,
-            triples in proptest::collection::vec((2u64..5, 0u64..20, 0u64..20), 0..6),
+            n_ranges in 0u64..8,
+            triples in proptest::collection::vec((2u64..6, 0u64..20, 0u64..20), 0..8),
             junk in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..3),
         ) {
             let mut s = server_with(3, &[1.0; 12], Dtype::F32);
+            s.handle_push(Push {
+                rank: 0,
+                ts: 2,
+                key: 5,
+                flags: PushFlags { init: true, ..PushFlags::default() },
+                n_elems: 7,
+                payload: Dtype::F32.narrow(&[2.0; 7]).into(),
+            });
+            let inited = matches!(s.poll_output(), Some(Output::Done { .. }));
+            proptest::prop_assert!(inited, "key 5 initialized");
+            let held = |key: u64| if key == 3 { 12 } else { 7 };
             let mut bytes = list(&triples);
             bytes.extend(junk);
-            s.handle_pull_ranges(0, 2, n_ranges, &bytes);
+            s.handle_pull_ranges(0, 3, n_ranges, &bytes);
             match s.poll_output() {
                 Some(Output::Rows { ranges, .. }) => {
                     proptest::prop_assert_eq!(ranges.len() as u64, n_ranges);
-                    let mut end = 0;
+                    let mut ends = std::collections::HashMap::new();
                     for (key, r) in &ranges {
-                        proptest::prop_assert_eq!(*key, 3);
-                        proptest::prop_assert!(r.start >= end && r.start < r.end && r.end <= 12);
-                        end = r.end;
+                        proptest::prop_assert!(*key == 3 || *key == 5);
+                        let end = ends.entry(*key).or_insert(0);
+                        proptest::prop_assert!(r.start >= *end && r.start < r.end);
+                        proptest::prop_assert!(r.end <= held(*key));
+                        *end = r.end;
                     }
                     let got = s.rows_value(&ranges).unwrap();
                     let want: usize = ranges.iter().map(|(_, r)| r.len() * 4).sum();
                     proptest::prop_assert_eq!(got.len(), want);
+                    proptest::prop_assert!(want <= (12 + 7) * 4);
                 }
                 Some(Output::Failed { .. }) => {}
                 other => proptest::prop_assert!(false, "{:?}", other),
@@ -192,6 +212,26 @@ mod tests {
         }
         let reason = refused(&mut s, 2, &list(&[(3, 4, 2), (3, 5, 1)]));
         assert!(reason.contains("out of order"), "{reason}");
+        // Another key in between does not let a key's range be asked for again.
+        let mut two = server_with(3, &[0.0; 12], Dtype::F32);
+        two.handle_push(Push {
+            rank: 0,
+            ts: 2,
+            key: 5,
+            flags: PushFlags {
+                init: true,
+                ..PushFlags::default()
+            },
+            n_elems: 1,
+            payload: Dtype::F32.narrow(&[1.0]).into(),
+        });
+        assert!(matches!(two.poll_output(), Some(Output::Done { .. })));
+        let again = list(&[(3, 0, 12), (5, 0, 1), (3, 0, 12)]);
+        let reason = refused(&mut two, 3, &again);
+        assert!(
+            reason.contains("key 3: a row pull's range of 12 elements from 0"),
+            "{reason}"
+        );
         // Nothing was answered but the refusals.
         assert!(s.poll_output().is_none());
     }

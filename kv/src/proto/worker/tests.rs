@@ -555,28 +555,3 @@ fn a_round_failed_by_another_workers_loss_is_that_workers_failure() {
         "{text}"
     );
 }
-
-#[test]
-fn what_a_request_holds_is_let_go_when_it_is_answered_or_forgotten() {
-    let now = Instant::now();
-    let mut s = state(now);
-    let guard = |alive: &std::sync::Arc<()>| Box::new(alive.clone());
-    let answered = std::sync::Arc::new(());
-    let (ts, mut rx) = s.begin_request(S0, Asked::Other).unwrap();
-    s.hold_until_answered(ts, guard(&answered));
-    assert_eq!(std::sync::Arc::strong_count(&answered), 2);
-    // An answer from another server is not this request's.
-    s.handle_received(msg(S1, Msg::Done { ts }), now);
-    assert_eq!(std::sync::Arc::strong_count(&answered), 2);
-    s.handle_received(msg(S0, Msg::Done { ts }), now);
-    assert!(rx.try_recv().is_ok());
-    assert_eq!(std::sync::Arc::strong_count(&answered), 1);
-    let forgotten = std::sync::Arc::new(());
-    let (ts, _rx) = s.begin_request(S1, Asked::Other).unwrap();
-    s.hold_until_answered(ts, guard(&forgotten));
-    s.abandon_request(ts, S1);
-    assert_eq!(std::sync::Arc::strong_count(&forgotten), 1);
-    // A request that is not waiting holds nothing.
-    s.hold_until_answered(ts, guard(&forgotten));
-    assert_eq!(std::sync::Arc::strong_count(&forgotten), 1);
-}
