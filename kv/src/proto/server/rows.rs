@@ -93,8 +93,8 @@ mod tests {
             .collect()
     }
 
-    fn server_with(key: u64, value: &[f32], dtype: Dtype) -> ServerState {
-        let mut s = ServerState::new(1);
+    /// Worker 0's init of `key` to `value` as `dtype`, answered.
+    fn init(s: &mut ServerState, key: u64, value: &[f32], dtype: Dtype) -> bool {
         s.handle_push(Push {
             rank: 0,
             ts: 1,
@@ -107,7 +107,12 @@ mod tests {
             n_elems: value.len() as u64,
             payload: dtype.narrow(value).into(),
         });
-        assert!(matches!(s.poll_output(), Some(Output::Done { .. })));
+        matches!(s.poll_output(), Some(Output::Done { .. }))
+    }
+
+    fn server_with(key: u64, value: &[f32], dtype: Dtype) -> ServerState {
+        let mut s = ServerState::new(1);
+        assert!(init(&mut s, key, value, dtype));
         s
     }
 
@@ -117,18 +122,7 @@ mod tests {
         for dtype in [Dtype::F32, Dtype::F16] {
             let mut s = server_with(3, &value, dtype);
             let other: Vec<f32> = value.iter().map(|v| v + 100.0).collect();
-            s.handle_push(Push {
-                rank: 0,
-                ts: 2,
-                key: 5,
-                flags: PushFlags {
-                    init: true,
-                    ..PushFlags::default()
-                },
-                n_elems: 12,
-                payload: Dtype::F32.narrow(&other).into(),
-            });
-            assert!(matches!(s.poll_output(), Some(Output::Done { .. })));
+            assert!(init(&mut s, 5, &other, Dtype::F32));
             // Two keys, each in increasing order; keys may come back to back in any order.
             s.handle_pull_ranges(0, 3, 3, &list(&[(5, 0, 1), (3, 1, 2), (3, 8, 4)]));
             let Some(Output::Rows { rank, ts, ranges }) = s.poll_output() else {
@@ -153,16 +147,7 @@ mod tests {
             junk in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..3),
         ) {
             let mut s = server_with(3, &[1.0; 12], Dtype::F32);
-            s.handle_push(Push {
-                rank: 0,
-                ts: 2,
-                key: 5,
-                flags: PushFlags { init: true, ..PushFlags::default() },
-                n_elems: 7,
-                payload: Dtype::F32.narrow(&[2.0; 7]).into(),
-            });
-            let inited = matches!(s.poll_output(), Some(Output::Done { .. }));
-            proptest::prop_assert!(inited, "key 5 initialized");
+            proptest::prop_assert!(init(&mut s, 5, &[2.0; 7], Dtype::F32), "key 5 initialized");
             let held = |key: u64| if key == 3 { 12 } else { 7 };
             let mut bytes = list(&triples);
             bytes.extend(junk);
@@ -214,18 +199,7 @@ mod tests {
         assert!(reason.contains("out of order"), "{reason}");
         // Another key in between does not let a key's range be asked for again.
         let mut two = server_with(3, &[0.0; 12], Dtype::F32);
-        two.handle_push(Push {
-            rank: 0,
-            ts: 2,
-            key: 5,
-            flags: PushFlags {
-                init: true,
-                ..PushFlags::default()
-            },
-            n_elems: 1,
-            payload: Dtype::F32.narrow(&[1.0]).into(),
-        });
-        assert!(matches!(two.poll_output(), Some(Output::Done { .. })));
+        assert!(init(&mut two, 5, &[1.0], Dtype::F32));
         let again = list(&[(3, 0, 12), (5, 0, 1), (3, 0, 12)]);
         let reason = refused(&mut two, 3, &again);
         assert!(
