@@ -100,6 +100,10 @@ async fn run_plan<T: Transport, P: Pieces>(
     // Real time, not tokio's: with a paused clock (the simulation) spinning must still end.
     let mut idle_since: Option<std::time::Instant> = None;
     let mut polls = 0u32;
+    // News that came before this call (a claimed rank, another rank's abort) fails it before
+    // any of its data leaves: a peer given this rank's part could otherwise finish the call
+    // with a squatter's data before this rank's abort reached it.
+    check_news(comm, &comm.mailbox.lock(), seq)?;
     loop {
         let mut progress = false;
         while let Some(req) = plan.poll_send() {
@@ -219,6 +223,16 @@ fn take_mail<T: Transport>(
     seq: u64,
 ) -> Result<Vec<crate::mailbox::Arrival>, CollectiveError> {
     let mut mail = comm.mailbox.lock();
+    check_news(comm, &mail, seq)?;
+    Ok(mail.take_call(comm.comm, seq))
+}
+
+/// The communicator-wide news that fails call `seq`, if any.
+fn check_news<T: Transport>(
+    comm: &Communicator<T>,
+    mail: &crate::mailbox::Mail,
+    seq: u64,
+) -> Result<(), CollectiveError> {
     if let Some(abort) = mail.abort_of(comm.comm, seq) {
         if let Some(rank) = rank_of(comm, abort.from) {
             return Err(CollectiveError::Aborted {
@@ -256,7 +270,7 @@ fn take_mail<T: Transport>(
             detail: why.clone(),
         });
     }
-    Ok(mail.take_call(comm.comm, seq))
+    Ok(())
 }
 
 /// Call `seq` is over: whatever arrives for it from now on shows a rank that made another call.

@@ -797,3 +797,44 @@ fn a_rank_taken_before_its_own_process_joined_fails_the_calls_naming_it() {
         }
     });
 }
+
+/// Rank 0 holds the claim before its next call starts: that call fails before any of its
+/// data leaves. With 3 ranks rank 0 hands its buffer to rank 1 at once, and rank 1 could then
+/// finish with the squatter's data before rank 0's abort arrived (seen in CI, 1 run in 30).
+/// Measured as rank 0's bytes sent: the abort's few hundred, not the buffer's megabyte.
+#[test]
+fn a_rank_holding_a_claim_sends_none_of_its_next_call() {
+    let rt = runtime();
+    rt.block_on(async {
+        let net = MemNet::reliable();
+        let comms = world(&net, 3, Config::default()).await;
+        let real = Arc::new(net.bind(node_of(2)));
+        let root = comms[0].transport().listen_addr();
+        let config = Config {
+            join_timeout: Duration::from_secs(2),
+            ..Config::default()
+        };
+        let refused = tokio::time::timeout(
+            Duration::from_secs(30),
+            Communicator::join(real, 2, 3, root, config),
+        )
+        .await
+        .expect("bounded time");
+        assert!(refused.is_err(), "the real rank 2 was let in");
+        let before = comms[0].transport().bytes_sent();
+        let mut buf = vec![1f32; 1 << 18];
+        let e = tokio::time::timeout(
+            Duration::from_secs(30),
+            comms[0].allreduce(&mut buf, ReduceOp::Sum),
+        )
+        .await
+        .expect("bounded time")
+        .unwrap_err();
+        assert!(matches!(e, CollectiveError::Claimed { rank: 2, .. }), "{e}");
+        let sent = comms[0].transport().bytes_sent() - before;
+        assert!(
+            sent < 4096,
+            "rank 0 sent {sent} bytes of a call it knew had failed"
+        );
+    });
+}
