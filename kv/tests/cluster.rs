@@ -294,9 +294,11 @@ async fn before_its_assignment_a_node_takes_no_claim_of_an_id() {
     let c = config(Role::Worker, root);
     let worker = tokio::spawn(async move { Worker::join(&c, t).await });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    // Claims of server 0 (node 8) and of worker 0 (node 9), before anyone is assigned.
+    // Claims of the scheduler (node 1: a process dialling in under its id would replace the
+    // worker's connection to the real one and hand it a table of its own), of server 0
+    // (node 8) and of worker 0 (node 9), before anyone is assigned.
     let mut refused = Vec::new();
-    for id in [8, 9] {
+    for id in [1, 8, 9] {
         loop {
             let (kind, reason) = forged_hello(victim, id).await;
             // Until the worker is bound its listener may not answer hellos yet.
@@ -309,7 +311,7 @@ async fn before_its_assignment_a_node_takes_no_claim_of_an_id() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    assert_eq!(refused, [8, 9]);
+    assert_eq!(refused, [1, 8, 9]);
     // The real server starts; the job runs, and the worker reaches it.
     let server = {
         let c = config(Role::Server, root);

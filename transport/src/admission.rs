@@ -57,7 +57,7 @@ impl Proof {
     pub fn shared(key: &[u8], signer: NodeId, binding: &Binding) -> Proof {
         let key = blake3::derive_key("psnet 2026-11 shared hello proof key", key);
         let mut hasher = blake3::Hasher::new_keyed(&key);
-        hasher.update(&binding.0);
+        hasher.update(&binding.key);
         hasher.update(&signer.0.to_le_bytes());
         let mut out = [0u8; PROOF_LEN];
         hasher.finalize_xof().fill(&mut out);
@@ -74,7 +74,10 @@ impl fmt::Debug for Proof {
 
 /// What a hello's proof is bound to: one connection, and which end of it sends the hello.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub struct Binding([u8; 32]);
+pub struct Binding {
+    key: [u8; 32],
+    sender: Role,
+}
 
 impl Binding {
     /// The binding of the hello that the `sender` end of a connection sends: from the
@@ -85,10 +88,17 @@ impl Binding {
             Role::Dialler => "psnet 2026-11 hello binding dialler",
             Role::Acceptor => "psnet 2026-11 hello binding acceptor",
         };
-        Binding(blake3::derive_key(
-            context,
-            session.map_or(&[0u8; 32], |s| s.material()),
-        ))
+        Binding {
+            key: blake3::derive_key(context, session.map_or(&[0u8; 32], |s| s.material())),
+            sender,
+        }
+    }
+
+    /// Which end of the connection sends the hello bound to this: to the node checking it,
+    /// [`Role::Acceptor`] says the peer answered a dial of this node's own, [`Role::Dialler`]
+    /// that the peer dialled in.
+    pub fn sender(&self) -> Role {
+        self.sender
     }
 }
 
@@ -103,7 +113,7 @@ fn signed_message(signer: NodeId, binding: &Binding) -> [u8; 60] {
     const LABEL: &[u8; 20] = b"psnet hello proof v1";
     let mut m = [0u8; 60];
     m[..20].copy_from_slice(LABEL);
-    m[20..52].copy_from_slice(&binding.0);
+    m[20..52].copy_from_slice(&binding.key);
     m[52..].copy_from_slice(&signer.0.to_le_bytes());
     m
 }

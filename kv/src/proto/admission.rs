@@ -25,6 +25,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use psnet_transport::session::Role;
 use psnet_transport::{Admission, Binding, Identity, NodeId, Proof, PublicIdentity};
 use sha2::{Digest, Sha256};
 
@@ -117,8 +118,18 @@ impl Admission for JobAdmission {
 
     fn admit(&self, peer: NodeId, proof: Option<&Proof>, binding: &Binding) -> Result<(), String> {
         if self.joining {
-            return if peer == ids::SCHEDULER {
+            return if peer == ids::SCHEDULER && binding.sender() == Role::Acceptor {
                 Ok(())
+            } else if peer == ids::SCHEDULER {
+                // The scheduler never dials a node before its assignment, and this node
+                // cannot check a scheduler's proof yet: a process dialling in under the
+                // scheduler's id would otherwise replace the connection to the real one and
+                // hand this node a table of its own.
+                Err(
+                    "this node has no assignment yet: it dialled the scheduler itself, and \
+                     takes no connection that says it comes from the scheduler"
+                        .to_string(),
+                )
             } else {
                 Err(format!(
                     "this node has no assignment yet: it takes no connection but the \
@@ -211,7 +222,11 @@ mod tests {
     fn a_node_without_its_assignment_takes_only_the_scheduler() {
         let a = JobAdmission::joining();
         let here = binding(1);
-        assert!(a.admit(SCHEDULER, None, &here).is_ok());
+        // The scheduler answering this node's dial is taken; one dialling in is not.
+        let answered = Binding::new(Some(&SessionBase::from_bytes([1; 32])), End::Acceptor);
+        assert!(a.admit(SCHEDULER, None, &answered).is_ok());
+        let err = a.admit(SCHEDULER, None, &here).unwrap_err();
+        assert!(err.contains("dialled the scheduler itself"), "{err}");
         for id in [node_id(Role::Server, 0), node_id(Role::Worker, 1)] {
             let proof = identity(1).prove(id, &here);
             let err = a.admit(id, Some(&proof), &here).unwrap_err();
