@@ -252,14 +252,17 @@ impl<T: Transport> Worker<T> {
     }
 
     /// Sets the servers' optimizer (`dist_async` needs one; with `dist_sync` and none, a round's
-    /// sum replaces the value). Every worker may call it; servers keep one updater.
+    /// sum replaces the value). Every worker may call it, as MXNet's do; servers apply worker
+    /// 0's, and another worker's call returns once worker 0's is in force (it fails if it
+    /// differs).
     pub async fn set_optimizer(&self, spec: &OptimizerSpec) -> Result<(), KvError> {
         self.command_all(CommandKind::SetOptimizer, spec.to_json())
             .await
     }
 
     /// `dist_sync` (default) or `dist_async`. Set it before pushing: a server refuses to switch
-    /// to `dist_async` while a `dist_sync` round holds pushes.
+    /// to `dist_async` while a `dist_sync` round holds pushes. Servers take worker 0's; another
+    /// worker's call returns once worker 0's is in force (it fails if it differs).
     pub async fn set_mode(&self, mode: Mode) -> Result<(), KvError> {
         let body = match mode {
             Mode::Sync => "sync",
@@ -270,9 +273,10 @@ impl<T: Transport> Worker<T> {
 
     /// Turns on gradient compression for pushes. Set it before `init` to get MXNet's split of
     /// big arrays for compressed pushes; servers get the exact threshold (MXNet rounds it to six
-    /// decimals on the way). Every worker must set the same settings: a server keeps the first
-    /// it gets and refuses others (it could not tell which pushes were made with which), and
-    /// this worker then goes on as before.
+    /// decimals on the way). Every worker must set the same settings: a server takes worker
+    /// 0's, once, and refuses others (it could not tell which pushes were made with which), and
+    /// this worker then goes on as before. Another worker's call returns once worker 0's is in
+    /// force.
     ///
     /// With [`KvCompression::pull`] (`{"type": "2bit", "threshold": 0.5, "pull": true}`),
     /// pulls are compressed too, `dist_sync` only (lossy: see [`crate::proto::pulled`]):

@@ -55,6 +55,7 @@ use super::sum;
 use crate::updater::{OptimizerSpec, Updater};
 use crate::value::Dtype;
 
+mod commands;
 mod journal;
 mod round;
 mod rows;
@@ -271,10 +272,13 @@ pub struct ServerState {
     seq: u64,
     /// Checkpoints on: a snapshot every this many updates of a key (0: only on request).
     checkpoint_every: Option<u64>,
-    /// The commands worker 0 has given (optimizer, mode): from then on another worker's
-    /// command of the kind is answered only if it agrees with what is in force, and changes
-    /// nothing ([`Self::handle_command_request`]).
+    /// The commands in force that worker 0 gave (optimizer, mode, compression): another
+    /// worker's command of the kind is answered only if it agrees, and changes nothing
+    /// ([`Self::handle_command_request`]).
     set_by_rank0: std::collections::BTreeSet<u8>,
+    /// Other workers' commands of those kinds that came before worker 0's: answered when
+    /// worker 0's comes.
+    waiting_for_rank0: Vec<commands::Waiting>,
 }
 
 impl std::fmt::Debug for ServerState {
@@ -309,6 +313,7 @@ impl ServerState {
             seq: 0,
             checkpoint_every: None,
             set_by_rank0: Default::default(),
+            waiting_for_rank0: Vec::new(),
         }
     }
 
@@ -445,71 +450,6 @@ impl ServerState {
             .min_by_key(|(key, _)| *key)
     }
 
-    /// Request `ts` of worker `rank`, a command: answered [`Output::Done`] (after its
-    /// journal record) or [`Output::Failed`]; a checkpoint is answered by the driver once
-    /// the [`Output::Snapshot`] is written.
-    pub fn handle_command_request(&mut self, rank: u32, ts: u64, kind: CommandKind, body: &str) {
-        if kind == CommandKind::Checkpoint {
-            return match self.checkpoint_refused() {
-                Some(reason) => self.fail(rank, ts, reason),
-                None => self.queue_snapshot(Some((rank, ts))),
-            };
-        }
-        if rank != 0 && self.set_by_rank0.contains(&kind.code()) {
-            // MXNet's workers each send the optimizer (and psnet's the mode): worker 0's
-            // decides; another's must agree with it, and changes nothing. A different one
-            // (a member holding a worker's token sending lr=1000, say) is refused.
-            return match self.disagreement(kind, body) {
-                None => self.out.push_back(Output::Done {
-                    rank,
-                    ts,
-                    value: None,
-                    have: None,
-                }),
-                Some(reason) => {
-                    tracing::warn!(worker = rank, ?kind, %reason, "refused a command that disagrees with worker 0's");
-                    self.fail(rank, ts, reason)
-                }
-            };
-        }
-        match self.handle_command(kind, body) {
-            Ok(()) => {
-                if rank == 0 && kind != CommandKind::SetCompression {
-                    self.set_by_rank0.insert(kind.code());
-                }
-                self.out.push_back(Output::Done {
-                    rank,
-                    ts,
-                    value: None,
-                    have: None,
-                })
-            }
-            Err(reason) => self.fail(rank, ts, reason),
-        }
-    }
-
-    /// Why `body` is not the `kind` in force (None: it is).
-    fn disagreement(&self, kind: CommandKind, body: &str) -> Option<String> {
-        let agrees = match kind {
-            CommandKind::SetOptimizer => {
-                OptimizerSpec::parse(body).is_ok_and(|s| Some(s) == self.optimizer)
-            }
-            CommandKind::SetMode => {
-                body == match self.mode {
-                    Mode::Sync => "sync",
-                    Mode::Async => "async",
-                }
-            }
-            _ => true,
-        };
-        (!agrees).then(|| {
-            format!(
-                "{kind:?} {body:?} is not the one in force, which worker 0 set: only worker 0 \
-                 sets it, the others' must agree"
-            )
-        })
-    }
-
     /// A worker's command: optimizer, compression, mode, checkpoint. `Err` is the reason to
     /// report. With checkpoints on, a change comes out as an [`Output::Journal`] record
     /// first; a checkpoint as an [`Output::Snapshot`].
@@ -612,6 +552,9 @@ impl ServerState {
                 self.mode = mode;
             }
         }
+        // Only worker 0's commands of these kinds are applied (live, or replayed from the
+        // journal): what is in force is worker 0's.
+        self.set_by_rank0.insert(kind.code());
         Ok(())
     }
 

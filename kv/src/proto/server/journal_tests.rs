@@ -51,10 +51,10 @@ fn every_acknowledged_change_is_journaled_before_its_answer() {
         ),
         (3, CommandKind::SetMode, "sync"),
     ] {
-        s.handle_command_request(1, ts, kind, body);
+        s.handle_command_request(0, ts, kind, body);
         let out = outputs(&mut s);
         assert_eq!(kinds(&out), "JD", "{kind:?}");
-        assert_eq!(out[1], done(1, ts, None));
+        assert_eq!(out[1], done(0, ts, None));
     }
     // Init.
     let mut p = push(0, 4, 9, &[1.0, 2.0]);

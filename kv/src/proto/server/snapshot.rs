@@ -143,6 +143,11 @@ impl ServerState {
             1 => Mode::Async,
             other => return Err(bad(format_args!("mode {other}"))),
         };
+        if s.mode == Mode::Async {
+            // Not the default: worker 0 set it. (A `sync` set by worker 0 is not told apart
+            // from the default, so another worker's later `sync` waits for worker 0's.)
+            s.set_by_rank0.insert(CommandKind::SetMode.code());
+        }
         let compression = match r.u8().map_err(|_| truncated("the compression"))? {
             NOT_SET => None,
             NO_COMPRESSION => Some(KvCompression::from(CompressionParams::None)),
@@ -169,6 +174,8 @@ impl ServerState {
                 .compressor()
                 .map_err(|e| bad(format_args!("compression: {e}")))?;
             s.compression = Some(params);
+            // Set by worker 0 (only its is applied): the others' must still agree with it.
+            s.set_by_rank0.insert(CommandKind::SetCompression.code());
         }
         match r.u8().map_err(|_| truncated("the optimizer"))? {
             0 => {}

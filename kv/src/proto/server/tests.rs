@@ -481,25 +481,52 @@ fn only_worker_0_initializes_and_sets_what_the_others_must_agree_with() {
     init(&mut s, 3, &[1.0]);
     let sgd = r#"{"type":"sgd","learning_rate":0.1}"#;
     let bad = r#"{"type":"sgd","learning_rate":1000}"#;
-    // Before worker 0 speaks, another worker's optimizer is taken (MXNet: every worker sends
-    // it); worker 0's then decides.
+    // Another worker's optimizer that comes before worker 0's (MXNet: every worker sends it)
+    // waits for it, and is then refused: it disagrees. Before, it was taken, and stayed in
+    // force if worker 0 never sent one.
     s.handle_command_request(1, 2, CommandKind::SetOptimizer, bad);
-    assert!(matches!(drain(&mut s)[..], [Output::Done { rank: 1, .. }]));
+    assert!(drain(&mut s).is_empty(), "answered before worker 0 spoke");
     s.handle_command_request(0, 3, CommandKind::SetOptimizer, sgd);
-    assert!(matches!(drain(&mut s)[..], [Output::Done { rank: 0, .. }]));
+    let out = drain(&mut s);
+    assert!(
+        matches!(out[0], Output::Done { rank: 0, ts: 3, .. }),
+        "{out:?}"
+    );
+    assert!(failed_reason(&out[1..]).contains("worker 0"), "{out:?}");
     // From then on the others must agree, and agreeing changes nothing.
     s.handle_command_request(1, 4, CommandKind::SetOptimizer, bad);
     assert!(failed_reason(&drain(&mut s)).contains("worker 0"));
     s.handle_command_request(1, 5, CommandKind::SetOptimizer, sgd);
     assert!(matches!(drain(&mut s)[..], [Output::Done { rank: 1, .. }]));
-    s.handle_command_request(1, 6, CommandKind::SetMode, "async");
-    assert!(
-        matches!(drain(&mut s)[..], [Output::Done { .. }]),
-        "mode not yet set by worker 0"
-    );
+    // The same for the mode and the compression: an agreeing one waits, then passes.
+    s.handle_command_request(1, 6, CommandKind::SetMode, "sync");
+    let two_bit = r#"{"type":"2bit","threshold":0.5}"#;
+    s.handle_command_request(1, 11, CommandKind::SetCompression, two_bit);
+    assert!(drain(&mut s).is_empty(), "mode not yet set by worker 0");
     s.handle_command_request(0, 7, CommandKind::SetMode, "sync");
-    drain(&mut s);
+    assert!(matches!(
+        drain(&mut s)[..],
+        [
+            Output::Done { rank: 0, .. },
+            Output::Done { rank: 1, ts: 6, .. }
+        ]
+    ));
     s.handle_command_request(1, 8, CommandKind::SetMode, "async");
+    assert!(failed_reason(&drain(&mut s)).contains("worker 0"));
+    s.handle_command_request(0, 12, CommandKind::SetCompression, two_bit);
+    assert!(matches!(
+        drain(&mut s)[..],
+        [
+            Output::Done { rank: 0, .. },
+            Output::Done {
+                rank: 1,
+                ts: 11,
+                ..
+            }
+        ]
+    ));
+    let one_bit = r#"{"type":"1bit","threshold":0.5}"#;
+    s.handle_command_request(1, 13, CommandKind::SetCompression, one_bit);
     assert!(failed_reason(&drain(&mut s)).contains("worker 0"));
     // One round at lr 0.1 proves worker 0's optimizer is the one in force.
     s.handle_push(push(0, 9, 3, &[1.0]));
@@ -507,4 +534,33 @@ fn only_worker_0_initializes_and_sets_what_the_others_must_agree_with() {
     drain(&mut s);
     let v = s.value(3).unwrap()[0];
     assert!((v - 0.8).abs() < 1e-6, "lr 0.1 on a sum of 2 from 1: {v}");
+}
+
+#[test]
+fn commands_waiting_for_worker_0_fail_with_its_refusal_and_are_bounded() {
+    let mut s = ServerState::new(2);
+    let sgd = r#"{"type":"sgd","learning_rate":0.1}"#;
+    s.handle_command_request(1, 1, CommandKind::SetOptimizer, sgd);
+    assert!(drain(&mut s).is_empty());
+    s.handle_command_request(0, 2, CommandKind::SetOptimizer, r#"{"type":"nope"}"#);
+    let out = drain(&mut s);
+    assert_eq!(out.len(), 2, "{out:?}");
+    assert!(
+        failed_reason(&out[1..]).contains("worker 0's SetOptimizer"),
+        "{out:?}"
+    );
+    // A worker cannot make a server hold its commands without end.
+    for ts in 10..18 {
+        s.handle_command_request(1, ts, CommandKind::SetMode, "async");
+    }
+    assert!(drain(&mut s).is_empty());
+    s.handle_command_request(1, 18, CommandKind::SetMode, "async");
+    assert!(failed_reason(&drain(&mut s)).contains("already wait"));
+    // Nothing was applied: the mode is still the default.
+    s.handle_command_request(0, 19, CommandKind::SetMode, "sync");
+    let out = drain(&mut s);
+    assert_eq!(out.len(), 9, "{out:?}");
+    assert!(out[1..]
+        .iter()
+        .all(|o| matches!(o, Output::Failed { rank: 1, .. })));
 }

@@ -1,0 +1,159 @@
+//! Who may set what: worker 0 sets the servers' optimizer, mode and gradient compression.
+//! MXNet's workers each send the optimizer (and psnet's each send the mode and compression),
+//! so another worker's command is taken only as agreement with worker 0's: one that comes
+//! first waits for worker 0's, and is then answered (it agrees) or refused (it does not).
+//! Before, the first such command was applied, whoever sent it: a member holding a worker's
+//! place could set lr=1000 before worker 0 spoke, and keep it if worker 0 never did.
+
+use super::Mode;
+use super::{Output, ServerState};
+use crate::proto::msg::CommandKind;
+use crate::proto::pulled::KvCompression;
+use crate::updater::OptimizerSpec;
+
+/// Commands of another worker waiting for worker 0's of their kind, at most this many per
+/// worker (each worker sends one of each kind at a time).
+const WAITING_PER_WORKER: usize = 8;
+
+/// Another worker's command that came before worker 0's of its kind.
+#[derive(Debug)]
+pub(super) struct Waiting {
+    rank: u32,
+    ts: u64,
+    kind: CommandKind,
+    body: String,
+}
+
+/// The kinds only worker 0 sets.
+fn set_by_worker_0(kind: CommandKind) -> bool {
+    matches!(
+        kind,
+        CommandKind::SetOptimizer | CommandKind::SetMode | CommandKind::SetCompression
+    )
+}
+
+impl ServerState {
+    /// Request `ts` of worker `rank`, a command: answered [`Output::Done`] (after its
+    /// journal record) or [`Output::Failed`]; a checkpoint is answered by the driver once
+    /// the [`Output::Snapshot`] is written. Another worker's optimizer, mode or compression
+    /// is answered once worker 0's is in force, as agreement with it.
+    pub fn handle_command_request(&mut self, rank: u32, ts: u64, kind: CommandKind, body: &str) {
+        if kind == CommandKind::Checkpoint {
+            return match self.checkpoint_refused() {
+                Some(reason) => self.fail(rank, ts, reason),
+                None => self.queue_snapshot(Some((rank, ts))),
+            };
+        }
+        if rank != 0 && set_by_worker_0(kind) {
+            if self.set_by_rank0.contains(&kind.code()) {
+                return self.answer_agreement(rank, ts, kind, body);
+            }
+            let theirs = self
+                .waiting_for_rank0
+                .iter()
+                .filter(|w| w.rank == rank)
+                .count();
+            if theirs >= WAITING_PER_WORKER {
+                return self.fail(
+                    rank,
+                    ts,
+                    format!(
+                        "{theirs} commands of this worker already wait for worker 0's \
+                         optimizer, mode or compression"
+                    ),
+                );
+            }
+            self.waiting_for_rank0.push(Waiting {
+                rank,
+                ts,
+                kind,
+                body: body.to_string(),
+            });
+            return;
+        }
+        let outcome = self.handle_command(kind, body);
+        match &outcome {
+            Ok(()) => self.out.push_back(Output::Done {
+                rank,
+                ts,
+                value: None,
+                have: None,
+            }),
+            Err(reason) => self.fail(rank, ts, reason.clone()),
+        }
+        if rank == 0 && set_by_worker_0(kind) {
+            self.answer_waiting(kind, outcome.err());
+        }
+    }
+
+    /// Worker 0's `kind` was applied (`refused`: it was not, and why): the other workers'
+    /// commands of that kind that waited for it are answered.
+    fn answer_waiting(&mut self, kind: CommandKind, refused: Option<String>) {
+        let (now, still): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiting_for_rank0)
+            .into_iter()
+            .partition(|w| w.kind == kind);
+        self.waiting_for_rank0 = still;
+        for w in now {
+            match &refused {
+                None => self.answer_agreement(w.rank, w.ts, w.kind, &w.body),
+                Some(why) => self.fail(
+                    w.rank,
+                    w.ts,
+                    format!("worker 0's {kind:?}, which this one waited for, was refused: {why}"),
+                ),
+            }
+        }
+    }
+
+    /// Another worker's `kind`, with worker 0's in force: done if it agrees (it changes
+    /// nothing), refused if not.
+    fn answer_agreement(&mut self, rank: u32, ts: u64, kind: CommandKind, body: &str) {
+        match self.disagreement(kind, body) {
+            None => self.out.push_back(Output::Done {
+                rank,
+                ts,
+                value: None,
+                have: None,
+            }),
+            Some(reason) => {
+                tracing::warn!(worker = rank, ?kind, %reason, "refused a command that disagrees with worker 0's");
+                self.fail(rank, ts, reason)
+            }
+        }
+    }
+
+    /// Why `body` is not the `kind` in force (None: it is).
+    fn disagreement(&self, kind: CommandKind, body: &str) -> Option<String> {
+        let agrees = match kind {
+            CommandKind::SetOptimizer => {
+                OptimizerSpec::parse(body).is_ok_and(|s| Some(s) == self.optimizer)
+            }
+            CommandKind::SetMode => {
+                body == match self.mode {
+                    Mode::Sync => "sync",
+                    Mode::Async => "async",
+                }
+            }
+            CommandKind::SetCompression => {
+                let theirs = KvCompression::parse(body);
+                if let (Ok(theirs), Some(current)) = (&theirs, self.compression) {
+                    if *theirs != current {
+                        return Some(format!(
+                            "gradient compression is already {current} on this server, set \
+                             by worker 0, refusing {theirs}: every worker must set the same \
+                             compression"
+                        ));
+                    }
+                }
+                theirs.is_ok_and(|c| Some(c) == self.compression)
+            }
+            CommandKind::Checkpoint => true,
+        };
+        (!agrees).then(|| {
+            format!(
+                "{kind:?} {body:?} is not the one in force, which worker 0 set: only worker 0 \
+                 sets it, the others' must agree"
+            )
+        })
+    }
+}
