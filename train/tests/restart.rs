@@ -167,3 +167,55 @@ fn a_server_restarted_over_another_jobs_checkpoint_refuses_it_and_the_job_ends_n
         "the refusal names the file and the jobs:\n{err}"
     );
 }
+
+/// A server restarted over a damaged snapshot refuses it naming the file and the checksum,
+/// tells the scheduler, and the scheduler ends the job at once with that reason. Before, the
+/// workers redialled the server that had left until the job's end (237 s), and their errors
+/// did not name the checksum.
+#[test]
+fn a_server_restarted_over_a_damaged_snapshot_ends_the_job_naming_the_checksum() {
+    let dir = std::env::temp_dir().join(format!("psnet-train-damaged-{}", std::process::id()));
+    let mut job = train();
+    job.args(ARGS)
+        .env("PSNET_CHECKPOINT_DIR", &dir)
+        .env("PSNET_CHECKPOINT_EVERY", "0")
+        .env("PSNET_RECOVERY_TIMEOUT", "100")
+        .env("PSNET_MAX_RESTARTS", "1");
+    let (mut launcher, _rx, reader) = started(&mut job);
+    let snapshot = dir.join("server-0.snapshot");
+    let mut bytes = std::fs::read(&snapshot).expect("server 0's first snapshot");
+    // A bit of the shard's values (the last byte: past the header, whose sizes are checked
+    // first) turned, as a disk or a copy might.
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    // Written aside and renamed over, as a damaged copy would land: the file is whole.
+    let aside = dir.join("server-0.snapshot.damaged");
+    std::fs::write(&aside, &bytes).unwrap();
+    std::fs::rename(&aside, &snapshot).unwrap();
+    kill(server(launcher.id(), "0"));
+    let killed = Instant::now();
+    let (status, err) = wait_for_launcher(&mut launcher, Duration::from_secs(120));
+    let took = killed.elapsed();
+    let out = reader.join().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        !status.success(),
+        "the job went on over a damaged shard:\n{out}\n{err}"
+    );
+    assert!(
+        err.contains("server-0.snapshot") && err.contains("checksum"),
+        "the refusal names the file and the checksum:\n{err}"
+    );
+    // The scheduler ends the job with the server's reason at once, rather than holding the
+    // rank for the recovery window (set to 100 s here).
+    assert!(
+        err.lines().any(|l| l.contains("scheduler")
+            && l.contains("cannot rejoin")
+            && l.contains("checksum")),
+        "the scheduler does not end the job with the reason:\n{err}"
+    );
+    assert!(
+        took < Duration::from_secs(50),
+        "the job waited {took:?} for a server that could not rejoin:\n{err}"
+    );
+}
