@@ -7,9 +7,9 @@
 //! place as it goes (queued, started, pieces exchanged with each peer, done or failed), so
 //! the ring holds one entry per operation and a fixed amount of memory
 //! (`PSNET_RECORDER_ENTRIES`). A collective call is recorded when its turn comes
-//! ([`Recorder::start`]) and again when it ends ([`Recorder::finish`]): a lock and a read of
-//! the CPU's time-stamp counter each (about 10 ns apiece here), no allocation, no I/O. The
-//! ring keeps counter ticks; snapshots and dumps give µs since the Unix epoch.
+//! ([`Recorder::start`]) and again when it ends ([`Recorder::finish`]): a spin lock and a
+//! read of the CPU's time-stamp counter each (28 ns for both here), no allocation, no I/O.
+//! The ring keeps counter ticks; snapshots and dumps give µs since the Unix epoch.
 //!
 //! Dumps go to `PSNET_RECORDER_DIR` (default: `psnet-recorder` in the system's temporary
 //! directory), one file per scope and process, written again each time (the latest is the
@@ -18,7 +18,6 @@
 
 #![forbid(unsafe_code)]
 
-use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -197,17 +196,48 @@ pub fn now_us() -> u64 {
         .map_or(0, |d| d.as_micros() as u64)
 }
 
+/// The records, in fixed slots: record `id` lives in slot `id % capacity`, so a new record
+/// overwrites the oldest in place (a `VecDeque`'s pop and push moved each 232-byte record
+/// twice, a third of a record's cost).
 struct Ring {
-    records: VecDeque<Record>,
+    slots: Vec<Record>,
     capacity: usize,
     next_id: u64,
-    dropped: u64,
+}
+
+impl Ring {
+    /// Records older than the ring holds.
+    fn dropped(&self) -> u64 {
+        self.next_id - self.slots.len() as u64
+    }
+
+    /// Record `id`, if the ring still holds it.
+    fn get_mut(&mut self, id: u64) -> Option<&mut Record> {
+        if id >= self.next_id || id < self.dropped() {
+            return None;
+        }
+        let slot = (id % self.capacity as u64) as usize;
+        self.slots.get_mut(slot)
+    }
+
+    /// The records, oldest first.
+    fn in_order(&self) -> impl Iterator<Item = &Record> {
+        let start = if self.slots.len() < self.capacity {
+            0
+        } else {
+            (self.next_id % self.capacity as u64) as usize
+        };
+        self.slots[start..].iter().chain(&self.slots[..start])
+    }
 }
 
 /// One scope's flight recorder. Cheap to share (`Arc`); every method takes `&self`.
 pub struct Recorder {
     scope: Scope,
-    ring: Mutex<Ring>,
+    /// A spin lock: held for a few nanoseconds, never across an await, and its release is a
+    /// plain store where a `std` mutex's is an atomic swap (37 against 28 ns a record, start
+    /// and finish). A holder descheduled mid-record makes others yield, not spin hot.
+    ring: spin::mutex::SpinMutex<Ring, spin::relax::Yield>,
     policy: DumpPolicy,
     dir: PathBuf,
     /// The records' clock: the time-stamp counter (`quanta`), a third of the system clock's
@@ -250,11 +280,10 @@ impl Recorder {
         let clock = quanta::Clock::new();
         let recorder = Arc::new(Recorder {
             scope,
-            ring: Mutex::new(Ring {
-                records: VecDeque::with_capacity(capacity),
+            ring: spin::mutex::SpinMutex::new(Ring {
+                slots: Vec::with_capacity(capacity),
                 capacity,
                 next_id: 0,
-                dropped: 0,
             }),
             policy,
             dir,
@@ -278,8 +307,8 @@ impl Recorder {
         &self.scope
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Ring> {
-        self.ring.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> spin::mutex::SpinMutexGuard<'_, Ring> {
+        self.ring.lock()
     }
 
     fn ticks(&self) -> u64 {
@@ -321,11 +350,7 @@ impl Recorder {
         let mut ring = self.lock();
         let id = ring.next_id;
         ring.next_id += 1;
-        if ring.records.len() == ring.capacity {
-            ring.records.pop_front();
-            ring.dropped += 1;
-        }
-        ring.records.push_back(Record {
+        let record = Record {
             id,
             op,
             state,
@@ -334,20 +359,19 @@ impl Recorder {
             ended_us: 0,
             peers: [PeerCount::default(); PEERS],
             error: None,
-        });
+        };
+        if ring.slots.len() < ring.capacity {
+            ring.slots.push(record);
+        } else {
+            let slot = (id % ring.capacity as u64) as usize;
+            ring.slots[slot] = record;
+        }
         id
     }
 
     /// Changes record `id`, if the ring still holds it.
     fn update(&self, id: u64, change: impl FnOnce(&mut Record)) {
-        let mut ring = self.lock();
-        let Some(first) = ring.records.front().map(|r| r.id) else {
-            return;
-        };
-        if let Some(r) = id
-            .checked_sub(first)
-            .and_then(|i| ring.records.get_mut(i as usize))
-        {
+        if let Some(r) = self.lock().get_mut(id) {
             change(r);
         }
     }
@@ -417,10 +441,7 @@ impl Recorder {
     pub fn snapshot(&self) -> (Vec<Record>, u64) {
         let (mut records, dropped) = {
             let ring = self.lock();
-            (
-                ring.records.iter().cloned().collect::<Vec<_>>(),
-                ring.dropped,
-            )
+            (ring.in_order().cloned().collect::<Vec<_>>(), ring.dropped())
         };
         for r in &mut records {
             r.made_us = self.micros(r.made_us);
