@@ -219,3 +219,69 @@ fn a_server_restarted_over_a_damaged_snapshot_ends_the_job_naming_the_checksum()
         "the job waited {took:?} for a server that could not rejoin:\n{err}"
     );
 }
+
+/// A process that registers as a server while a lost server's rank is held for it (the
+/// issue's first attack: before, the first process to register got the rank, every node's
+/// traffic, and the job exited 0 with its weights) is refused: it lacks the recovery
+/// credential the lost server committed to. The real server, restarted over its own
+/// checkpoint directory, then takes its rank back and the job ends well.
+#[test]
+fn a_process_registering_in_a_lost_servers_place_without_its_credential_is_refused() {
+    use common::{finish, free_port, role};
+    let base = std::env::temp_dir().join(format!("psnet-train-impostor-{}", std::process::id()));
+    let (own, other) = (base.join("own"), base.join("other"));
+    let port = free_port();
+    let job = |dir: &std::path::Path| {
+        let mut cmd = train();
+        cmd.args(["--epochs", "6", "--step-delay-ms", "2"])
+            .env("PSNET_CHECKPOINT_DIR", dir)
+            .env("PSNET_RECOVERY_TIMEOUT", "60")
+            .env("DMLC_SERVER_ID", "0");
+        cmd
+    };
+    let scheduler = role(&mut job(&own), "scheduler", port, 1);
+    let mut server = role(&mut job(&own), "server", port, 1);
+    let worker = role(&mut job(&own), "worker", port, 1);
+    // Once the server wrote its first snapshot, it is killed outright.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !own.join("server-0.snapshot").exists() {
+        assert!(Instant::now() < deadline, "server 0 wrote no snapshot");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    server.kill().unwrap();
+    server.wait().unwrap();
+    // An impostor registers as server 0, with a checkpoint directory of its own holding a
+    // credential of the right length that is not the lost server's, and is refused.
+    let credential = std::fs::read(own.join("server-0.credential")).unwrap();
+    std::fs::create_dir_all(&other).unwrap();
+    let guess: Vec<u8> = credential.iter().map(|b| b ^ 0x5a).collect();
+    std::fs::write(other.join("server-0.credential"), guess).unwrap();
+    let (status, err) = finish(
+        role(&mut job(&other), "server", port, 1),
+        Duration::from_secs(60),
+    );
+    assert!(!status.success(), "the impostor took the lost rank:\n{err}");
+    assert!(
+        err.contains("was refused") && err.contains("credential"),
+        "the impostor's error names the credential:\n{err}"
+    );
+    // The real server comes back over its own directory and takes its rank back.
+    let server = role(&mut job(&own), "server", port, 1);
+    let (status, werr) = finish(worker, Duration::from_secs(120));
+    let (_, serr) = finish(server, Duration::from_secs(30));
+    let (sstatus, scherr) = finish(scheduler, Duration::from_secs(30));
+    let _ = std::fs::remove_dir_all(&base);
+    assert!(
+        status.success() && sstatus.success(),
+        "the job failed after the real server came back:\n{werr}\n{serr}\n{scherr}"
+    );
+    assert!(
+        scherr.contains("refusing a server's registration") && scherr.contains("credential"),
+        "the scheduler logs the refusal:\n{scherr}"
+    );
+    assert!(
+        scherr.contains("a restarted server took its rank back"),
+        "{scherr}"
+    );
+}
