@@ -158,6 +158,14 @@ impl<T: Transport> Communicator<T> {
         let (id, local) = crate::join::join(&comm, root).await?;
         comm.comm = id;
         comm.recorder = comm.new_recorder();
+        if let Some(r) = &comm.recorder {
+            comm.mailbox.set_recorder(r.clone());
+            // The connections the join made, as the communicator starts with them.
+            let connected = comm.transport.connected_peers();
+            for &m in comm.members.iter().filter(|m| connected.contains(m)) {
+                comm.mailbox.record_event("connected", m);
+            }
+        }
         if let (Some(timeout), true) = (comm.config.heartbeat_timeout, size > 1) {
             let others = (0..size).filter(|&r| r != rank).map(node_of).collect();
             comm.watcher = Some(Arc::new(Reader(tokio::spawn(crate::liveness::watch(

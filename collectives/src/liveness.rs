@@ -74,16 +74,19 @@ pub(crate) async fn watch<T: Transport>(
         let now = Instant::now();
         let mut mail = mailbox.lock();
         let quiet = silent(&watched, &mail.last_heard, since, now, timeout);
-        let mut news = false;
+        let mut silent = Vec::new();
         for peer in quiet {
             if let std::collections::hash_map::Entry::Vacant(e) = mail.lost.entry(peer) {
                 tracing::error!(%peer, ?timeout, "collectives: a rank fell silent");
                 e.insert(reason(timeout));
-                news = true;
+                silent.push(peer);
             }
         }
         drop(mail);
-        if news {
+        for &peer in &silent {
+            mailbox.record_event("silent", peer);
+        }
+        if !silent.is_empty() {
             mailbox.changed.notify_waiters();
         }
     }

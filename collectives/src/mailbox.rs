@@ -179,6 +179,8 @@ pub(crate) struct Mailbox {
     mail: Mutex<Mail>,
     /// Signalled whenever the mail changes.
     pub changed: Notify,
+    /// The communicator's flight recorder, once it is formed: connection events go there.
+    recorder: std::sync::OnceLock<Arc<psnet_recorder::Recorder>>,
 }
 
 impl Mailbox {
@@ -190,6 +192,22 @@ impl Mailbox {
                 ..Mail::default()
             }),
             changed: Notify::new(),
+            recorder: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Where connection events are recorded from now on.
+    pub(crate) fn set_recorder(&self, recorder: Arc<psnet_recorder::Recorder>) {
+        let _ = self.recorder.set(recorder);
+    }
+
+    /// Records a connection event (`what`: "connected", "lost", "silent") of the rank at
+    /// `peer`, if there is a recorder.
+    pub(crate) fn record_event(&self, what: &'static str, peer: NodeId) {
+        if let Some(r) = self.recorder.get() {
+            // Ranks are nodes 1..=size (`node_of`).
+            let rank = peer.0.saturating_sub(1);
+            r.event(psnet_recorder::Op::Event { what, peer: rank });
         }
     }
 
@@ -252,12 +270,21 @@ pub(crate) async fn read_all<T: Transport>(transport: Arc<T>, mailbox: Arc<Mailb
                 }
             },
             Ok(Event::PeerLost { peer, reason }) => {
+                let first = !mail.lost.contains_key(&peer);
                 mail.lost.entry(peer).or_insert(reason);
+                if first {
+                    drop(mail);
+                    mailbox.record_event("lost", peer);
+                    mailbox.changed.notify_waiters();
+                    continue;
+                }
             }
             // A collective's messages lost with a connection are not sent again: a peer lost
             // once stays lost for every call, even if it connects again.
             Ok(Event::PeerConnected { peer, .. }) => {
                 mail.last_heard.insert(peer, Instant::now());
+                drop(mail);
+                mailbox.record_event("connected", peer);
                 continue;
             }
             Err(e) => {

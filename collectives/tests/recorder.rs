@@ -10,7 +10,8 @@ use std::time::Duration;
 use common::{runtime, world};
 use psnet_collectives::{CollectiveError, Config, ReduceOp};
 use psnet_memnet::MemNet;
-use psnet_recorder::{doctor, DumpPolicy, Settings};
+use psnet_recorder::doctor::ReadOp;
+use psnet_recorder::{doctor, DumpPolicy, Settings, State};
 
 fn config(name: &str) -> (Config, PathBuf) {
     let dir =
@@ -133,5 +134,56 @@ fn a_receive_whose_message_was_never_sent_is_named_with_the_senders_side() {
             ),
             "{text}"
         );
+    });
+}
+
+/// Connection events are recorded as they happen: a rank killed while the others are idle is
+/// in their dumps as "lost" before the call that then fails, after their "connected" events.
+#[test]
+fn a_rank_lost_between_calls_is_recorded_when_its_connection_goes() {
+    let rt = runtime();
+    rt.block_on(async {
+        let (config, dir) = config("lost");
+        let net = MemNet::reliable();
+        let comms = world(&net, 3, config).await;
+        let calls = comms.iter().map(|c| async move {
+            let mut v = vec![1.0f32; 64];
+            c.allreduce(&mut v, ReduceOp::Sum).await
+        });
+        for r in futures_util::future::join_all(calls).await {
+            r.expect("the call every rank makes");
+        }
+        assert!(net.kill(psnet_collectives::node_of(2)));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let waits = comms[..2].iter().map(|c| async move {
+            let mut v = vec![1.0f32; 64];
+            c.allreduce(&mut v, ReduceOp::Sum).await
+        });
+        for r in futures_util::future::join_all(waits).await {
+            // One rank finds rank 2 lost and tells the other (an abort naming it).
+            let e = r.expect_err("rank 2 is gone").to_string();
+            assert!(e.contains("rank 2"), "{e}");
+        }
+        drop(comms);
+        let (dumps, _) = doctor::read_dir(&dir).expect("the dumps");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(dumps.len(), 2, "ranks 0 and 1 dump on the failed call");
+        for d in &dumps {
+            let ops: Vec<&ReadOp> = d.records.iter().map(|r| &r.op).collect();
+            let at = |what: &str, peer: u64| {
+                ops.iter().position(|op| {
+                    matches!(op, ReadOp::Event { what: w, peer: p } if w == what && *p == peer)
+                })
+            };
+            let lost = at("lost", 2).unwrap_or_else(|| panic!("no loss of rank 2: {ops:?}"));
+            assert!(at("connected", 2).is_some_and(|c| c < lost), "{ops:?}");
+            // The failed allreduce comes after the loss.
+            let failed = d
+                .records
+                .iter()
+                .position(|r| r.state == State::Failed)
+                .expect("the failed call");
+            assert!(lost < failed, "{ops:?}");
+        }
     });
 }

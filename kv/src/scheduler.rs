@@ -45,6 +45,21 @@ impl<T: Transport> Scheduler<T> {
         let config = &config;
         // SIGUSR1 (psnet-launch asking for dumps) must not end a process without a recorder.
         psnet_recorder::install_signal_dump();
+        // The scheduler's flight recorder keeps the job's membership: registrations,
+        // assignments, connections, and the nodes it declared lost.
+        let recorder = psnet_recorder::Recorder::with(
+            psnet_recorder::Scope::Kv {
+                role: "scheduler".into(),
+                rank: 0,
+            },
+            &config.recorder,
+        );
+        let record = |what: &'static str, peer: psnet_transport::NodeId| {
+            if let Some(r) = &recorder {
+                r.event(psnet_recorder::Op::Event { what, peer: peer.0 });
+            }
+        };
+        let mut declared = std::collections::HashSet::new();
         let link = Link::new(Arc::new(t), config.resend);
         let t = link.transport();
         tracing::info!(addr = %t.listen_addr(), servers = config.num_servers, workers = config.num_workers, "scheduler up");
@@ -81,6 +96,7 @@ impl<T: Transport> Scheduler<T> {
                                 recovery,
                                 identity,
                             } => {
+                                record("registered", from);
                                 let reg = Registration { role, addr, rank_hint, recovery, identity };
                                 state.handle_register(from, reg, now)
                             }
@@ -92,23 +108,41 @@ impl<T: Transport> Scheduler<T> {
                             other => tracing::warn!(from = %describe(from), ?other, "unexpected message at the scheduler"),
                         },
                         Received::Malformed { from, reason, .. } => state.handle_malformed(from, &reason),
-                        Received::Connected(peer) => state.handle_alive(peer, now),
-                        Received::Lost { peer, reason } => state.handle_lost(peer, &reason),
+                        Received::Connected(peer) => {
+                            record("connected", peer);
+                            state.handle_alive(peer, now)
+                        }
+                        Received::Lost { peer, reason } => {
+                            record("lost", peer);
+                            state.handle_lost(peer, &reason)
+                        }
                     }
                 }
                 _ = tick.tick() => {
                     state.handle_timeout(crate::clock::now());
                     if !state.is_assigned() && started.elapsed() > config.bootstrap_timeout {
                         let (s, w) = state.registered();
-                        return Err(KvError::Bootstrap(format!(
+                        let e = KvError::Bootstrap(format!(
                             "only {s} of {} servers and {w} of {} workers registered within {:?} \
                              (PSNET_BOOTSTRAP_TIMEOUT)",
                             config.num_servers, config.num_workers, config.bootstrap_timeout
-                        )));
+                        ));
+                        if let Some(r) = &recorder {
+                            r.dump_on_failure(&e.to_string());
+                        }
+                        return Err(e);
                     }
                 }
             }
             while let Some((to, msg)) = state.poll_transmit() {
+                match &msg {
+                    Msg::Assign { your_id, .. } => record("assigned", *your_id),
+                    Msg::Reassign { your_id, .. } => record("rejoined", *your_id),
+                    Msg::NodeFailed { id, .. } if declared.insert(*id) => {
+                        record("declared lost", *id)
+                    }
+                    _ => {}
+                }
                 match &msg {
                     Msg::Assign { nodes, .. } => {
                         // Where to redial nodes whose connection drops (PS_RESEND), and the
@@ -145,6 +179,9 @@ impl<T: Transport> Scheduler<T> {
         link.close();
         if state.dead().is_empty() {
             tracing::info!("job finished");
+            if let Some(r) = &recorder {
+                r.dump_at_end();
+            }
             Ok(())
         } else {
             let lost: Vec<String> = state
@@ -152,10 +189,14 @@ impl<T: Transport> Scheduler<T> {
                 .iter()
                 .map(|(id, why)| format!("{}: {why}", describe(*id)))
                 .collect();
-            Err(KvError::NodeLost {
+            let e = KvError::NodeLost {
                 node: format!("{} node(s)", lost.len()),
                 reason: lost.join("; "),
-            })
+            };
+            if let Some(r) = &recorder {
+                r.dump_on_failure(&e.to_string());
+            }
+            Err(e)
         }
     }
 }

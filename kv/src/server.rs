@@ -169,6 +169,7 @@ async fn serve<T: Transport>(
                     None => tracing::warn!(from = %describe(from), %reason, "dropping a malformed kv message"),
                 },
                 Received::Lost { peer, reason } => {
+                    served.event("lost", peer);
                     if peer == SCHEDULER {
                         let node = describe(peer);
                         leave(&link, num_workers, &format!("{node} is gone: {reason}"), period).await;
@@ -182,7 +183,7 @@ async fn serve<T: Transport>(
                         answers.forget(rank);
                     }
                 }
-                Received::Connected(_) => {}
+                Received::Connected(peer) => served.event("connected", peer),
             },
             _ = heartbeat.tick() => {
                 let now = crate::clock::now();

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use psnet_kv::KvConfig;
-use psnet_recorder::{doctor, DumpPolicy, Settings};
+use psnet_recorder::doctor::ReadOp;
+use psnet_recorder::{doctor, DumpPolicy, Scope, Settings};
 
 mod common;
 
@@ -67,6 +68,42 @@ async fn a_round_that_waits_is_shown_with_the_request_and_the_server_holding_it(
             && text.contains("later: server 0 took it"),
         "{text}"
     );
+    // The scheduler dumps too: the job's membership, each node registered, assigned and
+    // connected; the server's dump holds its connections.
+    let (dumps, _) = doctor::read_dir(&dir).unwrap();
+    let events = |role: &str| -> Vec<(String, u64)> {
+        let dump = dumps
+            .iter()
+            .find(|d| matches!(&d.scope, Scope::Kv { role: r, .. } if r == role))
+            .unwrap_or_else(|| panic!("no {role} dump"));
+        dump.records
+            .iter()
+            .filter_map(|r| match &r.op {
+                ReadOp::Event { what, peer } => Some((what.clone(), *peer)),
+                _ => None,
+            })
+            .collect()
+    };
+    let scheduler = events("scheduler");
+    // Server 0 is node 8, workers 0-1 nodes 9 and 11.
+    for node in [8, 9, 11] {
+        assert!(
+            scheduler.contains(&("assigned".to_string(), node)),
+            "node {node}: {scheduler:?}"
+        );
+    }
+    assert_eq!(
+        scheduler.iter().filter(|(w, _)| w == "registered").count(),
+        3,
+        "{scheduler:?}"
+    );
+    let server = events("server");
+    for node in [9, 11] {
+        assert!(
+            server.contains(&("connected".to_string(), node)),
+            "node {node}: {server:?}"
+        );
+    }
     // The round completes once worker 1 pushes; the job ends well.
     c.workers[1]
         .push(5, &[1.0; 4])

@@ -249,6 +249,14 @@ pub struct Recorder {
     timeline: Mutex<Option<PathBuf>>,
 }
 
+impl std::fmt::Debug for Recorder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recorder")
+            .field("scope", &self.scope)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Recorder {
     /// A recorder of `scope` with `settings`, registered for [`dump_all`] (and `SIGUSR1`).
     /// `None` if it keeps no entries.

@@ -431,8 +431,8 @@ fn with_psnet_timeline_every_node_writes_a_trace_and_the_job_merges() {
         .iter()
         .filter(|n| n.ends_with(".trace.json"))
         .collect();
-    // Two workers and the server (the scheduler records nothing).
-    assert_eq!(traces.len(), 3, "{names:?}");
+    // Two workers, the server and the scheduler (its membership: connections, assignments).
+    assert_eq!(traces.len(), 4, "{names:?}");
     for t in &traces {
         let trace: serde_json::Value =
             serde_json::from_slice(&std::fs::read(dir.join(t)).unwrap()).unwrap();
@@ -446,12 +446,16 @@ fn with_psnet_timeline_every_node_writes_a_trace_and_the_job_merges() {
     assert!(skipped.is_empty(), "{skipped:?}");
     let merged = psnet_recorder::timeline::chrome_trace(&dumps);
     let events = merged["traceEvents"].as_array().unwrap();
-    let requests = events
-        .iter()
-        .filter(|e| e["ph"] == "X" && e["name"].as_str().is_some_and(|n| n.contains("key")))
-        .count();
+    let drawn = events.iter().filter(|e| e["ph"] == "X").count();
     let records: usize = dumps.iter().map(|d| d.records.len()).sum();
-    assert_eq!(requests, records, "one event per recorded operation");
+    assert_eq!(drawn, records, "one event per recorded operation");
+    // Requests and rounds, and the connection events on a track of their own.
+    assert!(events
+        .iter()
+        .any(|e| e["ph"] == "X" && e["name"].as_str().is_some_and(|n| n.contains("key"))));
+    assert!(events
+        .iter()
+        .any(|e| e["cat"] == "events" && e["name"] == "connected"));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

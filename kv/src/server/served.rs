@@ -53,6 +53,13 @@ impl Served {
         self.open.push((worker, ts, id));
     }
 
+    /// A connection event (`what`: "connected", "lost") of node `peer`.
+    pub(super) fn event(&self, what: &'static str, peer: psnet_transport::NodeId) {
+        if let Some(r) = &self.recorder {
+            r.event(Op::Event { what, peer: peer.0 });
+        }
+    }
+
     /// Its answer went out (`failure`: why it failed).
     pub(super) fn answered(&mut self, worker: u32, ts: u64, failure: Option<&str>) {
         let Some(r) = &self.recorder else {

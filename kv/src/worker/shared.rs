@@ -223,6 +223,16 @@ impl<T: Transport> Shared<T> {
 
     /// Hands one received event to the state.
     pub(crate) fn handle(&self, event: crate::wire::Received) {
+        if let Some(r) = &self.recorder {
+            let connection = match &event {
+                crate::wire::Received::Lost { peer, .. } => Some(("lost", *peer)),
+                crate::wire::Received::Connected(peer) => Some(("connected", *peer)),
+                _ => None,
+            };
+            if let Some((what, peer)) = connection {
+                r.event(psnet_recorder::Op::Event { what, peer: peer.0 });
+            }
+        }
         let ended = {
             let mut state = self.state();
             state.handle_received(event, crate::clock::now());
