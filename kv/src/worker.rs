@@ -82,6 +82,7 @@ impl<T: Transport> Worker<T> {
         .with_recovery(config.recovery_timeout.is_some())
         .with_partition_bytes(partition_bytes(config, &joined.nodes))
         .with_priorities(config.priorities);
+        let partitions = partition_bytes(config, &joined.nodes) > 0;
         let shared = Arc::new(Shared {
             link: joined.link,
             admission: joined.admission,
@@ -91,6 +92,7 @@ impl<T: Transport> Worker<T> {
             num_workers,
             state: Mutex::new(state),
             serial_sends: config.serial_sends,
+            partitions,
             ended: Notify::new(),
             recorder: psnet_recorder::Recorder::with(
                 psnet_recorder::Scope::Kv {

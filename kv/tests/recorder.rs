@@ -145,3 +145,45 @@ async fn a_request_failed_by_a_lost_worker_is_dumped_unasked() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A key cut into pieces (`PSNET_PARTITION_BYTES`) is recorded as the key and each piece's
+/// number, not as the pieces' slots (numbers past 2^48 that name nothing a user knows).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pieces_of_a_partitioned_key_are_recorded_as_the_key_and_their_numbers() {
+    let dir = scratch("pieces");
+    let settings = Settings {
+        entries: 256,
+        policy: DumpPolicy::Failure,
+        dir: dir.clone(),
+        timeline: None,
+    };
+    // 1,024 floats in pieces of 128 (512 bytes): 8 pieces over 2 servers.
+    let c = cluster_with(2, 1, move |c| KvConfig {
+        recorder: settings.clone(),
+        ..c.partition_bytes(512)
+    })
+    .await;
+    let w = &c.workers[0];
+    w.init(&[7], &[&[0.0; 1024]]).await.expect("init");
+    w.push(7, &[1.0; 1024]).await.expect("push");
+    assert!(!psnet_recorder::dump_all("SIGUSR1").is_empty());
+    let (dumps, _) = doctor::read_dir(&dir).unwrap();
+    let worker = dumps
+        .iter()
+        .find(|d| matches!(&d.scope, Scope::Kv { role, .. } if role == "worker"))
+        .expect("the worker's dump");
+    let mut pushed: Vec<(u64, u32)> = worker
+        .records
+        .iter()
+        .filter_map(|r| match &r.op {
+            ReadOp::Request {
+                what, key, part, ..
+            } if what == "push" => Some((*key, *part)),
+            _ => None,
+        })
+        .collect();
+    pushed.sort_unstable();
+    assert_eq!(pushed, (0..8).map(|p| (7, p)).collect::<Vec<_>>());
+    c.finish().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -12,7 +12,7 @@ use crate::error::KvError;
 use crate::proto::admission::JobAdmission;
 use crate::proto::ids::describe;
 use crate::proto::msg::{CommandKind, Msg, NodeInfo, PushFlags};
-use crate::proto::worker::{Asked, Reply, WorkerState};
+use crate::proto::worker::{key_of_slot, Asked, Reply, WorkerState, PIECE_SHIFT};
 use crate::reliable::Link;
 
 use super::gate::Gate;
@@ -172,6 +172,9 @@ pub(crate) struct Shared<T: Transport> {
     pub(crate) state: Mutex<WorkerState>,
     /// `PSNET_KV_SERIAL_SENDS`: one request after another, for benchmarks.
     pub(crate) serial_sends: bool,
+    /// Keys larger than `PSNET_PARTITION_BYTES` are cut into pieces, each stored under a
+    /// slot of its own ([`crate::proto::worker::piece_key`]).
+    pub(crate) partitions: bool,
     /// Woken when the job ends or the scheduler is lost (`finalize` waits for it).
     pub(crate) ended: Notify,
     /// The flight recorder of this worker's requests (`PSNET_RECORDER_*`; `None`: off).
@@ -337,7 +340,7 @@ impl<T: Transport> Shared<T> {
 
     /// Request `ts` as the flight recorder keeps it.
     fn recorded(&self, sent: &Outgoing<'_>, ts: u64) -> psnet_recorder::Op {
-        let (what, key) = match &sent.ask {
+        let (what, slot) = match &sent.ask {
             Ask::Push { key, flags, .. } if flags.init => ("init", *key),
             Ask::Push { key, flags, .. } if flags.pull_back => ("push_pull", *key),
             Ask::Push { key, .. } => ("push", *key),
@@ -345,11 +348,18 @@ impl<T: Transport> Shared<T> {
             Ask::PullRanges { key, .. } => ("pull_rows", *key),
             Ask::Command { .. } => ("command", 0),
         };
+        // A piece of a partitioned key is recorded as the key and the piece's number (its
+        // slot, a number past 2^48, named nothing a user knows); a share of an unpartitioned
+        // key is told by its server.
+        let (key, part) = match self.partitions {
+            true => (key_of_slot(slot), (slot >> PIECE_SHIFT) as u32),
+            false => (slot, 0),
+        };
         psnet_recorder::Op::Request {
             req: ts,
             what,
             key,
-            part: 0,
+            part,
             server: self
                 .servers
                 .iter()
