@@ -223,6 +223,44 @@ def test_ranks_that_make_different_calls_are_named_by_the_doctor(tmp_path):
     assert "rank 2 called reduce_scatter, the others allgather" in verdict.stdout, verdict.stdout
 
 
+def test_a_rank_that_skips_a_call_is_named_by_the_doctor(tmp_path):
+    """Rank 2 skips the allreduce ranks 0 and 1 make (it stays alive, answering heartbeats):
+    they time out (PSNET_COLL_TIMEOUT) and dump; rank 2 leaves cleanly afterwards and dumps
+    too (PSNET_RECORDER_DUMP=always). psnet-doctor names the call and rank 2's last one."""
+    dumps = tmp_path / "dumps"
+    ranks = Ranks(tmp_path, 3, """
+        import os, sys, time, numpy as np, psnet
+        psnet.init()
+        psnet.allreduce(np.ones(4, dtype=np.float32))
+        out = sys.argv[1]
+        if psnet.rank() == 2:
+            for _ in range(600):
+                if all(os.path.exists(os.path.join(out, f"gave_up{r}")) for r in (0, 1)):
+                    break
+                time.sleep(0.1)
+            psnet.shutdown()
+            raise SystemExit(0)
+        try:
+            psnet.allreduce(np.ones(1000, dtype=np.float32))
+        except psnet.PsnetError as e:
+            print("failed:", e, flush=True)
+            open(os.path.join(out, f"gave_up{psnet.rank()}"), "w").close()
+            raise SystemExit(3)
+    """, env={"PSNET_COLL_TIMEOUT": "3", "PSNET_RECORDER_DIR": str(dumps),
+              "PSNET_RECORDER_DUMP": "always"})
+    results = ranks.wait(timeout=60)
+    for r in (0, 1):
+        rc, out = results[r]
+        assert rc == 3, f"rank {r} exited {rc}:\n{out}"
+        assert "PSNET_COLL_TIMEOUT" in out or "timed out" in out, out
+    assert results[2][0] == 0, results[2][1]
+    verdict = subprocess.run([doctor(), str(dumps)], capture_output=True, text=True, timeout=60)
+    assert verdict.returncode == 0, verdict.stderr
+    text = verdict.stdout
+    assert "ranks 0-1 failed in allreduce #2" in text and "1,000 elements" in text, text
+    assert "rank 2 never entered it: its last operation is allreduce #1" in text, text
+
+
 def test_a_rank_taken_before_its_own_process_joined_fails_every_call(tmp_path):
     """A process joins as rank 2 before rank 2's own process does. The real rank 2 is refused
     (it does not hold the communicator's secret), and the job's next call fails on every
