@@ -169,6 +169,11 @@ fn a_killed_worker_ends_the_job_with_the_doctors_verdict() {
         verdict.contains("kv job: worker 0 sent") && verdict.contains("it failed: "),
         "{verdict}"
     );
+    // The request by its key, part and server, and the lost worker.
+    assert!(
+        verdict.contains(" of key ") && verdict.contains(") to server 0"),
+        "{verdict}"
+    );
     assert!(verdict.contains("worker 1"), "{verdict}");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -191,6 +196,11 @@ fn a_frozen_server_ends_the_job_with_the_doctors_verdict() {
     assert!(!ok, "{err}");
     let verdict = verdict(&err);
     assert!(verdict.contains("kv job: worker "), "{verdict}");
+    // The request the server never answered, by its key, part and server.
+    assert!(
+        verdict.contains(" of key ") && verdict.contains(") to server 0"),
+        "{verdict}"
+    );
     assert!(verdict.contains("server 0 left no dump"), "{verdict}");
     let _ = std::fs::remove_dir_all(&dir);
 }
