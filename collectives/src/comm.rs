@@ -313,18 +313,33 @@ impl<T: Transport> Communicator<T> {
         prepared: Result<(Call, Plan), CollectiveError>,
         split: impl FnOnce(&Plan) -> Result<P, CollectiveError>,
     ) -> Result<(), CollectiveError> {
-        self.order.wait_turn(ticket.seq).await;
+        // A call that has to wait behind an earlier one is recorded queued; one whose turn
+        // has come is recorded when it starts (one lock and one clock read); the driver ends
+        // the record.
+        let mut queued = None;
+        self.order
+            .wait_turn(ticket.seq, || {
+                if let (Some(r), Ok((call, _))) = (&self.recorder, &prepared) {
+                    queued = Some(r.begin(call.recorded(ticket.seq)));
+                }
+            })
+            .await;
         let result = match (self.failure(), prepared) {
-            (Some(earlier), _) => Err(earlier),
+            (Some(earlier), _) => {
+                if let (Some(r), Some(id)) = (&self.recorder, queued) {
+                    r.finish(id, &[], Some(&earlier.to_string()));
+                }
+                Err(earlier)
+            }
             (None, Err(refused)) => Err(refused),
             (None, Ok((call, plan))) => {
-                // Recorded when its turn comes (one lock and one clock read: a call waiting
-                // for its turn is not in a dump, the call it waits behind is); the driver
-                // ends the record.
-                let record = self
-                    .recorder
-                    .as_ref()
-                    .map(|r| r.start(call.recorded(ticket.seq)));
+                let record = self.recorder.as_ref().map(|r| match queued {
+                    Some(id) => {
+                        r.started(id);
+                        id
+                    }
+                    None => r.start(call.recorded(ticket.seq)),
+                });
                 let result = match split(&plan) {
                     Ok(pieces) => {
                         crate::drive::drive(self, ticket.seq, call, plan, pieces, record).await

@@ -40,14 +40,19 @@ impl Order {
         st.next - 1
     }
 
-    /// Waits until call `seq` may run.
-    pub(crate) async fn wait_turn(&self, seq: u64) {
+    /// Waits until call `seq` may run, calling `waiting` once if it has to wait (a call whose
+    /// turn has come costs nothing more).
+    pub(crate) async fn wait_turn(&self, seq: u64, waiting: impl FnOnce()) {
+        let mut waiting = Some(waiting);
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
             if self.lock().serving == seq {
                 return;
+            }
+            if let Some(note) = waiting.take() {
+                note();
             }
             changed.await;
         }

@@ -187,3 +187,56 @@ fn a_rank_lost_between_calls_is_recorded_when_its_connection_goes() {
         }
     });
 }
+
+/// A call made while an earlier one runs is recorded queued, then started in its turn: a dump
+/// taken meanwhile shows the running call and the one waiting behind it.
+#[test]
+fn a_call_waiting_behind_another_is_recorded_queued_then_run() {
+    let rt = runtime();
+    rt.block_on(async {
+        let (config, dir) = config("queued");
+        let comms = world(&MemNet::reliable(), 2, config).await;
+        let (c0, c1) = (&comms[0], &comms[1]);
+        let (mut a, mut b) = (vec![1.0f32; 64], vec![2.0f32; 64]);
+        // Rank 0 makes both calls at once; rank 1 makes them later.
+        let first = c0.allreduce(&mut a, ReduceOp::Sum);
+        let second = c0.allreduce(&mut b, ReduceOp::Sum);
+        let both = futures_util::future::join(first, second);
+        tokio::pin!(both);
+        tokio::select! {
+            _ = &mut both => panic!("the calls ended without rank 1"),
+            () = tokio::time::sleep(Duration::from_millis(50)) => {}
+        }
+        let path = c0.dump_flight_recorder("SIGUSR1").expect("a dump");
+        let (dumps, _) = doctor::read_dir(path.parent().unwrap()).unwrap();
+        let states: Vec<State> = dumps[0]
+            .records
+            .iter()
+            .filter(
+                |r| matches!(&r.op, ReadOp::Call { coll, count: 64, .. } if coll == "allreduce"),
+            )
+            .map(|r| r.state)
+            .collect();
+        assert_eq!(states, [State::Started, State::Queued]);
+        let (mut x, mut y) = (vec![1.0f32; 64], vec![2.0f32; 64]);
+        let (r0, r1) = futures_util::future::join(both, async {
+            c1.allreduce(&mut x, ReduceOp::Sum).await?;
+            c1.allreduce(&mut y, ReduceOp::Sum).await
+        })
+        .await;
+        assert!(r0.0.is_ok() && r0.1.is_ok() && r1.is_ok());
+        let path = c0.dump_flight_recorder("SIGUSR1").expect("a dump");
+        let (dumps, _) = doctor::read_dir(path.parent().unwrap()).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let done: Vec<(State, bool)> = dumps
+            .iter()
+            .find(|d| d.records.len() > 1)
+            .unwrap()
+            .records
+            .iter()
+            .filter(|r| matches!(&r.op, ReadOp::Call { count: 64, .. }))
+            .map(|r| (r.state, r.started_us >= r.made_us && r.started_us > 0))
+            .collect();
+        assert_eq!(done, [(State::Done, true), (State::Done, true)]);
+    });
+}
