@@ -198,8 +198,14 @@ impl JobId {
         let scheduler = nodes
             .iter()
             .find(|n| n.role == crate::proto::ids::Role::Scheduler)?;
-        let bytes: [u8; 8] = scheduler.identity.0[..8].try_into().ok()?;
-        Some(JobId(u64::from_le_bytes(bytes)))
+        Some(JobId::of_scheduler(&scheduler.identity))
+    }
+
+    /// The id of the job whose scheduler's public identity is `identity`.
+    pub fn of_scheduler(identity: &psnet_transport::PublicIdentity) -> JobId {
+        let mut bytes = [0u8; 8];
+        bytes.copy_from_slice(&identity.0[..8]);
+        JobId(u64::from_le_bytes(bytes))
     }
 }
 

@@ -45,12 +45,17 @@ impl<T: Transport> Scheduler<T> {
         let config = &config;
         // SIGUSR1 (psnet-launch asking for dumps) must not end a process without a recorder.
         psnet_recorder::install_signal_dump();
+        let link = Link::new(Arc::new(t), config.resend);
+        let t = link.transport();
+        tracing::info!(addr = %t.listen_addr(), servers = config.num_servers, workers = config.num_workers, "scheduler up");
+        let identity = random_identity();
         // The scheduler's flight recorder keeps the job's membership: registrations,
         // assignments, connections, and the nodes it declared lost.
         let recorder = psnet_recorder::Recorder::with(
             psnet_recorder::Scope::Kv {
                 role: "scheduler".into(),
                 rank: 0,
+                job: crate::checkpoint::JobId::of_scheduler(&identity.public()).to_string(),
             },
             &config.recorder,
         );
@@ -60,10 +65,6 @@ impl<T: Transport> Scheduler<T> {
             }
         };
         let mut declared = std::collections::HashSet::new();
-        let link = Link::new(Arc::new(t), config.resend);
-        let t = link.transport();
-        tracing::info!(addr = %t.listen_addr(), servers = config.num_servers, workers = config.num_workers, "scheduler up");
-        let identity = random_identity();
         let mut state = SchedulerState::new(
             config.num_servers,
             config.num_workers,

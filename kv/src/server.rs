@@ -40,16 +40,16 @@ async fn serve<T: Transport>(
     served: &mut Served,
 ) -> Result<(), KvError> {
     let mut joined = bootstrap::join(config, transport).await?;
-    *served = Served::new(config, joined.rank);
-    let link = joined.link.clone();
-    let mut answers = Answers::new(link.clone());
-    let num_workers = joined.num_workers();
-    let period = heartbeat_period(config);
     let Some(job) = JobId::of(&joined.nodes) else {
         return Err(KvError::Bootstrap(
             "the scheduler's table has no scheduler in it".into(),
         ));
     };
+    *served = Served::new(config, joined.rank, job);
+    let link = joined.link.clone();
+    let mut answers = Answers::new(link.clone());
+    let num_workers = joined.num_workers();
+    let period = heartbeat_period(config);
     let mut state = if joined.rejoined {
         match reload(config, joined.rank, job, num_workers) {
             Ok(state) => state,

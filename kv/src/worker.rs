@@ -98,6 +98,8 @@ impl<T: Transport> Worker<T> {
                 psnet_recorder::Scope::Kv {
                     role: "worker".into(),
                     rank: joined.rank,
+                    job: crate::checkpoint::JobId::of(&joined.nodes)
+                        .map_or_else(String::new, |j| j.to_string()),
                 },
                 &config.recorder,
             ),

@@ -218,11 +218,11 @@ pub(crate) fn short_call(op: &ReadOp) -> String {
 pub fn report(dumps: &[DumpFile]) -> String {
     let mut out = String::new();
     let mut comms: BTreeMap<u32, Vec<&DumpFile>> = BTreeMap::new();
-    let mut kv: Vec<&DumpFile> = Vec::new();
+    let mut kv: BTreeMap<&str, Vec<&DumpFile>> = BTreeMap::new();
     for d in dumps {
         match &d.scope {
             Scope::Collectives { comm, .. } => comms.entry(*comm).or_default().push(d),
-            Scope::Kv { .. } => kv.push(d),
+            Scope::Kv { job, .. } => kv.entry(job.as_str()).or_default().push(d),
         }
     }
     if dumps.is_empty() {
@@ -239,8 +239,16 @@ pub fn report(dumps: &[DumpFile]) -> String {
             let _ = writeln!(out, "Communicator {comm:08x}, point-to-point: {text}\n");
         }
     }
-    if !kv.is_empty() {
-        let _ = writeln!(out, "kv job: {}\n", kv_verdict(&kv));
+    // Each kv job apart (dumps of several jobs share the default folder); one job is just
+    // "kv job".
+    let several = kv.len() > 1;
+    for (job, dumps) in &kv {
+        let name = match (several, job.is_empty()) {
+            (false, _) => "kv job".to_string(),
+            (true, true) => "kv job (no id: an older build)".to_string(),
+            (true, false) => format!("kv job {job}"),
+        };
+        let _ = writeln!(out, "{name}: {}\n", kv_verdict(dumps));
     }
     out.push_str("Evidence per node:\n");
     for d in dumps {
@@ -271,7 +279,8 @@ fn scope_name(s: &Scope) -> String {
         Scope::Collectives { comm, rank, size } => {
             format!("rank {rank} of {size} (communicator {comm:08x})")
         }
-        Scope::Kv { role, rank } => format!("{role} {rank}"),
+        // The job is in the dump's file name, beside it.
+        Scope::Kv { role, rank, .. } => format!("{role} {rank}"),
     }
 }
 
@@ -504,12 +513,12 @@ fn waited_on(holders: &[(u32, &ReadRecord)]) -> Vec<u32> {
 pub fn kv_verdict(dumps: &[&DumpFile]) -> String {
     let server_of = |rank: u32| {
         dumps.iter().find(
-            |d| matches!(&d.scope, Scope::Kv { role, rank: r } if role == "server" && *r == rank),
+            |d| matches!(&d.scope, Scope::Kv { role, rank: r, .. } if role == "server" && *r == rank),
         )
     };
     let mut verdict = Vec::new();
     for d in dumps {
-        let Scope::Kv { role, rank } = &d.scope else {
+        let Scope::Kv { role, rank, .. } = &d.scope else {
             continue;
         };
         if role != "worker" {

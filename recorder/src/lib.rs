@@ -53,6 +53,11 @@ pub enum Scope {
         role: String,
         /// Its rank within its role.
         rank: u32,
+        /// The job's id (16 hex digits, from the scheduler's public identity: the same on
+        /// every node of a job, another for every job), so that dumps of several jobs in one
+        /// folder are read apart. Empty in dumps of older builds.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        job: String,
     },
 }
 
@@ -61,7 +66,8 @@ impl Scope {
     pub fn file_stem(&self) -> String {
         match self {
             Scope::Collectives { comm, rank, .. } => format!("comm-{comm:08x}-rank-{rank}"),
-            Scope::Kv { role, rank } => format!("kv-{role}-{rank}"),
+            Scope::Kv { role, rank, job } if job.is_empty() => format!("kv-{role}-{rank}"),
+            Scope::Kv { role, rank, job } => format!("kv-{job}-{role}-{rank}"),
         }
     }
 }

@@ -16,7 +16,7 @@ pub fn chrome_trace(dumps: &[DumpFile]) -> Value {
             crate::Scope::Collectives { comm, rank, size } => {
                 format!("rank {rank} of {size} (communicator {comm:08x})")
             }
-            crate::Scope::Kv { role, rank } => format!("{role} {rank}"),
+            crate::Scope::Kv { role, rank, .. } => format!("{role} {rank}"),
         };
         events.push(json!({
             "name": "process_name", "ph": "M", "pid": pid, "tid": 0,

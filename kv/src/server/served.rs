@@ -20,10 +20,11 @@ pub(super) struct Served {
 
 impl Served {
     /// Server `rank`'s recorder, as `config` says (`None` inside: off).
-    pub(super) fn new(config: &KvConfig, rank: u32) -> Self {
+    pub(super) fn new(config: &KvConfig, rank: u32, job: crate::checkpoint::JobId) -> Self {
         let scope = Scope::Kv {
             role: "server".into(),
             rank,
+            job: job.to_string(),
         };
         let recorder = Recorder::with(scope, &config.recorder);
         if recorder.is_some() {

@@ -142,26 +142,35 @@ fn a_healthy_job_says_so() {
 #[test]
 fn an_unanswered_kv_request_names_the_server_and_its_last_record() {
     let dir = scratch("kv");
-    let worker = Recorder::new(
-        Scope::Kv {
-            role: "worker".into(),
-            rank: 1,
-        },
-        64,
-        DumpPolicy::Failure,
-        dir.clone(),
-    )
-    .unwrap();
-    let server = Recorder::new(
-        Scope::Kv {
-            role: "server".into(),
-            rank: 0,
-        },
-        64,
-        DumpPolicy::Failure,
-        dir.clone(),
-    )
-    .unwrap();
+    let node = |role: &str, rank, job: &str| {
+        Recorder::new(
+            Scope::Kv {
+                role: role.into(),
+                rank,
+                job: job.into(),
+            },
+            64,
+            DumpPolicy::Failure,
+            dir.clone(),
+        )
+        .unwrap()
+    };
+    let (this, other) = ("00000000000000aa", "00000000000000bb");
+    let worker = node("worker", 1, this);
+    let server = node("server", 0, this);
+    // Another job's worker 1 dumped into the same folder (the default one is shared): its
+    // requests are not this job's.
+    let stale = node("worker", 1, other);
+    let id = stale.start(Op::Request {
+        req: 40,
+        what: "pull",
+        key: 7,
+        part: 0,
+        server: 0,
+        bytes: 0,
+    });
+    stale.done(id);
+    stale.dump("test");
     let push = |req| Op::Request {
         req,
         what: "push",
@@ -185,7 +194,13 @@ fn an_unanswered_kv_request_names_the_server_and_its_last_record() {
     server.dump("test");
     let text = verdict(&dir);
     assert!(
-        text.contains("worker 1 sent push of key 7 (part 0) to server 0, request 40"),
+        text.contains(
+            "kv job 00000000000000aa: worker 1 sent push of key 7 (part 0) to server 0, request 40"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("kv job 00000000000000bb: no worker has a request left unanswered"),
         "{text}"
     );
     assert!(
