@@ -82,6 +82,18 @@ impl Drop for Reader {
     }
 }
 
+/// A call's record while it waits for its turn: finished as failed if the call is dropped
+/// there (a timeout around it, Ctrl-C), so no dump shows it queued for good.
+struct Queued(Option<(Arc<Recorder>, u64)>);
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        if let Some((r, id)) = self.0.take() {
+            r.finish(id, &[], Some("dropped before its turn came"));
+        }
+    }
+}
+
 /// A call's place in the order of calls; see [`Communicator`].
 pub(crate) struct Ticket<'a, T: Transport> {
     comm: &'a Communicator<T>,
@@ -316,29 +328,27 @@ impl<T: Transport> Communicator<T> {
         // A call that has to wait behind an earlier one is recorded queued; one whose turn
         // has come is recorded when it starts (one lock and one clock read); the driver ends
         // the record.
-        let mut queued = None;
+        let mut queued = Queued(None);
         self.order
             .wait_turn(ticket.seq, || {
                 if let (Some(r), Ok((call, _))) = (&self.recorder, &prepared) {
-                    queued = Some(r.begin(call.recorded(ticket.seq)));
+                    queued.0 = Some((r.clone(), r.begin(call.recorded(ticket.seq))));
                 }
             })
             .await;
         let result = match (self.failure(), prepared) {
             (Some(earlier), _) => {
-                if let (Some(r), Some(id)) = (&self.recorder, queued) {
+                if let Some((r, id)) = queued.0.take() {
                     r.finish(id, &[], Some(&earlier.to_string()));
                 }
                 Err(earlier)
             }
             (None, Err(refused)) => Err(refused),
             (None, Ok((call, plan))) => {
-                let record = self.recorder.as_ref().map(|r| match queued {
-                    Some(id) => {
-                        r.started(id);
-                        id
-                    }
-                    None => r.start(call.recorded(ticket.seq)),
+                let record = self.recorder.as_ref().map(|r| match queued.0.take() {
+                    // A record the ring let go while the call waited is made again.
+                    Some((_, id)) if r.started(id) => id,
+                    _ => r.start(call.recorded(ticket.seq)),
                 });
                 let result = match split(&plan) {
                     Ok(pieces) => {

@@ -204,6 +204,7 @@ fn a_call_waiting_behind_another_is_recorded_queued_then_run() {
         let both = futures_util::future::join(first, second);
         tokio::pin!(both);
         tokio::select! {
+            biased;
             _ = &mut both => panic!("the calls ended without rank 1"),
             () = tokio::time::sleep(Duration::from_millis(50)) => {}
         }
@@ -238,5 +239,45 @@ fn a_call_waiting_behind_another_is_recorded_queued_then_run() {
             .map(|r| (r.state, r.started_us >= r.made_us && r.started_us > 0))
             .collect();
         assert_eq!(done, [(State::Done, true), (State::Done, true)]);
+    });
+}
+
+/// A call dropped while it waits behind another (a timeout around it, Ctrl-C) leaves no
+/// record queued for good: it is finished as failed, saying so.
+#[test]
+fn a_call_dropped_before_its_turn_is_recorded_as_such() {
+    let rt = runtime();
+    rt.block_on(async {
+        let (config, dir) = config("dropped");
+        let comms = world(&MemNet::reliable(), 2, config).await;
+        let (mut a, mut b) = (vec![1.0f32; 64], vec![2.0f32; 64]);
+        let first = comms[0].allreduce(&mut a, ReduceOp::Sum);
+        tokio::pin!(first);
+        {
+            let second = comms[0].allreduce(&mut b, ReduceOp::Sum);
+            tokio::pin!(second);
+            tokio::select! {
+                biased;
+                _ = &mut first => panic!("the first call ended without rank 1"),
+                _ = &mut second => panic!("the second call ran before the first"),
+                () = tokio::time::sleep(Duration::from_millis(50)) => {}
+            }
+        }
+        let path = comms[0].dump_flight_recorder("SIGUSR1").expect("a dump");
+        let (dumps, _) = doctor::read_dir(path.parent().unwrap()).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let calls: Vec<(State, Option<String>)> = dumps[0]
+            .records
+            .iter()
+            .filter(|r| matches!(&r.op, ReadOp::Call { count: 64, .. }))
+            .map(|r| (r.state, r.error.clone()))
+            .collect();
+        assert_eq!(
+            calls,
+            [
+                (State::Started, None),
+                (State::Failed, Some("dropped before its turn came".into()))
+            ]
+        );
     });
 }

@@ -88,7 +88,16 @@ impl<T: Transport> Scheduler<T> {
                 biased;
                 event = link.recv() => {
                     let now = crate::clock::now();
-                    match event? {
+                    let event = match event {
+                        Ok(event) => event,
+                        Err(e) => {
+                            if let Some(r) = &recorder {
+                                r.dump_on_failure(&format!("the scheduler's transport failed: {e}"));
+                            }
+                            return Err(e);
+                        }
+                    };
+                    match event {
                         Received::Msg { from, msg, .. } => match msg {
                             Msg::Register {
                                 role,

@@ -290,6 +290,11 @@ async fn before_its_assignment_a_node_takes_no_claim_of_an_id() {
     let scheduler = tokio::spawn(sched.run());
     // The worker registers and waits: the job's server has not started yet.
     let t = common::tcp(NodeId(0), 0).await;
+    // As a node's own start does before its listener takes a hello (here the listener is up
+    // before the spawned join runs: without this, a hello in between met no policy at all).
+    t.set_admission(std::sync::Arc::new(
+        psnet_kv::proto::admission::JobAdmission::joining(),
+    ));
     let victim = t.listen_addr();
     let c = config(Role::Worker, root);
     let worker = tokio::spawn(async move { Worker::join(&c, t).await });

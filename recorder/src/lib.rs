@@ -344,23 +344,22 @@ impl Recorder {
 
     /// Records a new operation, queued; returns its id.
     pub fn begin(&self, op: Op) -> u64 {
-        self.push(op, State::Queued, self.ticks(), 0)
+        self.push(op, State::Queued, self.ticks(), 0, 0)
     }
 
     /// Records a new operation that starts now (one whose turn came); returns its id.
     pub fn start(&self, op: Op) -> u64 {
         let now = self.ticks();
-        self.push(op, State::Started, now, now)
+        self.push(op, State::Started, now, now, 0)
     }
 
     /// Records something that happened at once.
     pub fn event(&self, op: Op) {
         let now = self.ticks();
-        let id = self.push(op, State::Done, now, now);
-        self.update(id, |r| r.ended_us = now);
+        self.push(op, State::Done, now, now, now);
     }
 
-    fn push(&self, op: Op, state: State, made: u64, started: u64) -> u64 {
+    fn push(&self, op: Op, state: State, made: u64, started: u64, ended: u64) -> u64 {
         let mut ring = self.lock();
         let id = ring.next_id;
         ring.next_id += 1;
@@ -370,7 +369,7 @@ impl Recorder {
             state,
             made_us: made,
             started_us: started,
-            ended_us: 0,
+            ended_us: ended,
             peers: [PeerCount::default(); PEERS],
             error: None,
         };
@@ -383,20 +382,24 @@ impl Recorder {
         id
     }
 
-    /// Changes record `id`, if the ring still holds it.
-    fn update(&self, id: u64, change: impl FnOnce(&mut Record)) {
-        if let Some(r) = self.lock().get_mut(id) {
-            change(r);
+    /// Changes record `id`, if the ring still holds it (`false`: it does not).
+    fn update(&self, id: u64, change: impl FnOnce(&mut Record)) -> bool {
+        match self.lock().get_mut(id) {
+            Some(r) => {
+                change(r);
+                true
+            }
+            None => false,
         }
     }
 
-    /// Operation `id` started.
-    pub fn started(&self, id: u64) {
+    /// Operation `id` started; `false` if the ring no longer holds it.
+    pub fn started(&self, id: u64) -> bool {
         let now = self.ticks();
         self.update(id, |r| {
             r.state = State::Started;
             r.started_us = now;
-        });
+        })
     }
 
     /// Operation `id`'s pieces so far, per peer (the first [`PEERS`] peers).

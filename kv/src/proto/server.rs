@@ -589,6 +589,7 @@ impl ServerState {
     pub fn handle_worker_lost(&mut self, rank: u32, reason: &str) {
         let reason = format!("worker {rank} (node {}) is gone: {reason}", 9 + 2 * rank);
         self.dead.insert(rank, reason.clone());
+        self.waiting_commands_lost(rank, &reason);
         if self.mode == Mode::Async {
             return;
         }

@@ -48,6 +48,15 @@ impl ServerState {
             if self.set_by_rank0.contains(&kind.code()) {
                 return self.answer_agreement(rank, ts, kind, body);
             }
+            // Worker 0 is gone before it set this: nothing will answer a wait.
+            if let Some(why) = self.dead.get(&0).cloned() {
+                return self.out.push_back(Output::PeerFailed {
+                    rank,
+                    ts,
+                    lost: 0,
+                    reason: format!("{kind:?} waits for worker 0's, and {why}"),
+                });
+            }
             let theirs = self
                 .waiting_for_rank0
                 .iter()
@@ -83,6 +92,28 @@ impl ServerState {
         }
         if rank == 0 && set_by_worker_0(kind) {
             self.answer_waiting(kind, outcome.err());
+        }
+    }
+
+    /// Worker `lost` is gone: its own waiting commands are dropped (nobody reads their
+    /// answers), and if it is worker 0, every other waiting command fails naming it (before,
+    /// they waited for good, and their workers with them).
+    pub(super) fn waiting_commands_lost(&mut self, lost: u32, reason: &str) {
+        let waiting = std::mem::take(&mut self.waiting_for_rank0);
+        for w in waiting {
+            if w.rank == lost {
+                continue;
+            }
+            if lost != 0 {
+                self.waiting_for_rank0.push(w);
+                continue;
+            }
+            self.out.push_back(Output::PeerFailed {
+                rank: w.rank,
+                ts: w.ts,
+                lost: 0,
+                reason: format!("{:?} waits for worker 0's, and {reason}", w.kind),
+            });
         }
     }
 

@@ -143,11 +143,11 @@ impl ServerState {
             1 => Mode::Async,
             other => return Err(bad(format_args!("mode {other}"))),
         };
-        if s.mode == Mode::Async {
-            // Not the default: worker 0 set it. (A `sync` set by worker 0 is not told apart
-            // from the default, so another worker's later `sync` waits for worker 0's.)
-            s.set_by_rank0.insert(CommandKind::SetMode.code());
-        }
+        // The mode in force after a restart is worker 0's or the default: another worker's
+        // mode is compared with it at once (a `sync` set by worker 0 is not told apart from
+        // the default, and a wait for a worker 0 that set it before the snapshot would never
+        // end). An agreeing one changes nothing; a different one is refused, naming both.
+        s.set_by_rank0.insert(CommandKind::SetMode.code());
         let compression = match r.u8().map_err(|_| truncated("the compression"))? {
             NOT_SET => None,
             NO_COMPRESSION => Some(KvCompression::from(CompressionParams::None)),

@@ -564,3 +564,31 @@ fn commands_waiting_for_worker_0_fail_with_its_refusal_and_are_bounded() {
         .iter()
         .all(|o| matches!(o, Output::Failed { rank: 1, .. })));
 }
+
+#[test]
+fn commands_waiting_for_worker_0_fail_when_it_is_gone() {
+    let mut s = ServerState::new(3);
+    s.handle_command_request(1, 1, CommandKind::SetMode, "sync");
+    s.handle_command_request(2, 2, CommandKind::SetOptimizer, r#"{"type":"sgd"}"#);
+    assert!(drain(&mut s).is_empty());
+    // Worker 2 is gone: its own wait is dropped, worker 1's stays.
+    s.handle_worker_lost(2, "killed");
+    assert!(drain(&mut s).is_empty());
+    s.handle_worker_lost(0, "killed");
+    let out = drain(&mut s);
+    assert!(
+        matches!(&out[..], [Output::PeerFailed { rank: 1, ts: 1, lost: 0, reason }] if reason.contains("worker 0")),
+        "{out:?}"
+    );
+    // Later ones fail at once.
+    s.handle_command_request(1, 3, CommandKind::SetCompression, r#"{"type":"2bit"}"#);
+    assert!(matches!(
+        drain(&mut s)[..],
+        [Output::PeerFailed {
+            rank: 1,
+            ts: 3,
+            lost: 0,
+            ..
+        }]
+    ));
+}
