@@ -189,11 +189,16 @@ impl<T: Transport> Communicator<T> {
                 (call, plan)
             });
         self.run(ticket, prepared, &mut gathered).await?;
-        buf.fill(0.0);
-        for part in gathered.chunks_exact(codes.max(1)).take(n) {
-            compressor
-                .dequantize_add(part, buf)
-                .map_err(|e| invalid(e.to_string()))?;
+        // Rank 0's codes decoded over the buffer, the others' added in rank order: the same
+        // bits as adding all of them to zeros (0.0 + x is x, and a zero decodes as +0.0),
+        // without a pass that zeroes the buffer (a 64 MiB buffer on 2 ranks: 2% slower than
+        // the exact allreduce with it, here).
+        for (r, part) in gathered.chunks_exact(codes.max(1)).take(n).enumerate() {
+            match r {
+                0 => compressor.dequantize(part, buf),
+                _ => compressor.dequantize_add(part, buf),
+            }
+            .map_err(|e| invalid(e.to_string()))?;
         }
         Ok(())
     }
