@@ -71,6 +71,8 @@ pub struct Communicator<T: Transport> {
     pub(crate) all_local: bool,
     /// The flight recorder of this rank's calls (`PSNET_RECORDER_ENTRIES`; `None`: off).
     pub(crate) recorder: Option<Arc<Recorder>>,
+    /// Buffers the compressed allreduce keeps between calls.
+    pub(crate) scratch: crate::scratch::Scratch,
 }
 
 /// Stops the task reading the transport when the last communicator using it goes.
@@ -163,6 +165,7 @@ impl<T: Transport> Communicator<T> {
             order: Order::default(),
             failed: Mutex::new(None),
             history: Mutex::new(VecDeque::new()),
+            scratch: Default::default(),
             oversubscribed: false,
             all_local: size == 1,
             recorder: None,
@@ -438,6 +441,7 @@ impl<T: Transport> Communicator<T> {
             order: Order::default(),
             failed: Mutex::new(None),
             history: Mutex::new(VecDeque::new()),
+            scratch: Default::default(),
             oversubscribed: self.oversubscribed,
             // A subset of ranks all on this host is too; otherwise every member keeps the
             // parent's answer, so that all of them choose the same algorithms.

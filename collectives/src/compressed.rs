@@ -171,7 +171,7 @@ impl<T: Transport> Communicator<T> {
     ) -> Result<(), CollectiveError> {
         let n = self.size();
         let codes = compressor.compressed_len(buf.len());
-        let mut gathered = vec![0u8; n * codes];
+        let mut gathered = self.scratch.bytes.take(n * codes);
         let prepared = checked
             .and_then(|()| {
                 compressor
@@ -200,6 +200,7 @@ impl<T: Transport> Communicator<T> {
             }
             .map_err(|e| invalid(e.to_string()))?;
         }
+        self.scratch.bytes.give(gathered);
         Ok(())
     }
 
@@ -225,8 +226,8 @@ impl<T: Transport> Communicator<T> {
         let piece = self.piece_elems(DType::U8);
 
         // Phase 1: this rank's codes of chunk j to rank j.
-        let mut sent = vec![0u8; n * block];
-        let mut received = vec![0u8; n * block];
+        let mut sent = self.scratch.bytes.take(n * block);
+        let mut received = self.scratch.bytes.take(n * block);
         let prepared = checked.and_then(|()| {
             for (c, range) in chunks.iter().enumerate() {
                 let at = c * block;
@@ -255,16 +256,18 @@ impl<T: Transport> Communicator<T> {
         // This rank's chunk: the ranks' codes summed in rank order, quantized again with a
         // scale of its own (`rescaled.rs`).
         let mine = codes_of(rank);
-        let mut sum = vec![0.0f32; chunks[rank].len()];
+        self.scratch.bytes.give(sent);
+        let mut sum = self.scratch.floats.take(chunks[rank].len());
         for from in 0..n {
             let at = from * block;
             compressor
                 .dequantize_add(&received[at..at + mine], &mut sum)
                 .map_err(|e| invalid(e.to_string()))?;
         }
+        self.scratch.bytes.give(received);
         let scheme = compressor.scheme();
         let block2 = rescaled::block_len(scheme, chunks[0].len());
-        let mut gathered = vec![0u8; n * block2];
+        let mut gathered = self.scratch.bytes.take(n * block2);
         let at = rank * block2;
         let prepared = rescaled::encode(
             scheme,
@@ -280,6 +283,7 @@ impl<T: Transport> Communicator<T> {
                 plan::ring_allgather(rank, n, block2, 1, piece),
             )
         });
+        self.scratch.floats.give(sum);
 
         // Phase 2: every chunk's block to every rank, decoded in place.
         self.run(second, prepared, &mut gathered).await?;
@@ -288,6 +292,7 @@ impl<T: Transport> Communicator<T> {
             rescaled::decode(scheme, &gathered[at..at + block2], &mut buf[range.clone()])
                 .map_err(|e| invalid(format!("chunk {c} (rank {c}'s): {e}")))?;
         }
+        self.scratch.bytes.give(gathered);
         Ok(())
     }
 }

@@ -38,6 +38,7 @@ mod p2p;
 mod payload;
 mod pieces;
 mod rescaled;
+mod scratch;
 // Used by calls on the device; tested without a GPU.
 #[cfg(any(feature = "cuda", test))]
 mod placing;
