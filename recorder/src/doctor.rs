@@ -268,7 +268,7 @@ pub fn report(dumps: &[DumpFile]) -> String {
             }
         );
         for r in d.records.iter().rev().take(5).rev() {
-            let _ = writeln!(out, "    {}", record_line(r));
+            let _ = writeln!(out, "    {}", record_line(&d.scope, r));
         }
     }
     out
@@ -284,7 +284,23 @@ fn scope_name(s: &Scope) -> String {
     }
 }
 
-fn record_line(r: &ReadRecord) -> String {
+/// The peer of a connection event as its scope names it: a rank of a communicator, or a kv
+/// node by its role (kv's ids: the scheduler is node 1, server r node 8 + 2r, worker r node
+/// 9 + 2r; other numbers are nodes not assigned yet).
+fn peer_name(scope: &Scope, peer: u64) -> String {
+    match scope {
+        Scope::Collectives { .. } => format!("rank {peer}"),
+        // Ids from 2^62 up are provisional (a node that registers): its address, not a rank.
+        Scope::Kv { .. } => match peer {
+            1 => "the scheduler".into(),
+            n if n >= 1 << 62 || n < 8 => format!("node {n} (not assigned)"),
+            n if n % 2 == 0 => format!("server {} (node {n})", (n - 8) / 2),
+            n => format!("worker {} (node {n})", (n - 9) / 2),
+        },
+    }
+}
+
+fn record_line(scope: &Scope, r: &ReadRecord) -> String {
     let what = match &r.op {
         ReadOp::Call { .. } => describe_call(&r.op),
         ReadOp::Request {
@@ -302,7 +318,7 @@ fn record_line(r: &ReadRecord) -> String {
             worker,
         } => format!("served worker {worker}'s request {req}: {what} key {key}"),
         ReadOp::P2p { .. } => p2p::describe(&r.op),
-        ReadOp::Event { what, peer } => format!("{what}: {peer}"),
+        ReadOp::Event { what, peer } => format!("{what}: {}", peer_name(scope, *peer)),
     };
     let when = match r.state {
         State::Queued => format!("queued at {}", clock(r.made_us)),
@@ -566,7 +582,11 @@ pub fn kv_verdict(dumps: &[&DumpFile]) -> String {
                 });
                 match served {
                     Some(r) => {
-                        let _ = write!(text, ": server {server} took it ({})", record_line(r));
+                        let _ = write!(
+                            text,
+                            ": server {server} took it ({})",
+                            record_line(&s.scope, r)
+                        );
                     }
                     None => {
                         let _ = write!(text, ": server {server} has no record of it");
@@ -576,7 +596,7 @@ pub fn kv_verdict(dumps: &[&DumpFile]) -> String {
                     let _ = write!(
                         text,
                         "; server {server}'s last record is {}",
-                        record_line(last)
+                        record_line(&s.scope, last)
                     );
                 }
             }

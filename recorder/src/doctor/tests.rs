@@ -274,3 +274,25 @@ fn an_unfinished_receive_is_told_what_its_senders_dump_says() {
         "{text}"
     );
 }
+
+#[test]
+fn connection_events_name_their_peer_as_the_scope_does() {
+    let kv = Scope::Kv {
+        role: "worker".into(),
+        rank: 0,
+        job: String::new(),
+    };
+    let comm = Scope::Collectives {
+        comm: 1,
+        rank: 0,
+        size: 4,
+    };
+    assert_eq!(super::peer_name(&kv, 1), "the scheduler");
+    assert_eq!(super::peer_name(&kv, 8), "server 0 (node 8)");
+    assert_eq!(super::peer_name(&kv, 13), "worker 2 (node 13)");
+    assert_eq!(
+        super::peer_name(&kv, (1 << 62) | 5),
+        format!("node {} (not assigned)", (1u64 << 62) | 5)
+    );
+    assert_eq!(super::peer_name(&comm, 3), "rank 3");
+}
