@@ -293,7 +293,7 @@ fn peer_name(scope: &Scope, peer: u64) -> String {
         // Ids from 2^62 up are provisional (a node that registers): its address, not a rank.
         Scope::Kv { .. } => match peer {
             1 => "the scheduler".into(),
-            n if n >= 1 << 62 || n < 8 => format!("node {n} (not assigned)"),
+            n if !(8..1 << 62).contains(&n) => format!("node {n} (not assigned)"),
             n if n % 2 == 0 => format!("server {} (node {n})", (n - 8) / 2),
             n => format!("worker {} (node {n})", (n - 9) / 2),
         },
