@@ -617,6 +617,9 @@ impl ServerState {
 
     /// A push from a worker.
     pub fn handle_push(&mut self, p: Push) {
+        if p.rank == 0 && !p.flags.init && !self.waiting_for_rank0.is_empty() {
+            self.worker_0_went_on();
+        }
         if self.applied_before(&p) {
             tracing::debug!(worker = p.rank, key = p.key, retry = ?p.flags.retry,
                 "a push sent again was applied before the restart: answered, not applied");

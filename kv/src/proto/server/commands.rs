@@ -2,6 +2,9 @@
 //! MXNet's workers each send the optimizer (and psnet's each send the mode and compression),
 //! so another worker's command is taken only as agreement with worker 0's: one that comes
 //! first waits for worker 0's, and is then answered (it agrees) or refused (it does not).
+//! A new optimizer that disagrees with the one in force (a changed learning rate, which may
+//! arrive before worker 0's same change) waits for worker 0's next; worker 0 pushing a
+//! gradient first refuses whatever still waits.
 //! Before, the first such command was applied, whoever sent it: a member holding a worker's
 //! place could set lr=1000 before worker 0 spoke, and keep it if worker 0 never did.
 
@@ -45,7 +48,14 @@ impl ServerState {
             };
         }
         if rank != 0 && set_by_worker_0(kind) {
-            if self.set_by_rank0.contains(&kind.code()) {
+            // A new optimizer (a changed learning rate: MXNet's users set it again) may reach
+            // this server before worker 0's same change; one that disagrees with the one in
+            // force waits for worker 0's next, and is refused if worker 0 pushes a gradient
+            // first. A mode or compression that disagrees is refused at once: neither changes.
+            let changing = kind == CommandKind::SetOptimizer
+                && self.set_by_rank0.contains(&kind.code())
+                && self.disagreement(kind, body).is_some();
+            if self.set_by_rank0.contains(&kind.code()) && !changing {
                 return self.answer_agreement(rank, ts, kind, body);
             }
             // Worker 0 is gone before it set this: nothing will answer a wait.
@@ -92,6 +102,25 @@ impl ServerState {
         }
         if rank == 0 && set_by_worker_0(kind) {
             self.answer_waiting(kind, outcome.err());
+        }
+    }
+
+    /// Worker 0 pushed a gradient: the commands still waiting for its are refused, as it
+    /// went on without sending one (or the same one).
+    pub(super) fn worker_0_went_on(&mut self) {
+        for w in std::mem::take(&mut self.waiting_for_rank0) {
+            let reason = match self.disagreement(w.kind, &w.body) {
+                Some(why) if self.set_by_rank0.contains(&w.kind.code()) => {
+                    format!("{why} (worker 0 pushed a gradient without changing it)")
+                }
+                _ => format!(
+                    "worker 0 pushed a gradient before it set {:?}: only worker 0 sets it, the \
+                     others' must agree",
+                    w.kind
+                ),
+            };
+            tracing::warn!(worker = w.rank, kind = ?w.kind, %reason, "refused a command worker 0 never agreed with");
+            self.fail(w.rank, w.ts, reason);
         }
     }
 

@@ -493,9 +493,11 @@ fn only_worker_0_initializes_and_sets_what_the_others_must_agree_with() {
         "{out:?}"
     );
     assert!(failed_reason(&out[1..]).contains("worker 0"), "{out:?}");
-    // From then on the others must agree, and agreeing changes nothing.
+    // From then on the others must agree, and agreeing changes nothing. A different
+    // optimizer (a changed learning rate, which may come before worker 0's same change) waits
+    // for worker 0's next; here worker 0 pushes a gradient first, which refuses it (below).
     s.handle_command_request(1, 4, CommandKind::SetOptimizer, bad);
-    assert!(failed_reason(&drain(&mut s)).contains("worker 0"));
+    assert!(drain(&mut s).is_empty(), "a change waits for worker 0's");
     s.handle_command_request(1, 5, CommandKind::SetOptimizer, sgd);
     assert!(matches!(drain(&mut s)[..], [Output::Done { rank: 1, .. }]));
     // The same for the mode and the compression: an agreeing one waits, then passes.
@@ -528,8 +530,14 @@ fn only_worker_0_initializes_and_sets_what_the_others_must_agree_with() {
     let one_bit = r#"{"type":"1bit","threshold":0.5}"#;
     s.handle_command_request(1, 13, CommandKind::SetCompression, one_bit);
     assert!(failed_reason(&drain(&mut s)).contains("worker 0"));
-    // One round at lr 0.1 proves worker 0's optimizer is the one in force.
+    // One round at lr 0.1 proves worker 0's optimizer is the one in force; worker 0's push
+    // refuses worker 1's change it never made.
     s.handle_push(push(0, 9, 3, &[1.0]));
+    let refused = failed_reason(&drain(&mut s));
+    assert!(
+        refused.contains("worker 0 pushed a gradient without changing it"),
+        "{refused}"
+    );
     s.handle_push(push(1, 10, 3, &[1.0]));
     drain(&mut s);
     let v = s.value(3).unwrap()[0];
@@ -591,4 +599,33 @@ fn commands_waiting_for_worker_0_fail_when_it_is_gone() {
             ..
         }]
     ));
+}
+
+/// MXNet's users change the learning rate by setting the optimizer again on every worker:
+/// worker 1's change may reach a server before worker 0's. It waits for it, and passes.
+#[test]
+fn another_workers_new_optimizer_waits_for_worker_0s_same_change() {
+    let mut s = ServerState::new(2);
+    let sgd = |lr: f32| format!(r#"{{"type":"sgd","learning_rate":{lr}}}"#);
+    s.handle_command_request(0, 1, CommandKind::SetOptimizer, &sgd(0.1));
+    s.handle_command_request(1, 2, CommandKind::SetOptimizer, &sgd(0.1));
+    assert_eq!(drain(&mut s).len(), 2);
+    s.handle_command_request(1, 3, CommandKind::SetOptimizer, &sgd(0.01));
+    assert!(
+        drain(&mut s).is_empty(),
+        "worker 1's change came first: it waits"
+    );
+    s.handle_command_request(0, 4, CommandKind::SetOptimizer, &sgd(0.01));
+    assert!(matches!(
+        drain(&mut s)[..],
+        [
+            Output::Done { rank: 0, ts: 4, .. },
+            Output::Done { rank: 1, ts: 3, .. }
+        ]
+    ));
+    // A mode that differs is refused at once: modes do not change.
+    s.handle_command_request(0, 5, CommandKind::SetMode, "sync");
+    drain(&mut s);
+    s.handle_command_request(1, 6, CommandKind::SetMode, "async");
+    assert!(failed_reason(&drain(&mut s)).contains("worker 0"));
 }
