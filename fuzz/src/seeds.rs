@@ -287,6 +287,17 @@ fn kv() -> Vec<Seed> {
             },
         ),
         (
+            "push-ranges",
+            Msg::PushRanges {
+                ts: 4,
+                key: 7,
+                dtype: psnet_kv::Dtype::F32,
+                retry: Some(1),
+                n_ranges: 2,
+                priority: 0,
+            },
+        ),
+        (
             "pulled-delta",
             Msg::Pulled {
                 ts: 3,

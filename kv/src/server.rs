@@ -14,7 +14,7 @@ use crate::error::KvError;
 use crate::proto::ids::{self, describe, Role, SCHEDULER};
 use crate::proto::msg::Msg;
 use crate::proto::recovery;
-use crate::proto::server::{AnswerValue, Output, Push, ServerState};
+use crate::proto::server::{AnswerValue, Output, Push, RowsPush, ServerState};
 use crate::reliable::Link;
 use crate::wire::Received;
 
@@ -142,6 +142,19 @@ async fn serve<T: Transport>(
                         answers.expect(rank, ts, priority);
                         let list = value.unwrap_or_default();
                         state.handle_pull_ranges(rank, ts, n_ranges, &list)
+                    }
+                    (Msg::PushRanges { ts, key, dtype, retry, n_ranges, priority }, Some(rank)) => {
+                        served.took(rank, ts, "push_rows", key);
+                        answers.expect(rank, ts, priority);
+                        state.handle_push_rows(RowsPush {
+                            rank,
+                            ts,
+                            key,
+                            dtype,
+                            retry,
+                            n_ranges,
+                            payload: value.unwrap_or_default(),
+                        })
                     }
                     (Msg::Command { ts, kind, body }, Some(rank)) => {
                         served.took(rank, ts, "command", 0);

@@ -85,6 +85,8 @@
 //!   `u64` length, the mean, the variance;
 //! * `"test"`: tag `3`, `u64` count `0` (no state).
 
+use std::ops::Range;
+
 use psnet_transport::le::{LeReader, LeWriter};
 use thiserror::Error;
 
@@ -107,6 +109,26 @@ pub trait Updater: Send {
     /// earlier updates (its state was sized then). On error nothing is changed: neither
     /// `weight` nor the updater's state.
     fn update(&mut self, key: u64, grad: &[f32], weight: &mut [f32]) -> Result<(), UpdaterError>;
+
+    /// MXNet's lazy update of a row-sparse gradient (`lazy_update=True`, its default):
+    /// updates only the elements of `weight` in `ranges` (in increasing order, not
+    /// overlapping, within `weight`), whose gradients `grad` holds one range after another,
+    /// with the same arithmetic per element as [`update`](Self::update). Elements outside the
+    /// ranges and their state stay as they are; the key's step count (Adam's `t`) counts it
+    /// as one update, as MXNet's does. Errors as [`update`](Self::update)'s, and then
+    /// nothing is changed.
+    fn update_ranges(
+        &mut self,
+        key: u64,
+        ranges: &[Range<usize>],
+        grad: &[f32],
+        weight: &mut [f32],
+    ) -> Result<(), UpdaterError>;
+
+    /// Whether an update of `key` holding `len` elements would be taken: the state kept for
+    /// it has that length, or there is none. Checked before updating several keys at once,
+    /// so that one refused changes none of them.
+    fn fits(&self, key: u64, len: usize) -> Result<(), UpdaterError>;
 
     /// Appends the per-key state (momentum, moments, step counts) to `out`, in the format
     /// of the [module](self)'s "Checkpoints": deterministic, keys in ascending order.

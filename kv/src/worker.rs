@@ -29,6 +29,7 @@ use crate::wire::Received;
 
 mod device;
 mod gate;
+mod row_push;
 mod rows;
 mod shared;
 

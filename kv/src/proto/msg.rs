@@ -282,6 +282,27 @@ pub enum Msg {
         /// As a push's.
         priority: i32,
     },
+    /// Worker to server: a row-sparse push of the key `key` (an embedding table's rows one
+    /// step touched), its values for the element ranges it lists, in every part or piece of
+    /// the key this server holds. Segment 0 holds the list, `n_ranges` little-endian u64
+    /// triples `(slot, start, len)` (a part's ranges in increasing order, not overlapping;
+    /// `(slot, 0, 0)` names a part the push touches nowhere, so that every part of the key
+    /// here is listed), then the values of the ranges one after another in `dtype`.
+    /// Answered `Done` (in `dist_sync` once every worker pushed the key to this server).
+    PushRanges {
+        /// Request id.
+        ts: u64,
+        /// The key as the worker declared it (its parts are listed as slots).
+        key: u64,
+        /// The values' element type.
+        dtype: Dtype,
+        /// Sent again to a restarted server: as a push's [`PushFlags::retry`].
+        retry: Option<u64>,
+        /// Triples listed in segment 0.
+        n_ranges: u64,
+        /// As a push's.
+        priority: i32,
+    },
     /// Server to worker: request `ts` done, a compressed pull's answer: the copy of version
     /// `version` of the key, read as `form` says (in segment 0, but for [`Form::Same`]).
     Pulled {
@@ -450,7 +471,7 @@ pub fn peek_exchange(bytes: &[u8]) -> Option<Exchange> {
     let tag = r.u8().ok()?;
     let ts = r.u64().ok()?;
     match tag {
-        10..=12 | 21 => Some(Exchange::Request(ts)),
+        10..=12 | 21 | 22 => Some(Exchange::Request(ts)),
         13 | 14 | 20 => Some(Exchange::Answer(ts)),
         _ => None,
     }
@@ -573,6 +594,7 @@ impl Msg {
             Msg::Push { .. } => 11,
             Msg::Pull { .. } => 12,
             Msg::PullRanges { .. } => 21,
+            Msg::PushRanges { .. } => 22,
             Msg::Done { .. } => 13,
             Msg::Pulled { .. } => 20,
             Msg::Failed { .. } => 14,
@@ -603,6 +625,7 @@ impl Msg {
             Msg::Done { .. } | Msg::Pulled { .. } => ("answer", 1),
             Msg::Pull { .. } => ("pull", 0),
             Msg::PullRanges { .. } => ("row pull", 1),
+            Msg::PushRanges { .. } => ("row push", 1),
             Msg::Command { .. } => ("command", 0),
             _ => ("control message", 0),
         };
@@ -702,6 +725,21 @@ impl Msg {
                 priority,
             } => {
                 w.u64(*ts).u64(*n_ranges).u32(*priority as u32);
+            }
+            Msg::PushRanges {
+                ts,
+                key,
+                dtype,
+                retry,
+                n_ranges,
+                priority,
+            } => {
+                w.u64(*ts).u64(*key).u8(dtype.code());
+                match retry {
+                    Some(n) => w.u8(1).u64(*n),
+                    None => w.u8(0),
+                };
+                w.u64(*n_ranges).u32(*priority as u32);
             }
             Msg::Pulled { ts, version, form } => {
                 w.u64(*ts).u64(*version);
@@ -819,6 +857,19 @@ impl Msg {
             },
             21 => Msg::PullRanges {
                 ts: r.u64()?,
+                n_ranges: r.u64()?,
+                priority: r.u32()? as i32,
+            },
+            22 => Msg::PushRanges {
+                ts: r.u64()?,
+                key: r.u64()?,
+                dtype: Dtype::from_code(r.u8()?)
+                    .ok_or(DecodeError::Invalid("unknown value type"))?,
+                retry: match r.u8()? {
+                    0 => None,
+                    1 => Some(r.u64()?),
+                    _ => return Err(DecodeError::Invalid("bad retry flag")),
+                },
                 n_ranges: r.u64()?,
                 priority: r.u32()? as i32,
             },

@@ -58,8 +58,11 @@ use crate::value::Dtype;
 mod commands;
 mod journal;
 mod round;
+mod row_push;
 mod rows;
 mod snapshot;
+
+pub use row_push::RowsPush;
 
 #[doc(hidden)]
 pub use journal::fuzz_decode;
@@ -279,6 +282,8 @@ pub struct ServerState {
     /// Other workers' commands of those kinds that came before worker 0's: answered when
     /// worker 0's comes.
     waiting_for_rank0: Vec<commands::Waiting>,
+    /// `dist_sync` rounds of row-pushed keys, by the key the workers declared.
+    row_rounds: HashMap<u64, row_push::RowRound>,
 }
 
 impl std::fmt::Debug for ServerState {
@@ -314,6 +319,7 @@ impl ServerState {
             checkpoint_every: None,
             set_by_rank0: Default::default(),
             waiting_for_rank0: Vec::new(),
+            row_rounds: HashMap::new(),
         }
     }
 
@@ -448,6 +454,7 @@ impl ServerState {
             .filter(|(_, k)| k.round.count > 0 || !k.round.deferred.is_empty())
             .map(|(key, k)| (*key, k.round.count))
             .min_by_key(|(key, _)| *key)
+            .or_else(|| self.row_round_in_progress())
     }
 
     /// A worker's command: optimizer, compression, mode, checkpoint. `Err` is the reason to
@@ -604,6 +611,7 @@ impl ServerState {
             failed.extend(round.deferred.into_iter().map(|p| (p.rank, p.ts, *key)));
             k.round.merged = round.merged;
         }
+        failed.extend(self.row_rounds_lost());
         // The loss itself is logged by the node; these are its consequences.
         for (r, ts, key) in failed {
             self.out.push_back(Output::PeerFailed {
@@ -823,5 +831,7 @@ mod pulled_tests;
 mod recovery_tests;
 #[cfg(test)]
 mod retry_tests;
+#[cfg(test)]
+mod row_push_tests;
 #[cfg(test)]
 mod tests;

@@ -311,7 +311,15 @@ impl WorkerState {
                     .collect(),
             }
         };
-        self.keys.insert(key, Layout { len, dtype, parts });
+        self.keys.insert(
+            key,
+            Layout {
+                len,
+                dtype,
+                parts,
+                rows: None,
+            },
+        );
         self.priorities.declare(key);
         // An init starts the key's updates again on every server.
         self.acknowledged.retain(|(_, k), _| key_of_slot(*k) != key);
@@ -322,6 +330,31 @@ impl WorkerState {
     /// `MXNET_KVSTORE_BIGARRAY_BOUND`, every server from it).
     pub fn servers_for(&self, key: u64, len: usize) -> usize {
         self.placement.parts(key, len).len()
+    }
+
+    /// Declares `key` (defined) row-sparse, with rows of `width` elements: from now on this
+    /// worker pushes it by rows only ([`crate::Worker::push_rows`]) and refuses a dense push.
+    pub fn declare_rows(&mut self, key: u64, width: usize) -> Result<(), KvError> {
+        let layout = self.keys.get_mut(&key).ok_or(KvError::UnknownKey(key))?;
+        if width == 0 || layout.len % width != 0 {
+            return Err(KvError::Invalid(format!(
+                "key {key}: rows of {width} elements do not divide its {} elements",
+                layout.len
+            )));
+        }
+        layout.rows = Some(width);
+        Ok(())
+    }
+
+    /// A dense push of a row-sparse key is refused, naming the call to use.
+    fn dense_push(&self, key: u64) -> Result<(), KvError> {
+        match self.keys.get(&key).and_then(|l| l.rows) {
+            Some(width) => Err(KvError::Invalid(format!(
+                "key {key} is row-sparse (rows of {width} elements): push its rows with \
+                 push_rows, not a dense push"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// `key`'s layout, if it is defined.
@@ -356,6 +389,7 @@ impl WorkerState {
         values: &[V],
         pull_back: bool,
     ) -> Result<Vec<PreparedPart>, KvError> {
+        self.dense_push(key)?;
         let layout = self.layout(key, values.len(), V::DTYPE)?.clone();
         let floats: Option<&[f32]> = match (&self.compressor, V::DTYPE) {
             (None, _) => None,
@@ -408,6 +442,7 @@ impl WorkerState {
         dtype: Dtype,
         pull_back: bool,
     ) -> Result<Option<Vec<PreparedPart>>, KvError> {
+        self.dense_push(key)?;
         let layout = self.layout(key, n_elems, dtype)?;
         if self.compressor.is_some() {
             return Ok(None);

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::ops::Range;
 
 use psnet_transport::le::{LeReader, LeWriter};
 
@@ -30,6 +31,49 @@ fn check_len(key: u64, grad: &[f32], weight: &[f32]) -> Result<(), UpdaterError>
             weight_len: weight.len(),
         })
     }
+}
+
+/// A lazy update's ranges: in increasing order, not overlapping, within the weight, and as
+/// many elements as the gradient holds.
+fn check_ranges(
+    key: u64,
+    ranges: &[Range<usize>],
+    grad: &[f32],
+    weight: &[f32],
+) -> Result<(), UpdaterError> {
+    let mut end = 0;
+    let mut covered = 0usize;
+    for r in ranges {
+        if r.start < end || r.end < r.start || r.end > weight.len() {
+            return Err(UpdaterError::Malformed(format!(
+                "key {key}: the range {r:?} of a lazy update is out of order or past the \
+                 weight's {} elements",
+                weight.len()
+            )));
+        }
+        end = r.end;
+        covered += r.len();
+    }
+    if covered != grad.len() {
+        return Err(UpdaterError::LengthMismatch {
+            key,
+            grad_len: grad.len(),
+            weight_len: covered,
+        });
+    }
+    Ok(())
+}
+
+/// The elements of `weight` in `ranges`, each with its gradient from `grad` (the ranges'
+/// gradients one after another) and its index in the weight.
+fn in_ranges<'a>(
+    ranges: &'a [Range<usize>],
+    grad: &'a [f32],
+) -> impl Iterator<Item = (usize, f32)> + 'a {
+    ranges
+        .iter()
+        .flat_map(|r| r.clone())
+        .zip(grad.iter().copied())
 }
 
 fn check_state_len(key: u64, state_len: usize, weight_len: usize) -> Result<(), UpdaterError> {
@@ -131,6 +175,41 @@ impl Updater for Sgd {
             }
         }
         Ok(())
+    }
+
+    fn update_ranges(
+        &mut self,
+        key: u64,
+        ranges: &[Range<usize>],
+        grad: &[f32],
+        weight: &mut [f32],
+    ) -> Result<(), UpdaterError> {
+        check_ranges(key, ranges, grad, weight)?;
+        self.fits(key, weight.len())?;
+        let k = self.kernel;
+        if self.params.momentum > 0.0 {
+            let moms = self
+                .moms
+                .entry(key)
+                .or_insert_with(|| vec![0.0; weight.len()]);
+            for (i, g) in in_ranges(ranges, grad) {
+                moms[i] = k.mom(weight[i], g, moms[i]);
+                weight[i] += moms[i];
+            }
+        } else {
+            for (i, g) in in_ranges(ranges, grad) {
+                let m = k.mom(weight[i], g, 0.0);
+                weight[i] += m;
+            }
+        }
+        Ok(())
+    }
+
+    fn fits(&self, key: u64, len: usize) -> Result<(), UpdaterError> {
+        match self.moms.get(&key) {
+            Some(m) => check_state_len(key, m.len(), len),
+            None => Ok(()),
+        }
     }
 
     fn export_state(&self, out: &mut LeWriter) {
@@ -254,6 +333,45 @@ impl Updater for Adam {
         Ok(())
     }
 
+    fn update_ranges(
+        &mut self,
+        key: u64,
+        ranges: &[Range<usize>],
+        grad: &[f32],
+        weight: &mut [f32],
+    ) -> Result<(), UpdaterError> {
+        check_ranges(key, ranges, grad, weight)?;
+        self.fits(key, weight.len())?;
+        let t = self.step_count(key) + 1;
+        let lr_t = self.lr_t(t);
+        let k = self.kernel;
+        let state = self.states.entry(key).or_insert_with(|| AdamState {
+            mean: vec![0.0; weight.len()],
+            var: vec![0.0; weight.len()],
+            t: 0,
+        });
+        state.t = t;
+        for (i, g) in in_ranges(ranges, grad) {
+            let w = &mut weight[i];
+            let (mean, var) = (&mut state.mean[i], &mut state.var[i]);
+            let mut g = g * k.rescale + *w * k.wd;
+            if let Some(c) = k.clip {
+                g = clip(g, c);
+            }
+            *mean = k.beta1 * *mean + k.one_minus_beta1 * g;
+            *var = k.beta2 * *var + k.one_minus_beta2 * g * g;
+            *w -= lr_t * *mean / (var.sqrt() + k.epsilon);
+        }
+        Ok(())
+    }
+
+    fn fits(&self, key: u64, len: usize) -> Result<(), UpdaterError> {
+        match self.states.get(&key) {
+            Some(s) => check_state_len(key, s.mean.len(), len),
+            None => Ok(()),
+        }
+    }
+
     fn export_state(&self, out: &mut LeWriter) {
         state::export_adam(&self.states, out);
     }
@@ -302,6 +420,24 @@ impl Updater for TestUpdater {
         for (w, &g) in weight.iter_mut().zip(grad) {
             *w += g * self.rescale;
         }
+        Ok(())
+    }
+
+    fn update_ranges(
+        &mut self,
+        key: u64,
+        ranges: &[Range<usize>],
+        grad: &[f32],
+        weight: &mut [f32],
+    ) -> Result<(), UpdaterError> {
+        check_ranges(key, ranges, grad, weight)?;
+        for (i, g) in in_ranges(ranges, grad) {
+            weight[i] += g * self.rescale;
+        }
+        Ok(())
+    }
+
+    fn fits(&self, _key: u64, _len: usize) -> Result<(), UpdaterError> {
         Ok(())
     }
 

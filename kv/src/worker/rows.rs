@@ -137,7 +137,7 @@ struct Asked {
 
 /// The positions in `rows` (sorted) of the rows part `p` holds some of: a part of a large
 /// table holds few of the rows a call asks for, and a table has many parts.
-fn rows_within(p: &Part, rows: &[u64], width: usize) -> std::ops::Range<usize> {
+pub(super) fn rows_within(p: &Part, rows: &[u64], width: usize) -> std::ops::Range<usize> {
     let first = (p.offset / width) as u64;
     let end = (p.offset + p.len).div_ceil(width) as u64;
     rows.partition_point(|&r| r < first)..rows.partition_point(|&r| r < end)
@@ -145,7 +145,7 @@ fn rows_within(p: &Part, rows: &[u64], width: usize) -> std::ops::Range<usize> {
 
 /// The part of row `row` (of `width` elements) that part `p` holds, as offsets within the row
 /// (`lo == hi`: none).
-fn overlap(p: &Part, row: u64, width: usize) -> (usize, usize) {
+pub(super) fn overlap(p: &Part, row: u64, width: usize) -> (usize, usize) {
     let start = row as usize * width;
     let lo = start.max(p.offset);
     let hi = (start + width).min(p.offset + p.len);
@@ -158,7 +158,7 @@ fn overlap(p: &Part, row: u64, width: usize) -> (usize, usize) {
 
 /// The ranges of part `p` (local to it, as `(start, len)`) that rows `rows` (sorted,
 /// unique) cover, merged where they touch.
-fn ranges_in(p: &Part, rows: &[u64], width: usize) -> Vec<(usize, usize)> {
+pub(super) fn ranges_in(p: &Part, rows: &[u64], width: usize) -> Vec<(usize, usize)> {
     let mut merged: Vec<(usize, usize)> = Vec::new();
     for &row in &rows[rows_within(p, rows, width)] {
         let (lo, hi) = overlap(p, row, width);

@@ -14,6 +14,7 @@ use crate::proto::ids::describe;
 use crate::proto::msg::{CommandKind, Msg, NodeInfo, PushFlags};
 use crate::proto::worker::{key_of_slot, Asked, Reply, WorkerState, PIECE_SHIFT};
 use crate::reliable::Link;
+use crate::value::Dtype;
 
 use super::gate::Gate;
 
@@ -35,6 +36,15 @@ pub(crate) enum Ask {
         key: u64,
         n_ranges: u64,
     },
+    /// A row push of `key`: ranges of its parts on one server, the first stored under
+    /// `first`, listed in the request's value before the values.
+    PushRanges {
+        key: u64,
+        first: u64,
+        dtype: Dtype,
+        n_ranges: u64,
+        retry: Option<u64>,
+    },
     Command {
         kind: CommandKind,
         body: String,
@@ -50,6 +60,11 @@ impl Ask {
                 init: flags.init,
             },
             Ask::Pull { key, .. } => Asked::Pull { key: *key },
+            // Counted as pushes of its first part: the server tells a push sent again by it.
+            Ask::PushRanges { first, .. } => Asked::Push {
+                key: *first,
+                init: false,
+            },
             // Sent again as it was, and answered with plain values.
             Ask::PullRanges { .. } | Ask::Command { .. } => Asked::Other,
         }
@@ -58,8 +73,10 @@ impl Ask {
     /// The same request, to send again to a restarted server (a push with its place
     /// among this worker's pushes of the key).
     pub(crate) fn again(mut self, retry: Option<u64>) -> Self {
-        if let Ask::Push { flags, .. } = &mut self {
-            flags.retry = retry;
+        match &mut self {
+            Ask::Push { flags, .. } => flags.retry = retry,
+            Ask::PushRanges { retry: r, .. } => *r = retry,
+            _ => {}
         }
         self
     }
@@ -67,9 +84,10 @@ impl Ask {
     /// The key (or piece) it asks about; None for commands.
     pub(crate) fn slot(&self) -> Option<u64> {
         match self {
-            Ask::Push { key, .. } | Ask::Pull { key, .. } | Ask::PullRanges { key, .. } => {
-                Some(*key)
-            }
+            Ask::Push { key, .. }
+            | Ask::Pull { key, .. }
+            | Ask::PullRanges { key, .. }
+            | Ask::PushRanges { key, .. } => Some(*key),
             Ask::Command { .. } => None,
         }
     }
@@ -101,6 +119,20 @@ impl Ask {
             },
             Ask::PullRanges { n_ranges, .. } => Msg::PullRanges {
                 ts,
+                n_ranges,
+                priority,
+            },
+            Ask::PushRanges {
+                key,
+                dtype,
+                n_ranges,
+                retry,
+                ..
+            } => Msg::PushRanges {
+                ts,
+                key,
+                dtype,
+                retry,
                 n_ranges,
                 priority,
             },
@@ -346,6 +378,7 @@ impl<T: Transport> Shared<T> {
             Ask::Push { key, .. } => ("push", *key),
             Ask::Pull { key, .. } => ("pull", *key),
             Ask::PullRanges { key, .. } => ("pull_rows", *key),
+            Ask::PushRanges { key, .. } => ("push_rows", *key),
             Ask::Command { .. } => ("command", 0),
         };
         // A piece of a partitioned key is recorded as the key and the piece's number (its

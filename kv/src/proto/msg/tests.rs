@@ -135,6 +135,22 @@ fn samples() -> Vec<Msg> {
             n_ranges: u64::MAX,
             priority: -7,
         },
+        Msg::PushRanges {
+            ts: 6,
+            key: 9,
+            dtype: Dtype::F16,
+            retry: Some(3),
+            n_ranges: 4,
+            priority: 2,
+        },
+        Msg::PushRanges {
+            ts: 6,
+            key: 9,
+            dtype: Dtype::F32,
+            retry: None,
+            n_ranges: 0,
+            priority: -2,
+        },
         Msg::Pulled {
             ts: 4,
             version: 7,

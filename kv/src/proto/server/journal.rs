@@ -4,6 +4,7 @@
 
 use psnet_transport::le::{LeReader, LeWriter};
 
+use super::row_push::PartRanges;
 use super::{Output, ServerState};
 use crate::error::KvError;
 use crate::proto::msg::{CommandKind, MAX_STRING};
@@ -16,6 +17,9 @@ const INIT: u8 = 1;
 const COMMAND: u8 = 2;
 const ROUND: u8 = 3;
 const PUSH: u8 = 4;
+const ROWS: u8 = 5;
+/// A rows record's worker rank for a `dist_sync` round.
+const ROUND_RANK: u32 = u32::MAX;
 
 /// One decoded record, borrowing its bytes.
 enum Record<'a> {
@@ -37,6 +41,11 @@ enum Record<'a> {
         rank: u32,
         compressed: bool,
         payload: &'a [u8],
+    },
+    Rows {
+        rank: Option<u32>,
+        parts: Vec<PartRanges>,
+        grad: &'a [u8],
     },
 }
 
@@ -90,12 +99,28 @@ pub(super) fn push(seq: u64, key: u64, rank: u32, compressed: bool, payload: &[u
     w.into_vec()
 }
 
-fn truncated(what: &str) -> String {
-    format!("truncated in {what}")
+/// A row gradient applied: a `dist_async` push of worker `rank`, or (None) a completed
+/// `dist_sync` round; its parts' ranges and values (f32).
+pub(super) fn rows(seq: u64, rank: Option<u32>, parts: &[PartRanges], grad: &[f32]) -> Vec<u8> {
+    let ranges: usize = parts.iter().map(|p| p.ranges.len()).sum();
+    let mut w = header(
+        seq,
+        ROWS,
+        20 + 16 * parts.len() + 16 * ranges + 4 * grad.len(),
+    );
+    w.u32(rank.unwrap_or(ROUND_RANK)).u64(parts.len() as u64);
+    for p in parts {
+        w.u64(p.slot).u64(p.ranges.len() as u64);
+        for r in &p.ranges {
+            w.u64(r.start as u64).u64(r.len() as u64);
+        }
+    }
+    w.u64(grad.len() as u64).bytes(sum::as_bytes(grad));
+    w.into_vec()
 }
 
-/// `n` units of `unit` bytes, `n` read first and bounded by the bytes left.
-fn sized<'a>(r: &mut LeReader<'a>, unit: usize, what: &str) -> Result<&'a [u8], String> {
+/// A count read first and bounded by the bytes left at `unit` bytes each.
+fn count(r: &mut LeReader<'_>, unit: usize, what: &str) -> Result<usize, String> {
     let n = r.u64().map_err(|_| truncated(what))?;
     if n > (r.remaining() / unit) as u64 {
         return Err(format!(
@@ -103,7 +128,17 @@ fn sized<'a>(r: &mut LeReader<'a>, unit: usize, what: &str) -> Result<&'a [u8], 
             r.remaining()
         ));
     }
-    Ok(r.take(n as usize * unit).expect("bounded above"))
+    Ok(n as usize)
+}
+
+fn truncated(what: &str) -> String {
+    format!("truncated in {what}")
+}
+
+/// `n` units of `unit` bytes, `n` read first and bounded by the bytes left.
+fn sized<'a>(r: &mut LeReader<'a>, unit: usize, what: &str) -> Result<&'a [u8], String> {
+    let n = count(r, unit, what)?;
+    Ok(r.take(n * unit).expect("bounded by count"))
 }
 
 fn decode(bytes: &[u8]) -> Result<(u64, Record<'_>), String> {
@@ -159,6 +194,31 @@ fn decode(bytes: &[u8]) -> Result<(u64, Record<'_>), String> {
                 rank,
                 compressed,
                 payload: sized(&mut r, 1, "a push payload")?,
+            }
+        }
+        ROWS => {
+            let rank = r.u32().map_err(|_| truncated("the worker rank"))?;
+            let n_parts = count(&mut r, 16, "the parts of a row gradient")?;
+            let mut parts = Vec::with_capacity(n_parts);
+            for _ in 0..n_parts {
+                let slot = key(&mut r)?;
+                let n = count(&mut r, 16, "the ranges of a part")?;
+                let mut ranges = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let start = r.u64().map_err(|_| truncated("a range"))?;
+                    let len = r.u64().map_err(|_| truncated("a range"))?;
+                    let end = start
+                        .checked_add(len)
+                        .filter(|&e| e <= usize::MAX as u64)
+                        .ok_or_else(|| format!("a range of {len} from {start}"))?;
+                    ranges.push(start as usize..end as usize);
+                }
+                parts.push(PartRanges { slot, ranges });
+            }
+            Record::Rows {
+                rank: (rank != ROUND_RANK).then_some(rank),
+                parts,
+                grad: sized(&mut r, 4, "a row gradient")?,
             }
         }
         other => return Err(format!("unknown record tag {other}")),
@@ -221,7 +281,10 @@ impl ServerState {
     /// * `2` command: `u8` command code, `u32` length, the body (UTF-8);
     /// * `3` `dist_sync` round: `u64` key, `u64` n, n `f32` (the merged gradient);
     /// * `4` `dist_async` push: `u64` key, `u32` worker rank, `u8` compressed, `u64`
-    ///   length, the payload.
+    ///   length, the payload;
+    /// * `5` row gradient: `u32` worker rank (of a `dist_async` push; `u32::MAX`: a
+    ///   `dist_sync` round), `u64` parts, per part `u64` slot, `u64` ranges and per range
+    ///   `u64` start and length, then `u64` n and n `f32` (the ranges' values in order).
     pub fn apply_journal(&mut self, record: &[u8]) -> Result<bool, KvError> {
         let (seq, record) = decode(record)
             .map_err(|e| KvError::Checkpoint(format!("malformed journal record: {e}")))?;
@@ -273,6 +336,11 @@ impl ServerState {
                 let dtype = self.keys[&key].dtype;
                 self.check_payload(key, n, dtype, compressed, payload.len())?;
                 self.apply_push(key, rank, compressed, payload)
+            }
+            Record::Rows { rank, parts, grad } => {
+                let mut values = vec![0f32; grad.len() / 4];
+                sum::copy_from_le(&mut values, grad);
+                self.apply_rows(rank, &parts, &values)
             }
         }
     }

@@ -35,6 +35,8 @@ pub struct Layout {
     pub dtype: Dtype,
     /// The parts, in element order.
     pub parts: Vec<Part>,
+    /// A row-sparse key's row width: its rows are pushed with row pushes only.
+    pub rows: Option<usize>,
 }
 
 /// Pieces start at multiples of this many elements: whole compressed words for 2-bit (16 a
