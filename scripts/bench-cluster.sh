@@ -6,7 +6,7 @@
 # link must carry (in its busier direction, or both directions one after the other where the
 # protocol makes them wait for each other) over RATE. Latency is not emulated (no netem here).
 #
-#   bash scripts/bench-cluster.sh [SECTION...]     SECTION: raw train kv allreduce compressed alltoall ddp fsdp2 (default all)
+#   bash scripts/bench-cluster.sh [SECTION...]     SECTION: raw train kv rows allreduce compressed alltoall ddp fsdp2 (default all)
 #
 # raw        iperf3 between two hosts, one way and both ways at once (the link as TCP sees it)
 # train      psnet-train seconds of communication per epoch, 2 servers + 2 workers: MXNet's key
@@ -22,6 +22,12 @@
 #            against MXNet 1.9.1 (scripts/bench-mxnet.py, one script for both), uncompressed and
 #            2-bit, KV_SIZES at each of KV_SHAPES (servers x workers; servers on hosts of their
 #            own, workers over the other hosts in turn, so 2x4 puts two workers on each)
+# rows       a sparse model's step on a ROWS_SHAPE (1000000x64) float32 embedding table, 1% of its
+#            rows touched a step, 2 servers + 2 workers: the touched rows pushed and pulled back
+#            (psnet's push_rows / pull_rows, MXNet's row_sparse push / row_sparse_pull; servers
+#            run SGD) beside a dense push + pull of the table in the same job, psnet's Python
+#            kvstore against MXNet 1.9.1 (scripts/bench-rows.py, one script for both), and
+#            psnet-perf kv --sparse; the bound is a worker's link carrying its rows each way
 # allreduce  psnet-perf allreduce, one rank per host, against Open MPI (mpi4py, btl tcp,self)
 #            started by mpirun through the ssh stand-in; busbw against the link's rate
 # compressed psnet-perf allreduce --compression 2bit and 1bit against the plain allreduce on the
@@ -63,7 +69,7 @@ B=$TARGET/release
 RIG="$ROOT/scripts/cluster/rig.sh"
 export PSNET_CLUSTER=bench
 SECTIONS=("$@")
-[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(raw train kv allreduce compressed alltoall ddp fsdp2)
+[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(raw train kv rows allreduce compressed alltoall ddp fsdp2)
 LOGS=${KEEP:-$(mktemp -d)}
 mkdir -p "$LOGS"
 say() { echo "bench-cluster: $*" >&2; }
@@ -270,6 +276,51 @@ PY
     done
   done
   echo "(bound: per op, the bytes the busiest link carries each way (max of a worker host's and a server's share) over $RATE; push then pull waits for the push, so its bound is their sum; 2-bit pushes 1/16 of the bytes, pulls are full)"
+fi
+
+if wants rows; then
+  ROWS_SHAPE=${ROWS_SHAPE:-1000000x64}
+  rows_n=${ROWS_SHAPE%x*}; rows_w=${ROWS_SHAPE#*x}
+  echo
+  echo "## a sparse model's step, $ROWS_SHAPE float32, 1% of the rows a step, 2 servers + 2 workers"
+  release_wheel
+  MXNET_PY=${MXNET_PY:-$TARGET/mxnet-venv/bin/python}
+  hostfile 2 2 "$LOGS/rows.hosts"
+  printf '%-12s %12s %12s %10s %12s %12s %12s
+' lib dense_step_ms row_step_ms ratio dense_pull_ms row_pull_ms bound_ms
+  # A worker's link carries its rows up (values and the 24-byte range list), then down.
+  touched=$((rows_n / 100))
+  bound=$(ms_of_bytes $((2 * touched * (rows_w * 4 + 24))))
+  for lib in psnet mxnet perf; do
+    py=$VENV/bin/python; [ "$lib" = mxnet ] && py=$MXNET_PY
+    if [ "$lib" = mxnet ] && ! "$MXNET_PY" -c 'import mxnet' 2>/dev/null; then
+      echo "SKIPPED MXNet: no MXNet 1.9.1 at $MXNET_PY"; continue
+    fi
+    out="$LOGS/rows.$lib.log"
+    if [ "$lib" = perf ]; then
+      launch 2 2 "$LOGS/rows.hosts" -- "$B/psnet-perf" kv --sparse "$ROWS_SHAPE" --json > "$out" 2>&1 \
+        || { say "psnet-perf kv --sparse failed:"; tail -20 "$out" >&2; continue; }
+    else
+      launch 2 2 "$LOGS/rows.hosts" PS_VERBOSE=0 -- "$py" "$ROOT/scripts/bench-rows.py" --lib "$lib" \
+        --rows "$rows_n" --width "$rows_w" > "$out" 2>&1 \
+        || { say "bench-rows $lib failed:"; tail -20 "$out" >&2; continue; }
+    fi
+    python3 - "$out" "$lib" "$bound" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    line = line[line.find("{"):]
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    if "row_step_ms" not in r:
+        continue
+    ratio = r["dense_step_ms"] / r["row_step_ms"]
+    print(f"{sys.argv[2]:<12} {r['dense_step_ms']:12.1f} {r['row_step_ms']:12.1f} {ratio:9.1f}x "
+          f"{r['dense_pull_ms']:12.1f} {r['row_pull_ms']:12.1f} {float(sys.argv[3]):12.1f}")
+PY
+  done
+  echo "(psnet: scripts/bench-rows.py on psnet's Python kvstore; perf: psnet-perf kv --sparse; bound: a worker's rows up and back over $RATE)"
 fi
 
 if wants allreduce; then

@@ -1,5 +1,6 @@
-"""Row pulls of an embedding table, psnet against MXNet 1.9.1's row_sparse, one script for both,
-next to a dense pull of a table of the same size in the same job:
+"""Row pulls and training steps of an embedding table, psnet against MXNet 1.9.1's row_sparse,
+one script for both, next to a dense pull and a dense step of a table of the same size in the
+same job:
 
     psnet-launch -n 2 -s 2 -- python scripts/bench-rows.py --lib psnet
     psnet-launch -n 2 -s 2 -- /tmp/mxvenv/bin/python scripts/bench-rows.py --lib mxnet
@@ -7,12 +8,21 @@ next to a dense pull of a table of the same size in the same job:
 psnet's side is its compact row pull (`kv.pull_rows`: the rows land in an array of those rows
 only, as MXNet's row_sparse result holds them); MXNet's is `row_sparse_pull` into a row_sparse
 NDArray. Each timed pull asks for a fresh random set of `--touched` of the rows (unique,
-sorted). Rank 0 prints one JSON line: the medians, in milliseconds, and their ratio. Only a
-release build of psnet's wheel means anything here.
+sorted). A step is what a worker of a sparse model does each batch: push the gradient of the
+rows it touched (a fresh random set of `--touched` of the rows, values drawn before timing)
+and pull those rows back, updated by the servers' SGD (MXNet's lazy update); the dense step
+pushes and pulls the whole table. psnet's row push is `kv.push_rows`, MXNet's a push of a
+row_sparse NDArray. Rank 0 prints one JSON line: the medians, in milliseconds, and their
+ratios. Only a release build of psnet's wheel means anything here.
 """
 import argparse
 import json
+import os
 import time
+
+# NumPy's BLAS threads spin after a call and take the 2 cores' time from the job's processes:
+# one thread for both libraries alike.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 def main():
@@ -34,8 +44,24 @@ def main():
         kv = mx.kv.create("dist_sync")
         kv.init(0, mx.nd.ones(shape).tostype("row_sparse"))
         kv.init(1, mx.nd.ones(shape))
+        kv.init(2, mx.nd.ones(shape).tostype("row_sparse"))
+        kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.01))
         dense_out = mx.nd.empty(shape)
+        dense_grad = mx.nd.ones(shape) * 0.5
         rows_out = mx.nd.sparse.zeros("row_sparse", shape)
+        step_out = mx.nd.sparse.zeros("row_sparse", shape)
+
+        def dense_step():
+            kv.push(1, dense_grad)
+            kv.pull(1, out=dense_out)
+            dense_out.wait_to_read()
+
+        def row_step(ids, grad):
+            ids_nd = mx.nd.array(ids, dtype="int64")
+            g = mx.nd.sparse.row_sparse_array((mx.nd.array(grad), ids_nd), shape=shape)
+            kv.push(2, g)
+            kv.row_sparse_pull(2, out=step_out, row_ids=ids_nd)
+            step_out.wait_to_read()
 
         def dense():
             kv.pull(1, out=dense_out)
@@ -52,8 +78,20 @@ def main():
         kv = psnet.kvstore.create("dist_sync")
         kv.init(0, np.ones(shape, dtype=np.float32))
         kv.init(1, np.ones(shape, dtype=np.float32))
+        kv.init(2, np.ones(shape, dtype=np.float32), stype="row_sparse")
+        kv.set_optimizer(psnet.optimizer.SGD(learning_rate=0.01))
         dense_out = np.empty(shape, dtype=np.float32)
+        dense_grad = np.full(shape, 0.5, dtype=np.float32)
         rows_out = np.empty((n, args.width), dtype=np.float32)
+        step_out = np.empty((n, args.width), dtype=np.float32)
+
+        def dense_step():
+            kv.push(1, dense_grad)
+            kv.pull(1, out=dense_out)
+
+        def row_step(ids, grad):
+            kv.push_rows(2, ids, grad)
+            kv.pull_rows(2, ids, out=step_out)
 
         def dense():
             kv.pull(1, out=dense_out)
@@ -80,11 +118,18 @@ def main():
     assert got == n, f"{args.lib} pulled {got} rows, asked for {n}"
     dense_ms = median_ms(lambda i: dense())
     rows_ms = median_ms(lambda i: rows(ids_of(i)))
+    # Every step's rows and gradient, drawn before the clock runs.
+    steps = [(ids_of(10_000 + i), np.random.default_rng(i).standard_normal(
+        (n, args.width)).astype(np.float32)) for i in range(2 + args.iters)]
+    dense_step_ms = median_ms(lambda i: dense_step())
+    row_step_ms = median_ms(lambda i: row_step(*steps[i]))
     if kv.rank == 0:
         print(json.dumps({
             "lib": args.lib, "workers": kv.num_workers, "rows": args.rows, "width": args.width,
             "rows_per_pull": n, "dense_pull_ms": round(dense_ms, 3),
             "row_pull_ms": round(rows_ms, 3), "dense_over_rows": round(dense_ms / rows_ms, 1),
+            "dense_step_ms": round(dense_step_ms, 3), "row_step_ms": round(row_step_ms, 3),
+            "dense_step_over_row_step": round(dense_step_ms / row_step_ms, 1),
         }), flush=True)
 
 

@@ -21,6 +21,7 @@ mod compress;
 mod kv;
 #[cfg(feature = "cuda")]
 mod kv_gpu;
+mod kv_rows;
 mod kvload;
 mod lat;
 mod protocol;
@@ -106,6 +107,14 @@ enum Command {
         /// ratios to host memory (needs the `cuda` feature).
         #[arg(long, value_name = "ORDINAL", num_args = 0..=1, default_missing_value = "0")]
         gpu: Option<usize>,
+        /// Instead: a sparse model's step on a table of ROWSxWIDTH float32 (such as
+        /// 1000000x64), its touched rows pushed (`push_rows`) and pulled back
+        /// (`pull_rows`), beside a dense push and pull of the table, in the same job.
+        #[arg(long, value_name = "ROWSxWIDTH", conflicts_with_all = ["gpu", "keys"])]
+        sparse: Option<String>,
+        /// With `--sparse`: rows each step touches (default: 1% of the rows).
+        #[arg(long, requires = "sparse")]
+        touched: Option<usize>,
     },
     /// A dist_sync job of many processes and many small keys (16 workers, 4 servers and
     /// 100,000 keys by default), every pulled value checked; reports each process's peak RSS.
@@ -214,7 +223,19 @@ fn main() -> ExitCode {
                 keys,
                 json,
                 gpu,
+                sparse: None,
+                touched: _,
             }) => run_kv(servers, workers, &sizes, iters, keys, json, gpu),
+            Some(Command::Kv {
+                servers,
+                workers,
+                iters,
+                json,
+                sparse: Some(shape),
+                touched,
+                ..
+            }) => kv_rows::Sparse::parse(&shape, touched)
+                .and_then(|s| run_kv_sparse(servers, workers, s, iters, json)),
             Some(Command::Kvload(args)) => run_kvload(&args),
             Some(Command::Compress {
                 elems,
@@ -268,6 +289,29 @@ fn run_kv(
         let config = psnet::kv::launch_from_env().map_err(|e| e.to_string())?;
         return kv::run_worker(config, sizes, iters, keys, json, gpu);
     }
+    launch_self(servers, workers)
+}
+
+fn run_kv_sparse(
+    servers: u32,
+    workers: u32,
+    sparse: kv_rows::Sparse,
+    iters: Option<usize>,
+    json: bool,
+) -> PerfResult<()> {
+    if iters == Some(0) {
+        return Err("-n must be at least 1".into());
+    }
+    if psnet::kv::started_by_launcher().map_err(|e| e.to_string())? {
+        // Scheduler and server processes run inside launch_from_env and exit there.
+        let config = psnet::kv::launch_from_env().map_err(|e| e.to_string())?;
+        return kv_rows::run_worker(config, sparse, iters, json);
+    }
+    launch_self(servers, workers)
+}
+
+/// Runs this command again as every process of a job on this host.
+fn launch_self(servers: u32, workers: u32) -> PerfResult<()> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut command = vec![exe.to_string_lossy().into_owned()];
     command.extend(std::env::args().skip(1));

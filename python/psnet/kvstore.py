@@ -19,8 +19,10 @@ the GPU (the residual stays there, and only the compressed bytes cross PCIe); pu
 are copied into it (``PSNET_CUDA_TENSORS=staged`` stages it instead). Other CUDA tensors go
 through a host copy made for the call (a pulled value is copied back into it when the call
 ends).
-``row_sparse_pull`` fetches only the rows asked for; values stay dense on the servers (a
-row-sparse push is not provided yet).
+A key initialized with ``stype='row_sparse'`` (an embedding table) is pushed by rows:
+``push_rows`` (or ``push`` of a row-sparse value, one with ``stype``, ``indices`` and ``data``
+as MXNet's) sends each server only the rows in its part, and the servers update only those
+rows (MXNet's lazy update). ``row_sparse_pull`` fetches only the rows asked for, of any key.
 
 A dist store needs a job: run the script under ``psnet-launch -n W -s S python3 train.py``
 (or mpirun, srun, ...), which starts the scheduler, servers and workers; ``import psnet`` in
@@ -89,6 +91,9 @@ class KVStore:
         self._updater = None
         self._int_of_str = {}
         self._compression = None
+        # Keys initialized row-sparse, and whether the optimizer updates lazily.
+        self._row_sparse = set()
+        self._lazy = True
 
     # --- properties ------------------------------------------------------------------------
     @property
@@ -197,25 +202,45 @@ class KVStore:
         return merged
 
     # --- MXNet's calls ---------------------------------------------------------------------
-    def init(self, key, value):
-        """Initializes keys (rank 0's values count; every worker waits for the others)."""
-        with staged():
-            self._init(key, value)
+    def init(self, key, value, stype="default"):
+        """Initializes keys (rank 0's values count; every worker waits for the others).
 
-    def _init(self, key, value):
+        ``stype='row_sparse'`` (MXNet's storage type of its row_sparse arrays; a value with
+        ``stype == 'row_sparse'`` says so itself): each key is a table of rows (its first
+        dimension) pushed by rows only (:meth:`push_rows`); a dense push of it is refused."""
+        if getattr(value, "stype", None) == "row_sparse":
+            stype = "row_sparse"
+            value = _dense_of(value)
+        if stype not in ("default", "row_sparse"):
+            raise ValueError(f"init: stype is 'default' or 'row_sparse', not {stype!r}")
+        with staged():
+            self._init(key, value, stype == "row_sparse")
+
+    def _init(self, key, value, row_sparse=False):
         items = self._items(key, value, "init")
         for name, arrays in items:
             self._check_dtype(arrays[0], "init")
             if name in self._shapes and self._worker is None:
                 raise ValueError(f"init: key {name!r} is already initialized")
+            if row_sparse and arrays[0].ndim == 0:
+                raise ValueError(f"init: key {name!r}: a row-sparse key has rows (a dimension)")
         pairs = [(name, self._key(name, assign=True), arrays) for name, arrays in items]
         for name, _, arrays in pairs:
             self._shapes[name] = arrays[0].shape
             self._sizes[name] = arrays[0].size
             self._dtypes[name] = np.dtype(arrays[0].dtype)
+            if row_sparse:
+                self._row_sparse.add(name)
+            else:
+                self._row_sparse.discard(name)
         if self._worker is None:
             for name, _, arrays in pairs:
                 self._values[name] = np.array(arrays[0], copy=True, order="C")
+            return
+        if row_sparse:
+            for name, k, arrays in pairs:
+                rows = max(arrays[0].shape[0], 1)
+                self._worker.init_rows(k, arrays[0].size // rows, readable(arrays[0], "init"))
             return
         self._grouped(self._worker.init, [(k, readable(a[0], "init")) for _, k, a in pairs])
 
@@ -226,8 +251,59 @@ class KVStore:
         keys were initialized, first first, which is what Gluon's ``priority=-index`` gives
         (``PSNET_KV_PRIORITY``)."""
         del priority
+        if getattr(value, "stype", None) == "row_sparse":
+            self.push_rows(key, _host(value.indices), _host(value.data))
+            return
         with staged():
             self._push(key, value)
+
+    def push_rows(self, key, row_ids, values):
+        """Pushes a row-sparse gradient of ``key`` (initialized with ``stype='row_sparse'``):
+        row ``row_ids[i]`` is ``values[i]``, every other row zero. Each server is sent only the
+        rows in its part, and updates only the rows the workers pushed (MXNet's lazy update;
+        without an optimizer the sum replaces the table, every other row zero, as MXNet's
+        server does). Ids come in any order, each at most once."""
+        if not _is_key(key):
+            raise TypeError(f"a key is an int or a str, not {type(key).__name__}")
+        with staged():
+            self._push_rows(key, row_ids, values)
+
+    def _push_rows(self, name, row_ids, values):
+        shape, rows, width, ids = self._rows_of(name, row_ids, "push_rows")
+        if name not in self._row_sparse:
+            raise ValueError(f"push_rows: key {name!r} is dense: push it with push, or "
+                             "initialize it with stype='row_sparse'")
+        if not self._lazy:
+            raise ValueError("push_rows: the optimizer was set with lazy_update=False, and "
+                             "psnet's servers update only the rows pushed (MXNet's "
+                             "lazy_update=True): initialize the key dense and push dense "
+                             "gradients for updates of every row")
+        array = readable(as_array(values, f"push_rows {name!r}", False), "push_rows")
+        if array.dtype != self._dtypes[name]:
+            raise TypeError(f"push_rows: key {name!r} holds {self._dtypes[name]} values, "
+                            f"pushed {array.dtype}")
+        if array.size != ids.size * width:
+            raise ValueError(f"push_rows: key {name!r}: {ids.size} rows of {width} elements "
+                             f"need {ids.size * width} values, given {array.size}")
+        unique, counts = np.unique(ids, return_counts=True)
+        if unique.size != ids.size:
+            raise ValueError(f"push_rows: key {name!r}: row {unique[counts > 1][0]} is pushed "
+                             "twice in one row push: sum its gradients first")
+        flat = np.ascontiguousarray(array).reshape(-1)
+        if self._worker is not None:
+            self._worker.push_rows(self._key(name), width, ids.astype(np.uint64).tolist(), flat)
+            return
+        stored = self._values[name].reshape(rows, width)
+        order = np.argsort(ids, kind="stable")
+        grad = flat.reshape(ids.size, width)[order]
+        if self._updater is None:
+            stored[...] = 0
+            stored[ids[order]] = grad
+            return
+        if stored.dtype != np.float32:
+            raise TypeError("the local store's optimizer updates float32 values only")
+        self._updater.update_rows(self._key(name), width, ids[order].astype(np.uint64).tolist(),
+                                  np.ascontiguousarray(grad).reshape(-1), stored.reshape(-1))
 
     def _on_gpu(self, key, *tensors):
         """``(int key, [(pointer, elements, dtype, device)...])`` when ``key`` is one key and each
@@ -536,6 +612,7 @@ class KVStore:
                 "set_optimizer: a psnet.optimizer object (SGD, Adam, Test) or a name"
             )
         spec = optimizer.spec()
+        self._lazy = optimizer.lazy_update
         if self._worker is None:
             self._updater = _psnet.Updater(spec)
         else:
@@ -567,6 +644,9 @@ class KVStore:
 
     # --- helpers ---------------------------------------------------------------------------
     def _apply_local(self, name, k, merged):
+        if name in self._row_sparse:
+            raise ValueError(f"key {name!r} is row-sparse: push its rows with push_rows, not a "
+                             "dense push")
         stored = self._values[name]
         if self._updater is None:
             stored[...] = merged.reshape(stored.shape)
@@ -596,3 +676,19 @@ class KVStore:
         items = [(k, a, o) for (k, a), o in zip(pairs, outs)]
         for run in self._runs(items, lambda p: p[1].dtype):
             call([k for k, _, _ in run], [a for _, a, _ in run], [o for _, _, o in run])
+
+
+def _host(x):
+    """A NumPy view (or copy) of an MXNet NDArray, a torch tensor or an array."""
+    if hasattr(x, "asnumpy"):
+        return x.asnumpy()
+    if is_tensor(x):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _dense_of(value):
+    """The dense form of a row-sparse value (MXNet's ``tostype('default')``)."""
+    if hasattr(value, "tostype"):
+        return _host(value.tostype("default"))
+    return _host(value)

@@ -9,7 +9,8 @@ import json
 import warnings
 
 # MXNet's optimizer arguments that change nothing on psnet's servers for dense keys:
-# lazy_update acts on row_sparse gradients only; multi_precision=True is what psnet's servers
+# lazy_update acts on row-sparse pushes only (psnet's servers update lazily, MXNet's default;
+# a store whose optimizer says lazy_update=False refuses row pushes); multi_precision=True is what psnet's servers
 # always do (a float32 master copy of every float16 / bfloat16 key).
 _ACCEPTED = ("multi_precision", "lazy_update")
 # MXNet's arguments psnet's servers do not run: refused by name rather than ignored.
@@ -48,6 +49,8 @@ class Optimizer:
 
     def __init__(self, mxnet_args=None, **params):
         _check_mxnet_args(type(self).__name__, mxnet_args or {})
+        # Row-sparse pushes are updated lazily (MXNet's default); False is refused there.
+        self.lazy_update = bool((mxnet_args or {}).get("lazy_update", True))
         self.params = {k: v for k, v in params.items() if v is not None}
 
     def spec(self):

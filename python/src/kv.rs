@@ -164,6 +164,33 @@ impl Worker {
         self.run(py, w.pull_rows(key, width, row_ids, slice))
     }
 
+    fn init_rows_t<V: Value + Element>(
+        &self,
+        py: Python<'_>,
+        key: u64,
+        width: usize,
+        value: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let borrowed = arrays::read::<V>(value, "init")?;
+        let slice = arrays::elems(&borrowed, "init")?;
+        let w = self.get()?;
+        self.run(py, w.init_rows(key, width, slice))
+    }
+
+    fn push_rows_t<V: Value + Element>(
+        &self,
+        py: Python<'_>,
+        key: u64,
+        width: usize,
+        row_ids: &[u64],
+        values: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let borrowed = arrays::read::<V>(values, "push_rows")?;
+        let slice = arrays::elems(&borrowed, "push_rows")?;
+        let w = self.get()?;
+        self.run(py, w.push_rows(key, width, row_ids, slice))
+    }
+
     fn pushpull_t<V: Value + Element>(
         &self,
         py: Python<'_>,
@@ -356,6 +383,37 @@ impl Worker {
         }
     }
 
+    /// Initializes `key` row-sparse, with rows of `width` elements (rank 0's `value`
+    /// counts): it is pushed by rows only from now on.
+    fn init_rows(
+        &self,
+        py: Python<'_>,
+        key: u64,
+        width: usize,
+        value: Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        match kv_kind(std::slice::from_ref(&value), "init")? {
+            Kind::F16 => self.init_rows_t::<half::f16>(py, key, width, &value),
+            _ => self.init_rows_t::<f32>(py, key, width, &value),
+        }
+    }
+
+    /// Pushes rows `row_ids` of the row-sparse `key` (row `row_ids[i]` in the i-th `width`
+    /// elements of `values`), every other row zero.
+    fn push_rows(
+        &self,
+        py: Python<'_>,
+        key: u64,
+        width: usize,
+        row_ids: Vec<u64>,
+        values: Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        match kv_kind(std::slice::from_ref(&values), "push_rows")? {
+            Kind::F16 => self.push_rows_t::<half::f16>(py, key, width, &row_ids, &values),
+            _ => self.push_rows_t::<f32>(py, key, width, &row_ids, &values),
+        }
+    }
+
     /// Waits for every worker.
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
         let w = self.get()?;
@@ -474,6 +532,37 @@ impl Updater {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .update(key, g, w)
+            .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// MXNet's lazy update: rows `row_ids` (increasing, of `width` elements) of `weight`
+    /// (float32, in place) with `grad` (their gradients, row after row); other rows and their
+    /// state stay as they are.
+    fn update_rows(
+        &self,
+        key: u64,
+        width: usize,
+        row_ids: Vec<u64>,
+        grad: &Bound<'_, PyAny>,
+        weight: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        arrays::expect_kind(grad, Kind::F32, "update grad")?;
+        arrays::expect_kind(weight, Kind::F32, "update weight")?;
+        let g = arrays::read::<f32>(grad, "update grad")?;
+        let mut w = arrays::write::<f32>(weight, "update weight")?;
+        let g = arrays::elems(&g, "update grad")?;
+        let w = arrays::elems_mut(&mut w, "update weight")?;
+        let ranges: Vec<std::ops::Range<usize>> = row_ids
+            .iter()
+            .map(|&r| {
+                let r = usize::try_from(r).unwrap_or(usize::MAX);
+                r.saturating_mul(width)..r.saturating_add(1).saturating_mul(width)
+            })
+            .collect();
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .update_ranges(key, &ranges, g, w)
             .map_err(|e| PyValueError::new_err(e.to_string()))
     }
 }

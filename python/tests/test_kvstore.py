@@ -482,3 +482,132 @@ def test_row_sparse_pull_on_the_local_store_and_its_refusals():
     want = np.zeros((4, 3), dtype=np.float32)
     want[[0, 3]] = table[[0, 3]]
     assert outs[0].tobytes() == want.tobytes() and outs[1].tobytes() == want.tobytes()
+
+
+ROW_PUSH_JOB = """
+import sys
+import numpy as np
+import psnet
+
+out = sys.argv[1]
+kv = psnet.kvstore.create('dist_sync')
+r = kv.rank
+table = np.arange(50 * 6, dtype=np.float32).reshape(50, 6) * 0.25
+kv.init('emb', table, stype='row_sparse')
+kv.init('half', table.astype(np.float16), stype='row_sparse')
+kv.init('dense', table)
+kv.set_optimizer(psnet.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=0.01))
+res = {}
+for step in range(4):
+    rng = np.random.default_rng(100 * r + step)
+    ids = rng.permutation(50)[: [0, 50, 7, 13][(step + r) % 4]]
+    g = rng.standard_normal((ids.size, 6)).astype(np.float32)
+    kv.push_rows('emb', ids, g)
+    kv.push('half', _RowSparse(ids, g.astype(np.float16)))
+    res[f"emb{step}"] = kv.pull_rows('emb', np.arange(50))
+    res[f"half{step}"] = kv.pull_rows('half', np.arange(50))
+for name, call in [
+    ("dense", lambda: kv.push('emb', table)),
+    ("twice", lambda: kv.push_rows('emb', [3, 3], np.zeros((2, 6), dtype=np.float32))),
+    ("not_rows", lambda: kv.push_rows('dense', [3], np.zeros((1, 6), dtype=np.float32))),
+    ("short", lambda: kv.push_rows('emb', [3, 4], np.zeros((1, 6), dtype=np.float32))),
+]:
+    try:
+        call()
+    except (ValueError, psnet.KvError) as e:
+        res[name] = np.frombuffer(str(e).encode(), dtype=np.uint8)
+kv.barrier()
+np.savez(f"{out}/worker{r}.npz", **res)
+"""
+
+ROW_SPARSE_VALUE = '''
+class _RowSparse:
+    """A value as MXNet's RowSparseNDArray presents itself: stype, indices, data."""
+    stype = "row_sparse"
+
+    def __init__(self, indices, data):
+        self.indices, self.data = indices, data
+'''
+
+
+def lazy_sgd(w, mom, ids, g, lr=np.float32(0.1), mom_f=np.float32(0.9), wd=np.float32(0.01)):
+    """MXNet's lazy sgd_mom_update: the rows pushed only, term by term in f32."""
+    mom[ids] = mom_f * mom[ids] - (lr * wd) * w[ids] - (lr * np.float32(1.0)) * g
+    w[ids] = w[ids] + mom[ids]
+
+
+def test_row_sparse_pushes_update_only_the_rows_pushed_bit_for_bit(tmp_path):
+    """2 workers, 2 servers, the tables split over both (rows straddle the split); 4 rounds
+    of random row sets (none, all, some) with SGD, momentum and weight decay, against a NumPy
+    model of MXNet's lazy update: each row summed in rank order where pushed, untouched rows
+    and their momentum as they were."""
+    body = ROW_PUSH_JOB.replace("res = {}", ROW_SPARSE_VALUE + "res = {}", 1)
+    _, output, out = launch(tmp_path, 2, 2, body, env={"MXNET_KVSTORE_BIGARRAY_BOUND": "100"})
+    table = np.arange(50 * 6, dtype=np.float32).reshape(50, 6) * 0.25
+    w, mom = table.copy(), np.zeros_like(table)
+    hw = table.astype(np.float16).astype(np.float32)
+    hmom = np.zeros_like(table)
+    got = [dict(np.load(out / f"worker{r}.npz")) for r in range(2)]
+    for step in range(4):
+        total = {}
+        for r in range(2):
+            rng = np.random.default_rng(100 * r + step)
+            ids = rng.permutation(50)[: [0, 50, 7, 13][(step + r) % 4]]
+            g = rng.standard_normal((ids.size, 6)).astype(np.float32)
+            for i, row in enumerate(ids):
+                total[row] = total[row] + g[i] if row in total else g[i].copy()
+        ids = np.array(sorted(total), dtype=np.int64)
+        if ids.size:
+            g = np.stack([total[i] for i in ids])
+            lazy_sgd(w, mom, ids, g)
+            # The f16 key: the workers' f16 gradients widened, summed and applied in f32.
+            hg = np.zeros_like(g)
+            for r in range(2):
+                rng = np.random.default_rng(100 * r + step)
+                rids = rng.permutation(50)[: [0, 50, 7, 13][(step + r) % 4]]
+                rg = rng.standard_normal((rids.size, 6)).astype(np.float32)
+                for i, row in enumerate(rids):
+                    hg[np.searchsorted(ids, row)] += rg[i].astype(np.float16).astype(np.float32)
+            lazy_sgd(hw, hmom, ids, hg)
+        for r in range(2):
+            assert got[r][f"emb{step}"].tobytes() == w.tobytes(), (step, r, output)
+            assert got[r][f"half{step}"].tobytes() == hw.astype(np.float16).tobytes(), (step, r)
+    text = {k: got[0][k].tobytes().decode() for k in ("dense", "twice", "not_rows", "short")}
+    assert "is row-sparse" in text["dense"], text
+    assert "row 3 is pushed twice" in text["twice"], text
+    assert "is dense" in text["not_rows"], text
+    assert "need 12 values, given 6" in text["short"], text
+
+
+def test_row_sparse_pushes_on_the_local_store():
+    kv = psnet.kvstore.create("local")
+    table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    kv.init("e", table, stype="row_sparse")
+    # No optimizer: the push replaces the table, every other row zero (MXNet's server).
+    kv.push_rows("e", [2, 0], np.array([[1, 1, 1], [2, 2, 2]], dtype=np.float32))
+    want = np.zeros((4, 3), dtype=np.float32)
+    want[2], want[0] = 1, 2
+    assert kv.pull_rows("e", np.arange(4)).tobytes() == want.tobytes()
+    kv.set_optimizer(psnet.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=0.01))
+    w, mom = want.copy(), np.zeros_like(want)
+    for ids in ([3, 1], [1], []):
+        g = np.full((len(ids), 3), 0.5, dtype=np.float32)
+        kv.push_rows("e", ids, g)
+        order = np.argsort(ids)
+        if ids:
+            lazy_sgd(w, mom, np.array(ids)[order], g[order])
+        assert kv.pull_rows("e", np.arange(4)).tobytes() == w.tobytes(), ids
+    with pytest.raises(ValueError, match="is row-sparse"):
+        kv.push("e", table)
+    with pytest.raises(ValueError, match="row 1 is pushed twice"):
+        kv.push_rows("e", [1, 1], np.zeros((2, 3), dtype=np.float32))
+    with pytest.raises(ValueError, match="row 4 asked for"):
+        kv.push_rows("e", [4], np.zeros((1, 3), dtype=np.float32))
+    kv.init("d", table)
+    with pytest.raises(ValueError, match="is dense"):
+        kv.push_rows("d", [1], np.zeros((1, 3), dtype=np.float32))
+    lazy_off = psnet.kvstore.create("local")
+    lazy_off.init("e", table, stype="row_sparse")
+    lazy_off.set_optimizer(psnet.optimizer.SGD(lazy_update=False))
+    with pytest.raises(ValueError, match="lazy_update=False"):
+        lazy_off.push_rows("e", [1], np.zeros((1, 3), dtype=np.float32))

@@ -64,16 +64,18 @@ fn check_ranges(
     Ok(())
 }
 
-/// The elements of `weight` in `ranges`, each with its gradient from `grad` (the ranges'
-/// gradients one after another) and its index in the weight.
+/// Each of `ranges` with its gradients from `grad` (the ranges' gradients one after
+/// another); checked by [`check_ranges`].
 fn in_ranges<'a>(
     ranges: &'a [Range<usize>],
     grad: &'a [f32],
-) -> impl Iterator<Item = (usize, f32)> + 'a {
-    ranges
-        .iter()
-        .flat_map(|r| r.clone())
-        .zip(grad.iter().copied())
+) -> impl Iterator<Item = (Range<usize>, &'a [f32])> + 'a {
+    let mut at = 0;
+    ranges.iter().map(move |r| {
+        let g = &grad[at..at + r.len()];
+        at += r.len();
+        (r.clone(), g)
+    })
 }
 
 fn check_state_len(key: u64, state_len: usize, weight_len: usize) -> Result<(), UpdaterError> {
@@ -154,27 +156,34 @@ impl Sgd {
     }
 }
 
+impl SgdKernel {
+    /// Updates `weight` with `grad` (and the momentum `moms` when there is one), element by
+    /// element; the three have one length.
+    #[inline(always)]
+    fn apply(&self, weight: &mut [f32], grad: &[f32], moms: Option<&mut [f32]>) {
+        match moms {
+            Some(moms) => {
+                for ((w, &g), m) in weight.iter_mut().zip(grad).zip(moms.iter_mut()) {
+                    *m = self.mom(*w, g, *m);
+                    *w += *m;
+                }
+            }
+            None => {
+                for (w, &g) in weight.iter_mut().zip(grad) {
+                    let m = self.mom(*w, g, 0.0);
+                    *w += m;
+                }
+            }
+        }
+    }
+}
+
 impl Updater for Sgd {
     fn update(&mut self, key: u64, grad: &[f32], weight: &mut [f32]) -> Result<(), UpdaterError> {
         check_len(key, grad, weight)?;
-        let k = self.kernel;
-        if self.params.momentum > 0.0 {
-            let moms = self
-                .moms
-                .entry(key)
-                .or_insert_with(|| vec![0.0; weight.len()]);
-            check_state_len(key, moms.len(), weight.len())?;
-            for ((w, &g), m) in weight.iter_mut().zip(grad).zip(moms.iter_mut()) {
-                *m = k.mom(*w, g, *m);
-                *w += *m;
-            }
-        } else {
-            for (w, &g) in weight.iter_mut().zip(grad) {
-                let m = k.mom(*w, g, 0.0);
-                *w += m;
-            }
-        }
-        Ok(())
+        // A dense update is a lazy one of every element.
+        let all = 0..weight.len();
+        self.update_ranges(key, std::slice::from_ref(&all), grad, weight)
     }
 
     fn update_ranges(
@@ -187,20 +196,14 @@ impl Updater for Sgd {
         check_ranges(key, ranges, grad, weight)?;
         self.fits(key, weight.len())?;
         let k = self.kernel;
-        if self.params.momentum > 0.0 {
-            let moms = self
-                .moms
+        let mut moms = (self.params.momentum > 0.0).then(|| {
+            self.moms
                 .entry(key)
-                .or_insert_with(|| vec![0.0; weight.len()]);
-            for (i, g) in in_ranges(ranges, grad) {
-                moms[i] = k.mom(weight[i], g, moms[i]);
-                weight[i] += moms[i];
-            }
-        } else {
-            for (i, g) in in_ranges(ranges, grad) {
-                let m = k.mom(weight[i], g, 0.0);
-                weight[i] += m;
-            }
+                .or_insert_with(|| vec![0.0; weight.len()])
+        });
+        for (r, g) in in_ranges(ranges, grad) {
+            let m = moms.as_mut().map(|m| &mut m[r.clone()]);
+            k.apply(&mut weight[r], g, m);
         }
         Ok(())
     }
@@ -305,32 +308,37 @@ impl Adam {
     }
 }
 
+impl AdamKernel {
+    /// Updates `weight` with `grad` and the moments `mean` and `var` at the step's rate
+    /// `lr_t`, element by element; the four have one length.
+    #[inline(always)]
+    fn apply(
+        &self,
+        lr_t: f32,
+        weight: &mut [f32],
+        grad: &[f32],
+        mean: &mut [f32],
+        var: &mut [f32],
+    ) {
+        let moments = mean.iter_mut().zip(var.iter_mut());
+        for ((w, &g), (mean, var)) in weight.iter_mut().zip(grad).zip(moments) {
+            let mut g = g * self.rescale + *w * self.wd;
+            if let Some(c) = self.clip {
+                g = clip(g, c);
+            }
+            *mean = self.beta1 * *mean + self.one_minus_beta1 * g;
+            *var = self.beta2 * *var + self.one_minus_beta2 * g * g;
+            *w -= lr_t * *mean / (var.sqrt() + self.epsilon);
+        }
+    }
+}
+
 impl Updater for Adam {
     fn update(&mut self, key: u64, grad: &[f32], weight: &mut [f32]) -> Result<(), UpdaterError> {
         check_len(key, grad, weight)?;
-        if let Some(state) = self.states.get(&key) {
-            check_state_len(key, state.mean.len(), weight.len())?;
-        }
-        let t = self.step_count(key) + 1;
-        let lr_t = self.lr_t(t);
-        let k = self.kernel;
-        let state = self.states.entry(key).or_insert_with(|| AdamState {
-            mean: vec![0.0; weight.len()],
-            var: vec![0.0; weight.len()],
-            t: 0,
-        });
-        state.t = t;
-        let moments = state.mean.iter_mut().zip(state.var.iter_mut());
-        for ((w, &g), (mean, var)) in weight.iter_mut().zip(grad).zip(moments) {
-            let mut g = g * k.rescale + *w * k.wd;
-            if let Some(c) = k.clip {
-                g = clip(g, c);
-            }
-            *mean = k.beta1 * *mean + k.one_minus_beta1 * g;
-            *var = k.beta2 * *var + k.one_minus_beta2 * g * g;
-            *w -= lr_t * *mean / (var.sqrt() + k.epsilon);
-        }
-        Ok(())
+        // A dense update is a lazy one of every element.
+        let all = 0..weight.len();
+        self.update_ranges(key, std::slice::from_ref(&all), grad, weight)
     }
 
     fn update_ranges(
@@ -351,16 +359,9 @@ impl Updater for Adam {
             t: 0,
         });
         state.t = t;
-        for (i, g) in in_ranges(ranges, grad) {
-            let w = &mut weight[i];
-            let (mean, var) = (&mut state.mean[i], &mut state.var[i]);
-            let mut g = g * k.rescale + *w * k.wd;
-            if let Some(c) = k.clip {
-                g = clip(g, c);
-            }
-            *mean = k.beta1 * *mean + k.one_minus_beta1 * g;
-            *var = k.beta2 * *var + k.one_minus_beta2 * g * g;
-            *w -= lr_t * *mean / (var.sqrt() + k.epsilon);
+        for (r, g) in in_ranges(ranges, grad) {
+            let (mean, var) = (&mut state.mean[r.clone()], &mut state.var[r.clone()]);
+            k.apply(lr_t, &mut weight[r], g, mean, var);
         }
         Ok(())
     }
@@ -417,10 +418,9 @@ impl TestUpdater {
 impl Updater for TestUpdater {
     fn update(&mut self, key: u64, grad: &[f32], weight: &mut [f32]) -> Result<(), UpdaterError> {
         check_len(key, grad, weight)?;
-        for (w, &g) in weight.iter_mut().zip(grad) {
-            *w += g * self.rescale;
-        }
-        Ok(())
+        // A dense update is a lazy one of every element.
+        let all = 0..weight.len();
+        self.update_ranges(key, std::slice::from_ref(&all), grad, weight)
     }
 
     fn update_ranges(
@@ -431,8 +431,10 @@ impl Updater for TestUpdater {
         weight: &mut [f32],
     ) -> Result<(), UpdaterError> {
         check_ranges(key, ranges, grad, weight)?;
-        for (i, g) in in_ranges(ranges, grad) {
-            weight[i] += g * self.rescale;
+        for (r, g) in in_ranges(ranges, grad) {
+            for (w, &g) in weight[r].iter_mut().zip(g) {
+                *w += g * self.rescale;
+            }
         }
         Ok(())
     }
