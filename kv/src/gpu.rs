@@ -300,6 +300,7 @@ impl<'w, T: Transport> GpuKv<'w, T> {
     ) -> Result<Option<Staged>, KvError> {
         let (layout, compression, epoch) = {
             let state = self.worker.shared.state();
+            state.dense_push(key)?;
             let layout = state
                 .layout(key, values.len(), crate::value::Dtype::F32)?
                 .clone();

@@ -40,6 +40,9 @@
 //!   `g = g * rescale_grad + w * wd; g = clip(g);
 //!   mean = beta1 * mean + (1 - beta1) * g; var = beta2 * var + (1 - beta2) * g * g;
 //!   w = w - lr_t * mean / (sqrt(var) + epsilon)`.
+//! * Row-sparse gradients ([`Updater::update_ranges`], MXNet's `lazy_update=True`) update
+//!   the elements they hold only, with the same per-element arithmetic, except SGD without
+//!   momentum, where MXNet's row_sparse kernel computes `w = (1 - lr * wd) * w - step`.
 //! * `"test"` ([`TestUpdater`], MXNet's `Test` optimizer, used by MXNet's own kvstore tests):
 //!   `w = w + g * rescale_grad`.
 //!
@@ -113,7 +116,9 @@ pub trait Updater: Send {
     /// MXNet's lazy update of a row-sparse gradient (`lazy_update=True`, its default):
     /// updates only the elements of `weight` in `ranges` (in increasing order, not
     /// overlapping, within `weight`), whose gradients `grad` holds one range after another,
-    /// with the same arithmetic per element as [`update`](Self::update). Elements outside the
+    /// with the arithmetic of MXNet's row_sparse kernels: per element that of
+    /// [`update`](Self::update), but for SGD without momentum, whose lazy kernel is
+    /// `w = (1 - lr * wd) * w - step` (`sgd_update`'s, not `multi_sgd_update`'s). Elements outside the
     /// ranges and their state stay as they are; the key's step count (Adam's `t`) counts it
     /// as one update, as MXNet's does. Errors as [`update`](Self::update)'s, and then
     /// nothing is changed.

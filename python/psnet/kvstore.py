@@ -251,11 +251,22 @@ class KVStore:
         keys were initialized, first first, which is what Gluon's ``priority=-index`` gives
         (``PSNET_KV_PRIORITY``)."""
         del priority
-        if getattr(value, "stype", None) == "row_sparse":
-            self.push_rows(key, _host(value.indices), _host(value.data))
-            return
+        rows = _row_sparse_values(value)
+        if rows is not None:
+            if key in self._row_sparse:
+                self.push_rows(key, *rows)
+                return
+            # A row-sparse gradient of a dense key (MXNet's sparse_grad=True with a dense
+            # weight): pushed dense, every other row zero.
+            value = self._densified(key, *rows)
         with staged():
             self._push(key, value)
+
+    def _densified(self, name, row_ids, values):
+        shape, _, width, ids = self._rows_of(name, row_ids, "push")
+        dense = np.zeros(shape, dtype=self._dtypes[name])
+        np.add.at(dense.reshape(-1, width), ids, np.asarray(values).reshape(ids.size, width))
+        return dense
 
     def push_rows(self, key, row_ids, values):
         """Pushes a row-sparse gradient of ``key`` (initialized with ``stype='row_sparse'``):
@@ -282,9 +293,11 @@ class KVStore:
         if array.dtype != self._dtypes[name]:
             raise TypeError(f"push_rows: key {name!r} holds {self._dtypes[name]} values, "
                             f"pushed {array.dtype}")
-        if array.size != ids.size * width:
+        if array.size != ids.size * width or (
+                array.ndim > 1 and array.shape != (ids.size,) + tuple(shape[1:])):
             raise ValueError(f"push_rows: key {name!r}: {ids.size} rows of {width} elements "
-                             f"need {ids.size * width} values, given {array.size}")
+                             f"need {ids.size * width} values of shape "
+                             f"{(ids.size,) + tuple(shape[1:])}, given {array.shape}")
         unique, counts = np.unique(ids, return_counts=True)
         if unique.size != ids.size:
             raise ValueError(f"push_rows: key {name!r}: row {unique[counts > 1][0]} is pushed "
@@ -612,11 +625,11 @@ class KVStore:
                 "set_optimizer: a psnet.optimizer object (SGD, Adam, Test) or a name"
             )
         spec = optimizer.spec()
-        self._lazy = optimizer.lazy_update
         if self._worker is None:
             self._updater = _psnet.Updater(spec)
         else:
             self._worker.set_optimizer(spec)
+        self._lazy = optimizer.lazy_update
 
     def barrier(self):
         """Waits for every worker."""
@@ -692,3 +705,20 @@ def _dense_of(value):
     if hasattr(value, "tostype"):
         return _host(value.tostype("default"))
     return _host(value)
+
+
+def _row_sparse_values(value):
+    """``(row_ids, values)`` of a row-sparse value (MXNet's RowSparseNDArray: ``stype``,
+    ``indices``, ``data``), or of a list of them (one per device: concatenated, a row given
+    by several devices summed as MXNet sums devices' gradients); None for anything else."""
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not items or any(getattr(v, "stype", None) != "row_sparse" for v in items):
+        return None
+    ids = np.concatenate([np.asarray(_host(v.indices), dtype=np.int64).ravel() for v in items])
+    data = np.concatenate([_host(v.data) for v in items])
+    unique, inverse = np.unique(ids, return_inverse=True)
+    if unique.size == ids.size:
+        return ids, data
+    summed = np.zeros((unique.size,) + data.shape[1:], dtype=data.dtype)
+    np.add.at(summed, inverse, data)
+    return unique, summed

@@ -84,3 +84,67 @@ def test_load_optimizer_states_says_where_the_state_comes_from():
     store = object.__new__(psnet.mxnet.Psnet)
     with pytest.raises(NotImplementedError, match="PSNET_CHECKPOINT_DIR"):
         store.load_optimizer_states("x")
+
+
+ROWS_BOTH = """
+import sys
+import numpy as np
+
+lib, out, momentum = sys.argv[1], sys.argv[2], float(sys.argv[3])
+ROWS, W = 40, 5
+table = np.random.default_rng(7).standard_normal((ROWS, W)).astype(np.float32)
+if lib == "mxnet":
+    import mxnet as mx
+    kv = mx.kv.create("dist_sync")
+    kv.init(0, mx.nd.array(table).tostype("row_sparse"))
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=momentum, wd=0.03,
+                                      lazy_update=True))
+else:
+    import psnet
+    kv = psnet.kvstore.create("dist_sync")
+    kv.init(0, table, stype="row_sparse")
+    kv.set_optimizer(psnet.optimizer.SGD(learning_rate=0.1, momentum=momentum, wd=0.03,
+                                         lazy_update=True))
+r = kv.rank
+res = []
+for step in range(4):
+    rng = np.random.default_rng(10 * r + step)
+    ids = np.sort(rng.choice(ROWS, [1, ROWS, 7, 3][(step + r) % 4], replace=False))
+    g = rng.standard_normal((ids.size, W)).astype(np.float32)
+    if lib == "mxnet":
+        rsp = mx.nd.sparse.row_sparse_array(
+            (mx.nd.array(g), mx.nd.array(ids, dtype="int64")), shape=(ROWS, W))
+        kv.push(0, rsp)
+        o = mx.nd.sparse.zeros("row_sparse", (ROWS, W))
+        kv.row_sparse_pull(0, out=o, row_ids=mx.nd.arange(ROWS, dtype="int64"))
+        res.append(o.asnumpy())
+    else:
+        kv.push_rows(0, ids, g)
+        res.append(kv.pull_rows(0, np.arange(ROWS)))
+np.save(f"{out}/{lib}{momentum}_{r}.npy", np.stack(res))
+"""
+
+
+@pytest.mark.parametrize("momentum", [0.5, 0.0])
+def test_row_sparse_pushes_end_with_mxnets_own_lazy_update(tmp_path, momentum):
+    """The same row-sparse job, 2 workers and 2 servers (the table split over both), once on
+    MXNet's own dist_sync (its ps-lite servers, started by psnet-launch) and once on psnet's
+    kvstore: SGD with weight decay, with momentum (MXNet's sgd_mom_update kernel) and without
+    (its sgd_update kernel, whose row_sparse form differs from the dense one), lazy_update=True,
+    4 rounds of row sets of every size; every round's table the same bit for bit (with two
+    workers a sum's order cannot change its bits)."""
+    script = tmp_path / "rows.py"
+    script.write_text(ROWS_BOTH)
+    got = {}
+    for lib in ("mxnet", "psnet"):
+        cmd = [launcher(), "-n", "2", "-s", "2", "--", sys.executable, str(script), lib,
+               str(tmp_path), str(momentum)]
+        done = subprocess.run(cmd, env=_env({"PS_VERBOSE": "0",
+                                             "MXNET_KVSTORE_BIGARRAY_BOUND": "50"}),
+                              capture_output=True, text=True, timeout=JOB_TIMEOUT)
+        assert done.returncode == 0, f"{lib}: {done.stdout[-3000:]}{done.stderr[-3000:]}"
+        got[lib] = [np.load(tmp_path / f"{lib}{momentum}_{r}.npy") for r in range(2)]
+    for r in range(2):
+        np.testing.assert_array_equal(got["psnet"][r], got["mxnet"][r])
+    # Rows no worker touched kept their values: the update was lazy.
+    assert not np.array_equal(got["psnet"][0][-1], got["psnet"][0][0])

@@ -701,6 +701,14 @@ impl ServerState {
                 return self.fail(p.rank, p.ts, reason);
             }
         }
+        if let Some(held) = self.row_round_holding(p.key) {
+            let reason = format!(
+                "key {}: init while the row-push round of key {held} holds pushes of it: \
+                 initialize keys before pushing them",
+                p.key
+            );
+            return self.fail(p.rank, p.ts, reason);
+        }
         let dtype = p.flags.dtype;
         let Some(n) = dtype.count(p.payload.len()) else {
             return self.fail(

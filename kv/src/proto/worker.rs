@@ -347,7 +347,7 @@ impl WorkerState {
     }
 
     /// A dense push of a row-sparse key is refused, naming the call to use.
-    fn dense_push(&self, key: u64) -> Result<(), KvError> {
+    pub(crate) fn dense_push(&self, key: u64) -> Result<(), KvError> {
         match self.keys.get(&key).and_then(|l| l.rows) {
             Some(width) => Err(KvError::Invalid(format!(
                 "key {key} is row-sparse (rows of {width} elements): push its rows with \

@@ -111,6 +111,9 @@ struct SgdKernel {
     /// 0 without momentum (MXNet's `multi_sgd_update` sets it so).
     momentum: f32,
     clip: Option<f32>,
+    /// `1.f - lr * wd`: the weight's factor in MXNet's lazy `sgd_update` of a row_sparse
+    /// gradient (`SGDDnsRspKernel`).
+    keep: f32,
 }
 
 impl SgdKernel {
@@ -122,6 +125,17 @@ impl SgdKernel {
             None => self.lr_rescale * g,
         };
         self.momentum * mom - self.lr_wd * w - step
+    }
+
+    /// MXNet's lazy `sgd_update` of one element without momentum (its row_sparse kernel,
+    /// not `multi_sgd_update`'s): `(1 - lr * wd) * w - step`.
+    #[inline(always)]
+    fn lazy(&self, w: f32, g: f32) -> f32 {
+        let step = match self.clip {
+            Some(c) => self.lr * clip(self.rescale * g, c),
+            None => self.lr_rescale * g,
+        };
+        self.keep * w - step
     }
 }
 
@@ -142,6 +156,7 @@ impl Sgd {
                 0.0
             },
             clip: params.clip_gradient.map(|c| c as f32),
+            keep: 1.0 - lr * params.wd as f32,
         };
         Sgd {
             params,
@@ -160,12 +175,17 @@ impl SgdKernel {
     /// Updates `weight` with `grad` (and the momentum `moms` when there is one), element by
     /// element; the three have one length.
     #[inline(always)]
-    fn apply(&self, weight: &mut [f32], grad: &[f32], moms: Option<&mut [f32]>) {
+    fn apply(&self, weight: &mut [f32], grad: &[f32], moms: Option<&mut [f32]>, lazy: bool) {
         match moms {
             Some(moms) => {
                 for ((w, &g), m) in weight.iter_mut().zip(grad).zip(moms.iter_mut()) {
                     *m = self.mom(*w, g, *m);
                     *w += *m;
+                }
+            }
+            None if lazy => {
+                for (w, &g) in weight.iter_mut().zip(grad) {
+                    *w = self.lazy(*w, g);
                 }
             }
             None => {
@@ -178,20 +198,16 @@ impl SgdKernel {
     }
 }
 
-impl Updater for Sgd {
-    fn update(&mut self, key: u64, grad: &[f32], weight: &mut [f32]) -> Result<(), UpdaterError> {
-        check_len(key, grad, weight)?;
-        // A dense update is a lazy one of every element.
-        let all = 0..weight.len();
-        self.update_ranges(key, std::slice::from_ref(&all), grad, weight)
-    }
-
-    fn update_ranges(
+impl Sgd {
+    /// Updates the elements of `ranges` (checked), with MXNet's dense kernels or (`lazy`) its
+    /// row_sparse ones; they differ only without momentum.
+    fn run(
         &mut self,
         key: u64,
         ranges: &[Range<usize>],
         grad: &[f32],
         weight: &mut [f32],
+        lazy: bool,
     ) -> Result<(), UpdaterError> {
         check_ranges(key, ranges, grad, weight)?;
         self.fits(key, weight.len())?;
@@ -203,9 +219,27 @@ impl Updater for Sgd {
         });
         for (r, g) in in_ranges(ranges, grad) {
             let m = moms.as_mut().map(|m| &mut m[r.clone()]);
-            k.apply(&mut weight[r], g, m);
+            k.apply(&mut weight[r], g, m, lazy);
         }
         Ok(())
+    }
+}
+
+impl Updater for Sgd {
+    fn update(&mut self, key: u64, grad: &[f32], weight: &mut [f32]) -> Result<(), UpdaterError> {
+        check_len(key, grad, weight)?;
+        let all = 0..weight.len();
+        self.run(key, std::slice::from_ref(&all), grad, weight, false)
+    }
+
+    fn update_ranges(
+        &mut self,
+        key: u64,
+        ranges: &[Range<usize>],
+        grad: &[f32],
+        weight: &mut [f32],
+    ) -> Result<(), UpdaterError> {
+        self.run(key, ranges, grad, weight, true)
     }
 
     fn fits(&self, key: u64, len: usize) -> Result<(), UpdaterError> {

@@ -8,13 +8,14 @@
 //! is in, whichever parts its rows touched. The sum is kept compact: only the union of the
 //! ranges the workers sent is ever allocated, never the key's whole part.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 
 use bytes::Bytes;
 
 use super::{journal, Mode, Output, ServerState};
+use crate::proto::worker::key_of_slot;
 use crate::value::Dtype;
 
 /// Bytes of one range in a request's list: slot, start and length, little-endian u64s.
@@ -165,10 +166,15 @@ impl ServerState {
                 )
             })? as usize;
         let mut parts: Vec<PartRanges> = Vec::new();
+        let mut listed: HashSet<u64> = HashSet::new();
         let mut elems = 0usize;
         for triple in p.payload[..list_len].chunks_exact(TRIPLE_BYTES) {
             let word = |i: usize| u64::from_le_bytes(triple[i..i + 8].try_into().expect("8"));
             let (slot, start, len) = (word(0), word(8), word(16));
+            // A part of the key named: the key itself, or one of its pieces.
+            if slot != p.key && key_of_slot(slot) != p.key {
+                return Err(format!("part {slot} is not a part of key {}", p.key));
+            }
             let k = self
                 .keys
                 .get(&slot)
@@ -182,7 +188,7 @@ impl ServerState {
             let held = k.value.len() as u64;
             let new_part = parts.last().is_none_or(|last| last.slot != slot);
             if new_part {
-                if parts.iter().any(|q| q.slot == slot) {
+                if !listed.insert(slot) {
                     return Err(format!("part {slot} is listed twice"));
                 }
                 parts.push(PartRanges {
@@ -386,6 +392,14 @@ impl ServerState {
             failed.extend(round.requests().map(|(r, ts)| (r, ts, key)));
         }
         failed
+    }
+
+    /// The key of a row round holding pushes of part `slot`, if any.
+    pub(super) fn row_round_holding(&self, slot: u64) -> Option<u64> {
+        self.row_rounds
+            .iter()
+            .find(|(_, r)| r.held() > 0 && r.slots.contains(&slot))
+            .map(|(key, _)| *key)
     }
 
     /// A row round holding pushes, if any: (key, pushes held).

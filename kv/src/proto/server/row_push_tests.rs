@@ -12,8 +12,10 @@ use crate::proto::msg::CommandKind;
 use crate::updater::OptimizerSpec;
 use crate::value::Dtype;
 
-/// Parts 10 and 11, of 40 and 24 elements.
-const PARTS: [(u64, usize); 2] = [(10, 40), (11, 24)];
+/// Key 10's second piece.
+const P2: u64 = 10 + (1 << 48);
+/// Key 10's parts: itself and its second piece, of 40 and 24 elements.
+const PARTS: [(u64, usize); 2] = [(10, 40), (P2, 24)];
 
 fn server(workers: u32, optimizer: Option<&str>) -> ServerState {
     let mut s = ServerState::new(workers).with_key_limit(LIMIT);
@@ -183,7 +185,7 @@ proptest! {
 fn adams_lazy_update_equals_its_dense_update_on_the_touched_elements_and_counts_one_step() {
     let spec = r#"{"type":"adam","learning_rate":0.01,"wd":0.1}"#;
     let mut s = server(1, Some(spec));
-    let parts = vec![(10, vec![(3, 4), (20, 2)]), (11, vec![])];
+    let parts = vec![(10, vec![(3, 4), (20, 2)]), (P2, vec![])];
     s.handle_push_rows(rows_push(0, 1, &parts, 5));
     assert!(matches!(drain(&mut s)[..], [Output::Done { .. }]));
     let fresh = server(1, None);
@@ -198,8 +200,60 @@ fn adams_lazy_update_equals_its_dense_update_on_the_touched_elements_and_counts_
         assert_eq!(got[i].to_bits(), expect.to_bits(), "element {i}");
     }
     // An untouched part takes its step too (MXNet counts the update of the key).
-    assert_eq!(s.value(11).unwrap(), fresh.value(11).unwrap());
-    assert_eq!(s.updates(11), Some(1));
+    assert_eq!(s.value(P2).unwrap(), fresh.value(P2).unwrap());
+    assert_eq!(s.updates(P2), Some(1));
+    assert_eq!(adam_steps(&s), vec![(10, 1), (P2, 1)]);
+    s.handle_push_rows(rows_push(0, 2, &[(10, vec![]), (P2, vec![(0, 1)])], 5));
+    drain(&mut s);
+    assert_eq!(adam_steps(&s), vec![(10, 2), (P2, 2)]);
+}
+
+/// Each key's Adam step count `t`, read from the updater's exported state.
+fn adam_steps(s: &ServerState) -> Vec<(u64, u64)> {
+    let mut w = psnet_transport::le::LeWriter::with_capacity(64);
+    s.updater.as_ref().unwrap().export_state(&mut w);
+    let bytes = w.into_vec();
+    let mut r = psnet_transport::le::LeReader::new(&bytes);
+    assert_eq!(r.u8().unwrap(), 2, "adam's tag");
+    let mut steps = Vec::new();
+    for _ in 0..r.u64().unwrap() {
+        let (key, t, len) = (r.u64().unwrap(), r.u64().unwrap(), r.u64().unwrap());
+        r.take(8 * len as usize).unwrap();
+        steps.push((key, t));
+    }
+    steps
+}
+
+#[test]
+fn sgd_without_momentum_updates_rows_with_mxnets_row_sparse_kernel() {
+    // MXNet's sgd_update of a row_sparse gradient: w = (1 - lr * wd) * w - lr * g.
+    let spec = r#"{"type":"sgd","learning_rate":0.1,"wd":0.3}"#;
+    let mut s = server(1, Some(spec));
+    let parts = vec![(10, vec![(3, 4)]), (P2, vec![])];
+    let before = s.value(10).unwrap().to_vec();
+    s.handle_push_rows(rows_push(0, 1, &parts, 5));
+    drain(&mut s);
+    let g = &dense(&parts, 5)[0];
+    let (lr, wd) = (0.1f32, 0.3f32);
+    for (i, (&got, &w)) in s.value(10).unwrap().iter().zip(&before).enumerate() {
+        let want = if (3..7).contains(&i) {
+            (1.0 - lr * wd) * w - lr * g[i]
+        } else {
+            w
+        };
+        assert_eq!(got.to_bits(), want.to_bits(), "element {i}");
+    }
+}
+
+#[test]
+fn an_init_waits_for_no_row_round_holding_its_part() {
+    let mut s = server(2, Some(r#"{"type":"test"}"#));
+    s.handle_push_rows(rows_push(0, 1, &[(10, vec![(0, 2)]), (P2, vec![])], 1));
+    let mut init = push(0, 2, P2, &[0.0; 24]);
+    init.flags.init = true;
+    s.handle_push(init);
+    let reason = failed_reason(&drain(&mut s));
+    assert!(reason.contains("row-push round of key 10"), "{reason}");
 }
 
 #[test]
@@ -223,7 +277,7 @@ fn the_journal_rebuilds_the_state_rounds_and_async_pushes_alike() {
             ts += 1;
             let parts = vec![
                 (10, vec![((round as usize * 5) % 30, 6)]),
-                (11, vec![(rank as usize, 3)]),
+                (P2, vec![(rank as usize, 3)]),
             ];
             push_and_log(&mut s, rows_push(rank, ts, &parts, round + rank), &mut disk);
         }
@@ -237,7 +291,7 @@ fn the_journal_rebuilds_the_state_rounds_and_async_pushes_alike() {
     ts += 1;
     push_and_log(
         &mut s,
-        rows_push(1, ts, &[(10, vec![(0, 2)]), (11, vec![])], 9),
+        rows_push(1, ts, &[(10, vec![(0, 2)]), (P2, vec![])], 9),
         &mut disk,
     );
     assert_eq!(disk.journal.len(), 3 + 1 + 1);
@@ -247,17 +301,18 @@ fn the_journal_rebuilds_the_state_rounds_and_async_pushes_alike() {
 }
 
 fn assert_refused(s: &mut ServerState, p: RowsPush, wanted: &str) {
-    let before = s.snapshot();
+    let (before, round) = (s.snapshot(), s.row_round_in_progress());
     s.handle_push_rows(p);
     let reason = failed_reason(&drain(s));
     assert!(reason.contains(wanted), "{reason}");
     assert_eq!(s.snapshot(), before, "a refused push changes nothing");
+    assert_eq!(s.row_round_in_progress(), round, "nor the round");
 }
 
 #[test]
 fn lists_that_do_not_add_up_are_refused_and_change_nothing() {
     let mut s = server(2, Some(r#"{"type":"test"}"#));
-    let good = || rows_push(0, 1, &[(10, vec![(2, 3)]), (11, vec![])], 1);
+    let good = || rows_push(0, 1, &[(10, vec![(2, 3)]), (P2, vec![])], 1);
     let mut p = good();
     p.n_ranges = 3;
     assert_refused(&mut s, p, "announces 3 ranges");
@@ -269,8 +324,13 @@ fn lists_that_do_not_add_up_are_refused_and_change_nothing() {
     assert_refused(&mut s, p, "cover 3 float32 values, it carries 8 bytes");
     assert_refused(
         &mut s,
-        rows_push(0, 1, &[(12, vec![(0, 1)])], 1),
-        "part 12 was pushed before it was initialized",
+        rows_push(0, 1, &[(10 + (2 << 48), vec![(0, 1)])], 1),
+        "was pushed before it was initialized",
+    );
+    assert_refused(
+        &mut s,
+        rows_push(0, 1, &[(11, vec![(0, 1)])], 1),
+        "part 11 is not a part of key 10",
     );
     assert_refused(
         &mut s,
@@ -292,7 +352,7 @@ fn lists_that_do_not_add_up_are_refused_and_change_nothing() {
         rows_push(
             0,
             1,
-            &[(10, vec![(1, 1)]), (11, vec![]), (10, vec![(5, 1)])],
+            &[(10, vec![(1, 1)]), (P2, vec![]), (10, vec![(5, 1)])],
             1,
         ),
         "part 10 is listed twice",
@@ -312,14 +372,14 @@ fn lists_that_do_not_add_up_are_refused_and_change_nothing() {
         "{reason}"
     );
     // The round goes on with a push that agrees.
-    s.handle_push_rows(rows_push(1, 3, &[(10, vec![]), (11, vec![(0, 1)])], 1));
+    s.handle_push_rows(rows_push(1, 3, &[(10, vec![]), (P2, vec![(0, 1)])], 1));
     assert_eq!(drain(&mut s).len(), 2);
 }
 
 #[test]
 fn a_lost_worker_fails_the_row_round_and_a_retried_push_is_not_applied_twice() {
     let mut s = server(2, Some(r#"{"type":"test"}"#));
-    let parts = vec![(10, vec![(0, 4)]), (11, vec![])];
+    let parts = vec![(10, vec![(0, 4)]), (P2, vec![])];
     s.handle_push_rows(rows_push(0, 1, &parts, 1));
     s.handle_worker_lost(1, "gone");
     let out = drain(&mut s);
