@@ -280,3 +280,58 @@ async fn row_pushes_in_dist_async_apply_each_push_and_bad_calls_are_refused() {
         .expect("still served");
     c.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn servers_checkpoint_row_pushes_and_their_files_rebuild_the_table() {
+    use psnet_kv::checkpoint::load_shard;
+    let dir = std::env::temp_dir().join(format!("psnet-row-push-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.clone();
+    // Split over both servers by elements; a snapshot every 2 updates, and one asked for.
+    let c = cluster_with(2, 2, move |k| {
+        k.bigarray_bound(100)
+            .checkpoint_dir(Some(d.clone()))
+            .checkpoint_every(2)
+    })
+    .await;
+    let table: Vec<f32> = (0..ROWS * WIDTH).map(|i| i as f32 * 0.01).collect();
+    let t = table.clone();
+    on_all(&c.workers, move |w| {
+        let t = t.clone();
+        async move {
+            let adam = r#"{"type":"adam","learning_rate":0.01,"wd":0.001}"#;
+            w.set_optimizer(&OptimizerSpec::parse(adam).unwrap())
+                .await?;
+            w.init_rows(3, WIDTH, &t).await?;
+            for round in 0..ROUNDS {
+                let rows = rows_of(w.rank(), round);
+                let values: Vec<f32> = rows
+                    .iter()
+                    .flat_map(|&r| grad(w.rank(), round, r))
+                    .collect();
+                w.push_rows(3, WIDTH, &rows, &values).await?;
+                if round == 2 {
+                    w.save_checkpoint().await?;
+                }
+            }
+            Ok(())
+        }
+    })
+    .await;
+    let mut pulled = vec![0f32; ROWS * WIDTH];
+    c.workers[0].pull(3, &mut pulled).await.unwrap();
+    assert_ne!(pulled, table);
+    c.finish().await;
+    // What a restarted server loads: its snapshot and the journal after it.
+    let mut rebuilt = Vec::new();
+    for rank in 0..2 {
+        let shard = load_shard(&dir, rank, None, 2, u64::MAX)
+            .expect("the files load")
+            .expect("a shard");
+        assert_eq!(shard.updates(3), Some(ROUNDS as u64));
+        rebuilt.extend_from_slice(shard.value(3).unwrap());
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&rebuilt), bits(&pulled));
+    let _ = std::fs::remove_dir_all(&dir);
+}
