@@ -130,15 +130,8 @@ async fn measure(kv: &Worker, s: Sparse, iters: usize) -> Result<SparseRow, KvEr
         })
         .collect();
     let mut rows_out = vec![0f32; s.touched * s.width];
-    // Each kind in a phase of its own: a dense step's large buffers are freed before the
-    // next kind's clock runs.
-    let mut dense_step = Vec::new();
-    for i in 0..warmup + iters {
-        let start = Instant::now();
-        kv.push(DENSE, &grad).await?;
-        kv.pull(DENSE, &mut out).await?;
-        keep(&mut dense_step, i >= warmup, start);
-    }
+    // Each kind in a phase of its own, the rows first: a dense phase's large buffers are
+    // still being freed when the next phase starts.
     let mut row_step = Vec::new();
     for (i, (ids, values)) in steps.iter().enumerate() {
         let start = Instant::now();
@@ -146,17 +139,24 @@ async fn measure(kv: &Worker, s: Sparse, iters: usize) -> Result<SparseRow, KvEr
         kv.pull_rows(TABLE, s.width, ids, &mut rows_out).await?;
         keep(&mut row_step, i >= warmup, start);
     }
-    let mut dense_pull = Vec::new();
-    for i in 0..warmup + iters {
-        let start = Instant::now();
-        kv.pull(DENSE, &mut out).await?;
-        keep(&mut dense_pull, i >= warmup, start);
-    }
     let mut row_pull = Vec::new();
     for (i, (ids, _)) in steps.iter().enumerate() {
         let start = Instant::now();
         kv.pull_rows(TABLE, s.width, ids, &mut rows_out).await?;
         keep(&mut row_pull, i >= warmup, start);
+    }
+    let mut dense_step = Vec::new();
+    for i in 0..warmup + iters {
+        let start = Instant::now();
+        kv.push(DENSE, &grad).await?;
+        kv.pull(DENSE, &mut out).await?;
+        keep(&mut dense_step, i >= warmup, start);
+    }
+    let mut dense_pull = Vec::new();
+    for i in 0..warmup + iters {
+        let start = Instant::now();
+        kv.pull(DENSE, &mut out).await?;
+        keep(&mut dense_pull, i >= warmup, start);
     }
     let (dense_step_ms, row_step_ms) = (median_ms(dense_step), median_ms(row_step));
     Ok(SparseRow {
