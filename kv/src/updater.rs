@@ -111,7 +111,20 @@ pub trait Updater: Send {
     /// `grad` and `weight` must have the same length, and the same length as on the key's
     /// earlier updates (its state was sized then). On error nothing is changed: neither
     /// `weight` nor the updater's state.
-    fn update(&mut self, key: u64, grad: &[f32], weight: &mut [f32]) -> Result<(), UpdaterError>;
+    ///
+    /// Provided as the lazy update of one range over the whole weight, which is the same
+    /// arithmetic wherever MXNet's dense and row_sparse kernels agree.
+    fn update(&mut self, key: u64, grad: &[f32], weight: &mut [f32]) -> Result<(), UpdaterError> {
+        if grad.len() != weight.len() {
+            return Err(UpdaterError::LengthMismatch {
+                key,
+                grad_len: grad.len(),
+                weight_len: weight.len(),
+            });
+        }
+        let all = 0..weight.len();
+        self.update_ranges(key, std::slice::from_ref(&all), grad, weight)
+    }
 
     /// MXNet's lazy update of a row-sparse gradient (`lazy_update=True`, its default):
     /// updates only the elements of `weight` in `ranges` (in increasing order, not

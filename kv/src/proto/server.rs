@@ -673,11 +673,17 @@ impl ServerState {
         if p.flags.init {
             return true;
         }
+        self.took_update(k, p.rank, n)
+    }
+
+    /// Whether `k` took worker `rank`'s update number `n` (from 0) already: in `dist_sync` the
+    /// `n`-th round, in `dist_async` the worker's `n`-th push.
+    fn took_update(&self, k: &KeyState, rank: u32, n: u64) -> bool {
         match self.mode {
             Mode::Sync => k.updates > n,
             Mode::Async => k
                 .pushes_by_worker
-                .get(p.rank as usize)
+                .get(rank as usize)
                 .is_some_and(|&applied| applied > n),
         }
     }

@@ -368,13 +368,6 @@ impl AdamKernel {
 }
 
 impl Updater for Adam {
-    fn update(&mut self, key: u64, grad: &[f32], weight: &mut [f32]) -> Result<(), UpdaterError> {
-        check_len(key, grad, weight)?;
-        // A dense update is a lazy one of every element.
-        let all = 0..weight.len();
-        self.update_ranges(key, std::slice::from_ref(&all), grad, weight)
-    }
-
     fn update_ranges(
         &mut self,
         key: u64,
@@ -450,13 +443,6 @@ impl TestUpdater {
 }
 
 impl Updater for TestUpdater {
-    fn update(&mut self, key: u64, grad: &[f32], weight: &mut [f32]) -> Result<(), UpdaterError> {
-        check_len(key, grad, weight)?;
-        // A dense update is a lazy one of every element.
-        let all = 0..weight.len();
-        self.update_ranges(key, std::slice::from_ref(&all), grad, weight)
-    }
-
     fn update_ranges(
         &mut self,
         key: u64,

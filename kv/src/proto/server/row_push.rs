@@ -232,13 +232,7 @@ impl ServerState {
         let (Some(n), Some(k)) = (p.retry, self.keys.get(&parts[0].slot)) else {
             return false;
         };
-        match self.mode {
-            Mode::Sync => k.updates > n,
-            Mode::Async => k
-                .pushes_by_worker
-                .get(p.rank as usize)
-                .is_some_and(|&applied| applied > n),
-        }
+        self.took_update(k, p.rank, n)
     }
 
     fn add_to_row_round(&mut self, p: RowsPush, parts: Vec<PartRanges>, values: Bytes) {
