@@ -644,17 +644,8 @@ impl ServerState {
         if let Err(reason) = self.check(&p) {
             return self.fail(p.rank, p.ts, reason);
         }
-        if self.mode == Mode::Sync {
-            // The round can never complete: the pusher fails on the lost worker's account.
-            if let Some((&lost, why)) = self.dead.iter().next() {
-                let reason = format!("dist_sync round of key {} cannot complete: {why}", p.key);
-                return self.out.push_back(Output::PeerFailed {
-                    rank: p.rank,
-                    ts: p.ts,
-                    lost,
-                    reason,
-                });
-            }
+        if self.mode == Mode::Sync && self.round_lost(p.rank, p.ts, p.key) {
+            return;
         }
         match self.mode {
             Mode::Async => self.apply_async(p),
@@ -674,6 +665,22 @@ impl ServerState {
             return true;
         }
         self.took_update(k, p.rank, n)
+    }
+
+    /// In `dist_sync`, with a worker lost, no round can complete: request `ts` of worker
+    /// `rank`, a push of `key`, fails on the lost worker's account (true) at once.
+    fn round_lost(&mut self, rank: u32, ts: u64, key: u64) -> bool {
+        let Some((&lost, why)) = self.dead.iter().next() else {
+            return false;
+        };
+        let reason = format!("dist_sync round of key {key} cannot complete: {why}");
+        self.out.push_back(Output::PeerFailed {
+            rank,
+            ts,
+            lost,
+            reason,
+        });
+        true
     }
 
     /// Whether `k` took worker `rank`'s update number `n` (from 0) already: in `dist_sync` the

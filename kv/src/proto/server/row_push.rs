@@ -122,16 +122,9 @@ impl ServerState {
                 self.done(p.rank, p.ts)
             }
             Mode::Sync => {
-                if let Some((&lost, why)) = self.dead.iter().next() {
-                    let reason = format!("dist_sync round of key {} cannot complete: {why}", p.key);
-                    return self.out.push_back(Output::PeerFailed {
-                        rank: p.rank,
-                        ts: p.ts,
-                        lost,
-                        reason,
-                    });
+                if !self.round_lost(p.rank, p.ts, p.key) {
+                    self.add_to_row_round(p, parts, values)
                 }
-                self.add_to_row_round(p, parts, values)
             }
         }
     }
