@@ -251,22 +251,13 @@ class KVStore:
         keys were initialized, first first, which is what Gluon's ``priority=-index`` gives
         (``PSNET_KV_PRIORITY``)."""
         del priority
-        rows = _row_sparse_values(value)
+        # One key's row-sparse value, or its list of them (one per device).
+        rows = _row_sparse_values(value) if _is_key(key) else None
         if rows is not None:
-            if key in self._row_sparse:
-                self.push_rows(key, *rows)
-                return
-            # A row-sparse gradient of a dense key (MXNet's sparse_grad=True with a dense
-            # weight): pushed dense, every other row zero.
-            value = self._densified(key, *rows)
+            self.push_rows(key, *rows)
+            return
         with staged():
             self._push(key, value)
-
-    def _densified(self, name, row_ids, values):
-        shape, _, width, ids = self._rows_of(name, row_ids, "push")
-        dense = np.zeros(shape, dtype=self._dtypes[name])
-        np.add.at(dense.reshape(-1, width), ids, np.asarray(values).reshape(ids.size, width))
-        return dense
 
     def push_rows(self, key, row_ids, values):
         """Pushes a row-sparse gradient of ``key`` (initialized with ``stype='row_sparse'``):
@@ -282,8 +273,10 @@ class KVStore:
     def _push_rows(self, name, row_ids, values):
         shape, rows, width, ids = self._rows_of(name, row_ids, "push_rows")
         if name not in self._row_sparse:
+            # MXNet would update a dense weight lazily by a row_sparse gradient (an embedding
+            # with sparse_grad=True); pushing it dense would update every row instead.
             raise ValueError(f"push_rows: key {name!r} is dense: push it with push, or "
-                             "initialize it with stype='row_sparse'")
+                             "initialize it with stype='row_sparse' to push its rows")
         if not self._lazy:
             raise ValueError("push_rows: the optimizer was set with lazy_update=False, and "
                              "psnet's servers update only the rows pushed (MXNet's "

@@ -19,6 +19,14 @@ the job's scheduler or a server serves psnet's role inside that import and exits
 ``mxnet`` first would start MXNet's own ps-lite server in it, which cannot speak to psnet's
 scheduler.
 
+Row_sparse weights (``gluon.contrib.nn.SparseEmbedding``) work too: the trainer initializes
+them as psnet's row-sparse keys, pushes only the rows a batch's gradient holds, and fetches
+only the rows the next batch uses (``row_sparse_pull``); the servers update those rows only,
+as MXNet's lazy update does. Gluon takes a store with row_sparse weights by name only
+(``kvstore='dist_sync_psnet'``), not as an object. A dense weight with a row_sparse gradient
+(``Embedding(sparse_grad=True)``) is refused: MXNet would update it lazily, and psnet's dense
+keys update every row.
+
 The trainer's MXNet optimizer object is translated to psnet's (:mod:`psnet.optimizer`):
 ``SGD``, ``Adam`` and ``Test``, with their learning rate, weight decay, ``rescale_grad``,
 ``clip_gradient``, momentum or betas. What psnet's servers do not run is refused by name:
@@ -34,6 +42,8 @@ from . import optimizer as _optimizer
 
 import mxnet as _mx  # noqa: E402  (after psnet: a server process never gets here)
 from mxnet.kvstore import KVStoreBase as _KVStoreBase  # noqa: E402
+from mxnet.ndarray.sparse import row_sparse_array as _row_sparse_array  # noqa: E402
+from mxnet.autograd import pause as _pause_recording  # noqa: E402
 
 
 def _as_list(x):
@@ -131,6 +141,53 @@ class _PsnetStore(_KVStoreBase):
         self._kv.pushpull(key, hosts if len(hosts) > 1 else hosts[0], out=got)
         for o in _as_list(value if out is None else out):
             o[:] = got.reshape(o.shape)
+
+    # Gluon's calls for row_sparse weights (gluon.contrib.nn.SparseEmbedding): it initializes
+    # them with init, pushes their row_sparse gradients with push and fetches the rows a batch
+    # needs with row_sparse_pull; MXNet's KVStoreBase has none of the three.
+    def init(self, key, value):
+        """Initializes ``key`` with ``value``; a row_sparse ``value`` makes it a row-sparse key
+        (pushed by rows, updated lazily on the servers)."""
+        if value.stype == "row_sparse":
+            self._kv.init(key, value.tostype("default").asnumpy(), stype="row_sparse")
+        else:
+            self._kv.init(key, np.ascontiguousarray(value.asnumpy()))
+        self._declared.add(key)
+
+    def push(self, key, value, priority=0):
+        """Pushes ``value`` (a list, one per device, is summed first): a row_sparse gradient
+        of a row-sparse key sends its rows only."""
+        del priority
+        values = _as_list(value)
+        if values[0].stype == "row_sparse":
+            self._kv.push(key, values)
+        else:
+            hosts = [np.ascontiguousarray(v.asnumpy()) for v in values]
+            self._kv.push(key, hosts if len(hosts) > 1 else hosts[0])
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        """Pulls ``key``'s value into every ``out``."""
+        del priority, ignore_sparse
+        outs = _as_list(out)
+        got = np.empty(outs[0].shape, dtype=outs[0].dtype)
+        self._kv.pull(key, got)
+        for o in outs:
+            o[:] = got.reshape(o.shape)
+
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
+        """Fetches only rows ``row_ids`` of ``key`` into each row_sparse ``out`` (a list of
+        outs takes a list of row ids, or one for all)."""
+        del priority
+        outs = _as_list(out)
+        ids = _as_list(row_ids)
+        if len(ids) == 1:
+            ids = ids * len(outs)
+        for o, r in zip(outs, ids):
+            rows = np.unique(r.asnumpy().astype(np.int64))
+            values = self._kv.pull_rows(key, rows)
+            # Gluon pulls the rows inside the forward pass: the copy is not part of the graph.
+            with _pause_recording():
+                o[:] = _row_sparse_array((values, rows), shape=o.shape, dtype=o.dtype)
 
     def set_optimizer(self, optimizer):
         """MXNet's optimizer object, translated to psnet's (see the module's documentation)."""

@@ -617,7 +617,7 @@ def test_row_sparse_pushes_on_the_local_store():
     with pytest.raises(ValueError, match=r"of shape \(2, 3\), given \(3, 2\)"):
         kv.push_rows("e", [1, 2], np.zeros((3, 2), dtype=np.float32))
     # MXNet's row_sparse values: a list per device is summed where rows meet; one pushed to
-    # a dense key is pushed dense, every other row zero.
+    # a dense key is refused (MXNet would update its rows lazily, a dense push every row).
     before = kv.pull_rows("e", np.arange(4))
     devices = [_RowSparse([2, 0], np.full((2, 3), 1.0, dtype=np.float32)),
                _RowSparse([2], np.full((1, 3), 2.0, dtype=np.float32))]
@@ -628,12 +628,8 @@ def test_row_sparse_pushes_on_the_local_store():
     assert not np.array_equal(before, w)
     plain = psnet.kvstore.create("local")
     plain.init("d", np.ones((4, 3), dtype=np.float32))
-    plain.push("d", _RowSparse(np.array([3]), np.full((1, 3), 5.0, dtype=np.float32)))
-    want = np.zeros((4, 3), dtype=np.float32)
-    want[3] = 5
-    got = np.empty((4, 3), dtype=np.float32)
-    plain.pull("d", out=got)
-    assert got.tobytes() == want.tobytes()
+    with pytest.raises(ValueError, match="is dense"):
+        plain.push("d", _RowSparse(np.array([3]), np.full((1, 3), 5.0, dtype=np.float32)))
     lazy_off = psnet.kvstore.create("local")
     lazy_off.init("e", table, stype="row_sparse")
     lazy_off.set_optimizer(psnet.optimizer.SGD(lazy_update=False))

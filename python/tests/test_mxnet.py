@@ -18,6 +18,7 @@ import psnet.mxnet  # noqa: E402
 from psnet.mxnet import _translate  # noqa: E402
 
 EXAMPLE = REPO / "python" / "examples" / "mxnet_gluon.py"
+SPARSE_EXAMPLE = REPO / "python" / "examples" / "mxnet_sparse.py"
 
 
 def test_the_stores_are_in_mxnets_registry_under_names_gluon_keeps():
@@ -78,6 +79,24 @@ def test_a_gluon_trainer_over_psnet_ends_with_mxnets_own_dist_sync_weights(tmp_p
     assert "step 29 loss" in log
     np.testing.assert_array_equal(ours, theirs)
     assert not np.array_equal(ours, np.zeros_like(ours))
+
+
+def test_a_gluon_sparse_embedding_over_psnet_ends_with_mxnets_own_weights(tmp_path):
+    """gluon.contrib.nn.SparseEmbedding (a row_sparse weight: init, row pushes of its
+    gradients, row_sparse_pull of the rows each batch uses) and a dense layer, 2 workers and
+    2 servers, over psnet's store and over MXNet's own dist_sync: the same weights bit for
+    bit."""
+    weights = {}
+    for kvstore in ("dist_sync_psnet", "dist_sync"):
+        out = tmp_path / f"{kvstore}.bin"
+        cmd = [launcher(), "-n", "2", "-s", "2", "--", sys.executable, str(SPARSE_EXAMPLE),
+               "--kvstore", kvstore, "--dump", str(out)]
+        done = subprocess.run(cmd, env=_env({"PS_VERBOSE": "0"}), capture_output=True,
+                              text=True, timeout=JOB_TIMEOUT)
+        assert done.returncode == 0, f"{kvstore}: {done.stdout[-3000:]}{done.stderr[-3000:]}"
+        weights[kvstore] = np.fromfile(out, dtype=np.float32)
+    assert weights["dist_sync"].size == 200 * 8 + 8 * 4 + 4
+    np.testing.assert_array_equal(weights["dist_sync_psnet"], weights["dist_sync"])
 
 
 def test_load_optimizer_states_says_where_the_state_comes_from():
