@@ -44,7 +44,9 @@
 #            torch==2.15.0, is installed there when missing; none skips)
 #
 # Settings (environment): HOSTS (4), RATE (1gbit), EPOCHS (2), SAMPLES (4096), TRAIN_RUNS (the train
-# runs to make, by name, e.g. "default 2bit-pull"; all when unset), AR_ITERS (10), KV_SIZES
+# runs to make, by name, e.g. "default 2bit-pull"; all when unset), TRAIN_EXTRA (more train runs,
+# always made, each NAME:ENV,...:COMPRESSION:FLAGS, e.g. "big:PSNET_PARTITION_BYTES=1048576:2bit:
+# --compression-pull"; commas in FLAGS part its flags), AR_ITERS (10), KV_SIZES
 # (4M,16M), KV_SHAPES ("2x2 2x4"), KV_ITERS (20 timed operations of each kind per size; the
 # median is reported), AR_MIN / AR_MAX (1M / 64M), MXNET_PY (target/mxnet-venv's
 # python; made with python3.10, mxnet==1.9.1 and numpy==1.23.5 when missing; MXNET=0 skips),
@@ -200,13 +202,15 @@ if wants train; then
              "by-layer-fifo:PSNET_KV_PRIORITY=0:none:--by-layer" \
              "default-cubic:PSNET_TCP_CONGESTION=cubic:none" \
              "2bit-pull-cubic:PSNET_TCP_CONGESTION=cubic:2bit:--compression-pull" \
-             "1bit-pull-cubic:PSNET_TCP_CONGESTION=cubic:1bit:--compression-pull"; do
+             "1bit-pull-cubic:PSNET_TCP_CONGESTION=cubic:1bit:--compression-pull" \
+             ${TRAIN_EXTRA:-}; do
     IFS=: read -r name env comp extra <<< "$run"
-    [ -z "${TRAIN_RUNS:-}" ] || [[ " $TRAIN_RUNS " == *" $name "* ]] || continue
+    [ -z "${TRAIN_RUNS:-}" ] || [[ " $TRAIN_RUNS " == *" $name "* ]] \
+      || [[ " ${TRAIN_EXTRA:-} " == *" $run "* ]] || continue
     IFS=, read -ra envs <<< "$env"
     bash "$RIG" counters --name bench > "$LOGS/c0"
     launch 2 2 "$LOGS/train.hosts" "${envs[@]}" -- "$B/psnet-train" --epochs "$EPOCHS" \
-      --samples "$SAMPLES" --compression "$comp" $extra > "$LOGS/train.$name.log" 2>&1 \
+      --samples "$SAMPLES" --compression "$comp" ${extra//,/ } > "$LOGS/train.$name.log" 2>&1 \
       || { say "psnet-train $name failed:"; tail -20 "$LOGS/train.$name.log" >&2; exit 1; }
     bash "$RIG" counters --name bench > "$LOGS/c1"
     comm=$(grep -o 'communication [0-9.]* s of [0-9.]* s' "$LOGS/train.$name.log" | grep -v "^$" | head -n "$EPOCHS" \

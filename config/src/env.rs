@@ -227,6 +227,8 @@ crate::declare_env_vars! {
         "arrays with at least this many elements are split over all servers";
     PSNET_PARTITION_BYTES = "PSNET_PARTITION_BYTES", "",
         "a kv key larger than this many bytes goes as pieces of about this size (multiples of 128 elements), spread over the servers in turn, each stored, summed and answered on its own, so that the answers to a key's first pieces travel while its later pieces are still pushed (BytePS's BYTEPS_PARTITION_BYTES); 0: MXNet's layout. Unset: 131072 when the job's servers and workers are on more than one host, 0 when they are all on one. With pieces, keys of 2^48 and above are refused: the pieces of key k are stored under k + j * 2^48";
+    PSNET_PACK_CODES = "PSNET_PACK_CODES", "",
+        "1: the codes of compressed pushes and pulls (2-bit, 1-bit) travel entropy-coded (zstd), losslessly: a 2-bit push of psnet-train's gradients in about a seventh of its bytes, a compressed pull's codes in about 60%, at some CPU; 0: as quantized. Unset: 1 when the job's servers and workers are on more than one host, 0 when they are all on one. Also the compression setting's \"pack\": true";
     PSNET_BOOTSTRAP_TIMEOUT = "PSNET_BOOTSTRAP_TIMEOUT", "120",
         "seconds the scheduler waits for every node to register (and nodes for their rank)";
     PS_RESEND = "PS_RESEND", "0",

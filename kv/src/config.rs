@@ -17,7 +17,7 @@ pub use psnet_config::env::{
     DMLC_NUM_SERVER, DMLC_NUM_WORKER, DMLC_PS_ROOT_PORT, DMLC_PS_ROOT_URI, DMLC_ROLE,
     DMLC_SERVER_ID, DMLC_WORKER_ID, MXNET_KVSTORE_BIGARRAY_BOUND, PSNET_BOOTSTRAP_TIMEOUT,
     PSNET_CHECKPOINT_DIR, PSNET_CHECKPOINT_EVERY, PSNET_CHECKPOINT_FSYNC,
-    PSNET_KV_SERVER_KEY_BYTES, PSNET_PARTITION_BYTES, PSNET_RECOVERY_TIMEOUT,
+    PSNET_KV_SERVER_KEY_BYTES, PSNET_PACK_CODES, PSNET_PARTITION_BYTES, PSNET_RECOVERY_TIMEOUT,
     PS_HEARTBEAT_INTERVAL, PS_HEARTBEAT_TIMEOUT, PS_RESEND, PS_RESEND_TIMEOUT,
 };
 
@@ -50,6 +50,9 @@ pub struct KvConfig {
     /// one, where the link costs nothing and pieces only add messages. See
     /// [`crate::proto::worker::Layout`].
     pub partition_bytes: Option<usize>,
+    /// Whether compressed codes travel packed ([`crate::proto::packed`], `PSNET_PACK_CODES`).
+    /// None (unset): when the job's servers and workers are on more than one host.
+    pub pack_codes: Option<bool>,
     /// How long registration may take.
     pub bootstrap_timeout: Duration,
     /// Transport preference (None: `PSNET_TRANSPORT`).
@@ -199,6 +202,7 @@ impl KvConfig {
             heartbeat_timeout: Some(Duration::from_secs(10)),
             bigarray_bound: 1_000_000,
             partition_bytes: None,
+            pack_codes: None,
             bootstrap_timeout: Duration::from_secs(120),
             transport: None,
             loopback: true,
@@ -248,6 +252,7 @@ impl KvConfig {
             heartbeat_timeout: seconds(PS_HEARTBEAT_TIMEOUT)?,
             bigarray_bound: bound,
             partition_bytes: PSNET_PARTITION_BYTES.parse()?,
+            pack_codes: PSNET_PACK_CODES.parse::<u8>()?.map(|v| v != 0),
             bootstrap_timeout: seconds(PSNET_BOOTSTRAP_TIMEOUT)?
                 .unwrap_or(Duration::from_secs(u64::from(u32::MAX))),
             transport: env::PSNET_TRANSPORT.parse()?,

@@ -317,6 +317,7 @@ impl<'w, T: Transport> GpuKv<'w, T> {
             retry: None,
             dtype: crate::value::Dtype::F32,
             have: None,
+            packed: false,
         };
         let packed = self.quantize(key, values, &layout, (scheme, threshold, epoch), staging)?;
         let parts = layout

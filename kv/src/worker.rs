@@ -84,6 +84,9 @@ impl<T: Transport> Worker<T> {
         .with_partition_bytes(partition_bytes(config, &joined.nodes))
         .with_priorities(config.priorities);
         let partitions = partition_bytes(config, &joined.nodes) > 0;
+        let pack_codes = config
+            .pack_codes
+            .unwrap_or_else(|| spans_hosts(&joined.nodes));
         let shared = Arc::new(Shared {
             link: joined.link,
             admission: joined.admission,
@@ -94,6 +97,7 @@ impl<T: Transport> Worker<T> {
             state: Mutex::new(state),
             serial_sends: config.serial_sends,
             partitions,
+            pack_codes,
             ended: Notify::new(),
             recorder: psnet_recorder::Recorder::with(
                 psnet_recorder::Scope::Kv {
@@ -292,7 +296,8 @@ impl<T: Transport> Worker<T> {
         &self,
         params: impl Into<KvCompression>,
     ) -> Result<(), KvError> {
-        let params: KvCompression = params.into();
+        let mut params: KvCompression = params.into();
+        params.pack |= self.shared.pack_codes && params.params.scheme().is_some();
         let compressor = params
             .params
             .compressor()
@@ -302,6 +307,7 @@ impl<T: Transport> Worker<T> {
         let mut state = self.shared.state();
         state.set_compressor(compressor.map(Arc::from));
         state.set_pull_compression(params.pull_scheme());
+        state.set_packing(params.pack);
         Ok(())
     }
 
@@ -608,17 +614,23 @@ pub(crate) fn fill<V: Value>(
 /// Every worker reads the same table from the scheduler, so all choose alike.
 fn partition_bytes(config: &KvConfig, nodes: &[crate::proto::msg::NodeInfo]) -> usize {
     config.partition_bytes.unwrap_or_else(|| {
-        let hosts: std::collections::BTreeSet<std::net::IpAddr> = nodes
-            .iter()
-            .filter(|n| n.role != Role::Scheduler)
-            .map(|n| n.addr.ip())
-            .collect();
-        if hosts.len() > 1 {
+        if spans_hosts(nodes) {
             crate::config::DEFAULT_PARTITION_BYTES
         } else {
             0
         }
     })
+}
+
+/// Whether the job's servers and workers listen on more than one address (more than one
+/// host; the scheduler carries no values, so its host does not count).
+fn spans_hosts(nodes: &[crate::proto::msg::NodeInfo]) -> bool {
+    let hosts: std::collections::BTreeSet<std::net::IpAddr> = nodes
+        .iter()
+        .filter(|n| n.role != Role::Scheduler)
+        .map(|n| n.addr.ip())
+        .collect();
+    hosts.len() > 1
 }
 
 #[cfg(test)]

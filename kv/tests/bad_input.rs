@@ -260,6 +260,7 @@ async fn commands_that_would_strand_a_round_are_refused() {
             retry: None,
             dtype: psnet_kv::Dtype::F32,
             have: None,
+            packed: false,
         },
         n_elems: 4,
         priority: 0,
@@ -329,7 +330,7 @@ async fn malformed_metadata(setup: Setup, resend: bool) {
     let ts = r.ts();
     let push = push_msg(KEY, 4)(ts).encode();
     let mut bad_flags = push.clone();
-    bad_flags[18] = 0xf0;
+    bad_flags[18] = 0x30;
     let mut trailing = push.clone();
     trailing.push(0);
     let mut bad_utf8 = vec![VERSION, 10];
@@ -341,7 +342,7 @@ async fn malformed_metadata(setup: Setup, resend: bool) {
     long_string.extend_from_slice(&(1u32 << 20).to_le_bytes());
     for (meta, why) in [
         (&push[..20], "truncated"),
-        (&bad_flags[..], "unknown push flags"),
+        (&bad_flags[..], "unknown value type"),
         (&trailing[..], "1 trailing bytes"),
         (&bad_utf8[..], "not UTF-8"),
         (&long_string[..], "longer than 64 KiB"),

@@ -147,6 +147,7 @@ impl Plan {
         Some(KvCompression {
             params,
             pull: self.pull,
+            pack: self.pull,
         })
     }
 

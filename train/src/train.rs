@@ -156,6 +156,8 @@ async fn train(args: &Args, kv: &Worker) -> Result<(), Failure> {
         let params = psnet::kv::KvCompression {
             params,
             pull: args.compression_pull,
+            // PSNET_PACK_CODES decides (by default: across hosts).
+            pack: false,
         };
         kv.set_gradient_compression(params).await.map_err(err)?;
     }

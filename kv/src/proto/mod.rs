@@ -5,6 +5,7 @@
 pub mod admission;
 pub mod ids;
 pub mod msg;
+pub mod packed;
 pub mod pulled;
 pub mod recovery;
 pub mod resend;

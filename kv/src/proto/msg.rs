@@ -116,6 +116,8 @@ pub struct PushFlags {
     /// With compressed pulls and `pull_back`: the version of this worker's copy of the key
     /// (see [`crate::proto::pulled`]); `None`: it holds none.
     pub have: Option<u64>,
+    /// A compressed push's codes are packed ([`crate::proto::packed`]).
+    pub packed: bool,
 }
 
 impl PushFlags {
@@ -126,14 +128,12 @@ impl PushFlags {
             | (u8::from(self.retry.is_some()) << 3)
             | (self.dtype.code() << 4)
             | (u8::from(self.have.is_some()) << 6)
+            | (u8::from(self.packed) << 7)
     }
 
     /// The flags of `b`, whether a retry's count follows the push's other fields, and whether
     /// a copy's version follows that.
     fn from_bits(b: u8) -> Result<(Self, bool, bool), DecodeError> {
-        if b & !0b111_1111 != 0 {
-            return Err(DecodeError::Invalid("unknown push flags"));
-        }
         let dtype =
             Dtype::from_code((b >> 4) & 0b11).ok_or(DecodeError::Invalid("unknown value type"))?;
         let flags = PushFlags {
@@ -143,6 +143,7 @@ impl PushFlags {
             retry: None,
             dtype,
             have: None,
+            packed: b & 128 != 0,
         };
         Ok((flags, b & 8 != 0, b & 64 != 0))
     }
@@ -747,6 +748,7 @@ impl Msg {
                     Form::Full => w.u8(0),
                     Form::Delta { scale } => w.u8(1).u32(scale.to_bits()),
                     Form::Same => w.u8(2),
+                    Form::Packed { scale } => w.u8(3).u32(scale.to_bits()),
                 };
             }
             Msg::Done { ts } => {
@@ -878,12 +880,15 @@ impl Msg {
                 version: r.u64()?,
                 form: match r.u8()? {
                     0 => Form::Full,
-                    1 => {
+                    form @ (1 | 3) => {
                         let scale = f32::from_bits(r.u32()?);
                         if !scale.is_finite() || scale < 0.0 {
                             return Err(DecodeError::Invalid("a pulled change's scale"));
                         }
-                        Form::Delta { scale }
+                        match form {
+                            1 => Form::Delta { scale },
+                            _ => Form::Packed { scale },
+                        }
                     }
                     2 => Form::Same,
                     _ => return Err(DecodeError::Invalid("unknown pulled form")),

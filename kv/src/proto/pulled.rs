@@ -18,7 +18,7 @@
 //! about 40% of it and left the rest to later rounds); 0 elsewhere. 1-bit codes carry the
 //! sign of every element times the mean `|r|` (the scale that leaves the least error).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use psnet_compression::scale::{magnitudes_from, mean_magnitude_from};
 use psnet_compression::{
@@ -33,6 +33,8 @@ pub struct KvCompression {
     pub params: CompressionParams,
     /// Pulls answered with codes of the weights' change too (see the module docs).
     pub pull: bool,
+    /// Codes travel packed, both ways ([`crate::proto::packed`]): `"pack": true`.
+    pub pack: bool,
 }
 
 impl From<CompressionParams> for KvCompression {
@@ -40,13 +42,14 @@ impl From<CompressionParams> for KvCompression {
         KvCompression {
             params,
             pull: false,
+            pack: false,
         }
     }
 }
 
 impl KvCompression {
-    /// Parses MXNet's dict form with psnet's `"pull"` (a boolean) beside `type` and
-    /// `threshold`: `{"type": "2bit", "threshold": 0.5, "pull": true}`.
+    /// Parses MXNet's dict form with psnet's `"pull"` and `"pack"` (booleans) beside `type`
+    /// and `threshold`: `{"type": "2bit", "threshold": 0.5, "pull": true, "pack": true}`.
     pub fn parse(text: &str) -> Result<Self, ParamsError> {
         let normalised;
         let text = if text.contains('\'') && !text.contains('"') {
@@ -57,22 +60,27 @@ impl KvCompression {
         };
         let mut value: Value = serde_json::from_str(text)
             .map_err(|e| ParamsError::Malformed(format!("{e} in {text:?}")))?;
-        let pull = match value.as_object_mut().and_then(|m| m.remove("pull")) {
-            None | Some(Value::Bool(false)) => false,
-            Some(Value::Bool(true)) => true,
-            Some(other) => {
-                return Err(ParamsError::Malformed(format!(
-                    "\"pull\" must be true or false, got {other}"
-                )))
-            }
+        let mut flag = |name: &str| match value.as_object_mut().and_then(|m| m.remove(name)) {
+            None | Some(Value::Bool(false)) => Ok(false),
+            Some(Value::Bool(true)) => Ok(true),
+            Some(other) => Err(ParamsError::Malformed(format!(
+                "\"{name}\" must be true or false, got {other}"
+            ))),
         };
+        let pull = flag("pull")?;
+        let pack = flag("pack")?;
         let params = CompressionParams::from_json(&value)?;
         if pull && params.scheme().is_none() {
             return Err(ParamsError::Malformed(
                 "\"pull\": true needs a compression type (\"2bit\" or \"1bit\")".into(),
             ));
         }
-        Ok(KvCompression { params, pull })
+        if pack && params.scheme().is_none() {
+            return Err(ParamsError::Malformed(
+                "\"pack\": true needs a compression type (\"2bit\" or \"1bit\")".into(),
+            ));
+        }
+        Ok(KvCompression { params, pull, pack })
     }
 
     /// The scheme of compressed pulls, if they are on.
@@ -82,12 +90,16 @@ impl KvCompression {
 }
 
 impl std::fmt::Display for KvCompression {
-    /// The gradients' settings as MXNet writes them, with `"pull": true` added when on (so
-    /// that a store without compressed pulls sends exactly MXNet's form).
+    /// The gradients' settings as MXNet writes them, with `"pull": true` and `"pack": true`
+    /// added when on (so that a store without them sends exactly MXNet's form).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut value = Value::from(self.params);
-        if let (true, Some(map)) = (self.pull, value.as_object_mut()) {
-            map.insert("pull".into(), Value::Bool(true));
+        if let Some(map) = value.as_object_mut() {
+            for (name, on) in [("pull", self.pull), ("pack", self.pack)] {
+                if on {
+                    map.insert(name.into(), Value::Bool(true));
+                }
+            }
         }
         write!(f, "{value}")
     }
@@ -105,6 +117,11 @@ pub enum Form {
     },
     /// No value: the worker's copy is this version already.
     Same,
+    /// As [`Form::Delta`], the codes packed ([`crate::proto::packed`]).
+    Packed {
+        /// What a code's unit stands for.
+        scale: f32,
+    },
 }
 
 /// The codes that made a version of the copy from the one before.
@@ -114,6 +131,35 @@ pub struct Delta {
     pub scale: f32,
     /// The codes.
     pub codes: Arc<Vec<u8>>,
+    /// The codes packed, made by the first answer that sends them so (every worker's is the
+    /// same bytes).
+    pub packed: OnceLock<Arc<Vec<u8>>>,
+}
+
+impl Delta {
+    /// Codes with `scale`, not packed yet.
+    pub fn new(scale: f32, codes: Vec<u8>) -> Delta {
+        Delta {
+            scale,
+            codes: Arc::new(codes),
+            packed: OnceLock::new(),
+        }
+    }
+
+    /// The codes packed; the codes themselves where packing fails (the answer then says
+    /// [`Form::Delta`]).
+    pub fn packed(&self) -> Option<Arc<Vec<u8>>> {
+        if let Some(p) = self.packed.get() {
+            return Some(p.clone());
+        }
+        match super::packed::pack(&self.codes) {
+            Ok(p) => Some(self.packed.get_or_init(|| Arc::new(p)).clone()),
+            Err(e) => {
+                tracing::warn!("compressed pull's codes go unpacked: {e}");
+                None
+            }
+        }
+    }
 }
 
 /// The workers' copy of one key's value as its server keeps it.
@@ -219,10 +265,7 @@ pub fn quantize(scheme: Scheme, value: &[f32], copy: &mut [f32]) -> Option<Delta
             quantized.ok()?;
         }
         apply(scheme, &codes, scale, copy).ok()?;
-        Some(Delta {
-            scale,
-            codes: Arc::new(codes),
-        })
+        Some(Delta::new(scale, codes))
     })
 }
 

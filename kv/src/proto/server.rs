@@ -50,6 +50,7 @@ use bytes::Bytes;
 use psnet_compression::Compressor;
 
 use super::msg::{CommandKind, Exchange, PushFlags, MAX_STRING, NO_REQUEST};
+use super::packed;
 use super::pulled::{Form, KvCompression, Shadow};
 use super::sum;
 use crate::updater::{OptimizerSpec, Updater};
@@ -393,10 +394,17 @@ impl ServerState {
     ) -> Option<(AnswerValue, Option<PulledAnswer>)> {
         let k = self.keys.get(&key)?;
         if let Some(shadow) = &k.shadow {
-            let form = shadow.answer(have);
-            let value = match (&form, &shadow.last) {
+            let mut form = shadow.answer(have);
+            let pack = self.compression.is_some_and(|c| c.pack);
+            let value = match (form, &shadow.last) {
                 (Form::Full, _) => AnswerValue::Shared(shadow.copy.clone()),
-                (Form::Delta { .. }, Some(d)) => AnswerValue::Codes(d.codes.clone()),
+                (Form::Delta { scale }, Some(d)) => match d.packed().filter(|_| pack) {
+                    Some(packed) => {
+                        form = Form::Packed { scale };
+                        AnswerValue::Codes(packed)
+                    }
+                    None => AnswerValue::Codes(d.codes.clone()),
+                },
                 _ => AnswerValue::Empty,
             };
             let version = shadow.version;
@@ -641,6 +649,10 @@ impl ServerState {
         if p.flags.init {
             return self.init(p);
         }
+        let mut p = p;
+        if let Err(reason) = self.unpack(&mut p) {
+            return self.fail(p.rank, p.ts, reason);
+        }
         if let Err(reason) = self.check(&p) {
             return self.fail(p.rank, p.ts, reason);
         }
@@ -651,6 +663,26 @@ impl ServerState {
             Mode::Async => self.apply_async(p),
             Mode::Sync => self.add_to_round(p),
         }
+    }
+
+    /// Unpacks `p`'s packed codes ([`crate::proto::packed`]), bounded by the key's own
+    /// codes' size before anything is allocated; a push that was not packed stays as is.
+    fn unpack(&self, p: &mut Push) -> Result<(), String> {
+        if !p.flags.packed {
+            return Ok(());
+        }
+        let want = match (p.flags.compressed, &self.compressor, self.keys.get(&p.key)) {
+            (false, ..) => Err("packed codes in a push of uncompressed values".to_string()),
+            (_, None, _) => Err("packed codes, but no compression was set on this server".into()),
+            (_, _, None) => Err("pushed before it was initialized".into()),
+            (true, Some(c), Some(k)) => Ok(c.compressed_len(k.value.len())),
+        };
+        let codes = want
+            .and_then(|len| packed::unpack(&p.payload, len))
+            .map_err(|e| format!("key {}: {e}", p.key))?;
+        p.payload = Bytes::from(codes);
+        p.flags.packed = false;
+        Ok(())
     }
 
     /// Whether `p`, sent again after this server restarted ([`PushFlags::retry`]), is a

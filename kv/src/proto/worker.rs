@@ -16,6 +16,7 @@ use tokio::sync::oneshot;
 
 use super::ids::{self, describe, Group, Role, SCHEDULER};
 use super::msg::{Exchange, Msg, PushFlags, NO_REQUEST};
+use super::packed;
 use super::CAUGHT_UP_WAIT;
 use crate::error::KvError;
 use crate::placement::Placement;
@@ -97,6 +98,8 @@ pub struct WorkerState {
     priorities: Priorities,
     residuals: HashMap<u64, Vec<f32>>,
     compressor: Option<Arc<dyn Compressor>>,
+    /// Compressed pushes' codes go packed ([`crate::proto::packed`]).
+    pack: bool,
     /// Compressed pulls: the copy of every key pulled.
     copies: copies::Copies,
     /// Counts `set_compressor` calls: residuals kept outside this state (on a GPU) restart
@@ -153,6 +156,7 @@ impl WorkerState {
             priorities: Priorities::new(true),
             residuals: HashMap::new(),
             compressor: None,
+            pack: false,
             copies: Default::default(),
             compression_epoch: 0,
             dead: BTreeMap::new(),
@@ -240,6 +244,11 @@ impl WorkerState {
         self.compressor = compressor;
         self.residuals.clear();
         self.compression_epoch += 1;
+    }
+
+    /// Whether compressed pushes' codes go packed ([`crate::proto::packed`]).
+    pub fn set_packing(&mut self, pack: bool) {
+        self.pack = pack;
     }
 
     /// Compressed pulls on with `scheme`'s codes, or off (see [`crate::proto::pulled`]):
@@ -412,6 +421,9 @@ impl WorkerState {
                         .or_insert_with(|| vec![0.0; layout.len]);
                     c.quantize(slice, &mut residual[p.offset..p.offset + p.len], &mut out)
                         .map_err(|e| KvError::Invalid(e.to_string()))?;
+                    if self.pack {
+                        out = packed::pack(&out).map_err(KvError::Invalid)?;
+                    }
                     Some(out)
                 }
                 _ => None,
@@ -422,6 +434,7 @@ impl WorkerState {
                 flags: PushFlags {
                     init: false,
                     compressed: compressed.is_some(),
+                    packed: compressed.is_some() && self.pack,
                     pull_back,
                     retry: None,
                     dtype: V::DTYPE,
@@ -460,6 +473,7 @@ impl WorkerState {
                     retry: None,
                     dtype,
                     have: None,
+                    packed: false,
                 },
                 compressed: None,
             })

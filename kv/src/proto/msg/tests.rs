@@ -84,6 +84,7 @@ fn samples() -> Vec<Msg> {
                 retry: None,
                 dtype: crate::value::Dtype::F32,
                 have: None,
+                packed: false,
             },
             n_elems: 1 << 40,
             priority: i32::MIN,
@@ -98,6 +99,7 @@ fn samples() -> Vec<Msg> {
                 retry: Some(41),
                 dtype: crate::value::Dtype::F16,
                 have: None,
+                packed: false,
             },
             n_elems: 2,
             priority: -5,
@@ -112,6 +114,7 @@ fn samples() -> Vec<Msg> {
                 retry: Some(3),
                 dtype: crate::value::Dtype::BF16,
                 have: Some(u64::MAX - 1),
+                packed: true,
             },
             n_elems: 2,
             priority: i32::MAX,
@@ -166,6 +169,11 @@ fn samples() -> Vec<Msg> {
             version: 8,
             form: Form::Same,
         },
+        Msg::Pulled {
+            ts: 4,
+            version: 9,
+            form: Form::Packed { scale: 0.25 },
+        },
         Msg::Done { ts: 5 },
         Msg::Failed {
             ts: 6,
@@ -198,12 +206,19 @@ fn rejects_bad_input() {
     ));
     // A compressed pull's answer with a scale that is not a finite number >= 0, or an
     // unknown form, is refused.
-    for (form, scale) in [(1u8, f32::NAN), (1, -1.0), (1, f32::INFINITY), (3, 0.0)] {
+    for (form, scale) in [
+        (1u8, f32::NAN),
+        (1, -1.0),
+        (1, f32::INFINITY),
+        (3, f32::NAN),
+        (3, -0.5),
+        (4, 0.0),
+    ] {
         let mut m = vec![v, 20];
         m.extend_from_slice(&1u64.to_le_bytes());
         m.extend_from_slice(&2u64.to_le_bytes());
         m.push(form);
-        if form == 1 {
+        if form == 1 || form == 3 {
             m.extend_from_slice(&scale.to_bits().to_le_bytes());
         }
         assert!(
@@ -305,10 +320,10 @@ fn request_ids_are_read_from_metadata_that_does_not_decode() {
     assert!(Msg::decode(&push[..12]).is_err());
     assert_eq!(peek_exchange(&push[..12]), Some(Exchange::Request(42)));
     let mut flags = push.clone();
-    flags[18] = 0x80;
+    flags[18] = 0x30;
     assert_eq!(
         Msg::decode(&flags),
-        Err(DecodeError::Invalid("unknown push flags"))
+        Err(DecodeError::Invalid("unknown value type"))
     );
     assert_eq!(peek_exchange(&flags), Some(Exchange::Request(42)));
     let done = Msg::Done { ts: 9 }.encode();

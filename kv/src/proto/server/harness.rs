@@ -277,6 +277,7 @@ impl Job {
                         retry: None,
                         dtype: crate::value::Dtype::F32,
                         have: None,
+                        packed: false,
                     },
                     n_elems: n as u64,
                     payload,

@@ -79,7 +79,7 @@ fn each_round_advances_the_copy_and_answers_go_by_the_version_held() {
     assert_eq!(value.as_bytes(), sum::as_bytes(&copy));
     // The master moved by the sum; the copy by the codes of that change.
     assert_eq!(s.value(3).unwrap(), &[2.0, 2.0, 3.0, 2.0]);
-    let Some(Delta { scale, codes }) = s.shadow(3).unwrap().last.clone() else {
+    let Some(Delta { scale, codes, .. }) = s.shadow(3).unwrap().last.clone() else {
         panic!("a finite change goes as codes")
     };
     // The change is [1, 0, 0, -2], its mean magnitude 0.75: the elements at or past it
@@ -252,4 +252,38 @@ fn the_workers_copies_count_against_the_servers_key_bytes() {
     assert!(ServerState::restore(&bytes, 1, 32).is_ok());
     let e = ServerState::restore(&bytes, 1, 24).unwrap_err().to_string();
     assert!(e.contains("workers' copies"), "{e}");
+}
+
+#[test]
+fn with_packing_every_worker_gets_the_same_packed_codes_of_the_change() {
+    let mut s = ServerState::new(2);
+    s.handle_command(
+        CommandKind::SetCompression,
+        r#"{"type":"2bit","threshold":0.5,"pull":true,"pack":true}"#,
+    )
+    .unwrap();
+    s.handle_command(
+        CommandKind::SetOptimizer,
+        r#"{"type":"test","rescale_grad":1.0}"#,
+    )
+    .unwrap();
+    let n = 1000;
+    init(&mut s, 3, &vec![1.0; n]);
+    let grad: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 0.25).collect();
+    round(&mut s, 3, 1, &[&grad, &grad], None);
+    round(&mut s, 3, 2, &[&grad, &grad], Some(1));
+    let last = s.shadow(3).unwrap().last.clone().unwrap();
+    let (value, pulled) = s.answer_value(3, Some(1)).unwrap();
+    assert_eq!(pulled.unwrap().form, Form::Packed { scale: last.scale });
+    let codes = crate::proto::packed::unpack(value.as_bytes(), last.codes.len()).unwrap();
+    assert_eq!(&codes[..], &last.codes[..]);
+    let (again, _) = s.answer_value(3, Some(1)).unwrap();
+    assert_eq!(
+        again.as_bytes(),
+        value.as_bytes(),
+        "packed once, the same bytes to all"
+    );
+    // A worker without a copy still gets the whole copy.
+    let (_, pulled) = s.answer_value(3, None).unwrap();
+    assert_eq!(pulled.unwrap().form, Form::Full);
 }

@@ -236,6 +236,7 @@ fn random_ops(seed: u64, len: usize, workers: u32) -> Vec<Op> {
                         retry: None,
                         dtype: crate::value::Dtype::F32,
                         have: None,
+                        packed: false,
                     },
                     n_elems: n as u64,
                     payload: payload.into(),

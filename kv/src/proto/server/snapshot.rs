@@ -40,8 +40,8 @@ impl ServerState {
     ///
     /// Little-endian: `PSNSHARD`, `u32` version `3`, `u32` workers, `u64` sequence number,
     /// `u8` mode (0 `dist_sync`, 1 `dist_async`), `u8` compression (0 not set, 1 none,
-    /// 2 2-bit, 3 1-bit, the last two followed by the `f32` threshold and a `u8` 1 where
-    /// pulls are compressed too, 0 where not), `u8` optimizer
+    /// 2 2-bit, 3 1-bit, the last two followed by the `f32` threshold and a `u8` of flags: 1
+    /// where pulls are compressed too, 2 where codes travel packed), `u8` optimizer
     /// (0 none; 1 followed by `u32` length, its spec's JSON and the updater's state, see
     /// [`Updater::export_state`](crate::updater::Updater::export_state)), `u64` key count,
     /// then per key in ascending order: `u64` key, `u8` element type ([`Dtype::code`]; the
@@ -61,15 +61,17 @@ impl ServerState {
                 Mode::Sync => 0,
                 Mode::Async => 1,
             });
-        let pull = self.compression.is_some_and(|c| c.pull);
+        let flags = self
+            .compression
+            .map_or(0, |c| u8::from(c.pull) | (u8::from(c.pack) << 1));
         match self.compression.map(|c| c.params) {
             None => w.u8(NOT_SET),
             Some(CompressionParams::None) => w.u8(NO_COMPRESSION),
             Some(CompressionParams::TwoBit { threshold }) => {
-                w.u8(TWO_BIT).u32(threshold.to_bits()).u8(u8::from(pull))
+                w.u8(TWO_BIT).u32(threshold.to_bits()).u8(flags)
             }
             Some(CompressionParams::OneBit { threshold }) => {
-                w.u8(ONE_BIT).u32(threshold.to_bits()).u8(u8::from(pull))
+                w.u8(ONE_BIT).u32(threshold.to_bits()).u8(flags)
             }
         };
         match (&self.optimizer, &self.updater) {
@@ -159,12 +161,15 @@ impl ServerState {
                     CompressionParams::one_bit(threshold)
                 };
                 let params = params.map_err(|e| bad(format_args!("compression: {e}")))?;
-                let pull = match r.u8().map_err(|_| truncated("the compression"))? {
-                    0 => false,
-                    1 => true,
-                    other => return Err(bad(format_args!("compressed pulls flag {other}"))),
-                };
-                Some(KvCompression { params, pull })
+                let flags = r.u8().map_err(|_| truncated("the compression"))?;
+                if flags > 3 {
+                    return Err(bad(format_args!("compression flags {flags}")));
+                }
+                Some(KvCompression {
+                    params,
+                    pull: flags & 1 != 0,
+                    pack: flags & 2 != 0,
+                })
             }
             other => return Err(bad(format_args!("compression kind {other}"))),
         };
@@ -289,10 +294,7 @@ fn read_shadow(
             let codes = r
                 .take(scheme.compressed_size(n))
                 .map_err(|_| truncated(&format!("key {key}'s last change")))?;
-            Some(Delta {
-                scale,
-                codes: Arc::new(codes.to_vec()),
-            })
+            Some(Delta::new(scale, codes.to_vec()))
         }
         other => return Err(bad(format_args!("key {key}: change flag {other}"))),
     };

@@ -629,3 +629,59 @@ fn another_workers_new_optimizer_waits_for_worker_0s_same_change() {
     s.handle_command_request(1, 6, CommandKind::SetMode, "async");
     assert!(failed_reason(&drain(&mut s)).contains("worker 0"));
 }
+
+#[test]
+fn packed_codes_sum_as_the_codes_they_pack_and_bad_ones_are_refused_by_name() {
+    let setting = r#"{"type":"2bit","threshold":0.5}"#;
+    let grads: [Vec<f32>; 2] = [
+        (0..300).map(|i| ((i % 5) as f32 - 2.0) * 0.4).collect(),
+        (0..300).map(|i| ((i % 3) as f32 - 1.0) * 0.7).collect(),
+    ];
+    let mut plain = ServerState::new(2);
+    plain
+        .handle_command(CommandKind::SetCompression, setting)
+        .unwrap();
+    init(&mut plain, 4, &[0.0; 300]);
+    let mut packed = ServerState::new(2);
+    packed
+        .handle_command(CommandKind::SetCompression, setting)
+        .unwrap();
+    init(&mut packed, 4, &[0.0; 300]);
+    for (rank, g) in grads.iter().enumerate() {
+        let p = compressed(rank as u32, rank as u64, 4, 0.5, g);
+        plain.handle_push(p.clone());
+        let mut q = p.clone();
+        q.flags.packed = true;
+        q.payload = Bytes::from(crate::proto::packed::pack(&p.payload).unwrap());
+        if rank == 1 {
+            // Garbage, the codes cut short, packed codes of a plain push: each refused,
+            // and the round still waits for worker 1's push.
+            for (payload, compressed_flag, why) in [
+                (Bytes::from_static(&[1, 2, 3]), true, "do not unpack"),
+                (
+                    q.payload.slice(..q.payload.len() - 1),
+                    true,
+                    "do not unpack",
+                ),
+                (q.payload.clone(), false, "uncompressed"),
+            ] {
+                let mut bad = q.clone();
+                bad.ts = 77;
+                bad.payload = payload;
+                bad.flags.compressed = compressed_flag;
+                packed.handle_push(bad);
+                match &drain(&mut packed)[..] {
+                    [Output::Failed { ts: 77, reason, .. }] => {
+                        assert!(reason.contains(why), "{reason}")
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        packed.handle_push(q);
+    }
+    assert_eq!(drain(&mut plain).len(), 2);
+    assert_eq!(drain(&mut packed).len(), 2);
+    assert_eq!(packed.value(4).unwrap(), plain.value(4).unwrap());
+    assert!(plain.value(4).unwrap().iter().any(|&v| v != 0.0));
+}

@@ -9,6 +9,7 @@ use bytes::Bytes;
 use psnet_compression::Scheme;
 use psnet_transport::NodeId;
 
+use crate::proto::packed;
 use crate::proto::pulled::{self, Form};
 use crate::proto::sum;
 
@@ -86,15 +87,27 @@ impl Copies {
             }
             // An answer already applied (two pulls of the key in flight at once).
             (_, Some(h)) if h.version == version => Ok(()),
-            (Form::Delta { scale }, Some(h)) if h.version.checked_add(1) == Some(version) => {
-                pulled::apply(
-                    scheme,
-                    &bytes,
-                    scale,
-                    Arc::make_mut(&mut h.values).as_mut_slice(),
-                )
-                .map(|()| h.version = version)
-                .map_err(|e| format!("key {key}: {e}"))
+            (Form::Delta { scale } | Form::Packed { scale }, Some(h))
+                if h.version.checked_add(1) == Some(version) =>
+            {
+                let codes = match form {
+                    Form::Packed { .. } => {
+                        packed::unpack(&bytes, scheme.compressed_size(h.values.len()))
+                            .map(Bytes::from)
+                    }
+                    _ => Ok(bytes),
+                };
+                codes
+                    .and_then(|codes| {
+                        pulled::apply(
+                            scheme,
+                            &codes,
+                            scale,
+                            Arc::make_mut(&mut h.values).as_mut_slice(),
+                        )
+                    })
+                    .map(|()| h.version = version)
+                    .map_err(|e| format!("key {key}: {e}"))
             }
             (form, held) => Err(format!(
                 "key {key}: a compressed pull's answer ({form:?}) for version {version}, this \
