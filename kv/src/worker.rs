@@ -72,7 +72,7 @@ impl<T: Transport> Worker<T> {
         let placement = Placement::new(joined.servers().len(), config.bigarray_bound)
             .map_err(|e| KvError::Invalid(e.to_string()))?;
         let (servers, num_workers) = (joined.servers(), joined.num_workers());
-        let state = WorkerState::new(
+        let mut state = WorkerState::new(
             joined.rank,
             servers.clone(),
             num_workers,
@@ -84,6 +84,10 @@ impl<T: Transport> Worker<T> {
         .with_partition_bytes(partition_bytes(config, &joined.nodes))
         .with_priorities(config.priorities);
         let partitions = partition_bytes(config, &joined.nodes) > 0;
+        if partitions && config.partition_bytes.is_none() {
+            state = state
+                .with_pull_partition_bytes(crate::config::DEFAULT_COMPRESSED_PULL_PARTITION_BYTES);
+        }
         let pack_codes = config
             .pack_codes
             .unwrap_or_else(|| spans_hosts(&joined.nodes));

@@ -80,6 +80,9 @@ pub struct WorkerState {
     placement: Placement,
     /// `PSNET_PARTITION_BYTES`: the size of a share's pieces (0: whole shares).
     partition_bytes: usize,
+    /// The pieces' size without compressed pulls, and with them when chosen by default
+    /// ([`crate::config::DEFAULT_COMPRESSED_PULL_PARTITION_BYTES`]).
+    partition: (usize, Option<usize>),
     heartbeat_timeout: Option<Duration>,
     next_ts: u64,
     /// Requests waiting for an answer, by request id.
@@ -145,6 +148,7 @@ impl WorkerState {
             num_workers,
             placement,
             partition_bytes: 0,
+            partition: (0, None),
             heartbeat_timeout,
             next_ts: 1,
             pending: HashMap::new(),
@@ -173,6 +177,14 @@ impl WorkerState {
     /// (`PSNET_PARTITION_BYTES`; 0, the default here: MXNet's shares). See [`Layout`].
     pub fn with_partition_bytes(mut self, bytes: usize) -> Self {
         self.partition_bytes = bytes;
+        self.partition = (bytes, None);
+        self
+    }
+
+    /// Cuts keys defined while compressed pulls are on into pieces of about `bytes` instead
+    /// (the default's choice, where `PSNET_PARTITION_BYTES` is unset and the job partitions).
+    pub fn with_pull_partition_bytes(mut self, bytes: usize) -> Self {
+        self.partition.1 = Some(bytes);
         self
     }
 
@@ -255,6 +267,10 @@ impl WorkerState {
     /// pulls then say the version of this worker's copy, and answers apply to it.
     pub fn set_pull_compression(&mut self, scheme: Option<Scheme>) {
         self.copies.set_scheme(scheme);
+        self.partition_bytes = match (scheme, self.partition) {
+            (Some(_), (_, Some(with_pulls))) => with_pulls,
+            (_, (base, _)) => base,
+        };
     }
 
     /// The version of this worker's copy of what request `asked` of `to` pulls (a pull, or

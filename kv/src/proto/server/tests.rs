@@ -654,14 +654,15 @@ fn packed_codes_sum_as_the_codes_they_pack_and_bad_ones_are_refused_by_name() {
         q.flags.packed = true;
         q.payload = Bytes::from(crate::proto::packed::pack(&p.payload).unwrap());
         if rank == 1 {
-            // Garbage, the codes cut short, packed codes of a plain push: each refused,
+            // An unknown form, codes past the key's end, packed codes of a plain push: each
+            // refused,
             // and the round still waits for worker 1's push.
             for (payload, compressed_flag, why) in [
-                (Bytes::from_static(&[1, 2, 3]), true, "do not unpack"),
+                (Bytes::from_static(&[9, 2, 3]), true, "unknown form 9"),
                 (
-                    q.payload.slice(..q.payload.len() - 1),
+                    Bytes::from_static(&[1, 0xff, 0x7f]),
                     true,
-                    "do not unpack",
+                    "run past 76 bytes",
                 ),
                 (q.payload.clone(), false, "uncompressed"),
             ] {

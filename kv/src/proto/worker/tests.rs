@@ -555,3 +555,21 @@ fn a_round_failed_by_another_workers_loss_is_that_workers_failure() {
         "{text}"
     );
 }
+
+#[test]
+fn keys_defined_with_compressed_pulls_on_take_the_larger_pieces_chosen_for_them() {
+    let pieces = |s: &WorkerState, key: u64| s.defined_layout(key).unwrap().parts.len();
+    let mut s = partitioned(2, 1_000_000, 512).with_pull_partition_bytes(2048);
+    s.define_key(1, 2048, Dtype::F32).unwrap();
+    s.set_pull_compression(Some(Scheme::TwoBit));
+    s.define_key(2, 2048, Dtype::F32).unwrap();
+    s.set_pull_compression(None);
+    s.define_key(3, 2048, Dtype::F32).unwrap();
+    // 8 KiB keys: 16 pieces of 512 bytes, or 4 of 2 KiB; key 1 keeps its layout.
+    assert_eq!((pieces(&s, 1), pieces(&s, 2), pieces(&s, 3)), (16, 4, 16));
+    // PSNET_PARTITION_BYTES set: no other size is chosen.
+    let mut set = partitioned(2, 1_000_000, 512);
+    set.set_pull_compression(Some(Scheme::TwoBit));
+    set.define_key(1, 2048, Dtype::F32).unwrap();
+    assert_eq!(pieces(&set, 1), 16);
+}
