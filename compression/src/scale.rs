@@ -8,27 +8,78 @@
 /// lanes vectorize (one running sum is bound by the latency of each addition), and the order
 /// is fixed, so that a model elsewhere finds the same bits.
 pub fn magnitudes_from(xs: &[f32], from: f32) -> (f64, u64) {
-    let mut sums = [0.0f64; 8];
-    let mut counts = [0u64; 8];
     let chunks = xs.chunks_exact(8);
     let rest = chunks.remainder();
+    let mut lanes = Lanes::default();
     for c in chunks {
-        for lane in 0..8 {
-            let a = c[lane].abs();
-            let taken = a >= from || a.is_nan();
-            sums[lane] += if taken { f64::from(a) } else { 0.0 };
-            counts[lane] += u64::from(taken);
+        lanes.add(std::array::from_fn(|lane| c[lane]), from);
+    }
+    lanes.finish(rest.iter().copied(), from)
+}
+
+/// [`magnitudes_from`] of the element-wise difference `a - b` (each an `f32` subtraction),
+/// the same bits, without writing the difference anywhere.
+pub fn magnitudes_of_difference(a: &[f32], b: &[f32], from: f32) -> (f64, u64) {
+    match crate::SimdLevel::detect() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `detect` only returns levels this CPU supports.
+        crate::SimdLevel::Avx2 => unsafe { x86::magnitudes_of_difference_avx2(a, b, from) },
+        _ => magnitudes_of_difference_portable(a, b, from),
+    }
+}
+
+/// [`magnitudes_of_difference`] in portable code, which the AVX2 kernel compiles for
+/// 256-bit vectors: each lane's sum is the same sequence of additions either way.
+#[inline(always)]
+fn magnitudes_of_difference_portable(a: &[f32], b: &[f32], from: f32) -> (f64, u64) {
+    assert_eq!(a.len(), b.len());
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let rest = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x - y);
+    let mut lanes = Lanes::default();
+    for (x, y) in ca.zip(cb) {
+        lanes.add(std::array::from_fn(|lane| x[lane] - y[lane]), from);
+    }
+    lanes.finish(rest, from)
+}
+
+/// [`magnitudes_from`]'s eight running sums and counts.
+#[derive(Default)]
+pub struct Lanes {
+    sums: [f64; 8],
+    counts: [u64; 8],
+}
+
+impl Lanes {
+    /// Takes the next eight elements, one a lane.
+    #[inline(always)]
+    pub fn add(&mut self, xs: [f32; 8], from: f32) {
+        for (lane, x) in xs.iter().enumerate() {
+            self.take(lane, *x, from);
         }
     }
-    for (lane, x) in rest.iter().enumerate() {
+
+    #[inline(always)]
+    fn take(&mut self, lane: usize, x: f32, from: f32) {
         let a = x.abs();
         let taken = a >= from || a.is_nan();
-        sums[lane] += if taken { f64::from(a) } else { 0.0 };
-        counts[lane] += u64::from(taken);
+        self.sums[lane] += if taken { f64::from(a) } else { 0.0 };
+        self.counts[lane] += u64::from(taken);
     }
-    let s = &sums;
-    let sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-    (sum, counts.iter().sum())
+
+    /// Takes the last (fewer than eight) elements from lane 0 on; the sum in the fixed
+    /// order, and the count.
+    pub fn finish(mut self, rest: impl Iterator<Item = f32>, from: f32) -> (f64, u64) {
+        for (lane, x) in rest.enumerate() {
+            self.take(lane, x, from);
+        }
+        let s = &self.sums;
+        let sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+        (sum, self.counts.iter().sum())
+    }
 }
 
 /// The mean `|x|` of the elements of `xs` with `|x| >= from`, as `f32` (0 where there are
@@ -39,6 +90,9 @@ pub fn mean_magnitude_from(xs: &[f32], from: f32) -> f32 {
         (sum, count) => (sum / count as f64) as f32,
     }
 }
+
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 #[cfg(test)]
 mod tests {

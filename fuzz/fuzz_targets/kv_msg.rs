@@ -3,13 +3,16 @@
 //! bodies a server parses (`OptimizerSpec::parse` for `SetOptimizer`; `SetCompression`'s are
 //! the compression target's).
 //!
-//! Input: `mode u8 | bytes`; mode bit 0 clear: `bytes` is a message's metadata, set: it is a
-//! `SetOptimizer` body.
+//! Input: `mode u8 | bytes`; mode bit 1 set: `bytes` is `len u16 | packed codes`
+//! (`psnet_kv::proto::packed::unpack`, for `len` bytes of codes); else mode bit 0 clear:
+//! `bytes` is a message's metadata, set: it is a `SetOptimizer` body.
 //!
 //! Invariants: nothing panics; what decodes is within the codec's bounds, encodes to bytes
 //! that decode to the same message and encode the same again (the encoding is canonical);
 //! an optimizer spec that parses is valid and reads back the same from its JSON; decoding
-//! allocates in proportion to the input, not to the counts and lengths it claims.
+//! allocates in proportion to the input, not to the counts and lengths it claims; packed
+//! codes unpack to exactly the length asked or fail, allocating at most that (and zstd's
+//! context), and codes that unpack pack back to codes that unpack the same.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -23,6 +26,10 @@ static ALLOC: TrackingAlloc = TrackingAlloc;
 fuzz_target!(|data: &[u8]| {
     let mut input = Input::new(data);
     let mode = input.u8();
+    if mode & 2 != 0 {
+        let len = usize::from(input.u16());
+        return check_packed(input.rest(), len);
+    }
     let bytes = input.rest();
     if mode & 1 == 0 {
         check_msg(bytes);
@@ -120,4 +127,17 @@ fn check_optimizer(text: &str) {
     let again = OptimizerSpec::parse(&json).expect("the spec's JSON parses");
     assert_eq!(again, spec, "spec does not read back from {json}");
     assert_eq!(again.to_json(), json);
+}
+
+/// Packed codes: exactly `len` bytes or an error, within `len` plus zstd's context, and what
+/// unpacks packs back to the same codes.
+fn check_packed(bytes: &[u8], len: usize) {
+    use psnet_kv::proto::packed::{pack, unpack};
+    let (codes, largest) = largest_allocation(|| unpack(bytes, len));
+    assert!(largest <= len + (1 << 20), "unpacking allocated {largest} bytes for {len}");
+    if let Ok(codes) = codes {
+        assert_eq!(codes.len(), len);
+        let again = pack(&codes).expect("codes pack");
+        assert_eq!(unpack(&again, len).expect("packed codes unpack"), codes);
+    }
 }

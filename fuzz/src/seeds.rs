@@ -253,7 +253,7 @@ fn kv() -> Vec<Seed> {
                     retry: None,
                     dtype: psnet_kv::Dtype::F32,
                     have: None,
-                    packed: false,
+                    packed: true,
                 },
                 n_elems: 1000,
                 priority: 0,
@@ -304,6 +304,14 @@ fn kv() -> Vec<Seed> {
                 ts: 3,
                 version: 5,
                 form: psnet_kv::proto::pulled::Form::Delta { scale: 0.25 },
+            },
+        ),
+        (
+            "pulled-packed",
+            Msg::Pulled {
+                ts: 3,
+                version: 6,
+                form: psnet_kv::proto::pulled::Form::Packed { scale: 0.5 },
             },
         ),
         ("done", Msg::Done { ts: 5 }),
@@ -376,6 +384,19 @@ fn kv() -> Vec<Seed> {
         ack: Some(12),
     };
     seeds.push(seed(T, "envelope-ack", cat(&[0], &ack.encode(&[]))));
+    // Packed codes of 1,000 elements (250 bytes of 2-bit codes) in each of their forms.
+    let mut sparse = vec![0u8; 250];
+    sparse[3] = 0b1100_0000;
+    sparse[200] = 0b0000_0010;
+    let dense: Vec<u8> = (0..250u32).map(|i| [0, 0, 0b1100_0010, 0][(i % 4) as usize]).collect();
+    let noise: Vec<u8> = (0..250u32).map(|i| (i * 97 + 13) as u8).collect();
+    for (name, codes) in [("sparse", sparse), ("zstd", dense), ("raw", noise)] {
+        let packed = psnet_kv::proto::packed::pack(&codes).unwrap();
+        let mut input = vec![2u8];
+        input.extend_from_slice(&250u16.to_le_bytes());
+        input.extend_from_slice(&packed);
+        seeds.push(seed(T, format!("packed-{name}"), input));
+    }
     let specs = [
         ("sgd", OptimizerSpec::Sgd(SgdParams::default())),
         ("adam", OptimizerSpec::Adam(AdamParams::default())),

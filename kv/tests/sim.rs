@@ -88,6 +88,8 @@ struct Plan {
     partition_bytes: usize,
     /// Compressed pulls (with 2-bit or 1-bit pushes).
     pull: bool,
+    /// Packed codes (with compression), both ways.
+    pack: bool,
 }
 
 impl Plan {
@@ -109,6 +111,7 @@ impl Plan {
                 Scenario::Restart => rng.u32(0..3) == 0,
                 _ => false,
             },
+            pack: rng.bool(),
         }
     }
 
@@ -147,7 +150,7 @@ impl Plan {
         Some(KvCompression {
             params,
             pull: self.pull,
-            pack: self.pull,
+            pack: self.pack,
         })
     }
 
@@ -676,6 +679,7 @@ fn the_reference_sums_in_rank_order() {
         max_delay: Duration::ZERO,
         partition_bytes: 0,
         pull: false,
+        pack: false,
     };
     let r = reference(&plan);
     let g: Vec<f32> = (0..3).map(|rank| grad(&plan, rank, 0, 0)[0]).collect();

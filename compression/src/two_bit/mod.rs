@@ -28,6 +28,64 @@ pub fn compressed_size(n: usize) -> usize {
     Scheme::TwoBit.compressed_size(n)
 }
 
+/// The codes of `value - base` at `threshold` (each difference an `f32` subtraction), as
+/// one quantization step from a zero residual with the difference as the gradient gives
+/// them, and [`crate::scale::magnitudes_from`]`(value - base, threshold)`, in one pass and
+/// without writing the difference anywhere. Compressed pulls' codes of a weight's change.
+pub fn quantize_difference(
+    value: &[f32],
+    base: &[f32],
+    threshold: f32,
+    out: &mut [u8],
+) -> (f64, u64) {
+    match SimdLevel::detect() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `detect` only returns levels this CPU supports.
+        SimdLevel::Avx2 => unsafe { x86::quantize_difference_avx2(value, base, threshold, out) },
+        _ => quantize_difference_portable(value, base, threshold, out),
+    }
+}
+
+/// [`quantize_difference`] in portable code, which the AVX2 kernel compiles for 256-bit
+/// vectors: each lane's sum is the same sequence of additions either way.
+#[inline(always)]
+fn quantize_difference_portable(
+    value: &[f32],
+    base: &[f32],
+    threshold: f32,
+    out: &mut [u8],
+) -> (f64, u64) {
+    assert_eq!(value.len(), base.len());
+    assert_eq!(out.len(), compressed_size(value.len()));
+    let (pos, neg) = (threshold, -threshold);
+    let code =
+        |r: f32| (u8::from(r >= pos) * scalar::CODE_POS) | (u8::from(r <= neg) * scalar::CODE_NEG);
+    let (cv, cb) = (value.chunks_exact(8), base.chunks_exact(8));
+    let full = value.len() / 8;
+    let mut rest = [0.0f32; 8];
+    let tail_len = cv.remainder().len();
+    for (r, (v, b)) in rest
+        .iter_mut()
+        .zip(cv.remainder().iter().zip(cb.remainder()))
+    {
+        *r = v - b;
+    }
+    let rest = &rest[..tail_len];
+    let mut lanes = crate::scale::Lanes::default();
+    for ((v, b), o) in cv.zip(cb).zip(out.chunks_exact_mut(2)) {
+        let r: [f32; 8] = std::array::from_fn(|lane| v[lane] - b[lane]);
+        lanes.add(r, threshold);
+        o[0] = (code(r[0]) << 6) | (code(r[1]) << 4) | (code(r[2]) << 2) | code(r[3]);
+        o[1] = (code(r[4]) << 6) | (code(r[5]) << 4) | (code(r[6]) << 2) | code(r[7]);
+    }
+    let tail = &mut out[2 * full..];
+    tail.fill(0);
+    for (k, &r) in rest.iter().enumerate() {
+        tail[k / 4] |= code(r) << (6 - 2 * (k % 4));
+    }
+    lanes.finish(rest.iter().copied(), threshold)
+}
+
 /// Checks a 2-bit threshold: it must be finite and `> 0` (MXNet checks `> 0`; an infinite
 /// threshold would turn every finite gradient into zeros forever, so it is refused too).
 pub fn validate_threshold(threshold: f32) -> Result<f32, ParamsError> {

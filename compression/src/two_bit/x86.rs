@@ -280,3 +280,18 @@ fn tail<const ADD: bool>(compressed: &[u8], out: &mut [f32], words: usize, thres
         scalar::dequantize(c, o, threshold);
     }
 }
+
+/// [`super::quantize_difference`], its portable code compiled for AVX2 (the same operations,
+/// in 256-bit vectors where the compiler finds them).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn quantize_difference_avx2(
+    value: &[f32],
+    base: &[f32],
+    threshold: f32,
+    out: &mut [u8],
+) -> (f64, u64) {
+    super::quantize_difference_portable(value, base, threshold, out)
+}

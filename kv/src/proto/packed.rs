@@ -19,8 +19,9 @@
 //! one-way 2-bit mode). The codes' meaning plays no part: any bytes come back as they went.
 //!
 //! Whether a job packs is the compression setting's `"pack"` (`PSNET_PACK_CODES`; by default
-//! on for a 2-bit job across hosts, off on one host, where packing costs CPU and saves
-//! nothing). A push says whether its payload is packed
+//! on for a job across hosts, off on one host, where packing costs CPU and saves nothing).
+//! Servers take packed and plain pushes alike, and every worker reads packed answers, so a
+//! worker's own `PSNET_PACK_CODES` need not agree with worker 0's. A push says whether its payload is packed
 //! ([`crate::proto::msg::PushFlags::packed`]), and an answer says so in its form
 //! ([`crate::proto::pulled::Form::Packed`]).
 

@@ -20,7 +20,8 @@
 
 use std::sync::{Arc, OnceLock};
 
-use psnet_compression::scale::{magnitudes_from, mean_magnitude_from};
+use psnet_compression::scale::magnitudes_of_difference;
+use psnet_compression::two_bit;
 use psnet_compression::{
     CompressionError, CompressionParams, OneBitCompressor, ParamsError, Scheme, TwoBitCompressor,
 };
@@ -146,8 +147,8 @@ impl Delta {
         }
     }
 
-    /// The codes packed; the codes themselves where packing fails (the answer then says
-    /// [`Form::Delta`]).
+    /// The codes packed; None where packing fails (the answer then carries the codes
+    /// themselves, as [`Form::Delta`]).
     pub fn packed(&self) -> Option<Arc<Vec<u8>>> {
         if let Some(p) = self.packed.get() {
             return Some(p.clone());
@@ -208,9 +209,9 @@ impl Shadow {
 }
 
 thread_local! {
-    /// A server's scratch space for [`quantize`]: the change, and zeros as long as it (the
-    /// codes are taken from the change as a residual with nothing added). One per thread,
-    /// kept across keys and rounds, so that no round allocates a key's worth.
+    /// A server's scratch space for 1-bit [`quantize`]: the change, and zeros as long as it
+    /// (the codes are taken from the change as a residual with nothing added). One per
+    /// thread, kept across keys and rounds, so that no round allocates a key's worth.
     static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const {
         std::cell::RefCell::new((Vec::new(), Vec::new()))
     };
@@ -224,48 +225,50 @@ thread_local! {
 /// The codes of `value - copy` and their scale, added to `copy`; `None` (copy unchanged)
 /// where the scale is not finite (a NaN or infinite weight goes whole instead). The scale is
 /// chosen as the module docs say; its sums are taken in order in `f64`, so that a model
-/// elsewhere finds the same bits.
+/// elsewhere finds the same bits. 2-bit codes and their scale come from one pass over the
+/// value and the copy, after the pass that finds the mean.
 pub fn quantize(scheme: Scheme, value: &[f32], copy: &mut [f32]) -> Option<Delta> {
     debug_assert_eq!(value.len(), copy.len());
     let n = value.len();
+    let (sum, _) = magnitudes_of_difference(value, copy, 0.0);
+    let mean = if n == 0 { 0.0 } else { (sum / n as f64) as f32 };
+    if !mean.is_finite() {
+        return None;
+    }
+    let mut codes = vec![0u8; scheme.compressed_size(n)];
+    let scale = match scheme {
+        // The elements at or past the mean, and their mean magnitude (none: all zero).
+        Scheme::TwoBit if mean > 0.0 => {
+            match two_bit::quantize_difference(value, copy, mean, &mut codes) {
+                (_, 0) => 0.0,
+                (sum, count) => (sum / count as f64) as f32,
+            }
+        }
+        Scheme::TwoBit => 0.0,
+        Scheme::OneBit => {
+            if mean > 0.0 {
+                one_bit_codes(value, copy, &mut codes)?;
+            }
+            mean
+        }
+    };
+    if !scale.is_finite() {
+        return None;
+    }
+    apply(scheme, &codes, scale, copy).ok()?;
+    Some(Delta::new(scale, codes))
+}
+
+/// 1-bit codes of `value - copy`: the sign of each element.
+fn one_bit_codes(value: &[f32], copy: &[f32], codes: &mut [u8]) -> Option<()> {
     SCRATCH.with_borrow_mut(|(change, zeros)| {
         change.clear();
         change.extend(value.iter().zip(copy.iter()).map(|(w, c)| w - c));
-        let (sum, _) = magnitudes_from(change, 0.0);
-        let mean = if n == 0 { 0.0 } else { (sum / n as f64) as f32 };
-        if !mean.is_finite() {
-            return None;
-        }
-        // 2-bit: the elements at or past the mean, and their mean magnitude.
-        let scale = match scheme {
-            Scheme::OneBit => mean,
-            Scheme::TwoBit => mean_magnitude_from(change, mean),
-        };
-        if !scale.is_finite() {
-            return None;
-        }
-        let mut codes = vec![0u8; scheme.compressed_size(n)];
-        if scale > 0.0 && mean > 0.0 {
-            zeros.resize(n.max(zeros.len()), 0.0);
-            let zeros = &zeros[..n];
-            let quantized = match scheme {
-                Scheme::TwoBit => TwoBitCompressor::new(mean)
-                    .map_err(|e| e.to_string())
-                    .and_then(|c| {
-                        c.quantize(zeros, change, &mut codes)
-                            .map_err(|e| e.to_string())
-                    }),
-                Scheme::OneBit => OneBitCompressor::new(0.0)
-                    .map_err(|e| e.to_string())
-                    .and_then(|c| {
-                        c.quantize(zeros, change, &mut codes)
-                            .map_err(|e| e.to_string())
-                    }),
-            };
-            quantized.ok()?;
-        }
-        apply(scheme, &codes, scale, copy).ok()?;
-        Some(Delta::new(scale, codes))
+        zeros.resize(value.len().max(zeros.len()), 0.0);
+        OneBitCompressor::new(0.0)
+            .ok()?
+            .quantize(&zeros[..value.len()], change, codes)
+            .ok()
     })
 }
 

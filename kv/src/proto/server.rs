@@ -398,7 +398,7 @@ impl ServerState {
             let pack = self.compression.is_some_and(|c| c.pack);
             let value = match (form, &shadow.last) {
                 (Form::Full, _) => AnswerValue::Shared(shadow.copy.clone()),
-                (Form::Delta { scale }, Some(d)) => match d.packed().filter(|_| pack) {
+                (Form::Delta { scale }, Some(d)) => match pack.then(|| d.packed()).flatten() {
                     Some(packed) => {
                         form = Form::Packed { scale };
                         AnswerValue::Codes(packed)
@@ -646,10 +646,27 @@ impl ServerState {
                 have: p.flags.have,
             });
         }
+        if p.flags.init && p.flags.packed {
+            let reason = format!("key {}: an init's values are never packed", p.key);
+            return self.fail(p.rank, p.ts, reason);
+        }
         if p.flags.init {
             return self.init(p);
         }
+        // Packed codes are unpacked once what the push says of itself fits the key, and not
+        // while they wait for a later round: held, they take no more than the bytes received.
         let mut p = p;
+        if p.flags.packed {
+            if let Err(reason) = self.check_meta(&p) {
+                return self.fail(p.rank, p.ts, reason);
+            }
+            if self.mode == Mode::Sync {
+                let Some(now) = self.defer_to_next_round(p) else {
+                    return;
+                };
+                p = now;
+            }
+        }
         if let Err(reason) = self.unpack(&mut p) {
             return self.fail(p.rank, p.ts, reason);
         }
@@ -844,6 +861,18 @@ impl ServerState {
     }
 
     fn check(&self, p: &Push) -> Result<(), String> {
+        let k = self.check_meta(p)?;
+        self.check_payload(
+            p.key,
+            k.value.len(),
+            k.dtype,
+            p.flags.compressed,
+            p.payload.len(),
+        )
+    }
+
+    /// `p`'s key, rank, size and type against the key's; the key.
+    fn check_meta(&self, p: &Push) -> Result<&KeyState, String> {
         let key = p.key;
         let k = self
             .keys
@@ -868,7 +897,7 @@ impl ServerState {
                 k.dtype, p.flags.dtype
             ));
         }
-        self.check_payload(key, n, k.dtype, p.flags.compressed, p.payload.len())
+        Ok(k)
     }
 }
 

@@ -80,9 +80,9 @@ pub struct WorkerState {
     placement: Placement,
     /// `PSNET_PARTITION_BYTES`: the size of a share's pieces (0: whole shares).
     partition_bytes: usize,
-    /// The pieces' size without compressed pulls, and with them when chosen by default
-    /// ([`crate::config::DEFAULT_COMPRESSED_PULL_PARTITION_BYTES`]).
-    partition: (usize, Option<usize>),
+    /// The pieces' size of `f32` keys defined while compressed pulls are on, where chosen
+    /// by default ([`crate::config::DEFAULT_COMPRESSED_PULL_PARTITION_BYTES`]).
+    pull_partition_bytes: Option<usize>,
     heartbeat_timeout: Option<Duration>,
     next_ts: u64,
     /// Requests waiting for an answer, by request id.
@@ -148,7 +148,7 @@ impl WorkerState {
             num_workers,
             placement,
             partition_bytes: 0,
-            partition: (0, None),
+            pull_partition_bytes: None,
             heartbeat_timeout,
             next_ts: 1,
             pending: HashMap::new(),
@@ -177,15 +177,24 @@ impl WorkerState {
     /// (`PSNET_PARTITION_BYTES`; 0, the default here: MXNet's shares). See [`Layout`].
     pub fn with_partition_bytes(mut self, bytes: usize) -> Self {
         self.partition_bytes = bytes;
-        self.partition = (bytes, None);
         self
     }
 
-    /// Cuts keys defined while compressed pulls are on into pieces of about `bytes` instead
-    /// (the default's choice, where `PSNET_PARTITION_BYTES` is unset and the job partitions).
+    /// Cuts `f32` keys defined while compressed pulls are on (whose pieces then travel as
+    /// codes both ways) into pieces of about `bytes` instead (the default's choice, where
+    /// `PSNET_PARTITION_BYTES` is unset and the job partitions). Every worker must set
+    /// compression before it defines its keys, as MXNet asks, for their layouts to agree.
     pub fn with_pull_partition_bytes(mut self, bytes: usize) -> Self {
-        self.partition.1 = Some(bytes);
+        self.pull_partition_bytes = Some(bytes);
         self
+    }
+
+    /// The size of the pieces of a key of `dtype` defined now (0: none).
+    fn piece_bytes(&self, dtype: Dtype) -> usize {
+        match (self.pull_partition_bytes, self.copies.scheme(), dtype) {
+            (Some(bytes), Some(_), Dtype::F32) if self.partition_bytes > 0 => bytes,
+            _ => self.partition_bytes,
+        }
     }
 
     /// Gives requests the priority of their key's declaration order (`on`, the default), or
@@ -267,10 +276,6 @@ impl WorkerState {
     /// pulls then say the version of this worker's copy, and answers apply to it.
     pub fn set_pull_compression(&mut self, scheme: Option<Scheme>) {
         self.copies.set_scheme(scheme);
-        self.partition_bytes = match (scheme, self.partition) {
-            (Some(_), (_, Some(with_pulls))) => with_pulls,
-            (_, (base, _)) => base,
-        };
     }
 
     /// The version of this worker's copy of what request `asked` of `to` pulls (a pull, or
@@ -309,14 +314,13 @@ impl WorkerState {
             len,
             slot: key,
         };
-        let parts = if self.partition_bytes > 0
-            && len.saturating_mul(dtype.size()) > self.partition_bytes
-        {
+        let piece_bytes = self.piece_bytes(dtype);
+        let parts = if piece_bytes > 0 && len.saturating_mul(dtype.size()) > piece_bytes {
             pieces(
                 key,
                 len,
                 dtype.size(),
-                self.partition_bytes,
+                piece_bytes,
                 self.placement.server_for(key),
                 self.placement.num_servers(),
             )

@@ -151,3 +151,72 @@ fn one_bit_codes_add_their_sign_times_the_scale_as_mxnets_decoder_reads_them() {
         assert_eq!(signs[i] > 0.0, change[i] > 0.0, "{i}");
     }
 }
+
+/// The pull's quantization as first written, pass by pass: the change written out, its
+/// magnitudes summed twice, quantized as a residual with a zero gradient, then applied.
+fn quantize_by_passes(scheme: Scheme, value: &[f32], copy: &mut [f32]) -> Option<Delta> {
+    use psnet_compression::scale::{magnitudes_from, mean_magnitude_from};
+    let n = value.len();
+    let mut change: Vec<f32> = value.iter().zip(copy.iter()).map(|(w, c)| w - c).collect();
+    let (sum, _) = magnitudes_from(&change, 0.0);
+    let mean = if n == 0 { 0.0 } else { (sum / n as f64) as f32 };
+    if !mean.is_finite() {
+        return None;
+    }
+    let scale = match scheme {
+        Scheme::OneBit => mean,
+        Scheme::TwoBit => mean_magnitude_from(&change, mean),
+    };
+    if !scale.is_finite() {
+        return None;
+    }
+    let mut codes = vec![0u8; scheme.compressed_size(n)];
+    if scale > 0.0 && mean > 0.0 {
+        let zeros = vec![0.0f32; n];
+        match scheme {
+            Scheme::TwoBit => TwoBitCompressor::new(mean)
+                .unwrap()
+                .quantize(&zeros, &mut change, &mut codes)
+                .unwrap(),
+            Scheme::OneBit => OneBitCompressor::new(0.0)
+                .unwrap()
+                .quantize(&zeros, &mut change, &mut codes)
+                .unwrap(),
+        }
+    }
+    apply(scheme, &codes, scale, copy).ok()?;
+    Some(Delta::new(scale, codes))
+}
+
+proptest! {
+    #[test]
+    fn one_pass_codes_are_those_of_the_passes_bit_for_bit(
+        len in 0usize..300,
+        seed: u64,
+        special in 0usize..6,
+        two_bit: bool,
+    ) {
+        let scheme = if two_bit { Scheme::TwoBit } else { Scheme::OneBit };
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let mut value: Vec<f32> = (0..len).map(|_| rng.f32() * 4.0 - 2.0).collect();
+        let mut copy: Vec<f32> = value.iter().map(|v| v - (rng.f32() - 0.5) * 0.1).collect();
+        if len > 0 {
+            let at = rng.usize(0..len);
+            match special {
+                0 => value[at] = f32::NAN,
+                1 => value[at] = f32::INFINITY,
+                2 => (value[at], copy[at]) = (-0.0, 0.0),
+                3 => copy.clone_from(&value),
+                4 => copy[at] = -0.0,
+                _ => {}
+            }
+        }
+        let mut fast_copy = copy.clone();
+        let fast = quantize(scheme, &value, &mut fast_copy);
+        let slow = quantize_by_passes(scheme, &value, &mut copy);
+        prop_assert_eq!(fast.as_ref().map(|d| (d.scale.to_bits(), d.codes.clone())),
+            slow.as_ref().map(|d| (d.scale.to_bits(), d.codes.clone())));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits(&fast_copy), bits(&copy));
+    }
+}

@@ -195,7 +195,12 @@ impl ServerState {
                 }
             }
             CommandKind::SetCompression => {
-                let theirs = KvCompression::parse(body);
+                // Whether a worker packs its codes is its own affair (PSNET_PACK_CODES):
+                // servers take both forms, and every worker reads packed answers.
+                let theirs = KvCompression::parse(body).map(|c| KvCompression {
+                    pack: self.compression.map_or(c.pack, |current| current.pack),
+                    ..c
+                });
                 if let (Ok(theirs), Some(current)) = (&theirs, self.compression) {
                     if *theirs != current {
                         return Some(format!(

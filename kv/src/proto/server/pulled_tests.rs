@@ -278,12 +278,37 @@ fn with_packing_every_worker_gets_the_same_packed_codes_of_the_change() {
     let codes = crate::proto::packed::unpack(value.as_bytes(), last.codes.len()).unwrap();
     assert_eq!(&codes[..], &last.codes[..]);
     let (again, _) = s.answer_value(3, Some(1)).unwrap();
-    assert_eq!(
-        again.as_bytes(),
-        value.as_bytes(),
+    let (AnswerValue::Codes(first), AnswerValue::Codes(second)) = (&value, &again) else {
+        panic!("codes answer codes")
+    };
+    assert!(
+        Arc::ptr_eq(first, second),
         "packed once, the same bytes to all"
     );
     // A worker without a copy still gets the whole copy.
     let (_, pulled) = s.answer_value(3, None).unwrap();
     assert_eq!(pulled.unwrap().form, Form::Full);
+}
+
+#[test]
+fn without_packing_no_answer_is_packed_and_nothing_is_packed_for_it() {
+    let mut s = server(2);
+    let n = 1000;
+    init(&mut s, 3, &vec![1.0; n]);
+    let grad: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 0.25).collect();
+    round(&mut s, 3, 1, &[&grad, &grad], None);
+    round(&mut s, 3, 2, &[&grad, &grad], Some(1));
+    let last = s.shadow(3).unwrap().last.clone().unwrap();
+    let (value, pulled) = s.answer_value(3, Some(1)).unwrap();
+    assert_eq!(pulled.unwrap().form, Form::Delta { scale: last.scale });
+    assert_eq!(value.as_bytes(), &last.codes[..]);
+    assert!(s
+        .shadow(3)
+        .unwrap()
+        .last
+        .as_ref()
+        .unwrap()
+        .packed
+        .get()
+        .is_none());
 }

@@ -133,6 +133,24 @@ impl ServerState {
         Ok(())
     }
 
+    /// Keeps `p` for its key's next round if its worker pushed this round already (None);
+    /// else gives it back.
+    pub(super) fn defer_to_next_round(&mut self, p: Push) -> Option<Push> {
+        let Some(k) = self.keys.get_mut(&p.key) else {
+            return Some(p);
+        };
+        let round = &mut k.round;
+        if !round
+            .arrived
+            .get(p.rank as usize)
+            .is_some_and(Option::is_some)
+        {
+            return Some(p);
+        }
+        round.deferred.push_back(p);
+        None
+    }
+
     pub(super) fn add_to_round(&mut self, p: Push) {
         let workers = self.num_workers as usize;
         let compressor = self.compressor.as_deref();

@@ -38,7 +38,7 @@ impl ServerState {
     /// under way (see the module docs, "Checkpoints"). Deterministic: equal states give equal
     /// bytes.
     ///
-    /// Little-endian: `PSNSHARD`, `u32` version `3`, `u32` workers, `u64` sequence number,
+    /// Little-endian: `PSNSHARD`, `u32` version `4`, `u32` workers, `u64` sequence number,
     /// `u8` mode (0 `dist_sync`, 1 `dist_async`), `u8` compression (0 not set, 1 none,
     /// 2 2-bit, 3 1-bit, the last two followed by the `f32` threshold and a `u8` of flags: 1
     /// where pulls are compressed too, 2 where codes travel packed), `u8` optimizer

@@ -686,3 +686,37 @@ fn packed_codes_sum_as_the_codes_they_pack_and_bad_ones_are_refused_by_name() {
     assert_eq!(packed.value(4).unwrap(), plain.value(4).unwrap());
     assert!(plain.value(4).unwrap().iter().any(|&v| v != 0.0));
 }
+
+#[test]
+fn a_packed_push_for_a_later_round_waits_packed_and_counts_there() {
+    let mut s = ServerState::new(2);
+    s.handle_command(
+        CommandKind::SetCompression,
+        r#"{"type":"2bit","threshold":0.5}"#,
+    )
+    .unwrap();
+    init(&mut s, 4, &[0.0; 300]);
+    let grad: Vec<f32> = (0..300).map(|i| ((i % 5) as f32 - 2.0) * 0.4).collect();
+    let packed = |ts: u64, rank: u32| {
+        let mut p = compressed(rank, ts, 4, 0.5, &grad);
+        p.flags.packed = true;
+        p.payload = Bytes::from(crate::proto::packed::pack(&p.payload).unwrap());
+        p
+    };
+    s.handle_push(packed(1, 1));
+    let second = packed(2, 1);
+    let held = second.payload.len();
+    s.handle_push(second);
+    assert!(drain(&mut s).is_empty(), "both wait for worker 0");
+    let round = &s.keys[&4].round;
+    assert_eq!(round.deferred.len(), 1);
+    assert_eq!(round.deferred[0].payload.len(), held, "held as it came");
+    assert!(round.deferred[0].flags.packed);
+    // Worker 0 completes round 1; worker 1's second push then opens round 2.
+    s.handle_push(packed(3, 0));
+    assert_eq!(drain(&mut s).len(), 2);
+    s.handle_push(packed(4, 0));
+    let done = drain(&mut s);
+    assert_eq!(done.len(), 2, "{done:?}");
+    assert!(done.iter().all(|o| matches!(o, Output::Done { .. })));
+}

@@ -44,6 +44,11 @@ impl Copies {
         self.held.clear();
     }
 
+    /// The scheme of compressed pulls, if they are on.
+    pub(crate) fn scheme(&self) -> Option<Scheme> {
+        self.scheme
+    }
+
     /// The version of the copy of stored key `key` from `server`, to say in a pull.
     pub(crate) fn version(&self, server: NodeId, key: u64) -> Option<u64> {
         self.scheme?;

@@ -567,6 +567,10 @@ fn keys_defined_with_compressed_pulls_on_take_the_larger_pieces_chosen_for_them(
     s.define_key(3, 2048, Dtype::F32).unwrap();
     // 8 KiB keys: 16 pieces of 512 bytes, or 4 of 2 KiB; key 1 keeps its layout.
     assert_eq!((pieces(&s, 1), pieces(&s, 2), pieces(&s, 3)), (16, 4, 16));
+    // Half keys never travel as codes: the usual pieces.
+    s.set_pull_compression(Some(Scheme::TwoBit));
+    s.define_key(4, 4096, Dtype::F16).unwrap();
+    assert_eq!(pieces(&s, 4), 16);
     // PSNET_PARTITION_BYTES set: no other size is chosen.
     let mut set = partitioned(2, 1_000_000, 512);
     set.set_pull_compression(Some(Scheme::TwoBit));
