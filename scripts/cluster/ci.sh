@@ -5,7 +5,9 @@
 #   1. a kv training job, 2 servers + 2 workers over eth0, its weights bit-identical to the
 #      one-process reference, with MXNet's layout and with keys in pieces
 #      (PSNET_PARTITION_BYTES=4096), every process on the host the hostfile gave it;
-#   2. the same job with DMLC_INTERFACE=ib0: every process picks ib0's address;
+#   2. the same job with DMLC_INTERFACE=ib0: every process picks ib0's address; and 2-bit
+#      jobs (pushes only, and compressed pulls too), their codes packed (across hosts, the
+#      default) and not (PSNET_PACK_CODES=0), the two jobs' weights bit-identical;
 #   3. an allreduce across the 3 hosts (one rank per host), every result checked;
 #   4. mpirun through the ssh stand-in (plm_rsh_agent), where Open MPI is installed.
 # Prints `CHECK ok|FAILED what` per check and `N passed, N failed` last; exits non-zero if any
@@ -51,11 +53,12 @@ MODEL=(--hidden 64 --features 32 --classes 5 --samples 2048 --batch 32 --epochs 
 check "one-process reference" $?
 # Servers on h1 and h2, workers on h0 and h1 (psnet-launch takes the hostfile's lines in turn).
 printf 'h1\nh2\nh0\nh1\n' > "$OUT/hosts"
-run_job() { # NAME IFACE ENV...
+TRAIN_ARGS=()
+run_job() { # NAME IFACE ENV... (psnet-train's arguments past the model's: TRAIN_ARGS)
   local name=$1 iface=$2; shift 2
   bash "$RIG" exec --name ci h0 env DMLC_INTERFACE="$iface" PS_VERBOSE=1 "$@" timeout -k 5 240 \
     "$B/psnet-launch" --launcher ssh -H "$OUT/hosts" -s 2 -n 2 -- "$B/psnet-train" "${MODEL[@]}" \
-    --dump "$OUT/$name.bin" > "$OUT/$name.log" 2>&1
+    "${TRAIN_ARGS[@]}" --dump "$OUT/$name.bin" > "$OUT/$name.log" 2>&1
 }
 # The address each process chose, as "[role i] address" lines.
 chosen() { sed -n 's/^\[\([a-z]* *[0-9]*\)\].*psnet transport selected address=\([0-9.]*\).*/\1 \2/p' "$1" | sort; }
@@ -81,6 +84,29 @@ cmp -s "$OUT/ref.bin" "$OUT/ib0.bin"; same=$?
 n_ib=$(chosen "$OUT/ib0.log" | awk '{ print $NF }' | grep -c '^10\.241\.' || true)
 check "kv over DMLC_INTERFACE=ib0: exit $rc, identical: $([ $same = 0 ] && echo yes || echo no), $n_ib of 5 processes on ib0's addresses" \
   $(( rc != 0 || same != 0 || n_ib != 5 ))
+# Packed codes are lossless: the same job with them (across hosts, the default) and without.
+# A wider model, so that the codes are most of the bytes the jobs send.
+SMALL_MODEL=("${MODEL[@]}")
+MODEL=(--hidden 256 --features 256 --classes 5 --samples 1024 --batch 32 --epochs 1)
+for mode in "2bit:" "2bit-pull:--compression-pull"; do
+  name=${mode%%:*}
+  TRAIN_ARGS=(--compression 2bit ${mode#*:})
+  bash "$RIG" counters --name ci > "$OUT/c0"
+  run_job "$name-packed" eth0 PSNET_PARTITION_BYTES=4096; rc1=$?
+  bash "$RIG" counters --name ci > "$OUT/c1"
+  run_job "$name-plain" eth0 PSNET_PARTITION_BYTES=4096 PSNET_PACK_CODES=0; rc2=$?
+  bash "$RIG" counters --name ci > "$OUT/c2"
+  # Bytes sent by every host's eth0 during each job.
+  sent() { awk 'NR == FNR { tx[$1] = $2; next } { s += $2 - tx[$1] } END { printf "%.0f", s }' "$1" "$2"; }
+  packed_bytes=$(sent "$OUT/c0" "$OUT/c1"); plain_bytes=$(sent "$OUT/c1" "$OUT/c2")
+  [ $rc1 = 0 ] || tail -20 "$OUT/$name-packed.log"
+  [ $rc2 = 0 ] || tail -20 "$OUT/$name-plain.log"
+  cmp -s "$OUT/$name-packed.bin" "$OUT/$name-plain.bin"; same=$?
+  check "kv $name across 3 hosts, codes packed and not: exits $rc1 and $rc2, weights identical: $([ $same = 0 ] && echo yes || echo no), bytes sent $packed_bytes packed against $plain_bytes" \
+    $(( rc1 != 0 || rc2 != 0 || same != 0 || packed_bytes >= plain_bytes ))
+done
+TRAIN_ARGS=()
+MODEL=("${SMALL_MODEL[@]}")
 
 # 3. Allreduce, one rank per host, every size checked (psnet-perf -c 1 counts wrong elements).
 root="$(addr h0 3):29500"
