@@ -36,7 +36,7 @@ mod rogue;
 use rogue::job::{complete_round, end_round_and_job, honest_round, loopback, Job, Setup, KEY, LEN};
 use rogue::watch::{peak_bytes, HUGE};
 use rogue::{
-    assert_names, compressed_push, f32_bytes, init_msg, pull_msg, push_msg, refused,
+    assert_names, compressed_push, f32_bytes, init_msg, packed_push, pull_msg, push_msg, refused,
     set_compression, two_bit, PATIENCE,
 };
 
@@ -202,6 +202,18 @@ async fn compression_that_disagrees_with_the_server_is_refused() {
     // Bytes of the wrong length for the scheme are refused.
     let e = refused(r.request(s, compressed_push(4), &[&[0u8; 2]]).await);
     assert_names(&e, &["key 1", "compressed push of 2 bytes", "expected 4"]);
+    // Packed codes that do not unpack to the key's codes are refused naming why: an unknown
+    // form, a field past the end (4 elements: 4 bytes of codes, 16 fields), the raw form
+    // of another length, a packed push of another element count than the key's.
+    for (packed, n, why) in [
+        (&[9u8, 1][..], 4, "unknown form 9"),
+        (&[1, 0x41][..], 4, "run past 4 bytes"),
+        (&[0, 1, 2][..], 4, "raw packed codes of 2 bytes"),
+        (&[1][..], 5, "pushed 5 elements"),
+    ] {
+        let e = refused(r.request(s, packed_push(n), &[packed]).await);
+        assert_names(&e, &["key 1", why]);
+    }
     // The rogue's compressed push waits in the round; a change now would decode it with
     // other settings than it was made with. Refused.
     let ts = r.ts();

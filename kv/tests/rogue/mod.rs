@@ -368,6 +368,22 @@ pub fn compressed_push(n_elems: u64) -> impl FnOnce(u64) -> Msg {
     }
 }
 
+/// A compressed push of packed codes (`psnet_kv::proto::packed`) of `n_elems` elements to key
+/// 1, for a request id.
+pub fn packed_push(n_elems: u64) -> impl FnOnce(u64) -> Msg {
+    move |ts| Msg::Push {
+        ts,
+        key: 1,
+        flags: PushFlags {
+            compressed: true,
+            packed: true,
+            ..PushFlags::default()
+        },
+        n_elems,
+        priority: 0,
+    }
+}
+
 /// A compression command, for a request id.
 pub fn set_compression(params: CompressionParams) -> impl FnOnce(u64) -> Msg {
     move |ts| Msg::Command {
