@@ -50,7 +50,6 @@ use bytes::Bytes;
 use psnet_compression::Compressor;
 
 use super::msg::{CommandKind, Exchange, PushFlags, MAX_STRING, NO_REQUEST};
-use super::packed;
 use super::pulled::{Form, KvCompression, Shadow};
 use super::sum;
 use crate::updater::{OptimizerSpec, Updater};
@@ -682,26 +681,6 @@ impl ServerState {
         }
     }
 
-    /// Unpacks `p`'s packed codes ([`crate::proto::packed`]), bounded by the key's own
-    /// codes' size before anything is allocated; a push that was not packed stays as is.
-    fn unpack(&self, p: &mut Push) -> Result<(), String> {
-        if !p.flags.packed {
-            return Ok(());
-        }
-        let want = match (p.flags.compressed, &self.compressor, self.keys.get(&p.key)) {
-            (false, ..) => Err("packed codes in a push of uncompressed values".to_string()),
-            (_, None, _) => Err("packed codes, but no compression was set on this server".into()),
-            (_, _, None) => Err("pushed before it was initialized".into()),
-            (true, Some(c), Some(k)) => Ok(c.compressed_len(k.value.len())),
-        };
-        let codes = want
-            .and_then(|len| packed::unpack(&p.payload, len))
-            .map_err(|e| format!("key {}: {e}", p.key))?;
-        p.payload = Bytes::from(codes);
-        p.flags.packed = false;
-        Ok(())
-    }
-
     /// Whether `p`, sent again after this server restarted ([`PushFlags::retry`]), is a
     /// change this server had applied (and journaled) before: the worker's `n`-th push of a
     /// key is in the key's `n`-th `dist_sync` round, so the round count tells; `dist_async`
@@ -900,6 +879,8 @@ impl ServerState {
         Ok(k)
     }
 }
+
+mod unpack;
 
 #[cfg(test)]
 mod dtype_tests;

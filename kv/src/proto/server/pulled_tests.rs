@@ -254,14 +254,12 @@ fn the_workers_copies_count_against_the_servers_key_bytes() {
     assert!(e.contains("workers' copies"), "{e}");
 }
 
-#[test]
-fn with_packing_every_worker_gets_the_same_packed_codes_of_the_change() {
+/// Two rounds of 1,000 elements on key 3 with compression `setting`: the change of the
+/// second, as codes.
+fn two_rounds(setting: &str) -> (ServerState, Delta) {
     let mut s = ServerState::new(2);
-    s.handle_command(
-        CommandKind::SetCompression,
-        r#"{"type":"2bit","threshold":0.5,"pull":true,"pack":true}"#,
-    )
-    .unwrap();
+    s.handle_command(CommandKind::SetCompression, setting)
+        .unwrap();
     s.handle_command(
         CommandKind::SetOptimizer,
         r#"{"type":"test","rescale_grad":1.0}"#,
@@ -273,6 +271,12 @@ fn with_packing_every_worker_gets_the_same_packed_codes_of_the_change() {
     round(&mut s, 3, 1, &[&grad, &grad], None);
     round(&mut s, 3, 2, &[&grad, &grad], Some(1));
     let last = s.shadow(3).unwrap().last.clone().unwrap();
+    (s, last)
+}
+
+#[test]
+fn with_packing_every_worker_gets_the_same_packed_codes_of_the_change() {
+    let (s, last) = two_rounds(r#"{"type":"2bit","threshold":0.5,"pull":true,"pack":true}"#);
     let (value, pulled) = s.answer_value(3, Some(1)).unwrap();
     assert_eq!(pulled.unwrap().form, Form::Packed { scale: last.scale });
     let codes = crate::proto::packed::unpack(value.as_bytes(), last.codes.len()).unwrap();
@@ -292,13 +296,7 @@ fn with_packing_every_worker_gets_the_same_packed_codes_of_the_change() {
 
 #[test]
 fn without_packing_no_answer_is_packed_and_nothing_is_packed_for_it() {
-    let mut s = server(2);
-    let n = 1000;
-    init(&mut s, 3, &vec![1.0; n]);
-    let grad: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 0.25).collect();
-    round(&mut s, 3, 1, &[&grad, &grad], None);
-    round(&mut s, 3, 2, &[&grad, &grad], Some(1));
-    let last = s.shadow(3).unwrap().last.clone().unwrap();
+    let (s, last) = two_rounds(PULL_2BIT);
     let (value, pulled) = s.answer_value(3, Some(1)).unwrap();
     assert_eq!(pulled.unwrap().form, Form::Delta { scale: last.scale });
     assert_eq!(value.as_bytes(), &last.codes[..]);
