@@ -48,7 +48,7 @@ fn magnitudes_of_difference_portable(a: &[f32], b: &[f32], from: f32) -> (f64, u
 
 /// [`magnitudes_from`]'s eight running sums and counts.
 #[derive(Default)]
-pub struct Lanes {
+pub(crate) struct Lanes {
     sums: [f64; 8],
     counts: [u64; 8],
 }
@@ -56,7 +56,7 @@ pub struct Lanes {
 impl Lanes {
     /// Takes the next eight elements, one a lane.
     #[inline(always)]
-    pub fn add(&mut self, xs: [f32; 8], from: f32) {
+    pub(crate) fn add(&mut self, xs: [f32; 8], from: f32) {
         for (lane, x) in xs.iter().enumerate() {
             self.take(lane, *x, from);
         }
@@ -72,7 +72,7 @@ impl Lanes {
 
     /// Takes the last (fewer than eight) elements from lane 0 on; the sum in the fixed
     /// order, and the count.
-    pub fn finish(mut self, rest: impl Iterator<Item = f32>, from: f32) -> (f64, u64) {
+    pub(crate) fn finish(mut self, rest: impl Iterator<Item = f32>, from: f32) -> (f64, u64) {
         for (lane, x) in rest.enumerate() {
             self.take(lane, x, from);
         }
@@ -97,6 +97,27 @@ mod x86;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_difference_has_the_magnitudes_of_the_difference_written_out() {
+        let a: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let mut b: Vec<f32> = (0..37).map(|i| (i as f32 * 0.11).cos()).collect();
+        b[5] = f32::NAN;
+        b[9] = -0.0;
+        let change: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x - y).collect();
+        for from in [0.0, 0.5, 2.0] {
+            let want = magnitudes_from(&change, from);
+            let mut got = vec![magnitudes_of_difference_portable(&a, &b, from)];
+            #[cfg(target_arch = "x86_64")]
+            if crate::SimdLevel::Avx2.is_supported() {
+                // SAFETY: the CPU supports AVX2 (checked just above).
+                got.push(unsafe { x86::magnitudes_of_difference_avx2(&a, &b, from) });
+            }
+            for g in got {
+                assert_eq!((g.0.to_bits(), g.1), (want.0.to_bits(), want.1), "{from}");
+            }
+        }
+    }
 
     #[test]
     fn lanes_add_in_a_fixed_order_and_count_what_they_take() {

@@ -27,8 +27,8 @@ pub use psnet_config::env::{
 /// unpartitioned (`scripts/bench-cluster.sh`); smaller pieces cost more per message.
 pub const DEFAULT_PARTITION_BYTES: usize = 128 * 1024;
 
-/// The size of a key's pieces in place of [`DEFAULT_PARTITION_BYTES`] for keys defined once
-/// compressed pulls are on: both ways a piece then travels as codes, a sixteenth of its
+/// The size of a key's pieces in place of [`DEFAULT_PARTITION_BYTES`] for `f32` keys defined
+/// once compressed pulls are on: both ways a piece then travels as codes, a sixteenth of its
 /// bytes with 2-bit codes (less packed), and per-message costs outweigh the finer pipeline.
 /// On the rig, `psnet-train --compression 2bit --compression-pull` took 1.39 s an epoch
 /// with 128 KiB pieces, 1.22 s with 512 KiB, 1.26 s with 1 MiB and 1.35 s with 2 MiB (and

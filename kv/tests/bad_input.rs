@@ -210,6 +210,7 @@ async fn compression_that_disagrees_with_the_server_is_refused() {
         (&[1, 0x41][..], 4, "run past 4 bytes"),
         (&[0, 1, 2][..], 4, "raw packed codes of 2 bytes"),
         (&[1][..], 5, "pushed 5 elements"),
+        (&[0u8; 6][..], 4, "6 bytes of packed codes, at most 5"),
     ] {
         let e = refused(r.request(s, packed_push(n), &[packed]).await);
         assert_names(&e, &["key 1", why]);

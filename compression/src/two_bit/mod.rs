@@ -254,4 +254,37 @@ mod tests {
             "invalid threshold 0 for 2bit compression: must be greater than 0"
         );
     }
+
+    proptest::proptest! {
+        /// Every level's one pass gives the codes of a quantization step from a zero residual
+        /// and the magnitudes of the difference written out, bit for bit.
+        #[test]
+        fn the_difference_quantized_in_one_pass_is_the_passes(
+            pairs in proptest::collection::vec((-3.0f32..3.0, -3.0f32..3.0), 0..70),
+            special in 0usize..5,
+            threshold in 0.01f32..2.0,
+        ) {
+            let (mut value, base): (Vec<f32>, Vec<f32>) = pairs.into_iter().unzip();
+            if let Some(v) = value.first_mut() {
+                *v = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, *v][special];
+            }
+            let mut change: Vec<f32> = value.iter().zip(&base).map(|(v, b)| v - b).collect();
+            let want_sums = crate::scale::magnitudes_from(&change, threshold);
+            let mut want = vec![0u8; compressed_size(value.len())];
+            scalar::quantize(&vec![0.0; value.len()], &mut change, &mut want, threshold);
+            let mut levels = vec![quantize_difference_portable as fn(&[f32], &[f32], f32, &mut [u8]) -> (f64, u64)];
+            #[cfg(target_arch = "x86_64")]
+            if SimdLevel::Avx2.is_supported() {
+                // SAFETY: the CPU supports AVX2 (checked just above).
+                levels.push(|v, b, t, o| unsafe { x86::quantize_difference_avx2(v, b, t, o) });
+            }
+            for level in levels {
+                let mut got = vec![0xffu8; want.len()];
+                let sums = level(&value, &base, threshold, &mut got);
+                proptest::prop_assert_eq!(&got, &want);
+                proptest::prop_assert_eq!(sums.0.to_bits(), want_sums.0.to_bits());
+                proptest::prop_assert_eq!(sums.1, want_sums.1);
+            }
+        }
+    }
 }

@@ -34,7 +34,8 @@ pub struct KvCompression {
     pub params: CompressionParams,
     /// Pulls answered with codes of the weights' change too (see the module docs).
     pub pull: bool,
-    /// Codes travel packed, both ways ([`crate::proto::packed`]): `"pack": true`.
+    /// Codes travel packed ([`crate::proto::packed`]): `"pack": true`. A worker's setting
+    /// packs its own pushes; worker 0's, the one servers keep, packs their answers too.
     pub pack: bool,
 }
 

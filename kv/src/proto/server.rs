@@ -656,7 +656,7 @@ impl ServerState {
         // while they wait for a later round: held, they take no more than the bytes received.
         let mut p = p;
         if p.flags.packed {
-            if let Err(reason) = self.check_meta(&p) {
+            if let Err(reason) = self.check_packed(&p) {
                 return self.fail(p.rank, p.ts, reason);
             }
             if self.mode == Mode::Sync {

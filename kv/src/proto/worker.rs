@@ -174,7 +174,9 @@ impl WorkerState {
     }
 
     /// Cuts every key defined from now on of more than `bytes` into pieces of about `bytes`
-    /// (`PSNET_PARTITION_BYTES`; 0, the default here: MXNet's shares). See [`Layout`].
+    /// (`PSNET_PARTITION_BYTES`; 0, the default here: MXNet's shares), but for `f32` keys
+    /// defined while compressed pulls are on where [`Self::with_pull_partition_bytes`] says
+    /// otherwise. See [`Layout`].
     pub fn with_partition_bytes(mut self, bytes: usize) -> Self {
         self.partition_bytes = bytes;
         self

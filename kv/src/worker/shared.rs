@@ -207,9 +207,9 @@ pub(crate) struct Shared<T: Transport> {
     /// Keys larger than `PSNET_PARTITION_BYTES` are cut into pieces, each stored under a
     /// slot of its own ([`crate::proto::worker::piece_key`]).
     pub(crate) partitions: bool,
-    /// This worker asks for packed codes whatever the compression setting says
-    /// (`PSNET_PACK_CODES`, by default across hosts); a setting with `"pack": true` packs
-    /// either way.
+    /// This worker packs its compressed pushes, and as worker 0 has the servers pack their
+    /// answers, whatever the setting says (`PSNET_PACK_CODES`, by default across hosts); a
+    /// setting with `"pack": true` packs either way.
     pub(crate) pack_codes: bool,
     /// Woken when the job ends or the scheduler is lost (`finalize` waits for it).
     pub(crate) ended: Notify,

@@ -530,6 +530,20 @@ fn only_worker_0_initializes_and_sets_what_the_others_must_agree_with() {
     let one_bit = r#"{"type":"1bit","threshold":0.5}"#;
     s.handle_command_request(1, 13, CommandKind::SetCompression, one_bit);
     assert!(failed_reason(&drain(&mut s)).contains("worker 0"));
+    // Whether a worker packs its codes is its own: the same setting with "pack" agrees.
+    let packing = r#"{"type":"2bit","threshold":0.5,"pack":true}"#;
+    s.handle_command_request(1, 14, CommandKind::SetCompression, packing);
+    assert!(matches!(
+        drain(&mut s)[..],
+        [Output::Done {
+            rank: 1,
+            ts: 14,
+            ..
+        }]
+    ));
+    let other = r#"{"type":"2bit","threshold":0.7,"pack":true}"#;
+    s.handle_command_request(1, 15, CommandKind::SetCompression, other);
+    assert!(failed_reason(&drain(&mut s)).contains("already"));
     // One round at lr 0.1 proves worker 0's optimizer is the one in force; worker 0's push
     // refuses worker 1's change it never made.
     s.handle_push(push(0, 9, 3, &[1.0]));
@@ -719,4 +733,49 @@ fn a_packed_push_for_a_later_round_waits_packed_and_counts_there() {
     let done = drain(&mut s);
     assert_eq!(done.len(), 2, "{done:?}");
     assert!(done.iter().all(|o| matches!(o, Output::Done { .. })));
+}
+
+#[test]
+fn packed_inits_and_packed_codes_longer_than_the_keys_are_refused_before_they_wait() {
+    let mut s = ServerState::new(2);
+    s.handle_command(
+        CommandKind::SetCompression,
+        r#"{"type":"2bit","threshold":0.5}"#,
+    )
+    .unwrap();
+    init(&mut s, 4, &[0.0; 300]);
+    let grad = [0.7f32; 300];
+    let mut init_packed = compressed(0, 1, 4, 0.5, &grad);
+    init_packed.flags.init = true;
+    init_packed.flags.packed = true;
+    s.handle_push(init_packed);
+    assert!(failed_reason(&drain(&mut s)).contains("never packed"));
+    // Worker 1's push opens the round; its next would wait for the next round, but 77
+    // packed bytes are more than the key's 76 bytes of codes and one: refused at once.
+    s.handle_push(compressed(1, 2, 4, 0.5, &grad));
+    let mut long = compressed(1, 3, 4, 0.5, &grad);
+    long.flags.packed = true;
+    long.payload = Bytes::from(vec![0u8; 78]);
+    s.handle_push(long);
+    let reason = failed_reason(&drain(&mut s));
+    assert!(
+        reason.contains("78 bytes of packed codes, at most 77"),
+        "{reason}"
+    );
+    assert!(s.keys[&4].round.deferred.is_empty());
+    // A packed push to a half key is refused too, before it could wait.
+    let mut init_half = push(0, 9, 5, &[0.0; 150]);
+    (
+        init_half.flags.init,
+        init_half.flags.dtype,
+        init_half.n_elems,
+    ) = (true, Dtype::F16, 300);
+    s.handle_push(init_half);
+    drain(&mut s);
+    assert_eq!(s.dtype(5), Some(Dtype::F16));
+    let mut half = compressed(1, 4, 5, 0.5, &grad);
+    half.flags.packed = true;
+    half.flags.dtype = Dtype::F16;
+    s.handle_push(half);
+    assert!(failed_reason(&drain(&mut s)).contains("float32"));
 }
