@@ -37,14 +37,6 @@ pub(crate) unsafe fn quantize_avx2(
     let neg = _mm256_set1_ps(-threshold);
     let code_pos = _mm256_set1_epi32(i32::from(scalar::CODE_POS));
     let code_neg = _mm256_set1_epi32(i32::from(scalar::CODE_NEG));
-    let weights = _mm256_set1_epi32(PACK_WEIGHTS);
-    let ones = _mm256_set1_epi16(1);
-    // Byte 0 of each i32 lane to the front of its 128-bit half.
-    #[rustfmt::skip]
-    let gather = _mm256_setr_epi8(
-        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-    );
 
     let g_ptr = grad.as_ptr();
     let r_ptr = residual.as_mut_ptr();
@@ -67,21 +59,7 @@ pub(crate) unsafe fn quantize_avx2(
                 _mm256_and_si256(_mm256_castps_si256(m), code_neg),
             );
         }
-        // One code per byte. Per 128-bit half, the four 32-bit lanes hold the groups of
-        // elements {0-3, 8-11, 16-19, 24-27} (low half) and {4-7, 12-15, 20-23, 28-31}
-        // (high half), i.e. output bytes 0, 2, 4, 6 and 1, 3, 5, 7.
-        let bytes = _mm256_packus_epi16(
-            _mm256_packs_epi32(codes[0], codes[1]),
-            _mm256_packs_epi32(codes[2], codes[3]),
-        );
-        // Each 32-bit lane becomes its output byte value.
-        let packed = _mm256_madd_epi16(_mm256_maddubs_epi16(bytes, weights), ones);
-        let gathered = _mm256_shuffle_epi8(packed, gather);
-        let ordered = _mm_unpacklo_epi8(
-            _mm256_castsi256_si128(gathered),
-            _mm256_extracti128_si256::<1>(gathered),
-        );
-        let word = _mm_cvtsi128_si64(ordered) as u64;
+        let word = pack32(codes);
         out[block * 8..block * 8 + 8].copy_from_slice(&word.to_le_bytes());
     }
 
@@ -92,6 +70,36 @@ pub(crate) unsafe fn quantize_avx2(
         &mut out[blocks * 8..],
         threshold,
     );
+}
+
+/// The 8 output bytes of 32 elements' codes, one code per `i32` lane: `codes[k]` holds
+/// elements `8k..8k + 8`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn pack32(codes: [__m256i; 4]) -> u64 {
+    let weights = _mm256_set1_epi32(PACK_WEIGHTS);
+    let ones = _mm256_set1_epi16(1);
+    // Byte 0 of each i32 lane to the front of its 128-bit half.
+    #[rustfmt::skip]
+    let gather = _mm256_setr_epi8(
+        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+    );
+    // One code per byte. Per 128-bit half, the four 32-bit lanes hold the groups of
+    // elements {0-3, 8-11, 16-19, 24-27} (low half) and {4-7, 12-15, 20-23, 28-31}
+    // (high half), i.e. output bytes 0, 2, 4, 6 and 1, 3, 5, 7.
+    let bytes = _mm256_packus_epi16(
+        _mm256_packs_epi32(codes[0], codes[1]),
+        _mm256_packs_epi32(codes[2], codes[3]),
+    );
+    // Each 32-bit lane becomes its output byte value.
+    let packed = _mm256_madd_epi16(_mm256_maddubs_epi16(bytes, weights), ones);
+    let gathered = _mm256_shuffle_epi8(packed, gather);
+    let ordered = _mm_unpacklo_epi8(
+        _mm256_castsi256_si128(gathered),
+        _mm256_extracti128_si256::<1>(gathered),
+    );
+    _mm_cvtsi128_si64(ordered) as u64
 }
 
 /// 2-bit quantize, 16 elements (4 output bytes) per iteration.
@@ -281,8 +289,8 @@ fn tail<const ADD: bool>(compressed: &[u8], out: &mut [f32], words: usize, thres
     }
 }
 
-/// [`super::quantize_difference`], its portable code compiled for AVX2 (the same operations,
-/// in 256-bit vectors where the compiler finds them).
+/// [`super::quantize_difference`]: 32 elements (8 output bytes) per iteration, the codes
+/// as [`quantize_avx2`] makes them and the sums as [`crate::scale`]'s kernel takes them.
 ///
 /// # Safety
 /// The CPU must support AVX2.
@@ -293,5 +301,44 @@ pub(crate) unsafe fn quantize_difference_avx2(
     threshold: f32,
     out: &mut [u8],
 ) -> (f64, u64) {
-    super::quantize_difference_portable(value, base, threshold, out)
+    const LANES: usize = crate::scale::LANES;
+    let n = value.len();
+    assert_eq!(base.len(), n);
+    assert_eq!(out.len(), compressed_size(n));
+    let blocks = n / LANES;
+    let pos = _mm256_set1_ps(threshold);
+    let neg = _mm256_set1_ps(-threshold);
+    let code_pos = _mm256_set1_epi32(i32::from(scalar::CODE_POS));
+    let code_neg = _mm256_set1_epi32(i32::from(scalar::CODE_NEG));
+    let mut sums = crate::scale::x86::Sums::new(threshold);
+    let (v_ptr, b_ptr) = (value.as_ptr(), base.as_ptr());
+    for block in 0..blocks {
+        let mut codes = [_mm256_setzero_si256(); 4];
+        for (k, code) in codes.iter_mut().enumerate() {
+            let i = block * LANES + k * 8;
+            // SAFETY: i + 8 <= blocks * LANES <= n == value.len() == base.len(); unaligned
+            // loads are allowed.
+            let r = unsafe {
+                _mm256_sub_ps(_mm256_loadu_ps(v_ptr.add(i)), _mm256_loadu_ps(b_ptr.add(i)))
+            };
+            sums.take8(k, r);
+            let p = _mm256_cmp_ps::<_CMP_GE_OQ>(r, pos);
+            let m = _mm256_cmp_ps::<_CMP_LE_OQ>(r, neg);
+            *code = _mm256_or_si256(
+                _mm256_and_si256(_mm256_castps_si256(p), code_pos),
+                _mm256_and_si256(_mm256_castps_si256(m), code_neg),
+            );
+        }
+        let word = pack32(codes);
+        out[block * 8..block * 8 + 8].copy_from_slice(&word.to_le_bytes());
+    }
+    let done = blocks * LANES;
+    let mut rest = [0.0f32; LANES];
+    let tail_len = n - done;
+    for (r, (v, b)) in rest.iter_mut().zip(value[done..].iter().zip(&base[done..])) {
+        *r = v - b;
+    }
+    let rest = &rest[..tail_len];
+    super::codes_of_tail(rest, &mut out[blocks * 8..], threshold);
+    sums.lanes().finish(rest.iter().copied(), threshold)
 }
