@@ -61,6 +61,7 @@ mod simd;
 
 pub mod measure;
 pub mod one_bit;
+pub mod planes;
 pub mod scale;
 pub mod two_bit;
 

@@ -389,8 +389,11 @@ fn kv() -> Vec<Seed> {
     sparse[3] = 0b1100_0000;
     sparse[200] = 0b0000_0010;
     let dense: Vec<u8> = (0..250u32).map(|i| [0, 0, 0b1100_0010, 0][(i % 4) as usize]).collect();
+    // A field of 0b01, which the planes cannot say.
+    let odd: Vec<u8> = (0..250u32).map(|i| [0, 0, 0b1100_0001, 0][(i % 4) as usize]).collect();
     let noise: Vec<u8> = (0..250u32).map(|i| (i * 97 + 13) as u8).collect();
-    for (name, codes) in [("sparse", sparse), ("zstd", dense), ("raw", noise)] {
+    let forms = [("sparse", sparse), ("planes", dense), ("zstd", odd), ("raw", noise)];
+    for (name, codes) in forms {
         let packed = psnet_kv::proto::packed::pack(&codes).unwrap();
         let mut input = vec![2u8];
         input.extend_from_slice(&250u16.to_le_bytes());

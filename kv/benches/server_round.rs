@@ -77,6 +77,7 @@ fn server() -> ServerState {
 
 fn bench(c: &mut Criterion) {
     const ROUNDS: usize = 64;
+    const RESTART: usize = 256;
     let by_worker = [pushes(1, ROUNDS), pushes(2, ROUNDS)];
     let mut group = c.benchmark_group("server_round_128k");
     group
@@ -90,6 +91,11 @@ fn bench(c: &mut Criterion) {
     let mut round = 0usize;
     group.bench_function("round/2bit-pull-packed", |b| {
         b.iter(|| {
+            // A fresh server every RESTART rounds, so that every sample times rounds of the
+            // same ages (the state drifts as rounds accumulate).
+            if round % RESTART == 0 {
+                s = server();
+            }
             let have = s.shadow(KEY).map(|sh| sh.version);
             for (rank, pushes) in by_worker.iter().enumerate() {
                 ts += 1;

@@ -21,7 +21,7 @@ use super::recovery::CREDENTIAL_LEN;
 use crate::value::Dtype;
 
 /// The kv protocol version in every message.
-pub const VERSION: u8 = 8;
+pub const VERSION: u8 = 9;
 /// Longest string field (reasons, optimizer and compression specs).
 pub const MAX_STRING: usize = 64 << 10;
 /// Most nodes in an assignment.

@@ -4,15 +4,20 @@
 //! The codes are far from uniform. On `psnet-train`'s model, 2-bit gradient codes with
 //! MXNet's threshold of 0.5 are about 98% zeros, and the codes of a compressed pull's change
 //! about 72% (the elements below the change's mean magnitude). So a packed message is one
-//! of three forms, chosen by how many 2-bit fields are nonzero (counted first, a popcount a
+//! of four forms, chosen by how many 2-bit fields are nonzero (counted first, a popcount a
 //! word):
 //! - **sparse**, for at most one field in twelve nonzero (a push's gradients): each nonzero
 //!   field as a LEB128 varint of `gap << 2 | field`, `gap` the zero fields before it since
 //!   the last one. About 1.2 bytes a nonzero field, where zstd took 5 to 7 times as long
 //!   and made twice the bytes;
-//! - **zstd** (level 1, a frame), for denser codes (a pull's change): its entropy coder takes
-//!   them to about 60%;
-//! - **raw**, where neither would save much (1-bit codes, about half ones, are noise).
+//! - **planes** ([`psnet_compression::planes`]), for denser 2-bit codes (a pull's change),
+//!   whose nonzero fields are `0b11` or `0b10`: a bit a field for which are nonzero, then a
+//!   bit for each nonzero one. A pull's codes go to about 64% of their bytes. zstd took them
+//!   to 59%, but with 4 to 5 times the CPU on the server and again on every worker, which
+//!   on psnet-train's rig cost more than the bytes it saved;
+//! - **zstd** (level 1, a frame), for other dense codes (a nonzero field of `0b01`, which
+//!   psnet's quantizers do not make): its entropy coder;
+//! - **raw**, where none would save much (1-bit codes, about half ones, are noise).
 //!
 //! Packing is lossless: the codes a server sums and a worker applies are exactly those that
 //! were packed, so every value stays bit for bit what it is unpacked (MXNet's, for its
@@ -27,10 +32,13 @@
 
 use std::cell::RefCell;
 
+use psnet_compression::planes;
+
 /// The first byte of a packed message: its form.
 const RAW: u8 = 0;
 const SPARSE: u8 = 1;
 const ZSTD: u8 = 2;
+const PLANES: u8 = 3;
 
 /// zstd's level for codes: its fastest that still entropy-codes single bytes (level 1 took
 /// a pull's codes to 59% of their size, negative levels left them whole).
@@ -72,6 +80,13 @@ pub fn pack(codes: &[u8]) -> Result<Vec<u8>, String> {
     let nonzero = nonzero_fields(codes);
     if nonzero * SPARSE_ONE_IN <= fields {
         return Ok(pack_sparse(codes, nonzero));
+    }
+    if nonzero < fields {
+        let mut out = Vec::with_capacity(codes.len());
+        out.push(PLANES);
+        if planes::split(codes, &mut out) {
+            return Ok(out);
+        }
     }
     if nonzero * 16 <= fields * ZSTD_AT_MOST_OF_16 {
         let packed = pack_zstd(codes)?;
@@ -159,6 +174,7 @@ pub fn unpack(packed: &[u8], len: usize) -> Result<Vec<u8>, String> {
         )),
         SPARSE => unpack_sparse(body, len),
         ZSTD => unpack_zstd(body, len),
+        PLANES => planes::join(body, len).map_err(|e| format!("packed codes: {e}")),
         other => Err(format!("packed codes of unknown form {other}")),
     }
 }
