@@ -195,9 +195,9 @@ impl BitReader<'_> {
     }
 }
 
-/// The mask plane's length for `len` bytes of codes.
+/// The mask plane's length for `len` bytes of codes: 4 bits a byte.
 fn mask_len(len: usize) -> usize {
-    (len * 4).div_ceil(8)
+    len / 2 + len % 2
 }
 
 /// A word of up to 8 code bytes, little-endian, zero past the end.

@@ -110,12 +110,14 @@ def test_dist_sync_with_2bit_compression_matches_the_quantized_reference(tmp_pat
 
 
 def lanes(xs):
-    """psnet's sum of magnitudes: element i in lane i % 8 (in double precision), the lanes
-    added as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))."""
-    s = [0.0] * 8
+    """psnet's sum of magnitudes: element i in lane i % 32 (in double precision), neighbouring
+    lanes added pairwise, level by level: ((l0 + l1) + (l2 + l3)) + ... ."""
+    s = [0.0] * 32
     for i, x in enumerate(xs):
-        s[i % 8] += x
-    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
+        s[i % 32] += x
+    while len(s) > 1:
+        s = [s[k] + s[k + 1] for k in range(0, len(s), 2)]
+    return s[0]
 
 
 def test_compressed_pulls_give_every_worker_the_servers_copy_bit_for_bit(tmp_path):

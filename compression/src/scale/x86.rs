@@ -57,9 +57,12 @@ pub(crate) struct Sums {
 
 impl Sums {
     /// No element taken yet; elements of magnitude at least `from` (or NaN) will be.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
     #[inline]
     #[target_feature(enable = "avx2")]
-    pub(crate) fn new(from: f32) -> Sums {
+    pub(crate) unsafe fn new(from: f32) -> Sums {
         Sums {
             acc: [_mm256_setzero_pd(); 8],
             count: 0,
@@ -68,9 +71,12 @@ impl Sums {
     }
 
     /// Takes elements `8k..8k + 8` of a block of `LANES` (`k < 4`), lanes `8k..8k + 8`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
     #[inline]
     #[target_feature(enable = "avx2")]
-    pub(crate) fn take8(&mut self, k: usize, r: __m256) {
+    pub(crate) unsafe fn take8(&mut self, k: usize, r: __m256) {
         let a = _mm256_andnot_ps(_mm256_set1_ps(-0.0), r);
         let taken = _mm256_or_ps(
             _mm256_cmp_ps::<_CMP_GE_OQ>(a, self.from),
@@ -88,9 +94,12 @@ impl Sums {
     }
 
     /// The sums as the portable code's lanes, to finish with.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
     #[inline]
     #[target_feature(enable = "avx2")]
-    pub(crate) fn lanes(&self) -> Lanes {
+    pub(crate) unsafe fn lanes(&self) -> Lanes {
         let mut sums = [0.0f64; LANES];
         for (j, v) in self.acc.iter().enumerate() {
             // SAFETY: sums has 4 elements from 4j (j < 8, LANES == 32); unaligned stores

@@ -74,9 +74,12 @@ pub(crate) unsafe fn quantize_avx2(
 
 /// The 8 output bytes of 32 elements' codes, one code per `i32` lane: `codes[k]` holds
 /// elements `8k..8k + 8`.
+///
+/// # Safety
+/// The CPU must support AVX2.
 #[inline]
 #[target_feature(enable = "avx2")]
-fn pack32(codes: [__m256i; 4]) -> u64 {
+unsafe fn pack32(codes: [__m256i; 4]) -> u64 {
     let weights = _mm256_set1_epi32(PACK_WEIGHTS);
     let ones = _mm256_set1_epi16(1);
     // Byte 0 of each i32 lane to the front of its 128-bit half.

@@ -13,8 +13,9 @@
 //! - **planes** ([`psnet_compression::planes`]), for denser 2-bit codes (a pull's change),
 //!   whose nonzero fields are `0b11` or `0b10`: a bit a field for which are nonzero, then a
 //!   bit for each nonzero one. A pull's codes go to about 64% of their bytes. zstd took them
-//!   to 59%, but with 4 to 5 times the CPU on the server and again on every worker, which
-//!   on psnet-train's rig cost more than the bytes it saved;
+//!   to 59%, but with about 3 times the CPU on the server (23 against 7 us a 512 KiB
+//!   piece), and unpacking on every worker, which on psnet-train's rig cost more than the
+//!   bytes it saved;
 //! - **zstd** (level 1, a frame), for other dense codes (a nonzero field of `0b01`, which
 //!   psnet's quantizers do not make): its entropy coder;
 //! - **raw**, where none would save much (1-bit codes, about half ones, are noise).
@@ -82,9 +83,10 @@ pub fn pack(codes: &[u8]) -> Result<Vec<u8>, String> {
         return Ok(pack_sparse(codes, nonzero));
     }
     if nonzero < fields {
-        let mut out = Vec::with_capacity(codes.len());
+        let mut out = Vec::with_capacity(codes.len() + 1);
         out.push(PLANES);
-        if planes::split(codes, &mut out) {
+        // Never longer than raw: an odd byte's mask half-byte can tip nearly full codes over.
+        if planes::split(codes, &mut out) && out.len() <= codes.len() {
             return Ok(out);
         }
     }

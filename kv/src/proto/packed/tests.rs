@@ -96,6 +96,8 @@ fn each_density_takes_its_form_and_its_size() {
     // Every nonzero field: the planes would take 9 bits a field, more than the codes.
     let full = vec![0xffu8; 1024];
     assert_eq!(pack(&full).unwrap()[0], RAW);
+    // One odd byte with 3 nonzero fields: planes of 3 bytes would pass raw's 2.
+    assert_eq!(pack(&[0xfc]).unwrap(), [RAW, 0xfc]);
     assert_eq!(pack(&[]).unwrap(), [SPARSE]);
     assert_eq!(unpack(&[SPARSE], 5).unwrap(), [0; 5]);
 }
