@@ -7,7 +7,7 @@
 //! codes.
 
 use psnet_compression::scale::mean_magnitude_from;
-use psnet_compression::{OneBitCompressor, Scheme, TwoBitCompressor};
+use psnet_compression::{two_bit, OneBitCompressor, Scheme, TwoBitCompressor};
 
 /// Bytes before a block's codes: its scale.
 const SCALE_LEN: usize = 4;
@@ -47,19 +47,17 @@ pub(crate) fn encode(
         return Ok(());
     }
     let codes = &mut block[SCALE_LEN..SCALE_LEN + scheme.compressed_size(residual.len())];
-    // The codes only: the compressors' own residual update is by their threshold.
-    let mut scratch = vec![0.0f32; residual.len()];
     let bad = |e: psnet_compression::CompressionError| e.to_string();
-    match scheme {
-        Scheme::TwoBit => TwoBitCompressor::new(decide)
-            .map_err(|e| e.to_string())?
-            .quantize(residual, &mut scratch, codes)
-            .map_err(bad)?,
-        Scheme::OneBit => OneBitCompressor::new(decide)
-            .map_err(|e| e.to_string())?
-            .quantize(residual, &mut scratch, codes)
-            .map_err(bad)?,
+    if scheme == Scheme::TwoBit {
+        // Codes at the threshold, and the residual less them at the scale, in one pass.
+        return two_bit::requantize(residual, decide, scale, codes).map_err(bad);
     }
+    // The codes only: the compressor's own residual update is by its threshold.
+    let mut scratch = vec![0.0f32; residual.len()];
+    OneBitCompressor::new(decide)
+        .map_err(|e| e.to_string())?
+        .quantize(residual, &mut scratch, codes)
+        .map_err(bad)?;
     decode(scheme, block, &mut scratch)?;
     for (r, d) in residual.iter_mut().zip(&scratch) {
         *r -= d;

@@ -95,6 +95,29 @@ fn codes_of_tail(rest: &[f32], out: &mut [u8], threshold: f32) {
     }
 }
 
+/// The codes of `residual` at `threshold`, written to `out`, and `residual` less what they
+/// stand for at `scale`: `scale` off where at least `threshold`, `-scale` off where at most
+/// `-threshold`, unchanged elsewhere. Bit for bit what quantizing `residual` as a gradient
+/// from a zero residual, decoding the codes with `scale` and subtracting them does, in one
+/// pass and without a scratch buffer: the second phase of the compressed allreduce, whose
+/// codes stand for a scale of their own.
+pub fn requantize(
+    residual: &mut [f32],
+    threshold: f32,
+    scale: f32,
+    out: &mut [u8],
+) -> Result<(), CompressionError> {
+    let n = residual.len();
+    CompressionError::check_len("compressed output", n, compressed_size(n), out.len())?;
+    match SimdLevel::detect() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `detect` only returns levels this CPU supports.
+        SimdLevel::Avx2 => unsafe { x86::requantize_avx2(residual, out, threshold, scale) },
+        _ => scalar::requantize(residual, out, threshold, scale),
+    }
+    Ok(())
+}
+
 /// Checks a 2-bit threshold: it must be finite and `> 0` (MXNet checks `> 0`; an infinite
 /// threshold would turn every finite gradient into zeros forever, so it is refused too).
 pub fn validate_threshold(threshold: f32) -> Result<f32, ParamsError> {
@@ -246,6 +269,9 @@ impl Compressor for TwoBitCompressor {
 mod tests {
     use super::*;
 
+    /// A level's [`requantize`] kernel.
+    type Requantize = fn(&mut [f32], &mut [u8], f32, f32);
+
     #[test]
     fn threshold_validation() {
         assert!(TwoBitCompressor::new(0.5).is_ok());
@@ -265,6 +291,41 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// Requantizing is quantizing from a zero residual, decoding with the scale and
+        /// subtracting, bit for bit, on every level.
+        #[test]
+        fn requantizing_is_quantize_decode_subtract(
+            xs in proptest::collection::vec(-3.0f32..3.0, 0..140),
+            special in 0usize..4,
+            threshold in 0.01f32..2.0,
+            scale in 0.0f32..4.0,
+        ) {
+            let mut xs = xs;
+            if let Some(x) = xs.first_mut() {
+                *x = [f32::INFINITY, f32::NEG_INFINITY, -0.0, *x][special];
+            }
+            let n = xs.len();
+            let mut scratch = vec![0.0f32; n];
+            let mut want_codes = vec![0u8; compressed_size(n)];
+            scalar::quantize(&xs, &mut scratch, &mut want_codes, threshold);
+            scalar::dequantize(&want_codes, &mut scratch, scale);
+            let want: Vec<f32> = xs.iter().zip(&scratch).map(|(x, d)| x - d).collect();
+            let mut levels: Vec<Requantize> = vec![scalar::requantize];
+            #[cfg(target_arch = "x86_64")]
+            if SimdLevel::Avx2.is_supported() {
+                // SAFETY: the CPU supports AVX2 (checked just above).
+                levels.push(|r, o, t, s| unsafe { x86::requantize_avx2(r, o, t, s) });
+            }
+            for level in levels {
+                let mut got = xs.clone();
+                let mut codes = vec![0xffu8; want_codes.len()];
+                level(&mut got, &mut codes, threshold, scale);
+                proptest::prop_assert_eq!(&codes, &want_codes);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                proptest::prop_assert_eq!(bits(&got), bits(&want));
+            }
+        }
+
         /// Every level's one pass gives the codes of a quantization step from a zero residual
         /// and the magnitudes of the difference written out, bit for bit.
         #[test]

@@ -32,6 +32,34 @@ pub(crate) fn step(r: &mut f32, g: f32, pos: f32, neg: f32) -> u8 {
     (u8::from(is_pos) * CODE_POS) | (u8::from(is_neg) * CODE_NEG)
 }
 
+/// One element of [`super::requantize`]: the code of `r` at `pos` (`neg == -pos`), and `r`
+/// less what it stands for at `scale` (`r - scale`, or `r - (-scale)`; unchanged for none).
+#[inline(always)]
+pub(crate) fn step_scaled(r: &mut f32, pos: f32, neg: f32, scale: f32) -> u8 {
+    let v = *r;
+    let is_pos = v >= pos;
+    let is_neg = v <= neg;
+    let (down, up) = (v - scale, v - (-scale));
+    *r = if is_pos {
+        down
+    } else if is_neg {
+        up
+    } else {
+        v
+    };
+    (u8::from(is_pos) * CODE_POS) | (u8::from(is_neg) * CODE_NEG)
+}
+
+/// [`super::requantize`] one element at a time.
+pub(crate) fn requantize(residual: &mut [f32], out: &mut [u8], threshold: f32, scale: f32) {
+    assert_eq!(out.len(), compressed_size(residual.len()));
+    let (pos, neg) = (threshold, -threshold);
+    out.fill(0);
+    for (i, r) in residual.iter_mut().enumerate() {
+        out[i / 4] |= step_scaled(r, pos, neg, scale) << (6 - 2 * (i % 4));
+    }
+}
+
 /// Quantizes `grad` into `out`, updating `residual`.
 pub(crate) fn quantize(grad: &[f32], residual: &mut [f32], out: &mut [u8], threshold: f32) {
     assert_eq!(residual.len(), grad.len());

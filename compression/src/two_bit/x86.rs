@@ -105,6 +105,58 @@ unsafe fn pack32(codes: [__m256i; 4]) -> u64 {
     _mm_cvtsi128_si64(ordered) as u64
 }
 
+/// [`super::requantize`], 32 elements (8 output bytes) per iteration: the lanes of
+/// [`super::scalar::step_scaled`], selected bitwise as in [`quantize_avx2`].
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn requantize_avx2(
+    residual: &mut [f32],
+    out: &mut [u8],
+    threshold: f32,
+    scale: f32,
+) {
+    let n = residual.len();
+    assert_eq!(out.len(), compressed_size(n));
+    let blocks = n / 32;
+    let pos = _mm256_set1_ps(threshold);
+    let neg = _mm256_set1_ps(-threshold);
+    let down = _mm256_set1_ps(scale);
+    let up = _mm256_set1_ps(-scale);
+    let code_pos = _mm256_set1_epi32(i32::from(scalar::CODE_POS));
+    let code_neg = _mm256_set1_epi32(i32::from(scalar::CODE_NEG));
+    let r_ptr = residual.as_mut_ptr();
+    for block in 0..blocks {
+        let mut codes = [_mm256_setzero_si256(); 4];
+        for (k, code) in codes.iter_mut().enumerate() {
+            let i = block * 32 + k * 8;
+            // SAFETY: i + 8 <= blocks * 32 <= n == residual.len(); unaligned loads are
+            // allowed.
+            let r = unsafe { _mm256_loadu_ps(r_ptr.add(i)) };
+            let p = _mm256_cmp_ps::<_CMP_GE_OQ>(r, pos);
+            let m = _mm256_cmp_ps::<_CMP_LE_OQ>(r, neg);
+            let r = _mm256_blendv_ps(r, _mm256_sub_ps(r, down), p);
+            let r = _mm256_blendv_ps(r, _mm256_sub_ps(r, up), m);
+            // SAFETY: same range as the load above; unaligned stores are allowed.
+            unsafe { _mm256_storeu_ps(r_ptr.add(i), r) };
+            *code = _mm256_or_si256(
+                _mm256_and_si256(_mm256_castps_si256(p), code_pos),
+                _mm256_and_si256(_mm256_castps_si256(m), code_neg),
+            );
+        }
+        let word = pack32(codes);
+        out[block * 8..block * 8 + 8].copy_from_slice(&word.to_le_bytes());
+    }
+    let done = blocks * 32;
+    scalar::requantize(
+        &mut residual[done..],
+        &mut out[blocks * 8..],
+        threshold,
+        scale,
+    );
+}
+
 /// 2-bit quantize, 16 elements (4 output bytes) per iteration.
 ///
 /// # Safety
