@@ -33,11 +33,7 @@ pub(crate) unsafe fn quantize_avx2(
     assert_eq!(out.len(), compressed_size(n));
     let blocks = n / 32;
 
-    let pos = _mm256_set1_ps(threshold);
-    let neg = _mm256_set1_ps(-threshold);
-    let code_pos = _mm256_set1_epi32(i32::from(scalar::CODE_POS));
-    let code_neg = _mm256_set1_epi32(i32::from(scalar::CODE_NEG));
-
+    let steps = Steps::new(threshold, threshold);
     let g_ptr = grad.as_ptr();
     let r_ptr = residual.as_mut_ptr();
     for block in 0..blocks {
@@ -47,17 +43,10 @@ pub(crate) unsafe fn quantize_avx2(
             // SAFETY: i + 8 <= blocks * 32 <= n == grad.len() == residual.len(); unaligned
             // loads are allowed.
             let (g, r) = unsafe { (_mm256_loadu_ps(g_ptr.add(i)), _mm256_loadu_ps(r_ptr.add(i))) };
-            let r = _mm256_add_ps(r, g);
-            let p = _mm256_cmp_ps::<_CMP_GE_OQ>(r, pos);
-            let m = _mm256_cmp_ps::<_CMP_LE_OQ>(r, neg);
-            let r = _mm256_blendv_ps(r, _mm256_sub_ps(r, pos), p);
-            let r = _mm256_blendv_ps(r, _mm256_sub_ps(r, neg), m);
+            let (r, c) = steps.step(_mm256_add_ps(r, g));
             // SAFETY: same range as the load above; unaligned stores are allowed.
             unsafe { _mm256_storeu_ps(r_ptr.add(i), r) };
-            *code = _mm256_or_si256(
-                _mm256_and_si256(_mm256_castps_si256(p), code_pos),
-                _mm256_and_si256(_mm256_castps_si256(m), code_neg),
-            );
+            *code = c;
         }
         let word = pack32(codes);
         out[block * 8..block * 8 + 8].copy_from_slice(&word.to_le_bytes());
@@ -70,6 +59,53 @@ pub(crate) unsafe fn quantize_avx2(
         &mut out[blocks * 8..],
         threshold,
     );
+}
+
+/// One threshold step of eight lanes: codes where `v >= threshold` or `v <= -threshold`
+/// (ordered compares: a NaN matches neither), and `v` less `amount` or `-amount` there,
+/// selected bitwise (other lanes keep `v` bit for bit).
+struct Steps {
+    pos: __m256,
+    neg: __m256,
+    down: __m256,
+    up: __m256,
+    code_pos: __m256i,
+    code_neg: __m256i,
+}
+
+impl Steps {
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn new(threshold: f32, amount: f32) -> Steps {
+        Steps {
+            pos: _mm256_set1_ps(threshold),
+            neg: _mm256_set1_ps(-threshold),
+            down: _mm256_set1_ps(amount),
+            up: _mm256_set1_ps(-amount),
+            code_pos: _mm256_set1_epi32(i32::from(scalar::CODE_POS)),
+            code_neg: _mm256_set1_epi32(i32::from(scalar::CODE_NEG)),
+        }
+    }
+
+    /// The stepped values and their codes, one a lane.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn step(&self, v: __m256) -> (__m256, __m256i) {
+        let p = _mm256_cmp_ps::<_CMP_GE_OQ>(v, self.pos);
+        let m = _mm256_cmp_ps::<_CMP_LE_OQ>(v, self.neg);
+        let v = _mm256_blendv_ps(v, _mm256_sub_ps(v, self.down), p);
+        let v = _mm256_blendv_ps(v, _mm256_sub_ps(v, self.up), m);
+        let code = _mm256_or_si256(
+            _mm256_and_si256(_mm256_castps_si256(p), self.code_pos),
+            _mm256_and_si256(_mm256_castps_si256(m), self.code_neg),
+        );
+        (v, code)
+    }
 }
 
 /// The 8 output bytes of 32 elements' codes, one code per `i32` lane: `codes[k]` holds
@@ -120,12 +156,7 @@ pub(crate) unsafe fn requantize_avx2(
     let n = residual.len();
     assert_eq!(out.len(), compressed_size(n));
     let blocks = n / 32;
-    let pos = _mm256_set1_ps(threshold);
-    let neg = _mm256_set1_ps(-threshold);
-    let down = _mm256_set1_ps(scale);
-    let up = _mm256_set1_ps(-scale);
-    let code_pos = _mm256_set1_epi32(i32::from(scalar::CODE_POS));
-    let code_neg = _mm256_set1_epi32(i32::from(scalar::CODE_NEG));
+    let steps = Steps::new(threshold, scale);
     let r_ptr = residual.as_mut_ptr();
     for block in 0..blocks {
         let mut codes = [_mm256_setzero_si256(); 4];
@@ -133,17 +164,10 @@ pub(crate) unsafe fn requantize_avx2(
             let i = block * 32 + k * 8;
             // SAFETY: i + 8 <= blocks * 32 <= n == residual.len(); unaligned loads are
             // allowed.
-            let r = unsafe { _mm256_loadu_ps(r_ptr.add(i)) };
-            let p = _mm256_cmp_ps::<_CMP_GE_OQ>(r, pos);
-            let m = _mm256_cmp_ps::<_CMP_LE_OQ>(r, neg);
-            let r = _mm256_blendv_ps(r, _mm256_sub_ps(r, down), p);
-            let r = _mm256_blendv_ps(r, _mm256_sub_ps(r, up), m);
+            let (r, c) = steps.step(unsafe { _mm256_loadu_ps(r_ptr.add(i)) });
             // SAFETY: same range as the load above; unaligned stores are allowed.
             unsafe { _mm256_storeu_ps(r_ptr.add(i), r) };
-            *code = _mm256_or_si256(
-                _mm256_and_si256(_mm256_castps_si256(p), code_pos),
-                _mm256_and_si256(_mm256_castps_si256(m), code_neg),
-            );
+            *code = c;
         }
         let word = pack32(codes);
         out[block * 8..block * 8 + 8].copy_from_slice(&word.to_le_bytes());
