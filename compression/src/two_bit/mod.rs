@@ -100,7 +100,8 @@ fn codes_of_tail(rest: &[f32], out: &mut [u8], threshold: f32) {
 /// `-threshold`, unchanged elsewhere. Bit for bit what quantizing `residual` as a gradient
 /// from a zero residual, decoding the codes with `scale` and subtracting them does, in one
 /// pass and without a scratch buffer: the second phase of the compressed allreduce, whose
-/// codes stand for a scale of their own.
+/// codes stand for a scale of their own. The threshold must be valid as a compressor's
+/// ([`validate_threshold`]).
 pub fn requantize(
     residual: &mut [f32],
     threshold: f32,
@@ -108,6 +109,7 @@ pub fn requantize(
     out: &mut [u8],
 ) -> Result<(), CompressionError> {
     let n = residual.len();
+    validate_threshold(threshold)?;
     CompressionError::check_len("compressed output", n, compressed_size(n), out.len())?;
     match SimdLevel::detect() {
         #[cfg(target_arch = "x86_64")]
@@ -290,19 +292,39 @@ mod tests {
         );
     }
 
+    #[test]
+    fn requantizing_refuses_a_bad_threshold_and_a_wrong_length() {
+        let mut r = [1.0f32; 20];
+        let mut out = [0u8; 8];
+        for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            let e = requantize(&mut r, bad, 1.0, &mut out).unwrap_err();
+            assert!(matches!(e, CompressionError::Params(_)), "{bad}: {e}");
+        }
+        let e = requantize(&mut r, 0.5, 1.0, &mut out[..4]).unwrap_err();
+        assert!(matches!(
+            e,
+            CompressionError::LengthMismatch {
+                expected: 8,
+                actual: 4,
+                ..
+            }
+        ));
+        assert_eq!(r, [1.0; 20], "nothing changes on an error");
+    }
+
     proptest::proptest! {
         /// Requantizing is quantizing from a zero residual, decoding with the scale and
         /// subtracting, bit for bit, on every level.
         #[test]
         fn requantizing_is_quantize_decode_subtract(
             xs in proptest::collection::vec(-3.0f32..3.0, 0..140),
-            special in 0usize..4,
+            special in 0usize..6,
             threshold in 0.01f32..2.0,
             scale in 0.0f32..4.0,
         ) {
             let mut xs = xs;
             if let Some(x) = xs.first_mut() {
-                *x = [f32::INFINITY, f32::NEG_INFINITY, -0.0, *x][special];
+                *x = [f32::INFINITY, f32::NEG_INFINITY, -0.0, threshold, -threshold, *x][special];
             }
             let n = xs.len();
             let mut scratch = vec![0.0f32; n];
@@ -310,7 +332,9 @@ mod tests {
             scalar::quantize(&xs, &mut scratch, &mut want_codes, threshold);
             scalar::dequantize(&want_codes, &mut scratch, scale);
             let want: Vec<f32> = xs.iter().zip(&scratch).map(|(x, d)| x - d).collect();
-            let mut levels: Vec<Requantize> = vec![scalar::requantize];
+            let mut levels: Vec<Requantize> = vec![scalar::requantize, |r, o, t, s| {
+                requantize(r, t, s, o).unwrap()
+            }];
             #[cfg(target_arch = "x86_64")]
             if SimdLevel::Avx2.is_supported() {
                 // SAFETY: the CPU supports AVX2 (checked just above).

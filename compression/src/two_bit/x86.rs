@@ -2,9 +2,10 @@
 //!
 //! Each vector lane performs exactly the scalar operations of [`super::scalar::step`]:
 //! `v = r + g`, compare with `t` and `-t` (ordered, so NaN matches neither), then `v - t` or
-//! `v - (-t)` selected by mask. Selections are bitwise, so lanes that match no threshold keep
-//! `v` unchanged, bit for bit. Blocks that do not fill a whole vector iteration go to the
-//! scalar kernel.
+//! `v - (-t)` selected by mask ([`super::scalar::step_scaled`] for requantizing: `v = r`,
+//! and the scale subtracted instead of `t`). Selections are bitwise, so lanes that match no
+//! threshold keep `v` unchanged, bit for bit. Blocks that do not fill a whole vector
+//! iteration go to the scalar kernel.
 //!
 //! Only the loads and stores through raw pointers need `unsafe` blocks; the functions are
 //! `unsafe` because they require the CPU feature they are compiled for.
