@@ -91,6 +91,28 @@ pub trait Compressor: fmt::Debug + Send + Sync {
     /// Server side: `acc[i] += decoded[i]` without materialising the decoded array
     /// (bit-identical to [`dequantize`](Self::dequantize) into a temporary then adding).
     fn dequantize_add(&self, compressed: &[u8], acc: &mut [f32]) -> Result<(), CompressionError>;
+
+    /// `out[i] = decoded_0[i] + decoded_1[i] + ...`, the codes of every part decoded and
+    /// added in `parts`' order in `f32`: bit for bit what [`dequantize`](Self::dequantize)
+    /// of the first part then [`dequantize_add`](Self::dequantize_add) of each other one
+    /// give. Every part must be [`compressed_len(out.len())`](Self::compressed_len) bytes
+    /// (nothing is written otherwise); with no parts, `out` is all `+0.0`.
+    ///
+    /// Compressors may override it to make one pass over `out` instead of one per part:
+    /// an allreduce's ranks' codes are summed so.
+    fn dequantize_sum(&self, parts: &[&[u8]], out: &mut [f32]) -> Result<(), CompressionError> {
+        check_dequantize_parts(self.scheme(), parts, out)?;
+        match parts.split_first() {
+            None => out.fill(0.0),
+            Some((first, rest)) => {
+                self.dequantize(first, out)?;
+                for part in rest {
+                    self.dequantize_add(part, out)?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Checks the lengths of a quantize call.
@@ -118,6 +140,17 @@ pub(crate) fn check_dequantize(
         scheme.compressed_size(n),
         compressed.len(),
     )
+}
+
+/// Checks the lengths of a [`Compressor::dequantize_sum`] call: every part's.
+pub(crate) fn check_dequantize_parts(
+    scheme: Scheme,
+    parts: &[&[u8]],
+    values: &[f32],
+) -> Result<(), CompressionError> {
+    parts
+        .iter()
+        .try_for_each(|part| check_dequantize(scheme, part, values))
 }
 
 /// The settings every compressor type shares: SIMD level and thread split, with their

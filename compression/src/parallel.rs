@@ -127,6 +127,33 @@ pub(crate) fn dequantize_chunks<K>(
     }
 }
 
+/// Runs `kernel(parts, values)` over matching chunks of `values` and of every part;
+/// `per_byte` elements per input byte.
+pub(crate) fn dequantize_sum_chunks<K>(
+    par: Parallelism,
+    per_byte: usize,
+    parts: &[&[u8]],
+    values: &mut [f32],
+    kernel: K,
+) where
+    K: Fn(&[&[u8]], &mut [f32]) + Sync,
+{
+    match par.chunk_len(values.len()) {
+        None => kernel(parts, values),
+        Some(chunk) => {
+            let bytes = chunk / per_byte;
+            values.par_chunks_mut(chunk).enumerate().for_each(|(k, v)| {
+                let at = k * bytes;
+                let sub: Vec<&[u8]> = parts
+                    .iter()
+                    .map(|p| &p[at..(at + bytes).min(p.len())])
+                    .collect();
+                kernel(&sub, v)
+            })
+        }
+    }
+}
+
 /// `dst.copy_from_slice(src)`, split like the compression kernels (the memcpy reference).
 pub(crate) fn copy(par: Parallelism, src: &[f32], dst: &mut [f32]) {
     match par.chunk_len(src.len()) {

@@ -256,6 +256,53 @@ unsafe fn select_ps(mask: __m128, a: __m128, b: __m128) -> __m128 {
     _mm_or_ps(_mm_and_ps(mask, a), _mm_andnot_ps(mask, b))
 }
 
+/// Decodes a compressed word's 16 elements to `+t`, `-t` or `+0.0`, eight lanes a half.
+struct Words {
+    pos: __m256,
+    neg: __m256,
+    /// Each half's code masks and the `10` (negative) pattern under them.
+    halves: [(__m256i, __m256i); 2],
+}
+
+impl Words {
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn new(threshold: f32) -> Words {
+        // Lane j of the first half: element j of the word, in byte j / 4.
+        let masks_lo = _mm256_setr_epi32(0xC0, 0x30, 0x0C, 0x03, 0xC000, 0x3000, 0x0C00, 0x0300);
+        let negs_lo = _mm256_setr_epi32(0x80, 0x20, 0x08, 0x02, 0x8000, 0x2000, 0x0800, 0x0200);
+        Words {
+            pos: _mm256_set1_ps(threshold),
+            neg: _mm256_set1_ps(-threshold),
+            halves: [
+                (masks_lo, negs_lo),
+                (
+                    _mm256_slli_epi32::<16>(masks_lo),
+                    _mm256_slli_epi32::<16>(negs_lo),
+                ),
+            ],
+        }
+    }
+
+    /// The 16 elements of the compressed word `bytes`, eight a half.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn word(&self, bytes: &[u8]) -> [__m256; 2] {
+        let bits = _mm256_set1_epi32(i32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]));
+        self.halves.map(|(mask, negmask)| {
+            let masked = _mm256_and_si256(bits, mask);
+            let p = _mm256_castsi256_ps(_mm256_cmpeq_epi32(masked, mask));
+            let m = _mm256_castsi256_ps(_mm256_cmpeq_epi32(masked, negmask));
+            _mm256_or_ps(_mm256_and_ps(p, self.pos), _mm256_and_ps(m, self.neg))
+        })
+    }
+}
+
 /// 2-bit dequantize (`ADD = false`: `out = decoded`; `ADD = true`: `out += decoded`),
 /// 16 elements (one compressed word) per iteration.
 ///
@@ -270,29 +317,10 @@ pub(crate) unsafe fn dequantize_avx2<const ADD: bool>(
     let n = out.len();
     assert_eq!(compressed.len(), compressed_size(n));
     let words = n / 16;
-
-    let pos = _mm256_set1_ps(threshold);
-    let neg = _mm256_set1_ps(-threshold);
-    // Lane j of the first vector: element j of the word, in byte j / 4.
-    let masks_lo = _mm256_setr_epi32(0xC0, 0x30, 0x0C, 0x03, 0xC000, 0x3000, 0x0C00, 0x0300);
-    let negs_lo = _mm256_setr_epi32(0x80, 0x20, 0x08, 0x02, 0x8000, 0x2000, 0x0800, 0x0200);
-    let halves = [
-        (masks_lo, negs_lo),
-        (
-            _mm256_slli_epi32::<16>(masks_lo),
-            _mm256_slli_epi32::<16>(negs_lo),
-        ),
-    ];
-
+    let decode = Words::new(threshold);
     let o_ptr = out.as_mut_ptr();
     for (w, bytes) in compressed[..words * 4].chunks_exact(4).enumerate() {
-        let word = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
-        let bits = _mm256_set1_epi32(word as i32);
-        for (k, &(mask, negmask)) in halves.iter().enumerate() {
-            let masked = _mm256_and_si256(bits, mask);
-            let p = _mm256_castsi256_ps(_mm256_cmpeq_epi32(masked, mask));
-            let m = _mm256_castsi256_ps(_mm256_cmpeq_epi32(masked, negmask));
-            let v = _mm256_or_ps(_mm256_and_ps(p, pos), _mm256_and_ps(m, neg));
+        for (k, v) in decode.word(bytes).into_iter().enumerate() {
             let i = w * 16 + k * 8;
             // SAFETY: i + 8 <= words * 16 <= n == out.len(); unaligned access is allowed.
             unsafe {
@@ -307,6 +335,43 @@ pub(crate) unsafe fn dequantize_avx2<const ADD: bool>(
     }
 
     tail::<ADD>(compressed, out, words, threshold);
+}
+
+/// `out = decoded(first) + decoded(rest[0]) + ...`, added in that order, one word of every
+/// part per iteration: the same additions as [`dequantize_avx2`] of `first` then of each
+/// part with `ADD`, with the sums held in registers rather than stored and loaded again.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn dequantize_sum_avx2(
+    first: &[u8],
+    rest: &[&[u8]],
+    out: &mut [f32],
+    threshold: f32,
+) {
+    let n = out.len();
+    assert_eq!(first.len(), compressed_size(n));
+    assert!(rest.iter().all(|p| p.len() == compressed_size(n)));
+    let words = n / 16;
+    let decode = Words::new(threshold);
+    let o_ptr = out.as_mut_ptr();
+    for (w, bytes) in first[..words * 4].chunks_exact(4).enumerate() {
+        let mut sums = decode.word(bytes);
+        for part in rest {
+            let [lo, hi] = decode.word(&part[w * 4..w * 4 + 4]);
+            sums = [_mm256_add_ps(sums[0], lo), _mm256_add_ps(sums[1], hi)];
+        }
+        for (k, sum) in sums.into_iter().enumerate() {
+            // SAFETY: w * 16 + k * 8 + 8 <= words * 16 <= n == out.len(); unaligned access
+            // is allowed.
+            unsafe { _mm256_storeu_ps(o_ptr.add(w * 16 + k * 8), sum) };
+        }
+    }
+    tail::<false>(first, out, words, threshold);
+    for part in rest {
+        tail::<true>(part, out, words, threshold);
+    }
 }
 
 /// 2-bit dequantize (see [`dequantize_avx2`]) with SSE2, 16 elements per iteration.
