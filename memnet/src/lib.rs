@@ -19,8 +19,10 @@
 
 mod endpoint;
 mod faults;
+mod links;
 mod net;
 
 pub use endpoint::MemTransport;
 pub use faults::Faults;
+pub use links::{HostLinks, InvalidLink, Link, LinkModel, MessageId};
 pub use net::{MemNet, MemNetConfig};

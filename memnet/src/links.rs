@@ -1,0 +1,375 @@
+//! A model of the links between hosts, in simulated time and free of I/O: the network tells
+//! it when a message is sent (`handle_send`) and what time it is (`handle_time`), and asks
+//! when the next message finishes crossing (`poll_timeout`) and which have landed
+//! (`poll_landed`).
+//!
+//! - Every host has an uplink, a downlink and a local path (between two endpoints of the
+//!   host), each with a rate and a latency ([`HostLinks`]). Endpoints on one host share them,
+//!   so a "host" with several processes behind a slow link is described as on a cluster.
+//! - A message between two hosts occupies the sender's uplink and the receiver's downlink
+//!   while it crosses; one between endpoints of one host occupies that host's local path.
+//! - A connection's messages cross one after another, as a stream's bytes do. The
+//!   connections crossing a link at once share it max-min fairly (progressive filling): each
+//!   gets an equal share of every link it uses, and what a connection held back by another
+//!   link cannot use goes to the others. This is the rate TCP's congestion control settles
+//!   at, without its ramp-up, its windows or its losses.
+//! - A message lands when its last byte has crossed plus the latency of the links it used
+//!   (uplink and downlink, or the local path): latency is per message, not per round trip.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt;
+use std::time::Duration;
+
+/// One link: how fast it carries bytes and how long a message takes to cross beyond that.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Link {
+    bytes_per_sec: f64,
+    latency: Duration,
+}
+
+/// A link that cannot carry anything: a rate that is not a positive, finite number.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InvalidLink {
+    /// The rate given, in bytes per second.
+    pub bytes_per_sec: f64,
+}
+
+impl fmt::Display for InvalidLink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "a link's rate must be a positive, finite number of bytes per second, not {}",
+            self.bytes_per_sec
+        )
+    }
+}
+
+impl std::error::Error for InvalidLink {}
+
+impl Link {
+    /// A link of `bytes_per_sec` adding `latency` to every message.
+    pub fn new(bytes_per_sec: f64, latency: Duration) -> Result<Link, InvalidLink> {
+        if bytes_per_sec.is_finite() && bytes_per_sec > 0.0 {
+            Ok(Link {
+                bytes_per_sec,
+                latency,
+            })
+        } else {
+            Err(InvalidLink { bytes_per_sec })
+        }
+    }
+
+    /// A link of `gbit` gigabits (10^9 bits) per second.
+    pub fn gbit(gbit: f64, latency: Duration) -> Result<Link, InvalidLink> {
+        Link::new(gbit * 1e9 / 8.0, latency)
+    }
+
+    /// Its rate in bytes per second.
+    pub fn bytes_per_sec(&self) -> f64 {
+        self.bytes_per_sec
+    }
+
+    /// The latency it adds to every message.
+    pub fn latency(&self) -> Duration {
+        self.latency
+    }
+}
+
+/// A host's links.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HostLinks {
+    /// What the host's endpoints send to other hosts crosses it.
+    pub up: Link,
+    /// What the host's endpoints receive from other hosts crosses it.
+    pub down: Link,
+    /// Messages between two endpoints of the host cross it.
+    pub local: Link,
+}
+
+impl HostLinks {
+    /// A host whose uplink and downlink are both `link`, with `local` between its endpoints.
+    pub fn symmetric(link: Link, local: Link) -> HostLinks {
+        HostLinks {
+            up: link,
+            down: link,
+            local,
+        }
+    }
+}
+
+/// A message handed to the model, as it names it in [`LinkModel::poll_landed`].
+pub type MessageId = u64;
+
+/// A connection's messages not yet landed: the first is crossing, the others wait for it.
+struct Stream {
+    from: usize,
+    to: usize,
+    queue: VecDeque<(MessageId, u64)>,
+}
+
+/// The message at the head of a connection, crossing.
+struct Crossing {
+    msg: MessageId,
+    /// Bytes still to cross, as of the model's `now`.
+    remaining: f64,
+    /// Its share of its links, in bytes per second.
+    rate: f64,
+}
+
+/// The links' state: what crosses them and at what rate, as of `now`.
+pub struct LinkModel {
+    hosts: Vec<HostLinks>,
+    /// The time `remaining` and `rate` refer to, since the simulation's start.
+    now: Duration,
+    streams: HashMap<u64, Stream>,
+    /// Each connection's crossing message, by connection (ordered, so that shares and ties
+    /// come out the same on every run).
+    crossing: BTreeMap<u64, Crossing>,
+    /// Messages landed or to land, with the time they do, not yet polled.
+    landed: VecDeque<(MessageId, Duration)>,
+    next_msg: MessageId,
+}
+
+/// Which of a host's links: `host * 3 + kind`.
+const UP: usize = 0;
+const DOWN: usize = 1;
+const LOCAL: usize = 2;
+
+impl LinkModel {
+    /// A model of `hosts` (host `i` is `hosts[i]`), with nothing crossing, at time zero.
+    pub fn new(hosts: Vec<HostLinks>) -> LinkModel {
+        LinkModel {
+            hosts,
+            now: Duration::ZERO,
+            streams: HashMap::new(),
+            crossing: BTreeMap::new(),
+            landed: VecDeque::new(),
+            next_msg: 0,
+        }
+    }
+
+    /// How many hosts it has.
+    pub fn hosts(&self) -> usize {
+        self.hosts.len()
+    }
+
+    /// A message of `bytes` sent at `now` on connection `conn` from an endpoint of host
+    /// `from` to one of host `to`: it starts crossing once the connection's earlier messages
+    /// have. Hosts outside the model are taken modulo its host count (a model without
+    /// hosts carries nothing: its messages land at once).
+    pub fn handle_send(
+        &mut self,
+        now: Duration,
+        conn: u64,
+        from: usize,
+        to: usize,
+        bytes: u64,
+    ) -> MessageId {
+        self.handle_time(now);
+        let msg = self.next_msg;
+        self.next_msg += 1;
+        if self.hosts.is_empty() {
+            self.landed.push_back((msg, self.now));
+            return msg;
+        }
+        let (from, to) = (from % self.hosts.len(), to % self.hosts.len());
+        let stream = self.streams.entry(conn).or_insert_with(|| Stream {
+            from,
+            to,
+            queue: VecDeque::new(),
+        });
+        // A connection joins the same two hosts for its life; one reused for others is
+        // a new stream once its earlier messages have landed.
+        if stream.queue.is_empty() {
+            (stream.from, stream.to) = (from, to);
+        }
+        stream.queue.push_back((msg, bytes));
+        if !self.crossing.contains_key(&conn) {
+            self.start_next(conn);
+            self.finish_crossed();
+            self.share();
+        }
+        msg
+    }
+
+    /// Connection `conn` is gone: its messages not yet landed never do.
+    pub fn handle_close(&mut self, now: Duration, conn: u64) {
+        self.handle_time(now);
+        self.streams.remove(&conn);
+        if self.crossing.remove(&conn).is_some() {
+            self.share();
+        }
+    }
+
+    /// Time has come to `now`: messages that finished crossing by then land (from
+    /// [`poll_landed`](Self::poll_landed)), and what follows them on their connections
+    /// starts crossing. Earlier times than the model's are taken as its own.
+    pub fn handle_time(&mut self, now: Duration) {
+        while let Some(next) = self.poll_timeout().filter(|&t| t <= now) {
+            self.cross_until(next);
+            self.finish_crossed();
+            self.share();
+        }
+        self.cross_until(now);
+    }
+
+    /// When the next crossing message finishes crossing, if any is (one held to no share
+    /// of a link has no end in sight).
+    pub fn poll_timeout(&self) -> Option<Duration> {
+        self.crossing
+            .values()
+            .filter(|c| c.rate > 0.0 || c.remaining == 0.0)
+            .map(|c| self.now + crossing_time(c.remaining, c.rate))
+            .min()
+    }
+
+    /// The next landed message with the time it lands at (its crossing's end plus the
+    /// latency of its links, possibly after the model's time), in the order they finished
+    /// crossing.
+    pub fn poll_landed(&mut self) -> Option<(MessageId, Duration)> {
+        self.landed.pop_front()
+    }
+
+    /// The links a connection between `from` and `to` uses, and the latency they add.
+    fn path(&self, from: usize, to: usize) -> ([Option<usize>; 2], Duration) {
+        if from == to {
+            (
+                [Some(from * 3 + LOCAL), None],
+                self.hosts[from].local.latency,
+            )
+        } else {
+            let latency = self.hosts[from].up.latency + self.hosts[to].down.latency;
+            ([Some(from * 3 + UP), Some(to * 3 + DOWN)], latency)
+        }
+    }
+
+    fn rate_of(&self, link: usize) -> f64 {
+        let host = &self.hosts[link / 3];
+        match link % 3 {
+            UP => host.up.bytes_per_sec,
+            DOWN => host.down.bytes_per_sec,
+            _ => host.local.bytes_per_sec,
+        }
+    }
+
+    /// Moves every crossing message on by its rate from the model's time to `t`.
+    fn cross_until(&mut self, t: Duration) {
+        if t <= self.now {
+            return;
+        }
+        let dt = (t - self.now).as_secs_f64();
+        for c in self.crossing.values_mut() {
+            c.remaining = (c.remaining - c.rate * dt).max(0.0);
+        }
+        self.now = t;
+    }
+
+    /// Starts the next message of `conn` crossing, if it has one.
+    fn start_next(&mut self, conn: u64) {
+        let Some(&(msg, bytes)) = self.streams.get(&conn).and_then(|s| s.queue.front()) else {
+            return;
+        };
+        self.crossing.insert(
+            conn,
+            Crossing {
+                msg,
+                remaining: bytes as f64,
+                rate: 0.0,
+            },
+        );
+    }
+
+    /// Lands the messages that have crossed (within a nanosecond's worth of bytes, as
+    /// times are whole nanoseconds), and starts what follows each on its connection.
+    fn finish_crossed(&mut self) {
+        loop {
+            let done: Vec<u64> = self
+                .crossing
+                .iter()
+                .filter(|(_, c)| c.remaining <= c.rate * 1e-9)
+                .map(|(&conn, _)| conn)
+                .collect();
+            if done.is_empty() {
+                return;
+            }
+            for conn in done {
+                let Some(c) = self.crossing.remove(&conn) else {
+                    continue;
+                };
+                let Some(stream) = self.streams.get_mut(&conn) else {
+                    continue;
+                };
+                stream.queue.pop_front();
+                let (from, to) = (stream.from, stream.to);
+                let (_, latency) = self.path(from, to);
+                self.landed.push_back((c.msg, self.now + latency));
+                self.start_next(conn);
+            }
+            // A message that starts with no bytes has crossed already: another round.
+            self.share_zero_length();
+        }
+    }
+
+    /// Gives messages of no bytes a rate, so that `finish_crossed` lands them.
+    fn share_zero_length(&mut self) {
+        for c in self.crossing.values_mut() {
+            if c.remaining == 0.0 && c.rate == 0.0 {
+                c.rate = 1.0;
+            }
+        }
+    }
+
+    /// Shares every link among the connections crossing it, max-min fairly: the link whose
+    /// equal share of what is left is least fixes its connections' rates at that share,
+    /// which the other links they use then lose; until every connection has a rate.
+    fn share(&mut self) {
+        let links = self.hosts.len() * 3;
+        let mut left: Vec<f64> = (0..links).map(|l| self.rate_of(l)).collect();
+        let mut users: Vec<Vec<u64>> = vec![Vec::new(); links];
+        let mut uses: BTreeMap<u64, [Option<usize>; 2]> = BTreeMap::new();
+        for &conn in self.crossing.keys() {
+            let Some(stream) = self.streams.get(&conn) else {
+                continue;
+            };
+            let (path, _) = self.path(stream.from, stream.to);
+            for link in path.into_iter().flatten() {
+                users[link].push(conn);
+            }
+            uses.insert(conn, path);
+        }
+        while let Some((link, share)) = (0..links)
+            .filter(|&l| !users[l].is_empty())
+            .map(|l| (l, left[l].max(0.0) / users[l].len() as f64))
+            .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))
+        {
+            for conn in std::mem::take(&mut users[link]) {
+                if let Some(c) = self.crossing.get_mut(&conn) {
+                    c.rate = share;
+                }
+                for other in uses[&conn].into_iter().flatten() {
+                    left[other] -= share;
+                    if other != link {
+                        users[other].retain(|&u| u != conn);
+                    }
+                }
+            }
+        }
+        self.share_zero_length();
+    }
+}
+
+/// How long `remaining` bytes take at `rate`, rounded up to whole nanoseconds (a message
+/// never lands before its bytes have crossed); capped for a rate of nothing.
+fn crossing_time(remaining: f64, rate: f64) -> Duration {
+    if remaining <= 0.0 {
+        return Duration::ZERO;
+    }
+    let secs = remaining / rate;
+    if !secs.is_finite() || secs > 1e9 {
+        return Duration::from_secs(1_000_000_000);
+    }
+    Duration::from_nanos((secs * 1e9).ceil() as u64)
+}
+
+#[cfg(test)]
+mod tests;
