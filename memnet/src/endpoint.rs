@@ -49,20 +49,26 @@ impl MemTransport {
     /// The next event, as the network delivers it.
     async fn next_event(&self) -> Result<Event, TransportError> {
         self.until(|net, ep| {
+            net.pump();
+            let modelled = net.wires.is_some();
+            let landing = net.next_landing();
             let Some(me) = net.ep(ep).filter(|e| !e.closed) else {
                 return Step::Done(Err(TransportError::Closed));
             };
             if me.frozen {
                 return Step::Wait(None);
             }
-            match me.inbox.front() {
-                Some(q) if q.visible_at <= Instant::now() => {
-                    let q = me.inbox.pop_front().expect("front exists");
+            match me.next_visible(modelled) {
+                Ok(i) => {
+                    let q = me.inbox.remove(i).expect("index from the inbox");
                     me.inbox_bytes -= q.bytes;
                     Step::Done(Ok(q.event))
                 }
-                Some(q) => Step::Wait(Some(q.visible_at)),
-                None => Step::Wait(None),
+                // Whatever comes first: the next entry visible, or the links landing one.
+                Err(at) => Step::Wait(match (at, landing) {
+                    (Some(a), Some(l)) => Some(a.min(l)),
+                    (a, l) => a.or(l),
+                }),
             }
         })
         .await
@@ -327,9 +333,10 @@ impl Transport for MemTransport {
                     .collect::<SmallVec<[Bytes; 4]>>(),
                 placed: None,
             };
-            net.enqueue(
+            net.enqueue_message(
+                ep,
                 end.remote_ep,
-                Some(end.conn),
+                end.conn,
                 bytes,
                 delay,
                 Event::Message(incoming),

@@ -11,8 +11,15 @@
 //!   ([`MemNet::kill`]) or freezes ([`MemNet::freeze`]). The same seed and the same sequence
 //!   of sends give the same faults.
 //!
+//! - Links, optionally ([`MemNetConfig::hosts`], [`LinkModel`]): endpoints on hosts whose
+//!   uplinks, downlinks and local paths have a rate and a latency, shared max-min fairly by
+//!   the connections crossing them, so a whole job's simulated time is what those links
+//!   allow. tokio's timers tick in milliseconds: model a network `k` times slower (and its
+//!   latencies `k` times longer) and divide the times by `k` where messages take less.
+//!
 //! Messages to one peer stay in order; a receiver's messages become visible in the order
-//! they were sent to it, each no earlier than its delay allows. A receiver that does not read
+//! they were sent to it (with links: as they land, one peer's in order), each no earlier than
+//! its delay allows. A receiver that does not read
 //! stalls its senders once [`MemNetConfig::inbox_bytes`] are queued for it.
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
@@ -21,6 +28,7 @@ mod endpoint;
 mod faults;
 mod links;
 mod net;
+mod wires;
 
 pub use endpoint::MemTransport;
 pub use faults::Faults;

@@ -13,6 +13,8 @@ use tokio::time::Instant;
 
 use crate::endpoint::MemTransport;
 use crate::faults::{Dice, Faults};
+use crate::links::{HostLinks, MessageId};
+use crate::wires::Wires;
 
 /// Settings of a [`MemNet`].
 #[derive(Clone, Debug)]
@@ -28,6 +30,12 @@ pub struct MemNetConfig {
     /// Whether endpoints place received segments in device memory when asked
     /// (`Transport::set_placer`); false stands for a transport that cannot.
     pub places: bool,
+    /// The hosts and their links ([`crate::LinkModel`]), in simulated time: a message
+    /// lands once its bytes have crossed the sender's uplink and the receiver's downlink
+    /// (or the local path of a host), plus their latency. Endpoints go on the hosts in turn
+    /// as they bind, or where [`MemNet::bind_on`] puts them. Empty (the default): messages
+    /// land at once, after their fault delay alone.
+    pub hosts: Vec<HostLinks>,
 }
 
 impl Default for MemNetConfig {
@@ -38,6 +46,7 @@ impl Default for MemNetConfig {
             connect_timeout: Duration::from_secs(2),
             limits: Limits::default(),
             places: true,
+            hosts: Vec::new(),
         }
     }
 }
@@ -66,11 +75,18 @@ pub(crate) struct ConnEnd {
 }
 
 pub(crate) struct Queued {
+    /// When it can be received (not yet known while it is `crossing`).
     pub(crate) visible_at: Instant,
     /// The connection a message came over (lost with it on a reset); None for events.
     pub(crate) conn: Option<u64>,
     pub(crate) bytes: usize,
     pub(crate) event: Event,
+    /// The peer it comes from or tells of: one peer's entries are received in order.
+    pub(crate) from: NodeId,
+    /// The link model's id while the message crosses its links.
+    pub(crate) crossing: Option<MessageId>,
+    /// The fault delay it takes once it has crossed.
+    pub(crate) delay: Duration,
 }
 
 pub(crate) struct Ep {
@@ -89,6 +105,38 @@ pub(crate) struct Ep {
     pub(crate) secret: Option<Secret>,
     /// Bytes of the messages this endpoint has sent (header and segments).
     pub(crate) sent_bytes: u64,
+}
+
+impl Ep {
+    /// Where the next entry to receive is in the inbox, or when to look again (None:
+    /// at a change, or when the link model lands something). Without the link model the
+    /// inbox is received in its order; with it, each peer's entries in their order and,
+    /// among the peers, the first to land first.
+    pub(crate) fn next_visible(&self, modelled: bool) -> Result<usize, Option<Instant>> {
+        let now = Instant::now();
+        if !modelled {
+            return match self.inbox.front() {
+                Some(q) if q.visible_at <= now => Ok(0),
+                Some(q) => Err(Some(q.visible_at)),
+                None => Err(None),
+            };
+        }
+        let mut seen: Vec<NodeId> = Vec::new();
+        let mut first: Option<(Instant, usize)> = None;
+        for (i, q) in self.inbox.iter().enumerate() {
+            if seen.contains(&q.from) {
+                continue;
+            }
+            seen.push(q.from);
+            if q.crossing.is_none() && first.is_none_or(|(at, _)| q.visible_at < at) {
+                first = Some((q.visible_at, i));
+            }
+        }
+        match first {
+            Some((at, i)) if at <= now => Ok(i),
+            other => Err(other.map(|(at, _)| at)),
+        }
+    }
 }
 
 impl Ep {
@@ -114,6 +162,8 @@ impl Ep {
 
 pub(crate) struct Net {
     pub(crate) dice: Dice,
+    /// The link model, where the network has hosts.
+    pub(crate) wires: Option<Wires>,
     pub(crate) eps: HashMap<u64, Ep>,
     pub(crate) listeners: HashMap<SocketAddr, u64>,
     next_ep: u64,
@@ -154,12 +204,69 @@ impl Net {
                 visible_at,
                 conn,
                 bytes,
+                from: about(&event),
                 event,
+                crossing: None,
+                delay,
             });
         }
     }
 
+    /// Queues message `event` of `bytes` from endpoint `from` for endpoint `to` over `conn`:
+    /// with the link model, it crosses the links first and takes `delay` after; without,
+    /// as [`enqueue`](Self::enqueue).
+    pub(crate) fn enqueue_message(
+        &mut self,
+        from: u64,
+        to: u64,
+        conn: u64,
+        bytes: usize,
+        delay: Duration,
+        event: Event,
+    ) {
+        let Some(wires) = self.wires.as_mut() else {
+            return self.enqueue(to, Some(conn), bytes, delay, event);
+        };
+        if let Some(e) = self.eps.get_mut(&to) {
+            let msg = wires.send(conn, from, to, bytes);
+            e.inbox_bytes += bytes;
+            e.inbox.push_back(Queued {
+                visible_at: Instant::now(),
+                conn: Some(conn),
+                bytes,
+                from: about(&event),
+                event,
+                crossing: Some(msg),
+                delay,
+            });
+        }
+    }
+
+    /// Lands what has crossed the links by now: each becomes visible after its delay.
+    pub(crate) fn pump(&mut self) {
+        let Some(wires) = self.wires.as_mut() else {
+            return;
+        };
+        for (ep, msg, at) in wires.land() {
+            let Some(e) = self.eps.get_mut(&ep) else {
+                continue;
+            };
+            if let Some(q) = e.inbox.iter_mut().find(|q| q.crossing == Some(msg)) {
+                q.crossing = None;
+                q.visible_at = at + q.delay;
+            }
+        }
+    }
+
+    /// When the link model next lands a message, if it has one crossing.
+    pub(crate) fn next_landing(&self) -> Option<Instant> {
+        self.wires.as_ref().and_then(Wires::next_landing)
+    }
+
     fn purge(&mut self, ep: u64, conn: u64) {
+        if let Some(wires) = self.wires.as_mut() {
+            wires.close(conn);
+        }
         if let Some(e) = self.eps.get_mut(&ep) {
             let mut freed = 0;
             e.inbox.retain(|q| {
@@ -290,6 +397,7 @@ impl MemNet {
             shared: Arc::new(Shared {
                 state: Mutex::new(Net {
                     dice: Dice::new(config.faults.clone()),
+                    wires: Wires::new(&config.hosts),
                     eps: HashMap::new(),
                     listeners: HashMap::new(),
                     next_ep: 1,
@@ -339,6 +447,16 @@ impl MemNet {
     /// made or accepted, go through the same exchange as on a wire
     /// ([`psnet_transport::auth`]), and a peer that cannot prove the secret is refused.
     pub fn bind_with_secret(&self, id: NodeId, secret: Option<Secret>) -> MemTransport {
+        self.bind_at(id, secret, None)
+    }
+
+    /// Like [`MemNet::bind`], on host `host` of [`MemNetConfig::hosts`] (modulo their
+    /// count): it shares that host's links with the other endpoints there.
+    pub fn bind_on(&self, host: usize, id: NodeId) -> MemTransport {
+        self.bind_at(id, None, Some(host))
+    }
+
+    fn bind_at(&self, id: NodeId, secret: Option<Secret>, host: Option<usize>) -> MemTransport {
         let (ep, addr) = {
             let mut net = self.lock();
             let ep = net.next_ep;
@@ -363,6 +481,9 @@ impl MemNet {
                 },
             );
             net.listeners.insert(addr, ep);
+            if let Some(wires) = net.wires.as_mut() {
+                wires.place(ep, host);
+            }
             (ep, addr)
         };
         self.wake_all();
@@ -423,5 +544,13 @@ impl MemNet {
     /// The seed this network's faults come from.
     pub fn seed(&self) -> u64 {
         self.lock().dice.faults().seed
+    }
+}
+
+/// The peer an event comes from or tells of.
+fn about(event: &Event) -> NodeId {
+    match event {
+        Event::Message(m) => m.peer,
+        Event::PeerConnected { peer, .. } | Event::PeerLost { peer, .. } => *peer,
     }
 }
