@@ -34,7 +34,8 @@ pub struct MemNetConfig {
     /// lands once its bytes have crossed the sender's uplink and the receiver's downlink
     /// (or the local path of a host), plus their latency. Endpoints go on the hosts in turn
     /// as they bind, or where [`MemNet::bind_on`] puts them. Empty (the default): messages
-    /// land at once, after their fault delay alone.
+    /// land at once, after their fault delay alone. Endpoints on host `h` listen at
+    /// 127.0.0.1 + `h` (a made-up address: nothing is bound on this machine).
     pub hosts: Vec<HostLinks>,
 }
 
@@ -437,8 +438,9 @@ impl MemNet {
         self.shared.changed.notify_waiters();
     }
 
-    /// A new endpoint with id `id`, listening at a fresh address (127.0.0.1 and a port of
-    /// this network's own: nothing is bound on the host).
+    /// A new endpoint with id `id`, listening at a fresh address (127.0.0.1, or its host's
+    /// with [`MemNetConfig::hosts`], and a port of this network's own: nothing is bound on
+    /// this machine).
     pub fn bind(&self, id: NodeId) -> MemTransport {
         self.bind_with_secret(id, None)
     }
@@ -463,7 +465,12 @@ impl MemNet {
             net.next_ep += 1;
             let port = net.next_port;
             net.next_port = net.next_port.checked_add(1).unwrap_or(10_000);
-            let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port);
+            // With hosts, each has an address of its own (127.0.0.1 + host), as on a
+            // cluster: a job that looks at addresses (kv splits values across hosts) sees
+            // several.
+            let host = net.wires.as_mut().map_or(0, |w| w.place(ep, host));
+            let ip = Ipv4Addr::from(u32::from(Ipv4Addr::LOCALHOST).wrapping_add(host as u32));
+            let addr = SocketAddr::new(IpAddr::V4(ip), port);
             net.eps.insert(
                 ep,
                 Ep {
@@ -481,9 +488,6 @@ impl MemNet {
                 },
             );
             net.listeners.insert(addr, ep);
-            if let Some(wires) = net.wires.as_mut() {
-                wires.place(ep, host);
-            }
             (ep, addr)
         };
         self.wake_all();

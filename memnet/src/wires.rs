@@ -34,8 +34,9 @@ impl Wires {
     }
 
     /// Puts endpoint `ep` on `host`, or on the hosts in turn (in the order endpoints bind)
-    /// when None. A host outside the model is taken modulo its host count.
-    pub(crate) fn place(&mut self, ep: u64, host: Option<usize>) {
+    /// when None; returns the host. A host outside the model is taken modulo its host
+    /// count.
+    pub(crate) fn place(&mut self, ep: u64, host: Option<usize>) -> usize {
         let hosts = self.model.hosts();
         let host = host.unwrap_or_else(|| {
             let h = self.next_host;
@@ -43,6 +44,7 @@ impl Wires {
             h
         });
         self.host_of.insert(ep, host % hosts);
+        host % hosts
     }
 
     /// The host endpoint `ep` is on.
@@ -59,9 +61,13 @@ impl Wires {
     pub(crate) fn send(&mut self, conn: u64, from: u64, to: u64, bytes: usize) -> MessageId {
         let now = self.since_epoch();
         let (from_host, to_host) = (self.host_of(from), self.host_of(to));
-        let msg = self
-            .model
-            .handle_send(now, conn, from_host, to_host, bytes as u64);
+        let msg = self.model.handle_send(
+            now,
+            stream(conn, from < to),
+            from_host,
+            to_host,
+            bytes as u64,
+        );
         self.crossing.insert(msg, to);
         msg
     }
@@ -69,7 +75,8 @@ impl Wires {
     /// Connection `conn` is gone: what it had crossing never lands.
     pub(crate) fn close(&mut self, conn: u64) {
         let now = self.since_epoch();
-        self.model.handle_close(now, conn);
+        self.model.handle_close(now, stream(conn, true));
+        self.model.handle_close(now, stream(conn, false));
     }
 
     /// What has crossed by now: each message's endpoint, id and landing time.
@@ -89,4 +96,10 @@ impl Wires {
     pub(crate) fn next_landing(&self) -> Option<Instant> {
         self.model.poll_timeout().map(|t| self.epoch + t)
     }
+}
+
+/// The model's stream of one direction of connection `conn`: a connection carries both
+/// ways at once, each way's messages one after another.
+fn stream(conn: u64, up: bool) -> u64 {
+    conn.wrapping_mul(2) + u64::from(up)
 }
