@@ -16,7 +16,7 @@ use psnet_transport::{
 use smallvec::SmallVec;
 use tokio::time::Instant;
 
-use crate::net::{Ending, MemNet};
+use crate::net::{Ending, MemNet, Traffic};
 
 /// An endpoint on a [`MemNet`], implementing [`Transport`]. Dropping it shuts it down.
 pub struct MemTransport {
@@ -62,6 +62,10 @@ impl MemTransport {
                 Ok(i) => {
                     let q = me.inbox.remove(i).expect("index from the inbox");
                     me.inbox_bytes -= q.bytes;
+                    if matches!(q.event, Event::Message(_)) {
+                        me.traffic.received_messages += 1;
+                        me.traffic.received_bytes += q.bytes as u64;
+                    }
                     Step::Done(Ok(q.event))
                 }
                 // Whatever comes first: the next entry visible, or the links landing one.
@@ -82,11 +86,16 @@ impl MemTransport {
     /// Bytes of every message this endpoint has sent so far, metadata included: what a
     /// protocol puts on the wire, counted by the network.
     pub fn bytes_sent(&self) -> u64 {
+        self.traffic().sent_bytes
+    }
+
+    /// Messages and bytes this endpoint has sent and received so far.
+    pub fn traffic(&self) -> Traffic {
         self.net
             .lock()
             .eps
             .get(&self.ep)
-            .map_or(0, |e| e.sent_bytes)
+            .map_or(Traffic::default(), |e| e.traffic)
     }
 
     /// Runs `look` under the network's lock until it is done, waiting for a change (or the
@@ -342,7 +351,8 @@ impl Transport for MemTransport {
                 Event::Message(incoming),
             );
             if let Some(me) = net.ep(ep) {
-                me.sent_bytes += bytes as u64;
+                me.traffic.sent_messages += 1;
+                me.traffic.sent_bytes += bytes as u64;
             }
             Step::Done(Ok(()))
         })

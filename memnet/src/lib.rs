@@ -33,4 +33,4 @@ mod wires;
 pub use endpoint::MemTransport;
 pub use faults::Faults;
 pub use links::{HostLinks, InvalidLink, Link, LinkModel, MessageId};
-pub use net::{MemNet, MemNetConfig};
+pub use net::{MemNet, MemNetConfig, Traffic};

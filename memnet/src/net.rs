@@ -104,8 +104,22 @@ pub(crate) struct Ep {
     /// The job's shared secret this endpoint proves and asks for (see
     /// [`psnet_transport::auth`]); None: an open job.
     pub(crate) secret: Option<Secret>,
-    /// Bytes of the messages this endpoint has sent (header and segments).
-    pub(crate) sent_bytes: u64,
+    /// What this endpoint has sent and received.
+    pub(crate) traffic: Traffic,
+}
+
+/// Messages and bytes (header and segments) an endpoint has sent and received: what a
+/// protocol puts on the wire, counted by the network.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Messages sent.
+    pub sent_messages: u64,
+    /// Their bytes.
+    pub sent_bytes: u64,
+    /// Messages received (taken by `recv`).
+    pub received_messages: u64,
+    /// Their bytes.
+    pub received_bytes: u64,
 }
 
 impl Ep {
@@ -484,7 +498,7 @@ impl MemNet {
                     frozen: false,
                     admission: None,
                     secret,
-                    sent_bytes: 0,
+                    traffic: Traffic::default(),
                 },
             );
             net.listeners.insert(addr, ep);

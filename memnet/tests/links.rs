@@ -140,3 +140,46 @@ async fn without_hosts_messages_land_at_once_in_the_order_sent() {
     assert_eq!((first, second), (1, 2));
     assert_eq!(at, start, "no time passes without links");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_connection_carries_both_ways_at_once() {
+    let net = net(2);
+    let (a, b) = (net.bind_on(0, NodeId(1)), net.bind_on(1, NodeId(2)));
+    connect(&a, &b).await;
+    let start = Instant::now();
+    send(&a, &b, 1, 1_000_000).await;
+    send(&b, &a, 2, 10).await;
+    let (_, _, answer) = next(&a).await;
+    assert!(
+        about(answer - start, Duration::from_millis(2)),
+        "{:?}",
+        answer - start
+    );
+    let (_, _, big) = next(&b).await;
+    assert!(
+        about(big - start, Duration::from_millis(1002)),
+        "{:?}",
+        big - start
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn hosts_have_addresses_of_their_own_and_traffic_is_counted() {
+    let net = net(2);
+    let (a, b, c) = (
+        net.bind_on(0, NodeId(1)),
+        net.bind_on(1, NodeId(2)),
+        net.bind_on(1, NodeId(3)),
+    );
+    assert_ne!(a.listen_addr().ip(), b.listen_addr().ip());
+    assert_eq!(b.listen_addr().ip(), c.listen_addr().ip());
+    connect(&a, &b).await;
+    send(&a, &b, 1, 1000).await;
+    send(&a, &b, 2, 1000).await;
+    next(&b).await;
+    let (sent, got) = (a.traffic(), b.traffic());
+    assert_eq!(sent.sent_messages, 2);
+    assert!(sent.sent_bytes >= 2000, "{sent:?}");
+    assert_eq!(got.received_messages, 1, "one taken so far");
+    assert_eq!(got.received_bytes * 2, sent.sent_bytes);
+}
