@@ -321,11 +321,11 @@ impl LinkModel {
 
     /// Shares every link among the connections crossing it, max-min fairly: the link whose
     /// equal share of what is left is least fixes its connections' rates at that share,
-    /// which the other links they use then lose; until every connection has a rate.
+    /// which the other links they use then lose; until every connection has a rate. Only
+    /// the links in use are looked at (a simulation of a thousand hosts has few at once).
     fn share(&mut self) {
-        let links = self.hosts.len() * 3;
-        let mut left: Vec<f64> = (0..links).map(|l| self.rate_of(l)).collect();
-        let mut users: Vec<Vec<u64>> = vec![Vec::new(); links];
+        // Each link in use: what is left of its rate and its connections without a rate yet.
+        let mut links: BTreeMap<usize, (f64, Vec<u64>)> = BTreeMap::new();
         let mut uses: BTreeMap<u64, [Option<usize>; 2]> = BTreeMap::new();
         for &conn in self.crossing.keys() {
             let Some(stream) = self.streams.get(&conn) else {
@@ -333,23 +333,29 @@ impl LinkModel {
             };
             let (path, _) = self.path(stream.from, stream.to);
             for link in path.into_iter().flatten() {
-                users[link].push(conn);
+                let rate = self.rate_of(link);
+                links.entry(link).or_insert((rate, Vec::new())).1.push(conn);
             }
             uses.insert(conn, path);
         }
-        while let Some((link, share)) = (0..links)
-            .filter(|&l| !users[l].is_empty())
-            .map(|l| (l, left[l].max(0.0) / users[l].len() as f64))
+        while let Some((link, share)) = links
+            .iter()
+            .map(|(&l, (left, users))| (l, left.max(0.0) / users.len() as f64))
             .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))
         {
-            for conn in std::mem::take(&mut users[link]) {
+            let (_, users) = links.remove(&link).expect("a link in use");
+            for conn in users {
                 if let Some(c) = self.crossing.get_mut(&conn) {
                     c.rate = share;
                 }
-                for other in uses[&conn].into_iter().flatten() {
-                    left[other] -= share;
-                    if other != link {
-                        users[other].retain(|&u| u != conn);
+                for other in uses[&conn].into_iter().flatten().filter(|&o| o != link) {
+                    let Some((left, others)) = links.get_mut(&other) else {
+                        continue;
+                    };
+                    *left -= share;
+                    others.retain(|&u| u != conn);
+                    if others.is_empty() {
+                        links.remove(&other);
                     }
                 }
             }

@@ -559,6 +559,20 @@ impl MemNet {
         done
     }
 
+    /// What the endpoint listening at `addr` has sent and received (None: nobody listens
+    /// there), for whoever gave the endpoint away.
+    pub fn traffic_at(&self, addr: SocketAddr) -> Option<Traffic> {
+        let net = self.lock();
+        net.listeners.get(&addr).map(|ep| net.eps[ep].traffic)
+    }
+
+    /// How many connections the endpoint listening at `addr` holds (None: nobody listens
+    /// there).
+    pub fn connections_at(&self, addr: SocketAddr) -> Option<usize> {
+        let net = self.lock();
+        net.listeners.get(&addr).map(|ep| net.eps[ep].peers.len())
+    }
+
     /// The seed this network's faults come from.
     pub fn seed(&self) -> u64 {
         self.lock().dice.faults().seed

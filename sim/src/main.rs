@@ -14,6 +14,7 @@
 mod allreduce;
 mod kv_job;
 mod rig;
+mod scale;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -36,6 +37,37 @@ struct Cli {
 enum Command {
     /// The emulated cluster's kv and allreduce jobs on a model of it.
     Calibrate(CalibrateArgs),
+    /// kv jobs and communicators at many nodes, one a host.
+    Scale(ScaleArgs),
+}
+
+#[derive(clap::Args)]
+struct ScaleArgs {
+    /// Node counts: for kv, servers + workers (a quarter servers); for collectives, ranks.
+    #[arg(long, value_delimiter = ',', default_value = "16,64,256")]
+    nodes: Vec<usize>,
+    /// Each host's link, each way, in Gbit/s.
+    #[arg(long, default_value_t = 100.0)]
+    gbit: f64,
+    /// Latency each link adds to a message, in microseconds.
+    #[arg(long, default_value_t = 5)]
+    latency_us: u64,
+    /// How many times slower than described the network runs (a timer tick stands for
+    /// 1/SLOW ms).
+    #[arg(long, default_value_t = 1000.0)]
+    slow: f64,
+    /// Keys a kv worker pushes and pulls in a round.
+    #[arg(long, default_value_t = 4)]
+    kv_keys: usize,
+    /// Bytes of each key (K, M suffixes are binary).
+    #[arg(long, default_value = "64K")]
+    kv_bytes: String,
+    /// Bytes of the allreduce (K, M suffixes are binary).
+    #[arg(long, default_value = "1M")]
+    allreduce_bytes: String,
+    /// Print JSON Lines, one object per row.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -204,10 +236,104 @@ fn calibrate(args: &CalibrateArgs) -> Result<(), String> {
     Ok(())
 }
 
+fn scale_rows(args: &ScaleArgs) -> Result<(), String> {
+    if args.slow.is_nan() || args.slow < 1.0 {
+        return Err(format!("--slow {}: at least 1", args.slow));
+    }
+    let kv_bytes = parse_size(&args.kv_bytes)?;
+    let ar_bytes = parse_size(&args.allreduce_bytes)?;
+    let rig_of = |hosts: usize| Rig {
+        hosts,
+        bytes_per_sec: args.gbit * 1e9 / 8.0,
+        efficiency: 1.0,
+        latency: Duration::from_micros(args.latency_us),
+        local_bytes_per_sec: args.gbit * 1e9 / 8.0 * 4.0,
+        slow: args.slow,
+    };
+    if !args.json {
+        println!(
+            "# psnet-sim scale: one node a host, {} Gbit/s each way, {} us a link; times simulated",
+            args.gbit, args.latency_us
+        );
+        println!(
+            "{:<6} {:>6} {:>10} {:>12} {:>14} {:>7} {:>11} {:>11}",
+            "job", "nodes", "start ms", "root msgs", "root bytes", "conns", "op ms", "bound ms"
+        );
+    }
+    for &n in &args.nodes {
+        if n < 2 {
+            return Err(format!("--nodes {n}: at least 2"));
+        }
+        let servers = (n / 4).max(1);
+        let workers = n - servers;
+        let rig = rig_of(n + 1);
+        let kv = scale::kv(&rig, servers, workers, args.kv_keys, kv_bytes)?;
+        // A round's bound: a worker pushes and pulls its keys one after another, so each key
+        // in turn brings every worker's value into its server (or each server's share of a
+        // key split over all, from MXNet's big-array bound of 10^6 elements) and sends the
+        // sum back out to each.
+        let shards = if kv_bytes / 4 >= 1_000_000 {
+            servers
+        } else {
+            1
+        };
+        let per_key = (workers * kv_bytes) as f64 / shards as f64;
+        let kv_bound = rig.wire(per_key) * (2 * args.kv_keys as u32);
+        let coll = scale::collectives(&rig_of(n), n, ar_bytes)?;
+        // The ring: 2 (n - 1) steps, each a chunk of 1/n over a link and two links' latency.
+        let hop = Duration::from_micros(args.latency_us) * 2;
+        let ring = (rig.wire(ar_bytes as f64 / n as f64) + hop) * (2 * (n as u32 - 1));
+        let rows = [
+            (
+                "kv",
+                kv.bootstrap,
+                kv.scheduler,
+                kv.connections.max(kv.scheduler_connections),
+                kv.round,
+                kv_bound,
+            ),
+            (
+                "coll",
+                coll.join,
+                coll.root,
+                coll.connections,
+                coll.allreduce,
+                ring,
+            ),
+        ];
+        for (job, start, root, conns, op, bound) in rows {
+            if args.json {
+                let line = serde_json::json!({
+                    "job": job, "nodes": n, "start_ms": ms(start),
+                    "root_messages": root.sent_messages + root.received_messages,
+                    "root_bytes": root.sent_bytes + root.received_bytes,
+                    "connections": conns, "op_ms": ms(op), "bound_ms": ms(bound),
+                });
+                println!("{line}");
+            } else {
+                println!(
+                    "{job:<6} {n:>6} {:>10.3} {:>12} {:>14} {conns:>7} {:>11.3} {:>11.3}",
+                    ms(start),
+                    root.sent_messages + root.received_messages,
+                    root.sent_bytes + root.received_bytes,
+                    ms(op),
+                    ms(bound)
+                );
+            }
+        }
+    }
+    if !args.json {
+        println!("# kv: a quarter of the nodes servers; start: until every worker joined; root: the scheduler's messages and bytes both ways, the round included; op: one round of every worker's pushpull of each key; bound: each key in turn, every worker's value into its server and the sum back out, over the server's link");
+        println!("# coll: start: until every rank joined; root: rank 0's messages and bytes forming it; op: one allreduce; bound: the ring's 2(n-1) steps of a chunk and two links' latency");
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Calibrate(args) => calibrate(args),
+        Command::Scale(args) => scale_rows(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

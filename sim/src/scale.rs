@@ -1,0 +1,236 @@
+//! Jobs at many nodes on the simulated network, one node a host: what start-up takes, what
+//! the scheduler or rank 0 handles, how many connections each node holds, and the time of a
+//! kv round and of an allreduce, each against its bound.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::try_join_all;
+use psnet_collectives::{node_of, Communicator, Config, ReduceOp};
+use psnet_kv::proto::ids::{Role, SCHEDULER};
+use psnet_kv::{run_server, KvConfig, Scheduler, Worker};
+use psnet_memnet::{MemTransport, Traffic};
+use psnet_transport::{NodeId, Transport};
+use tokio::time::Instant;
+
+use crate::rig::Rig;
+
+/// A communicator of `n` ranks: forming it, and one allreduce.
+#[derive(Debug)]
+pub struct CollScale {
+    /// Until every rank has joined.
+    pub join: Duration,
+    /// The most connections a rank holds after the allreduce.
+    pub connections: usize,
+    /// What rank 0 sent and received, forming the communicator.
+    pub root: Traffic,
+    /// One allreduce of the size asked for (every rank's sum checked).
+    pub allreduce: Duration,
+}
+
+/// Forms a communicator of `n` ranks (host `r` holds rank `r`) and times one allreduce of
+/// `bytes` after one untimed.
+pub fn collectives(rig: &Rig, n: usize, bytes: usize) -> Result<CollScale, String> {
+    let net = rig.network()?;
+    let rig = *rig;
+    super::rig::runtime()?.block_on(async move {
+        let transports: Vec<Arc<MemTransport>> = (0..n)
+            .map(|r| Arc::new(net.bind_on(r, node_of(r))))
+            .collect();
+        let root = transports[0].listen_addr();
+        let start = Instant::now();
+        let comms = try_join_all(
+            transports
+                .iter()
+                .enumerate()
+                .map(|(r, t)| Communicator::join(t.clone(), r, n, root, Config::default())),
+        )
+        .await
+        .map_err(|e| format!("forming a communicator of {n}: {e}"))?;
+        let join = rig.seen(start.elapsed());
+        let root_traffic = transports[0].traffic();
+        let elems = (bytes / 4).max(1);
+        let mut took = Duration::ZERO;
+        for round in 0..2 {
+            let start = Instant::now();
+            let bufs = try_join_all(comms.iter().enumerate().map(|(r, c)| async move {
+                let mut buf = vec![r as f32; elems];
+                c.allreduce(&mut buf, ReduceOp::Sum).await.map(|()| buf)
+            }))
+            .await
+            .map_err(|e| format!("allreduce on {n} ranks: {e}"))?;
+            took = rig.seen(start.elapsed());
+            let want = (n * (n - 1) / 2) as f32;
+            if round == 1 && bufs.iter().any(|b| b.iter().any(|&x| x != want)) {
+                return Err(format!("allreduce on {n} ranks: a rank's sum is wrong"));
+            }
+        }
+        let connections = transports
+            .iter()
+            .map(|t| t.connected_peers().len())
+            .max()
+            .unwrap_or(0);
+        Ok(CollScale {
+            join,
+            connections,
+            root: root_traffic,
+            allreduce: took,
+        })
+    })
+}
+
+/// A kv job of a scheduler, `servers` servers and `workers` workers, each on a host of its
+/// own: start-up, and one round.
+#[derive(Debug)]
+pub struct KvScale {
+    /// Until every worker has joined.
+    pub bootstrap: Duration,
+    /// What the scheduler sent and received, the round included.
+    pub scheduler: Traffic,
+    /// The scheduler's connections.
+    pub scheduler_connections: usize,
+    /// The most connections a server or worker holds.
+    pub connections: usize,
+    /// One round: every worker's `pushpull` of every key, until the last is done.
+    pub round: Duration,
+}
+
+fn kv_config(role: Role, root: std::net::SocketAddr, servers: usize, workers: usize) -> KvConfig {
+    KvConfig::local(role, root, servers as u32, workers as u32).heartbeats(None, None)
+}
+
+/// Runs the job: start-up, then two rounds of `keys` keys of `bytes` each (the second
+/// timed; every pulled value checked).
+pub fn kv(
+    rig: &Rig,
+    servers: usize,
+    workers: usize,
+    keys: usize,
+    bytes: usize,
+) -> Result<KvScale, String> {
+    let net = rig.network()?;
+    let rig = *rig;
+    super::rig::runtime()?.block_on(async move {
+        let any: std::net::SocketAddr = "127.0.0.1:0".parse().expect("an address");
+        let scheduler = Scheduler::new(
+            &kv_config(Role::Scheduler, any, servers, workers),
+            net.bind_on(0, SCHEDULER),
+        );
+        let root = scheduler.addr();
+        let start = Instant::now();
+        let scheduler = tokio::spawn(scheduler.run());
+        let mut nodes = Vec::new();
+        let mut server_tasks = Vec::new();
+        for s in 0..servers {
+            let t = net.bind_on(1 + s, NodeId(0));
+            nodes.push(t.listen_addr());
+            let c = kv_config(Role::Server, root, servers, workers);
+            server_tasks.push(tokio::spawn(async move { run_server(&c, t).await }));
+        }
+        let joins: Vec<_> = (0..workers)
+            .map(|w| {
+                let t = net.bind_on(1 + servers + w, NodeId(0));
+                let c = kv_config(Role::Worker, root, servers, workers);
+                (
+                    t.listen_addr(),
+                    tokio::spawn(async move { Worker::join(&c, t).await }),
+                )
+            })
+            .collect();
+        let mut joined = Vec::new();
+        for (t, j) in joins {
+            nodes.push(t);
+            let w = j
+                .await
+                .map_err(|e| format!("a worker's task: {e}"))?
+                .map_err(|e| format!("a worker joining: {e}"))?;
+            joined.push(Arc::new(w));
+        }
+        let bootstrap = rig.seen(start.elapsed());
+        let n = (bytes / 4).max(1);
+        try_join_all(joined.iter().map(|w| async move {
+            let ids: Vec<u64> = (0..keys as u64).collect();
+            let init = vec![0.0f32; n];
+            let values: Vec<&[f32]> = (0..keys).map(|_| init.as_slice()).collect();
+            w.init(&ids, &values).await
+        }))
+        .await
+        .map_err(|e| format!("init: {e}"))?;
+        let mut round = Duration::ZERO;
+        for r in 0..2 {
+            let start = Instant::now();
+            try_join_all(joined.iter().map(|w| async move {
+                let g = vec![1.0f32; n];
+                let mut out = vec![0.0f32; n];
+                for key in 0..keys as u64 {
+                    w.pushpull(key, &g, &mut out).await?;
+                    if let Some(x) = out.iter().find(|&&x| x != workers as f32) {
+                        return Err(psnet_kv::KvError::Invalid(format!(
+                            "key {key} pulled {x} where {workers} workers pushed ones"
+                        )));
+                    }
+                }
+                Ok(())
+            }))
+            .await
+            .map_err(|e| format!("round {r}: {e}"))?;
+            round = rig.seen(start.elapsed());
+        }
+        let connections = nodes
+            .iter()
+            .filter_map(|&a| net.connections_at(a))
+            .max()
+            .unwrap_or(0);
+        let result = KvScale {
+            bootstrap,
+            scheduler: net.traffic_at(root).unwrap_or_default(),
+            scheduler_connections: net.connections_at(root).unwrap_or(0),
+            connections,
+            round,
+        };
+        drop(joined);
+        scheduler.abort();
+        for s in server_tasks {
+            s.abort();
+        }
+        Ok(result)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rig(hosts: usize) -> Rig {
+        Rig {
+            hosts,
+            bytes_per_sec: 12.5e9,
+            efficiency: 1.0,
+            latency: Duration::from_micros(5),
+            local_bytes_per_sec: 50e9,
+            slow: 1000.0,
+        }
+    }
+
+    #[test]
+    fn a_communicator_of_eight_forms_and_its_ring_runs_near_its_bound() {
+        let n = 8;
+        let bytes = 1 << 20;
+        let c = collectives(&rig(n), n, bytes).unwrap();
+        assert!(c.join > Duration::ZERO);
+        assert!(c.connections < n, "{c:?}");
+        assert!(c.root.sent_messages >= (n - 1) as u64, "rank 0 sends every rank the table");
+        let hop = Duration::from_micros(10);
+        let ring = (rig(n).wire(bytes as f64 / n as f64) + hop) * (2 * (n as u32 - 1));
+        assert!(c.allreduce >= rig(n).wire(2.0 * 7.0 / 8.0 * bytes as f64), "{c:?}");
+        assert!(c.allreduce <= ring.mul_f64(1.2), "{c:?} against {ring:?}");
+    }
+
+    #[test]
+    fn a_kv_job_of_eight_starts_and_runs_a_round() {
+        let k = kv(&rig(9), 2, 6, 2, 16 << 10).unwrap();
+        assert!(k.bootstrap > Duration::ZERO && k.round > Duration::ZERO, "{k:?}");
+        assert_eq!(k.scheduler_connections, 8, "every node reaches the scheduler");
+        assert!(k.scheduler.received_messages >= 8, "{k:?}");
+    }
+}
