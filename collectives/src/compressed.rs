@@ -190,9 +190,10 @@ impl<T: Transport> Communicator<T> {
             });
         self.run(ticket, prepared, &mut gathered).await?;
         // Rank 0's codes decoded, the others' added in rank order: the same bits as adding
-        // all of them to zeros (0.0 + x is x, and a zero decodes as +0.0), in one pass over
-        // the buffer rather than one per rank (a pass that zeroed it first made a 64 MiB
-        // buffer on 2 ranks 2% slower than the exact allreduce, here).
+        // all of them to zeros (0.0 + x is x, and a zero decodes as +0.0). 2-bit codes on
+        // AVX2 take one pass over the buffer for all ranks, other kernels one per rank; a
+        // pass that zeroed it first made a 64 MiB buffer on 2 ranks 2% slower than the exact
+        // allreduce, here.
         let parts: Vec<&[u8]> = gathered.chunks_exact(codes.max(1)).take(n).collect();
         compressor
             .dequantize_sum(&parts, buf)

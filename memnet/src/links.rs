@@ -192,7 +192,9 @@ impl LinkModel {
         msg
     }
 
-    /// Connection `conn` is gone: its messages not yet landed never do.
+    /// Connection `conn` is gone: its messages still crossing or waiting to never land
+    /// (those that have crossed and wait out their latency still come from
+    /// [`poll_landed`](Self::poll_landed)).
     pub fn handle_close(&mut self, now: Duration, conn: u64) {
         self.handle_time(now);
         self.streams.remove(&conn);
@@ -300,10 +302,16 @@ impl LinkModel {
                     continue;
                 };
                 stream.queue.pop_front();
-                let (from, to) = (stream.from, stream.to);
+                let (from, to, idle) = (stream.from, stream.to, stream.queue.is_empty());
                 let (_, latency) = self.path(from, to);
                 self.landed.push_back((c.msg, self.now + latency));
-                self.start_next(conn);
+                if idle {
+                    // Kept no longer than it carries something: a simulation of many nodes
+                    // opens and uses many connections.
+                    self.streams.remove(&conn);
+                } else {
+                    self.start_next(conn);
+                }
             }
             // A message that starts with no bytes has crossed already: another round.
             self.share_zero_length();

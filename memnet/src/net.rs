@@ -273,7 +273,8 @@ impl Net {
         }
     }
 
-    /// When the link model next lands a message, if it has one crossing.
+    /// When the link model next finishes a message's crossing (it lands after the links'
+    /// latency), if it has one crossing.
     pub(crate) fn next_landing(&self) -> Option<Instant> {
         self.wires.as_ref().and_then(Wires::next_landing)
     }
@@ -467,7 +468,8 @@ impl MemNet {
     }
 
     /// Like [`MemNet::bind`], on host `host` of [`MemNetConfig::hosts`] (modulo their
-    /// count): it shares that host's links with the other endpoints there.
+    /// count): it shares that host's links with the other endpoints there. Without hosts,
+    /// `host` is ignored.
     pub fn bind_on(&self, host: usize, id: NodeId) -> MemTransport {
         self.bind_at(id, None, Some(host))
     }

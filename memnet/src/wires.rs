@@ -92,7 +92,8 @@ impl Wires {
         landed
     }
 
-    /// When the next crossing message finishes crossing, if any is.
+    /// When the next crossing message finishes crossing (it lands after the links'
+    /// latency), if any is.
     pub(crate) fn next_landing(&self) -> Option<Instant> {
         self.model.poll_timeout().map(|t| self.epoch + t)
     }

@@ -27,3 +27,21 @@ mod without_placing {
         ..MemNetConfig::default()
     })));
 }
+
+/// The whole suite again with the link model on: four hosts whose links carry a terabyte a
+/// second (so real-time tests take no longer), endpoints on them in turn.
+mod with_links {
+    use super::*;
+    use psnet_memnet::{HostLinks, Link, MemNetConfig};
+    use std::time::Duration;
+
+    fn links() -> MemNet {
+        let link = Link::new(1e12, Duration::ZERO).expect("a link");
+        MemNet::new(MemNetConfig {
+            hosts: vec![HostLinks::symmetric(link, link); 4],
+            ..MemNetConfig::default()
+        })
+    }
+
+    psnet_transport::conformance_tests!(Mem(links()));
+}

@@ -44,7 +44,7 @@ enum Command {
 #[derive(clap::Args)]
 struct ScaleArgs {
     /// Node counts: for kv, servers + workers (a quarter servers); for collectives, ranks.
-    #[arg(long, value_delimiter = ',', default_value = "16,64,256")]
+    #[arg(long, value_delimiter = ',', default_value = "16,32,64,128")]
     nodes: Vec<usize>,
     /// Each host's link, each way, in Gbit/s.
     #[arg(long, default_value_t = 100.0)]
@@ -100,7 +100,7 @@ struct CalibrateArgs {
     #[arg(long, default_value_t = 5)]
     kv_iters: usize,
     /// Allreduce sizes (bytes; K, M suffixes are binary).
-    #[arg(long, value_delimiter = ',', default_value = "1M,4M,16M,64M")]
+    #[arg(long, value_delimiter = ',', default_value = "1M,2M,4M,8M,16M,32M,64M")]
     ar_sizes: Vec<String>,
     /// Timed allreduce calls per size (the mean is reported).
     #[arg(long, default_value_t = 3)]
@@ -171,6 +171,9 @@ fn calibrate(args: &CalibrateArgs) -> Result<(), String> {
     };
     if args.slow.is_nan() || args.slow < 1.0 {
         return Err(format!("--slow {}: at least 1", args.slow));
+    }
+    if args.hosts < 2 {
+        return Err(format!("--hosts {}: at least 2", args.hosts));
     }
     if args.efficiency.is_nan() || args.efficiency <= 0.0 || args.efficiency > 1.0 {
         return Err(format!(
@@ -271,17 +274,17 @@ fn scale_rows(args: &ScaleArgs) -> Result<(), String> {
         // A round's bound: a worker pushes and pulls its keys one after another, so each key
         // in turn brings every worker's value into its server (or each server's share of a
         // key split over all, from MXNet's big-array bound of 10^6 elements) and sends the
-        // sum back out to each.
+        // sum back out to each; each way also pays the two links' latency.
+        let hop = Duration::from_micros(args.latency_us) * 2;
         let shards = if kv_bytes / 4 >= 1_000_000 {
             servers
         } else {
             1
         };
         let per_key = (workers * kv_bytes) as f64 / shards as f64;
-        let kv_bound = rig.wire(per_key) * (2 * args.kv_keys as u32);
+        let kv_bound = (rig.wire(per_key) + hop) * (2 * args.kv_keys as u32);
         let coll = scale::collectives(&rig_of(n), n, ar_bytes)?;
         // The ring: 2 (n - 1) steps, each a chunk of 1/n over a link and two links' latency.
-        let hop = Duration::from_micros(args.latency_us) * 2;
         let ring = (rig.wire(ar_bytes as f64 / n as f64) + hop) * (2 * (n as u32 - 1));
         let rows = [
             (
@@ -323,7 +326,7 @@ fn scale_rows(args: &ScaleArgs) -> Result<(), String> {
         }
     }
     if !args.json {
-        println!("# kv: a quarter of the nodes servers; start: until every worker joined; root: the scheduler's messages and bytes both ways, the round included; op: one round of every worker's pushpull of each key; bound: each key in turn, every worker's value into its server and the sum back out, over the server's link");
+        println!("# kv: a quarter of the nodes servers; start: until every worker joined; root: the scheduler's messages and bytes both ways, the round included; op: one round of every worker's pushpull of each key; bound: each key in turn, every worker's value into its server and the sum back out over the server's link, each way two links' latency");
         println!("# coll: start: until every rank joined; root: rank 0's messages and bytes forming it; op: one allreduce; bound: the ring's 2(n-1) steps of a chunk and two links' latency");
     }
     Ok(())

@@ -219,18 +219,30 @@ mod tests {
         let c = collectives(&rig(n), n, bytes).unwrap();
         assert!(c.join > Duration::ZERO);
         assert!(c.connections < n, "{c:?}");
-        assert!(c.root.sent_messages >= (n - 1) as u64, "rank 0 sends every rank the table");
+        assert!(
+            c.root.sent_messages >= (n - 1) as u64,
+            "rank 0 sends every rank the table"
+        );
         let hop = Duration::from_micros(10);
         let ring = (rig(n).wire(bytes as f64 / n as f64) + hop) * (2 * (n as u32 - 1));
-        assert!(c.allreduce >= rig(n).wire(2.0 * 7.0 / 8.0 * bytes as f64), "{c:?}");
+        assert!(
+            c.allreduce >= rig(n).wire(2.0 * 7.0 / 8.0 * bytes as f64),
+            "{c:?}"
+        );
         assert!(c.allreduce <= ring.mul_f64(1.2), "{c:?} against {ring:?}");
     }
 
     #[test]
     fn a_kv_job_of_eight_starts_and_runs_a_round() {
         let k = kv(&rig(9), 2, 6, 2, 16 << 10).unwrap();
-        assert!(k.bootstrap > Duration::ZERO && k.round > Duration::ZERO, "{k:?}");
-        assert_eq!(k.scheduler_connections, 8, "every node reaches the scheduler");
+        assert!(
+            k.bootstrap > Duration::ZERO && k.round > Duration::ZERO,
+            "{k:?}"
+        );
+        assert_eq!(
+            k.scheduler_connections, 8,
+            "every node reaches the scheduler"
+        );
         assert!(k.scheduler.received_messages >= 8, "{k:?}");
     }
 }
