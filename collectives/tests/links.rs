@@ -12,17 +12,16 @@ use std::time::Duration;
 
 use common::{runtime, Comm};
 use futures_util::future::try_join_all;
-use psnet_collectives::{node_of, Communicator, Config, ReduceOp};
-use psnet_memnet::{HostLinks, Link, MemNet, MemNetConfig, MemTransport};
-use psnet_transport::Transport;
-use std::sync::Arc;
+use psnet_collectives::{Config, ReduceOp};
+use psnet_memnet::{HostLinks, Link, MemNet, MemNetConfig};
 use tokio::time::Instant;
 
 const RATE: f64 = 125e6;
 /// How much slower than modelled the network runs (see above).
 const SLOW: f64 = 1000.0;
 
-/// `n` ranks, one per host, each host's links at 1 Gbit/s with `latency` each way.
+/// `n` ranks, one per host (the network puts endpoints on its hosts in turn), each host's
+/// links at 1 Gbit/s with `latency` each way.
 async fn world_on_links(n: usize, latency: Duration) -> Vec<Comm> {
     let link = Link::new(RATE / SLOW, latency.mul_f64(SLOW)).unwrap();
     let local = Link::new(RATE * 10.0 / SLOW, Duration::ZERO).unwrap();
@@ -30,18 +29,7 @@ async fn world_on_links(n: usize, latency: Duration) -> Vec<Comm> {
         hosts: vec![HostLinks::symmetric(link, local); n],
         ..MemNetConfig::default()
     });
-    let transports: Vec<Arc<MemTransport>> = (0..n)
-        .map(|r| Arc::new(net.bind_on(r, node_of(r))))
-        .collect();
-    let root = transports[0].listen_addr();
-    try_join_all(
-        transports
-            .iter()
-            .enumerate()
-            .map(|(r, t)| Communicator::join(t.clone(), r, n, root, Config::default())),
-    )
-    .await
-    .expect("every rank joins")
+    common::world(&net, n, Config::default()).await
 }
 
 /// Simulated seconds of one allreduce of `elems` floats on every rank, and whether every

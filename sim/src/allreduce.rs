@@ -1,16 +1,14 @@
 //! Allreduce on the simulated rig, as `psnet-perf allreduce` runs it there: one rank per
 //! host, float32 sums in place, the slowest rank's mean time per call.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::try_join_all;
-use psnet_collectives::{node_of, Communicator, Config, ReduceOp};
-use psnet_memnet::MemTransport;
-use psnet_transport::Transport;
+use psnet_collectives::ReduceOp;
 use tokio::time::Instant;
 
 use crate::rig::Rig;
+use crate::start::communicator;
 
 /// Mean time per call of each of `sizes` (bytes), `iters` timed calls after two untimed
 /// ones; every rank's sum is checked.
@@ -20,18 +18,7 @@ pub fn run(rig: &Rig, sizes: &[usize], iters: usize) -> Result<Vec<Duration>, St
     let rig = *rig;
     let sizes = sizes.to_vec();
     super::rig::runtime()?.block_on(async move {
-        let transports: Vec<Arc<MemTransport>> = (0..n)
-            .map(|r| Arc::new(net.bind_on(r, node_of(r))))
-            .collect();
-        let root = transports[0].listen_addr();
-        let comms = try_join_all(
-            transports
-                .iter()
-                .enumerate()
-                .map(|(r, t)| Communicator::join(t.clone(), r, n, root, Config::default())),
-        )
-        .await
-        .map_err(|e| format!("forming the communicator: {e}"))?;
+        let comms = communicator(&net, n).await?;
         let mut rows = Vec::new();
         for &bytes in &sizes {
             let elems = (bytes / 4).max(1);

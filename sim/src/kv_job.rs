@@ -7,13 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::try_join_all;
-use psnet_kv::proto::ids::{Role, SCHEDULER};
-use psnet_kv::{run_server, KvConfig, Scheduler, Worker};
-use psnet_memnet::{MemNet, MemTransport};
-use psnet_transport::NodeId;
+use psnet_kv::Worker;
+use psnet_memnet::MemTransport;
 use tokio::time::Instant;
 
 use crate::rig::{median, Rig};
+use crate::start::KvJob;
 
 /// Per operation, the median time (as the network described sees it).
 #[derive(Clone, Copy, Debug)]
@@ -62,14 +61,8 @@ pub fn one_way_bound(
     rig.wire((per_host as f64 * b).max(workers as f64 * b / shards as f64))
 }
 
-fn config(role: Role, root: std::net::SocketAddr, servers: usize, workers: usize) -> KvConfig {
-    // No heartbeats: on the slowed clock they would be far more frequent than on the rig,
-    // and they are not what is measured.
-    KvConfig::local(role, root, servers as u32, workers as u32).heartbeats(None, None)
-}
-
 /// Runs the job: for each of `sizes` (bytes), `iters` timed operations of each kind after
-/// two untimed ones.
+/// two untimed ones. The scheduler shares the first host.
 pub fn run(
     rig: &Rig,
     servers: usize,
@@ -82,67 +75,20 @@ pub fn run(
     let rig = *rig;
     let sizes = sizes.to_vec();
     super::rig::runtime()?.block_on(async move {
-        let any: std::net::SocketAddr = "127.0.0.1:0".parse().expect("an address");
-        let scheduler = Scheduler::new(
-            &config(Role::Scheduler, any, servers, workers),
-            net.bind_on(0, SCHEDULER),
-        );
-        let root = scheduler.addr();
-        let scheduler = tokio::spawn(scheduler.run());
-        let server_tasks: Vec<_> = server_hosts
-            .iter()
-            .map(|&h| {
-                let (c, t) = (
-                    config(Role::Server, root, servers, workers),
-                    net.bind_on(h, NodeId(0)),
-                );
-                tokio::spawn(async move { run_server(&c, t).await })
-            })
-            .collect();
-        let workers_joined = join_workers(&net, root, servers, &worker_hosts).await?;
+        let job = KvJob::start(&net, 0, &server_hosts, &worker_hosts).await?;
         let mut rows = Vec::new();
         for (key, &bytes) in sizes.iter().enumerate() {
             let times = try_join_all(
-                workers_joined
+                job.workers
                     .iter()
                     .map(|w| measure(w.clone(), workers, key as u64, bytes, iters, &rig)),
             )
             .await?;
             rows.push(times[0]);
         }
-        drop(workers_joined);
-        scheduler.abort();
-        for s in server_tasks {
-            s.abort();
-        }
+        job.stop();
         Ok(rows)
     })
-}
-
-async fn join_workers(
-    net: &MemNet,
-    root: std::net::SocketAddr,
-    servers: usize,
-    hosts: &[usize],
-) -> Result<Vec<Arc<Worker<MemTransport>>>, String> {
-    let joins: Vec<_> = hosts
-        .iter()
-        .map(|&h| {
-            let c = config(Role::Worker, root, servers, hosts.len());
-            let t = net.bind_on(h, NodeId(0));
-            tokio::spawn(async move { Worker::join(&c, t).await })
-        })
-        .collect();
-    let mut workers = Vec::new();
-    for j in joins {
-        let w = j
-            .await
-            .map_err(|e| format!("a worker's task: {e}"))?
-            .map_err(|e| format!("a worker joining: {e}"))?;
-        workers.push(Arc::new(w));
-    }
-    workers.sort_by_key(|w| w.rank());
-    Ok(workers)
 }
 
 /// One worker's timings of `key`, `bytes` long.

@@ -15,6 +15,7 @@ mod allreduce;
 mod kv_job;
 mod rig;
 mod scale;
+mod start;
 
 use std::process::ExitCode;
 use std::time::Duration;

@@ -2,18 +2,16 @@
 //! the scheduler or rank 0 handles, how many connections each node holds, and the time of a
 //! kv round and of an allreduce, each against its bound.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::try_join_all;
-use psnet_collectives::{node_of, Communicator, Config, ReduceOp};
-use psnet_kv::proto::ids::{Role, SCHEDULER};
-use psnet_kv::{run_server, KvConfig, Scheduler, Worker};
-use psnet_memnet::{MemTransport, Traffic};
-use psnet_transport::{NodeId, Transport};
+use psnet_collectives::ReduceOp;
+use psnet_memnet::Traffic;
+use psnet_transport::Transport;
 use tokio::time::Instant;
 
 use crate::rig::Rig;
+use crate::start::{communicator, KvJob};
 
 /// A communicator of `n` ranks: forming it, and one allreduce.
 #[derive(Debug)]
@@ -34,21 +32,11 @@ pub fn collectives(rig: &Rig, n: usize, bytes: usize) -> Result<CollScale, Strin
     let net = rig.network()?;
     let rig = *rig;
     super::rig::runtime()?.block_on(async move {
-        let transports: Vec<Arc<MemTransport>> = (0..n)
-            .map(|r| Arc::new(net.bind_on(r, node_of(r))))
-            .collect();
-        let root = transports[0].listen_addr();
         let start = Instant::now();
-        let comms = try_join_all(
-            transports
-                .iter()
-                .enumerate()
-                .map(|(r, t)| Communicator::join(t.clone(), r, n, root, Config::default())),
-        )
-        .await
-        .map_err(|e| format!("forming a communicator of {n}: {e}"))?;
+        let comms = communicator(&net, n).await?;
         let join = rig.seen(start.elapsed());
-        let root_traffic = transports[0].traffic();
+        let addrs: Vec<_> = comms.iter().map(|c| c.transport().listen_addr()).collect();
+        let root_traffic = net.traffic_at(addrs[0]).unwrap_or_default();
         let elems = (bytes / 4).max(1);
         let mut took = Duration::ZERO;
         for round in 0..2 {
@@ -65,9 +53,9 @@ pub fn collectives(rig: &Rig, n: usize, bytes: usize) -> Result<CollScale, Strin
                 return Err(format!("allreduce on {n} ranks: a rank's sum is wrong"));
             }
         }
-        let connections = transports
+        let connections = addrs
             .iter()
-            .map(|t| t.connected_peers().len())
+            .filter_map(|&a| net.connections_at(a))
             .max()
             .unwrap_or(0);
         Ok(CollScale {
@@ -95,10 +83,6 @@ pub struct KvScale {
     pub round: Duration,
 }
 
-fn kv_config(role: Role, root: std::net::SocketAddr, servers: usize, workers: usize) -> KvConfig {
-    KvConfig::local(role, root, servers as u32, workers as u32).heartbeats(None, None)
-}
-
 /// Runs the job: start-up, then two rounds of `keys` keys of `bytes` each (the second
 /// timed; every pulled value checked).
 pub fn kv(
@@ -111,41 +95,11 @@ pub fn kv(
     let net = rig.network()?;
     let rig = *rig;
     super::rig::runtime()?.block_on(async move {
-        let any: std::net::SocketAddr = "127.0.0.1:0".parse().expect("an address");
-        let scheduler = Scheduler::new(
-            &kv_config(Role::Scheduler, any, servers, workers),
-            net.bind_on(0, SCHEDULER),
-        );
-        let root = scheduler.addr();
         let start = Instant::now();
-        let scheduler = tokio::spawn(scheduler.run());
-        let mut nodes = Vec::new();
-        let mut server_tasks = Vec::new();
-        for s in 0..servers {
-            let t = net.bind_on(1 + s, NodeId(0));
-            nodes.push(t.listen_addr());
-            let c = kv_config(Role::Server, root, servers, workers);
-            server_tasks.push(tokio::spawn(async move { run_server(&c, t).await }));
-        }
-        let joins: Vec<_> = (0..workers)
-            .map(|w| {
-                let t = net.bind_on(1 + servers + w, NodeId(0));
-                let c = kv_config(Role::Worker, root, servers, workers);
-                (
-                    t.listen_addr(),
-                    tokio::spawn(async move { Worker::join(&c, t).await }),
-                )
-            })
-            .collect();
-        let mut joined = Vec::new();
-        for (t, j) in joins {
-            nodes.push(t);
-            let w = j
-                .await
-                .map_err(|e| format!("a worker's task: {e}"))?
-                .map_err(|e| format!("a worker joining: {e}"))?;
-            joined.push(Arc::new(w));
-        }
+        let server_hosts: Vec<usize> = (1..=servers).collect();
+        let worker_hosts: Vec<usize> = (1 + servers..1 + servers + workers).collect();
+        let job = KvJob::start(&net, 0, &server_hosts, &worker_hosts).await?;
+        let joined = &job.workers;
         let bootstrap = rig.seen(start.elapsed());
         let n = (bytes / 4).max(1);
         try_join_all(joined.iter().map(|w| async move {
@@ -176,23 +130,20 @@ pub fn kv(
             .map_err(|e| format!("round {r}: {e}"))?;
             round = rig.seen(start.elapsed());
         }
-        let connections = nodes
+        let connections = job
+            .nodes
             .iter()
             .filter_map(|&a| net.connections_at(a))
             .max()
             .unwrap_or(0);
         let result = KvScale {
             bootstrap,
-            scheduler: net.traffic_at(root).unwrap_or_default(),
-            scheduler_connections: net.connections_at(root).unwrap_or(0),
+            scheduler: net.traffic_at(job.root).unwrap_or_default(),
+            scheduler_connections: net.connections_at(job.root).unwrap_or(0),
             connections,
             round,
         };
-        drop(joined);
-        scheduler.abort();
-        for s in server_tasks {
-            s.abort();
-        }
+        job.stop();
         Ok(result)
     })
 }

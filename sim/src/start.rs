@@ -1,0 +1,111 @@
+//! Starting the jobs the simulations measure: a communicator of one rank a host, and a kv
+//! job of a scheduler, servers and workers on hosts given.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use futures_util::future::try_join_all;
+use psnet_collectives::{node_of, Communicator, Config};
+use psnet_kv::proto::ids::{Role, SCHEDULER};
+use psnet_kv::{run_server, KvConfig, KvError, Scheduler, Worker};
+use psnet_memnet::{MemNet, MemTransport};
+use psnet_transport::{NodeId, Transport};
+use tokio::task::JoinHandle;
+
+/// A communicator's ranks on the simulated network.
+pub type Comm = Communicator<MemTransport>;
+
+/// Forms a communicator of `n` ranks, rank `r` on host `r`.
+pub async fn communicator(net: &MemNet, n: usize) -> Result<Vec<Comm>, String> {
+    let transports: Vec<Arc<MemTransport>> = (0..n)
+        .map(|r| Arc::new(net.bind_on(r, node_of(r))))
+        .collect();
+    let root = transports[0].listen_addr();
+    try_join_all(
+        transports
+            .iter()
+            .enumerate()
+            .map(|(r, t)| Communicator::join(t.clone(), r, n, root, Config::default())),
+    )
+    .await
+    .map_err(|e| format!("forming a communicator of {n}: {e}"))
+}
+
+/// A running kv job.
+pub struct KvJob {
+    /// Where the scheduler listens.
+    pub root: SocketAddr,
+    /// Where each server, then each worker, listens.
+    pub nodes: Vec<SocketAddr>,
+    /// The workers, by rank.
+    pub workers: Vec<Arc<Worker<MemTransport>>>,
+    scheduler: JoinHandle<Result<(), KvError>>,
+    servers: Vec<JoinHandle<Result<(), KvError>>>,
+}
+
+fn config(role: Role, root: SocketAddr, servers: usize, workers: usize) -> KvConfig {
+    // No heartbeats: on a slowed clock they would be far more frequent than on the network
+    // described, and they are not what is measured.
+    KvConfig::local(role, root, servers as u32, workers as u32).heartbeats(None, None)
+}
+
+impl KvJob {
+    /// Starts the scheduler on host `scheduler`, a server on each of `servers` and a
+    /// worker on each of `workers` (hosts), and waits until every worker has joined.
+    pub async fn start(
+        net: &MemNet,
+        scheduler: usize,
+        servers: &[usize],
+        workers: &[usize],
+    ) -> Result<KvJob, String> {
+        let (s, w) = (servers.len(), workers.len());
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("an address");
+        let sched = Scheduler::new(
+            &config(Role::Scheduler, any, s, w),
+            net.bind_on(scheduler, SCHEDULER),
+        );
+        let root = sched.addr();
+        let sched = tokio::spawn(sched.run());
+        let mut nodes = Vec::new();
+        let mut server_tasks = Vec::new();
+        for &h in servers {
+            let t = net.bind_on(h, NodeId(0));
+            nodes.push(t.listen_addr());
+            let c = config(Role::Server, root, s, w);
+            server_tasks.push(tokio::spawn(async move { run_server(&c, t).await }));
+        }
+        let joins: Vec<_> = workers
+            .iter()
+            .map(|&h| {
+                let t = net.bind_on(h, NodeId(0));
+                nodes.push(t.listen_addr());
+                let c = config(Role::Worker, root, s, w);
+                tokio::spawn(async move { Worker::join(&c, t).await })
+            })
+            .collect();
+        let mut joined = Vec::new();
+        for j in joins {
+            let worker = j
+                .await
+                .map_err(|e| format!("a worker's task: {e}"))?
+                .map_err(|e| format!("a worker joining: {e}"))?;
+            joined.push(Arc::new(worker));
+        }
+        joined.sort_by_key(|w| w.rank());
+        Ok(KvJob {
+            root,
+            nodes,
+            workers: joined,
+            scheduler: sched,
+            servers: server_tasks,
+        })
+    }
+
+    /// Stops the scheduler and the servers (the workers go with the job).
+    pub fn stop(self) {
+        self.scheduler.abort();
+        for s in self.servers {
+            s.abort();
+        }
+    }
+}
