@@ -128,6 +128,10 @@ pub struct LinkModel {
     /// Messages landed or to land, with the time they do, not yet polled.
     landed: VecDeque<(MessageId, Duration)>,
     next_msg: MessageId,
+    /// Whether the rates must be shared again before time moves on: what crosses changed.
+    /// Sharing waits for that, so that many sends at one instant (a thousand nodes
+    /// connecting) share the links once, not once each.
+    stale: bool,
 }
 
 /// Which of a host's links: `host * 3 + kind`.
@@ -145,6 +149,7 @@ impl LinkModel {
             crossing: BTreeMap::new(),
             landed: VecDeque::new(),
             next_msg: 0,
+            stale: false,
         }
     }
 
@@ -187,7 +192,7 @@ impl LinkModel {
         if !self.crossing.contains_key(&conn) {
             self.start_next(conn);
             self.finish_crossed();
-            self.share();
+            self.stale = true;
         }
         msg
     }
@@ -199,7 +204,7 @@ impl LinkModel {
         self.handle_time(now);
         self.streams.remove(&conn);
         if self.crossing.remove(&conn).is_some() {
-            self.share();
+            self.stale = true;
         }
     }
 
@@ -210,14 +215,15 @@ impl LinkModel {
         while let Some(next) = self.poll_timeout().filter(|&t| t <= now) {
             self.cross_until(next);
             self.finish_crossed();
-            self.share();
+            self.stale = true;
         }
         self.cross_until(now);
     }
 
     /// When the next crossing message finishes crossing, if any is (one held to no share
     /// of a link has no end in sight).
-    pub fn poll_timeout(&self) -> Option<Duration> {
+    pub fn poll_timeout(&mut self) -> Option<Duration> {
+        self.share_if_stale();
         self.crossing
             .values()
             .filter(|c| c.rate > 0.0 || c.remaining == 0.0)
@@ -259,6 +265,7 @@ impl LinkModel {
         if t <= self.now {
             return;
         }
+        self.share_if_stale();
         let dt = (t - self.now).as_secs_f64();
         for c in self.crossing.values_mut() {
             c.remaining = (c.remaining - c.rate * dt).max(0.0);
@@ -324,6 +331,14 @@ impl LinkModel {
             if c.remaining == 0.0 && c.rate == 0.0 {
                 c.rate = 1.0;
             }
+        }
+    }
+
+    /// Shares the links again if what crosses them changed since they last were.
+    fn share_if_stale(&mut self) {
+        if self.stale {
+            self.share();
+            self.stale = false;
         }
     }
 

@@ -275,8 +275,8 @@ impl Net {
 
     /// When the link model next finishes a message's crossing (it lands after the links'
     /// latency), if it has one crossing.
-    pub(crate) fn next_landing(&self) -> Option<Instant> {
-        self.wires.as_ref().and_then(Wires::next_landing)
+    pub(crate) fn next_landing(&mut self) -> Option<Instant> {
+        self.wires.as_mut().and_then(Wires::next_landing)
     }
 
     fn purge(&mut self, ep: u64, conn: u64) {

@@ -94,7 +94,7 @@ impl Wires {
 
     /// When the next crossing message finishes crossing (it lands after the links'
     /// latency), if any is.
-    pub(crate) fn next_landing(&self) -> Option<Instant> {
+    pub(crate) fn next_landing(&mut self) -> Option<Instant> {
         self.model.poll_timeout().map(|t| self.epoch + t)
     }
 }

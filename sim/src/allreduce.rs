@@ -18,7 +18,7 @@ pub fn run(rig: &Rig, sizes: &[usize], iters: usize) -> Result<Vec<Duration>, St
     let rig = *rig;
     let sizes = sizes.to_vec();
     super::rig::runtime()?.block_on(async move {
-        let comms = communicator(&net, n).await?;
+        let comms = communicator(&net, n, rig.slow).await?;
         let mut rows = Vec::new();
         for &bytes in &sizes {
             let elems = (bytes / 4).max(1);

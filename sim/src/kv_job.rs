@@ -75,7 +75,7 @@ pub fn run(
     let rig = *rig;
     let sizes = sizes.to_vec();
     super::rig::runtime()?.block_on(async move {
-        let job = KvJob::start(&net, 0, &server_hosts, &worker_hosts).await?;
+        let job = KvJob::start(&net, 0, &server_hosts, &worker_hosts, rig.slow).await?;
         let mut rows = Vec::new();
         for (key, &bytes) in sizes.iter().enumerate() {
             let times = try_join_all(

@@ -33,7 +33,7 @@ pub fn collectives(rig: &Rig, n: usize, bytes: usize) -> Result<CollScale, Strin
     let rig = *rig;
     super::rig::runtime()?.block_on(async move {
         let start = Instant::now();
-        let comms = communicator(&net, n).await?;
+        let comms = communicator(&net, n, rig.slow).await?;
         let join = rig.seen(start.elapsed());
         let addrs: Vec<_> = comms.iter().map(|c| c.transport().listen_addr()).collect();
         let root_traffic = net.traffic_at(addrs[0]).unwrap_or_default();
@@ -98,7 +98,7 @@ pub fn kv(
         let start = Instant::now();
         let server_hosts: Vec<usize> = (1..=servers).collect();
         let worker_hosts: Vec<usize> = (1 + servers..1 + servers + workers).collect();
-        let job = KvJob::start(&net, 0, &server_hosts, &worker_hosts).await?;
+        let job = KvJob::start(&net, 0, &server_hosts, &worker_hosts, rig.slow).await?;
         let joined = &job.workers;
         let bootstrap = rig.seen(start.elapsed());
         let n = (bytes / 4).max(1);

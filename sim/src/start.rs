@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::future::try_join_all;
 use psnet_collectives::{node_of, Communicator, Config};
@@ -15,8 +16,15 @@ use tokio::task::JoinHandle;
 /// A communicator's ranks on the simulated network.
 pub type Comm = Communicator<MemTransport>;
 
-/// Forms a communicator of `n` ranks, rank `r` on host `r`.
-pub async fn communicator(net: &MemNet, n: usize) -> Result<Vec<Comm>, String> {
+/// Forms a communicator of `n` ranks, rank `r` on host `r`, on a network `slow` times
+/// slower than the one described: its heartbeats come as often as they would there (at
+/// the clock's rate they would be `slow` times too many, each a message crossing the links).
+pub async fn communicator(net: &MemNet, n: usize, slow: f64) -> Result<Vec<Comm>, String> {
+    let defaults = Config::default();
+    let config = Config {
+        heartbeat_timeout: defaults.heartbeat_timeout.map(|t| t.mul_f64(slow)),
+        ..defaults
+    };
     let transports: Vec<Arc<MemTransport>> = (0..n)
         .map(|r| Arc::new(net.bind_on(r, node_of(r))))
         .collect();
@@ -25,7 +33,7 @@ pub async fn communicator(net: &MemNet, n: usize) -> Result<Vec<Comm>, String> {
         transports
             .iter()
             .enumerate()
-            .map(|(r, t)| Communicator::join(t.clone(), r, n, root, Config::default())),
+            .map(|(r, t)| Communicator::join(t.clone(), r, n, root, config.clone())),
     )
     .await
     .map_err(|e| format!("forming a communicator of {n}: {e}"))
@@ -43,25 +51,29 @@ pub struct KvJob {
     servers: Vec<JoinHandle<Result<(), KvError>>>,
 }
 
-fn config(role: Role, root: SocketAddr, servers: usize, workers: usize) -> KvConfig {
-    // No heartbeats: on a slowed clock they would be far more frequent than on the network
-    // described, and they are not what is measured.
-    KvConfig::local(role, root, servers as u32, workers as u32).heartbeats(None, None)
+/// A node's settings on a network `slow` times slower than the one described: heartbeats
+/// as often as there (ps-lite's defaults, 1 s and a timeout of 10 s, in its time).
+fn config(role: Role, root: SocketAddr, servers: usize, workers: usize, slow: f64) -> KvConfig {
+    let (every, timeout) = (Duration::from_secs(1), Duration::from_secs(10));
+    KvConfig::local(role, root, servers as u32, workers as u32)
+        .heartbeats(Some(every.mul_f64(slow)), Some(timeout.mul_f64(slow)))
 }
 
 impl KvJob {
     /// Starts the scheduler on host `scheduler`, a server on each of `servers` and a
-    /// worker on each of `workers` (hosts), and waits until every worker has joined.
+    /// worker on each of `workers` (hosts), on a network `slow` times slower than the one
+    /// described, and waits until every worker has joined.
     pub async fn start(
         net: &MemNet,
         scheduler: usize,
         servers: &[usize],
         workers: &[usize],
+        slow: f64,
     ) -> Result<KvJob, String> {
         let (s, w) = (servers.len(), workers.len());
         let any: SocketAddr = "127.0.0.1:0".parse().expect("an address");
         let sched = Scheduler::new(
-            &config(Role::Scheduler, any, s, w),
+            &config(Role::Scheduler, any, s, w, slow),
             net.bind_on(scheduler, SCHEDULER),
         );
         let root = sched.addr();
@@ -71,7 +83,7 @@ impl KvJob {
         for &h in servers {
             let t = net.bind_on(h, NodeId(0));
             nodes.push(t.listen_addr());
-            let c = config(Role::Server, root, s, w);
+            let c = config(Role::Server, root, s, w, slow);
             server_tasks.push(tokio::spawn(async move { run_server(&c, t).await }));
         }
         let joins: Vec<_> = workers
@@ -79,7 +91,7 @@ impl KvJob {
             .map(|&h| {
                 let t = net.bind_on(h, NodeId(0));
                 nodes.push(t.listen_addr());
-                let c = config(Role::Worker, root, s, w);
+                let c = config(Role::Worker, root, s, w, slow);
                 tokio::spawn(async move { Worker::join(&c, t).await })
             })
             .collect();
