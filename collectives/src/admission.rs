@@ -36,32 +36,49 @@ impl std::fmt::Debug for CommSecret {
 pub(crate) struct Members {
     nodes: Vec<NodeId>,
     secret: CommSecret,
-    /// While the members still connect to each other, a rank presents the secret but lets
-    /// everyone in: a peer that has not received the table yet cannot prove itself.
-    strict: bool,
     /// Where refused claims to a member's id are noted.
-    claims: Option<Arc<Mailbox>>,
+    claims: Arc<Mailbox>,
 }
 
 impl Members {
-    /// Presents the secret and lets everyone in (while connecting).
-    pub(crate) fn presenting(nodes: Vec<NodeId>, secret: CommSecret) -> Self {
-        Members {
-            nodes,
-            secret,
-            strict: false,
-            claims: None,
-        }
-    }
-
     /// Presents the secret and lets in only members that present it; a claim to a member's
     /// id without it is noted in `claims`.
     pub(crate) fn checking(nodes: Vec<NodeId>, secret: CommSecret, claims: Arc<Mailbox>) -> Self {
         Members {
             nodes,
             secret,
-            strict: true,
-            claims: Some(claims),
+            claims,
+        }
+    }
+}
+
+/// The refusal of a rank that has not got the table yet (see [`Joining`]); a dialler that
+/// reads it tries again.
+pub(crate) const NOT_FORMED: &str = "this rank has not got the communicator's table yet";
+
+/// A rank other than 0 until the table comes: it cannot prove itself to a member that dials
+/// it (it has no secret yet), so it refuses the dial, which is tried again, rather than
+/// answer without a proof and be refused after its side of the connection is made. Rank 0,
+/// which it dials itself, answers it before anyone has a secret.
+pub(crate) struct Joining {
+    pub(crate) root: NodeId,
+}
+
+impl Admission for Joining {
+    fn proof(&self, _local: NodeId, _binding: &Binding) -> Option<Proof> {
+        None
+    }
+
+    fn admit(
+        &self,
+        peer: NodeId,
+        _proof: Option<&Proof>,
+        _binding: &Binding,
+    ) -> Result<(), String> {
+        if peer == self.root {
+            Ok(())
+        } else {
+            Err(NOT_FORMED.into())
         }
     }
 }
@@ -74,9 +91,6 @@ impl Admission for Members {
     }
 
     fn admit(&self, peer: NodeId, proof: Option<&Proof>, binding: &Binding) -> Result<(), String> {
-        if !self.strict {
-            return Ok(());
-        }
         if !self.nodes.contains(&peer) {
             return Err(format!("{peer} is no rank of this communicator"));
         }
@@ -85,9 +99,7 @@ impl Admission for Members {
             Some(_) => format!("{peer} came with a wrong job secret"),
             None => format!("{peer} came without the job secret"),
         };
-        if let Some(mailbox) = &self.claims {
-            mailbox.note_claim(peer, refused.clone());
-        }
+        self.claims.note_claim(peer, refused.clone());
         Err(refused)
     }
 }
@@ -131,10 +143,13 @@ mod tests {
         let here = binding(1);
         let mailbox = Arc::new(Mailbox::new(0));
         let members = Members::checking(vec![NodeId(1), NodeId(2)], secret, mailbox.clone());
+        let joining = Joining { root: NodeId(1) };
+        assert_eq!(joining.admit(NodeId(1), None, &here), Ok(()));
         assert_eq!(
-            Members::presenting(vec![NodeId(1)], secret).admit(NodeId(5), None, &here),
-            Ok(())
+            joining.admit(NodeId(2), None, &here),
+            Err(NOT_FORMED.into())
         );
+        assert_eq!(joining.proof(NodeId(2), &here), None);
         let proof_of = |id| members.proof(id, &here).unwrap();
         assert_eq!(
             members.admit(NodeId(2), Some(&proof_of(NodeId(2))), &here),

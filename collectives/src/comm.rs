@@ -59,6 +59,9 @@ pub struct Communicator<T: Transport> {
     pub(crate) p2p: crate::p2p::Counters,
     pub(crate) rank: usize,
     pub(crate) members: Vec<NodeId>,
+    /// Where the members listen, and which this rank is connected to (`peers.rs`); shared
+    /// with the communicators split from this one, which run over the same connections.
+    pub(crate) peers: Arc<crate::peers::Peers>,
     pub(crate) config: Config,
     pub(crate) order: Order,
     pub(crate) failed: Mutex<Option<CollectiveError>>,
@@ -161,6 +164,7 @@ impl<T: Transport> Communicator<T> {
             p2p: Default::default(),
             rank,
             members: (0..size).map(node_of).collect(),
+            peers: Arc::default(),
             config,
             order: Order::default(),
             failed: Mutex::new(None),
@@ -170,8 +174,13 @@ impl<T: Transport> Communicator<T> {
             all_local: size == 1,
             recorder: None,
         };
-        let (id, local) = crate::join::join(&comm, root).await?;
+        let (id, local, table) = crate::join::join(&comm, root).await?;
         comm.comm = id;
+        comm.peers = Arc::new(crate::peers::Peers::new(
+            &comm.members,
+            &table,
+            &comm.transport.connected_peers(),
+        ));
         comm.recorder = comm.new_recorder();
         if let Some(r) = &comm.recorder {
             comm.mailbox.set_recorder(r.clone());
@@ -437,6 +446,7 @@ impl<T: Transport> Communicator<T> {
             p2p: Default::default(),
             rank,
             members: members.iter().map(|&(_, r)| self.members[r]).collect(),
+            peers: self.peers.clone(),
             config: self.config.clone(),
             order: Order::default(),
             failed: Mutex::new(None),

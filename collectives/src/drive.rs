@@ -104,6 +104,7 @@ async fn run_plan<T: Transport, P: Pieces>(
     // any of its data leaves: a peer given this rank's part could otherwise finish the call
     // with a squatter's data before this rank's abort reached it.
     check_news(comm, &comm.mailbox.lock(), seq)?;
+    reach_partners(comm, plan).await?;
     loop {
         let mut progress = false;
         while let Some(req) = plan.poll_send() {
@@ -278,6 +279,34 @@ pub(crate) fn finish_call<T: Transport>(comm: &Communicator<T>, seq: u64) {
     comm.mailbox.lock().finish_call(comm.comm, seq);
 }
 
+/// Connects to the ranks this call sends to or receives from that are not connected yet
+/// (`peers.rs`); one that cannot be reached is lost.
+async fn reach_partners<T: Transport>(
+    comm: &Communicator<T>,
+    plan: &Plan,
+) -> Result<(), CollectiveError> {
+    let partners = plan.partners();
+    let nodes = partners.iter().map(|&r| comm.members[r]);
+    if comm.peers.unreached(nodes.clone()).is_empty() {
+        return Ok(());
+    }
+    let within = comm.config.join_timeout;
+    let Err(e) = comm.peers.reach(&*comm.transport, nodes, within).await else {
+        return Ok(());
+    };
+    let rank = rank_of(comm, e.node).unwrap_or(usize::MAX);
+    comm.mailbox
+        .lock()
+        .lost
+        .entry(e.node)
+        .or_insert_with(|| e.reason.clone());
+    Err(CollectiveError::RankLost {
+        rank,
+        node: e.node,
+        reason: e.reason,
+    })
+}
+
 fn rank_of<T: Transport>(comm: &Communicator<T>, node: NodeId) -> Option<usize> {
     comm.members.iter().position(|&m| m == node)
 }
@@ -291,6 +320,11 @@ fn check_awaited<T: Transport>(comm: &Communicator<T>, plan: &Plan) -> Result<()
             "closed with {} transfers of this call left: {why}",
             plan.remaining()
         )));
+    }
+    // Looked at whenever the call would sleep: the awaited ranks are worth finding only if
+    // some rank is lost or malformed.
+    if mail.lost.is_empty() && mail.malformed.is_empty() {
+        return Ok(());
     }
     for rank in plan.awaited_ranks() {
         let node = comm.members[rank];
@@ -392,6 +426,7 @@ pub(crate) struct Teller<T: Transport> {
     comm: u32,
     pub(crate) rank: usize,
     members: Vec<NodeId>,
+    peers: Arc<crate::peers::Peers>,
 }
 
 impl<T: Transport> Teller<T> {
@@ -401,11 +436,12 @@ impl<T: Transport> Teller<T> {
             comm: comm.comm,
             rank: comm.rank,
             members: comm.members.clone(),
+            peers: comm.peers.clone(),
         }
     }
 
     /// Sends every other rank an abort of call `seq` carrying `reason`, each send bounded in
-    /// time.
+    /// time; ranks not connected yet are dialled (in the same time).
     pub(crate) async fn tell(&self, seq: u64, reason: &str) {
         let mut header = wire::control(Kind::Abort, self.comm);
         header.seq = seq;
@@ -415,10 +451,11 @@ impl<T: Transport> Teller<T> {
         for (rank, &node) in self.members.iter().enumerate() {
             if rank != self.rank {
                 let msg = OutMessage::new(&header, &segment);
-                tell.push(tokio::time::timeout(
-                    ABORT_SEND,
-                    self.transport.send(node, msg),
-                ));
+                let (transport, peers) = (&*self.transport, &self.peers);
+                tell.push(tokio::time::timeout(ABORT_SEND, async move {
+                    let _ = peers.reach(transport, [node], ABORT_SEND).await;
+                    transport.send(node, msg).await
+                }));
             }
         }
         while tell.next().await.is_some() {}

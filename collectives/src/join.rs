@@ -2,7 +2,8 @@
 //! the world size it expects, its settings and the address it listens at; rank 0 checks that
 //! the ranks agree, then sends everyone the table: the job's communicator id (random, so
 //! that nothing left over from an earlier job on the same transport is taken for this one's)
-//! and every rank's address. Then every rank connects to every other.
+//! and every rank's address. The ranks connect to each other only when a call needs it
+//! (`peers.rs`).
 //!
 //! A rank missing when the time is up is named on rank 0, which tells the ranks that did
 //! join; rank 0 missing or lost is named on the others. The table also carries a secret drawn
@@ -18,7 +19,7 @@ use std::sync::Arc;
 use psnet_transport::{NodeId, OutMessage, Segment, Transport};
 use tokio::time::Instant;
 
-use crate::admission::{self, CommSecret, Members};
+use crate::admission::{self, CommSecret, Joining, Members};
 use crate::comm::{node_of, Communicator};
 use crate::drive::Teller;
 use crate::error::CollectiveError;
@@ -46,15 +47,15 @@ fn settings<T: Transport>(comm: &Communicator<T>) -> String {
     )
 }
 
-/// Forms the communicator; returns its id and the ranks (this one included) that listen on
-/// this rank's host.
+/// Forms the communicator; returns its id, the ranks (this one included) that listen on
+/// this rank's host, and every rank's address.
 pub(crate) async fn join<T: Transport>(
     comm: &Communicator<T>,
     root: SocketAddr,
-) -> Result<(u32, Vec<usize>), CollectiveError> {
+) -> Result<(u32, Vec<usize>, Vec<SocketAddr>), CollectiveError> {
     let size = comm.members.len();
     if size == 1 {
-        return Ok((new_id(), vec![0]));
+        return Ok((new_id(), vec![0], vec![comm.transport.listen_addr()]));
     }
     let deadline = Instant::now() + comm.config.join_timeout;
     let (id, secret, table) = if comm.rank == 0 {
@@ -82,29 +83,13 @@ pub(crate) async fn join<T: Transport>(
         }
         (id, secret, addrs)
     } else {
+        comm.transport
+            .set_admission(Arc::new(Joining { root: node_of(0) }));
         say_hello(comm, root, size, deadline).await?
     };
-    // The members connect to each other presenting the secret; once every connection of this
-    // rank is made (each pair is connected by whichever side dials first, so a later dial
-    // finds the connection made), only members presenting it may connect.
-    comm.transport
-        .set_admission(Arc::new(Members::presenting(comm.members.clone(), secret)));
-    for (rank, addr) in table.iter().enumerate() {
-        if rank == comm.rank {
-            continue;
-        }
-        tokio::time::timeout_at(deadline, comm.transport.connect(node_of(rank), *addr))
-            .await
-            .map_err(|_| {
-                CollectiveError::Join(format!(
-                    "rank {rank} at {addr} did not answer within {:?}",
-                    comm.config.join_timeout
-                ))
-            })?
-            .map_err(|e| {
-                CollectiveError::Join(format!("connecting to rank {rank} at {addr}: {e}"))
-            })?;
-    }
+    // From here on only members presenting the secret may connect. A rank dials another
+    // only once it has the table, so it has the secret; one that has not got the table yet
+    // refuses the dial (`Joining`), and the dialler tries again.
     comm.transport.set_admission(Arc::new(Members::checking(
         comm.members.clone(),
         secret,
@@ -126,7 +111,7 @@ pub(crate) async fn join<T: Transport>(
     }
     let here = comm.transport.listen_addr().ip();
     let local = (0..size).filter(|&r| table[r].ip() == here).collect();
-    Ok((id, local))
+    Ok((id, local, table))
 }
 
 /// A communicator id for a new job: random, never 0 (the id joining itself uses).

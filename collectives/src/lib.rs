@@ -36,6 +36,7 @@ mod order;
 mod owned;
 mod p2p;
 mod payload;
+mod peers;
 mod pieces;
 mod rescaled;
 mod scratch;

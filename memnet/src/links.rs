@@ -16,7 +16,8 @@
 //! - A message lands when its last byte has crossed plus the latency of the links it used
 //!   (uplink and downlink, or the local path): latency is per message, not per round trip.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::time::Duration;
 
@@ -114,6 +115,8 @@ struct Crossing {
     remaining: f64,
     /// Its share of its links, in bytes per second.
     rate: f64,
+    /// The links it crosses.
+    links: [Option<usize>; 2],
 }
 
 /// The links' state: what crosses them and at what rate, as of `now`.
@@ -128,10 +131,15 @@ pub struct LinkModel {
     /// Messages landed or to land, with the time they do, not yet polled.
     landed: VecDeque<(MessageId, Duration)>,
     next_msg: MessageId,
-    /// Whether the rates must be shared again before time moves on: what crosses changed.
-    /// Sharing waits for that, so that many sends at one instant (a thousand nodes
-    /// connecting) share the links once, not once each.
-    stale: bool,
+    /// The connections crossing each link in use, in order.
+    users: HashMap<usize, BTreeSet<u64>>,
+    /// The links whose connections changed since the rates were last shared: those links,
+    /// and the ones their connections reach through the links they share, are shared again
+    /// before time moves on. Sharing waits for that, so that many sends at one instant (a
+    /// thousand nodes connecting) share the links once, not once each; and only what a
+    /// change reaches is shared again (each connection of a ring of one rank a host shares
+    /// no link with another).
+    dirty: Vec<usize>,
 }
 
 /// Which of a host's links: `host * 3 + kind`.
@@ -149,7 +157,8 @@ impl LinkModel {
             crossing: BTreeMap::new(),
             landed: VecDeque::new(),
             next_msg: 0,
-            stale: false,
+            users: HashMap::new(),
+            dirty: Vec::new(),
         }
     }
 
@@ -192,7 +201,6 @@ impl LinkModel {
         if !self.crossing.contains_key(&conn) {
             self.start_next(conn);
             self.finish_crossed();
-            self.stale = true;
         }
         msg
     }
@@ -203,9 +211,7 @@ impl LinkModel {
     pub fn handle_close(&mut self, now: Duration, conn: u64) {
         self.handle_time(now);
         self.streams.remove(&conn);
-        if self.crossing.remove(&conn).is_some() {
-            self.stale = true;
-        }
+        self.stop_crossing(conn);
     }
 
     /// Time has come to `now`: messages that finished crossing by then land (from
@@ -215,7 +221,6 @@ impl LinkModel {
         while let Some(next) = self.poll_timeout().filter(|&t| t <= now) {
             self.cross_until(next);
             self.finish_crossed();
-            self.stale = true;
         }
         self.cross_until(now);
     }
@@ -275,17 +280,41 @@ impl LinkModel {
 
     /// Starts the next message of `conn` crossing, if it has one.
     fn start_next(&mut self, conn: u64) {
-        let Some(&(msg, bytes)) = self.streams.get(&conn).and_then(|s| s.queue.front()) else {
+        let Some(stream) = self.streams.get(&conn) else {
             return;
         };
+        let Some(&(msg, bytes)) = stream.queue.front() else {
+            return;
+        };
+        let (links, _) = self.path(stream.from, stream.to);
+        for link in links.into_iter().flatten() {
+            self.users.entry(link).or_default().insert(conn);
+            self.dirty.push(link);
+        }
         self.crossing.insert(
             conn,
             Crossing {
                 msg,
                 remaining: bytes as f64,
                 rate: 0.0,
+                links,
             },
         );
+    }
+
+    /// `conn` no longer crosses its links.
+    fn stop_crossing(&mut self, conn: u64) -> Option<Crossing> {
+        let c = self.crossing.remove(&conn)?;
+        for link in c.links.into_iter().flatten() {
+            if let Some(users) = self.users.get_mut(&link) {
+                users.remove(&conn);
+                if users.is_empty() {
+                    self.users.remove(&link);
+                }
+            }
+            self.dirty.push(link);
+        }
+        Some(c)
     }
 
     /// Lands the messages that have crossed (within a nanosecond's worth of bytes, as
@@ -302,7 +331,7 @@ impl LinkModel {
                 return;
             }
             for conn in done {
-                let Some(c) = self.crossing.remove(&conn) else {
+                let Some(c) = self.stop_crossing(conn) else {
                     continue;
                 };
                 let Some(stream) = self.streams.get_mut(&conn) else {
@@ -336,54 +365,118 @@ impl LinkModel {
 
     /// Shares the links again if what crosses them changed since they last were.
     fn share_if_stale(&mut self) {
-        if self.stale {
+        if !self.dirty.is_empty() {
             self.share();
-            self.stale = false;
         }
     }
 
     /// Shares every link among the connections crossing it, max-min fairly: the link whose
     /// equal share of what is left is least fixes its connections' rates at that share,
     /// which the other links they use then lose; until every connection has a rate. Only
-    /// the links in use are looked at (a simulation of a thousand hosts has few at once).
+    /// the links in use are looked at (a simulation of a thousand hosts has few at once),
+    /// and the least share is kept in a heap: a ring of a thousand hosts has two thousand
+    /// links in use, and finding the least by looking at each made this quadratic.
     fn share(&mut self) {
-        // Each link in use: what is left of its rate and its connections without a rate yet.
-        let mut links: BTreeMap<usize, (f64, Vec<u64>)> = BTreeMap::new();
-        let mut uses: BTreeMap<u64, [Option<usize>; 2]> = BTreeMap::new();
-        for &conn in self.crossing.keys() {
-            let Some(stream) = self.streams.get(&conn) else {
+        // The connections a change reaches: those crossing a changed link, those crossing a
+        // link those cross, and so on. The others keep their rates.
+        let mut reached: BTreeSet<u64> = BTreeSet::new();
+        let mut seen: HashSet<usize> = HashSet::new();
+        let mut todo = std::mem::take(&mut self.dirty);
+        while let Some(link) = todo.pop() {
+            if !seen.insert(link) {
                 continue;
-            };
-            let (path, _) = self.path(stream.from, stream.to);
+            }
+            for &conn in self.users.get(&link).into_iter().flatten() {
+                if reached.insert(conn) {
+                    todo.extend(self.crossing[&conn].links.into_iter().flatten());
+                }
+            }
+        }
+        // Each link in use: what is left of its rate, its connections, and how many of them
+        // have no rate yet.
+        let mut links: HashMap<usize, InUse> = HashMap::new();
+        let mut uses: HashMap<u64, [Option<usize>; 2]> = HashMap::new();
+        for &conn in &reached {
+            let path = self.crossing[&conn].links;
             for link in path.into_iter().flatten() {
                 let rate = self.rate_of(link);
-                links.entry(link).or_insert((rate, Vec::new())).1.push(conn);
+                let l = links.entry(link).or_insert(InUse {
+                    left: rate,
+                    users: Vec::new(),
+                    unfixed: 0,
+                    version: 0,
+                });
+                l.users.push(conn);
+                l.unfixed += 1;
             }
             uses.insert(conn, path);
         }
-        while let Some((link, share)) = links
+        let mut least: BinaryHeap<Reverse<(Share, usize, u32)>> = links
             .iter()
-            .map(|(&l, (left, users))| (l, left.max(0.0) / users.len() as f64))
-            .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))
-        {
-            let (_, users) = links.remove(&link).expect("a link in use");
+            .map(|(&link, l)| Reverse((l.share(), link, l.version)))
+            .collect();
+        let mut fixed: HashSet<u64> = HashSet::new();
+        while let Some(Reverse((Share(share), link, version))) = least.pop() {
+            if links.get(&link).is_none_or(|l| l.version != version) {
+                continue;
+            }
+            let users = links.remove(&link).expect("a link in use").users;
             for conn in users {
+                if !fixed.insert(conn) {
+                    continue;
+                }
                 if let Some(c) = self.crossing.get_mut(&conn) {
                     c.rate = share;
                 }
                 for other in uses[&conn].into_iter().flatten().filter(|&o| o != link) {
-                    let Some((left, others)) = links.get_mut(&other) else {
+                    let Some(l) = links.get_mut(&other) else {
                         continue;
                     };
-                    *left -= share;
-                    others.retain(|&u| u != conn);
-                    if others.is_empty() {
+                    l.left -= share;
+                    l.unfixed -= 1;
+                    if l.unfixed == 0 {
                         links.remove(&other);
+                    } else {
+                        l.version += 1;
+                        least.push(Reverse((l.share(), other, l.version)));
                     }
                 }
             }
         }
         self.share_zero_length();
+    }
+}
+
+/// A link in use while the links are shared.
+struct InUse {
+    left: f64,
+    users: Vec<u64>,
+    unfixed: usize,
+    /// Bumped when `left` or `unfixed` change: the heap's older entries for it are stale.
+    version: u32,
+}
+
+impl InUse {
+    fn share(&self) -> Share {
+        Share(self.left.max(0.0) / self.unfixed as f64)
+    }
+}
+
+/// A share of a link, ordered as `f64::total_cmp` orders it.
+#[derive(Clone, Copy, PartialEq)]
+struct Share(f64);
+
+impl Eq for Share {}
+
+impl PartialOrd for Share {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Share {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
     }
 }
 

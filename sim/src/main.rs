@@ -260,8 +260,17 @@ fn scale_rows(args: &ScaleArgs) -> Result<(), String> {
             args.gbit, args.latency_us
         );
         println!(
-            "{:<6} {:>6} {:>10} {:>12} {:>14} {:>7} {:>11} {:>11}",
-            "job", "nodes", "start ms", "root msgs", "root bytes", "conns", "op ms", "bound ms"
+            "{:<6} {:>6} {:>10} {:>12} {:>14} {:>7} {:>10} {:>11} {:>11} {:>7}",
+            "job",
+            "nodes",
+            "start ms",
+            "root msgs",
+            "root bytes",
+            "conns",
+            "root conns",
+            "op ms",
+            "bound ms",
+            "wall s"
         );
     }
     for &n in &args.nodes {
@@ -271,7 +280,9 @@ fn scale_rows(args: &ScaleArgs) -> Result<(), String> {
         let servers = (n / 4).max(1);
         let workers = n - servers;
         let rig = rig_of(n + 1);
+        let wall = std::time::Instant::now();
         let kv = scale::kv(&rig, servers, workers, args.kv_keys, kv_bytes)?;
+        let kv_wall = wall.elapsed();
         // A round's bound: a worker pushes and pulls its keys one after another, so each key
         // in turn brings every worker's value into its server (or each server's share of a
         // key split over all, from MXNet's big-array bound of 10^6 elements) and sends the
@@ -284,7 +295,9 @@ fn scale_rows(args: &ScaleArgs) -> Result<(), String> {
         };
         let per_key = (workers * kv_bytes) as f64 / shards as f64;
         let kv_bound = (rig.wire(per_key) + hop) * (2 * args.kv_keys as u32);
+        let wall = std::time::Instant::now();
         let coll = scale::collectives(&rig_of(n), n, ar_bytes)?;
+        let coll_wall = wall.elapsed();
         // The ring: 2 (n - 1) steps, each a chunk of 1/n over a link and two links' latency.
         let ring = (rig.wire(ar_bytes as f64 / n as f64) + hop) * (2 * (n as u32 - 1));
         let rows = [
@@ -292,43 +305,49 @@ fn scale_rows(args: &ScaleArgs) -> Result<(), String> {
                 "kv",
                 kv.bootstrap,
                 kv.scheduler,
-                kv.connections.max(kv.scheduler_connections),
+                kv.connections,
+                kv.scheduler_connections,
                 kv.round,
                 kv_bound,
+                kv_wall,
             ),
             (
                 "coll",
                 coll.join,
                 coll.root,
                 coll.connections,
+                coll.root_connections,
                 coll.allreduce,
                 ring,
+                coll_wall,
             ),
         ];
-        for (job, start, root, conns, op, bound) in rows {
+        for (job, start, root, conns, root_conns, op, bound, wall) in rows {
             if args.json {
                 let line = serde_json::json!({
                     "job": job, "nodes": n, "start_ms": ms(start),
                     "root_messages": root.sent_messages + root.received_messages,
                     "root_bytes": root.sent_bytes + root.received_bytes,
-                    "connections": conns, "op_ms": ms(op), "bound_ms": ms(bound),
+                    "connections": conns, "root_connections": root_conns,
+                    "op_ms": ms(op), "bound_ms": ms(bound), "wall_s": wall.as_secs_f64(),
                 });
                 println!("{line}");
             } else {
                 println!(
-                    "{job:<6} {n:>6} {:>10.3} {:>12} {:>14} {conns:>7} {:>11.3} {:>11.3}",
+                    "{job:<6} {n:>6} {:>10.3} {:>12} {:>14} {conns:>7} {root_conns:>10} {:>11.3} {:>11.3} {:>7.1}",
                     ms(start),
                     root.sent_messages + root.received_messages,
                     root.sent_bytes + root.received_bytes,
                     ms(op),
-                    ms(bound)
+                    ms(bound),
+                    wall.as_secs_f64()
                 );
             }
         }
     }
     if !args.json {
-        println!("# kv: a quarter of the nodes servers; start: until every worker joined; root: the scheduler's messages and bytes both ways, the round included; op: one round of every worker's pushpull of each key; bound: each key in turn, every worker's value into its server and the sum back out over the server's link, each way two links' latency");
-        println!("# coll: start: until every rank joined; root: rank 0's messages and bytes forming it; op: one allreduce; bound: the ring's 2(n-1) steps of a chunk and two links' latency");
+        println!("# kv: a quarter of the nodes servers; start: until every worker joined; root: the scheduler's messages and bytes both ways, the round included; conns: the most a server or worker holds, root conns: the scheduler's; op: one round of every worker's pushpull of each key; bound: each key in turn, every worker's value into its server and the sum back out over the server's link, each way two links' latency");
+        println!("# coll: start: until every rank joined; root: rank 0's messages and bytes forming it; conns: the most a rank other than 0 holds, root conns: rank 0's; op: one allreduce; bound: the ring's 2(n-1) steps of a chunk and two links' latency");
     }
     Ok(())
 }

@@ -18,8 +18,10 @@ use crate::start::{communicator, KvJob};
 pub struct CollScale {
     /// Until every rank has joined.
     pub join: Duration,
-    /// The most connections a rank holds after the allreduce.
+    /// The most connections a rank other than 0 holds after the allreduce.
     pub connections: usize,
+    /// Rank 0's connections: every rank dialled it to join.
+    pub root_connections: usize,
     /// What rank 0 sent and received, forming the communicator.
     pub root: Traffic,
     /// One allreduce of the size asked for (every rank's sum checked).
@@ -53,7 +55,7 @@ pub fn collectives(rig: &Rig, n: usize, bytes: usize) -> Result<CollScale, Strin
                 return Err(format!("allreduce on {n} ranks: a rank's sum is wrong"));
             }
         }
-        let connections = addrs
+        let connections = addrs[1..]
             .iter()
             .filter_map(|&a| net.connections_at(a))
             .max()
@@ -61,6 +63,7 @@ pub fn collectives(rig: &Rig, n: usize, bytes: usize) -> Result<CollScale, Strin
         Ok(CollScale {
             join,
             connections,
+            root_connections: net.connections_at(addrs[0]).unwrap_or(0),
             root: root_traffic,
             allreduce: took,
         })
@@ -169,7 +172,9 @@ mod tests {
         let bytes = 1 << 20;
         let c = collectives(&rig(n), n, bytes).unwrap();
         assert!(c.join > Duration::ZERO);
-        assert!(c.connections < n, "{c:?}");
+        // Rank 0 and a ring's two neighbours.
+        assert_eq!(c.connections, 3, "{c:?}");
+        assert_eq!(c.root_connections, n - 1, "{c:?}");
         assert!(
             c.root.sent_messages >= (n - 1) as u64,
             "rank 0 sends every rank the table"

@@ -238,6 +238,21 @@ impl Plan {
         ranks
     }
 
+    /// Every rank this plan sends to or receives from, in order.
+    pub(crate) fn partners(&self) -> Vec<usize> {
+        let mut ranks: Vec<usize> = self
+            .ops
+            .iter()
+            .map(|op| match op.kind {
+                Kind::Recv { from, .. } => from,
+                Kind::Send { to } => to,
+            })
+            .collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        ranks
+    }
+
     /// The next send that may start.
     pub(crate) fn poll_send(&mut self) -> Option<SendReq> {
         let id = self.ready_sends.pop_front()?;
