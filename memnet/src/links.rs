@@ -140,6 +140,17 @@ pub struct LinkModel {
     /// change reaches is shared again (each connection of a ring of one rank a host shares
     /// no link with another).
     dirty: Vec<usize>,
+    /// When the next crossing message finishes, as of the last sharing, until time moves or
+    /// what crosses changes: every endpoint waiting on the network asks at every instant,
+    /// and a thousand of them looking at every crossing message each made an instant
+    /// quadratic.
+    next_end: Option<Option<Duration>>,
+    /// While the links are not shared again yet: a time no later than the next crossing's
+    /// end (each message's end if it had its links to itself), kept as messages start.
+    /// Endpoints that wait sleep until then rather than share the links at every send of an
+    /// instant (a thousand workers each sending to every server shared them once a send,
+    /// quadratic in the sends); the links are shared once time moves.
+    earliest: Option<Option<Duration>>,
 }
 
 /// Which of a host's links: `host * 3 + kind`.
@@ -159,6 +170,8 @@ impl LinkModel {
             next_msg: 0,
             users: HashMap::new(),
             dirty: Vec::new(),
+            next_end: None,
+            earliest: None,
         }
     }
 
@@ -200,7 +213,11 @@ impl LinkModel {
         stream.queue.push_back((msg, bytes));
         if !self.crossing.contains_key(&conn) {
             self.start_next(conn);
-            self.finish_crossed();
+            // Only a message of no bytes has crossed as it starts; looking at every other
+            // crossing message at each send made an instant of many sends quadratic.
+            if bytes == 0 {
+                self.finish_crossed();
+            }
         }
         msg
     }
@@ -218,22 +235,61 @@ impl LinkModel {
     /// [`poll_landed`](Self::poll_landed)), and what follows them on their connections
     /// starts crossing. Earlier times than the model's are taken as its own.
     pub fn handle_time(&mut self, now: Duration) {
-        while let Some(next) = self.poll_timeout().filter(|&t| t <= now) {
+        // What finishes by the model's time has landed (a message of no bytes lands as it
+        // starts): nothing to do until time moves.
+        if now <= self.now {
+            return;
+        }
+        while let Some(next) = self.next_end().filter(|&t| t <= now) {
             self.cross_until(next);
             self.finish_crossed();
         }
         self.cross_until(now);
     }
 
-    /// When the next crossing message finishes crossing, if any is (one held to no share
-    /// of a link has no end in sight).
+    /// A time to look again at: no later than when the next crossing message finishes
+    /// crossing, if any is (one held to no share of a link has no end in sight). It is that
+    /// time once the links are shared; while messages start at the model's time, it may be
+    /// earlier (see `earliest`), never the model's time itself.
     pub fn poll_timeout(&mut self) -> Option<Duration> {
+        if self.dirty.is_empty() {
+            return self.next_end();
+        }
+        if let Some(earliest) = self.earliest {
+            return earliest;
+        }
+        let earliest = self
+            .crossing
+            .values()
+            .map(|c| self.now + crossing_time(c.remaining, self.fastest(c.links)))
+            .min();
+        self.earliest = Some(earliest);
+        earliest
+    }
+
+    /// The fastest a message over `links` can cross: the slower link's whole rate.
+    fn fastest(&self, links: [Option<usize>; 2]) -> f64 {
+        links
+            .into_iter()
+            .flatten()
+            .map(|l| self.rate_of(l))
+            .fold(f64::INFINITY, f64::min)
+    }
+
+    /// When the next crossing message finishes crossing, the links shared as they are now.
+    fn next_end(&mut self) -> Option<Duration> {
         self.share_if_stale();
-        self.crossing
+        if let Some(known) = self.next_end {
+            return known;
+        }
+        let next = self
+            .crossing
             .values()
             .filter(|c| c.rate > 0.0 || c.remaining == 0.0)
             .map(|c| self.now + crossing_time(c.remaining, c.rate))
-            .min()
+            .min();
+        self.next_end = Some(next);
+        next
     }
 
     /// The next landed message with the time it lands at (its crossing's end plus the
@@ -271,6 +327,8 @@ impl LinkModel {
             return;
         }
         self.share_if_stale();
+        self.next_end = None;
+        self.earliest = None;
         let dt = (t - self.now).as_secs_f64();
         for c in self.crossing.values_mut() {
             c.remaining = (c.remaining - c.rate * dt).max(0.0);
@@ -287,6 +345,12 @@ impl LinkModel {
             return;
         };
         let (links, _) = self.path(stream.from, stream.to);
+        self.next_end = None;
+        // Another message that may finish first; those stopped leave the time a bound.
+        if let Some(earliest) = self.earliest {
+            let end = self.now + crossing_time(bytes as f64, self.fastest(links));
+            self.earliest = Some(Some(earliest.map_or(end, |t| t.min(end))));
+        }
         for link in links.into_iter().flatten() {
             self.users.entry(link).or_default().insert(conn);
             self.dirty.push(link);
@@ -305,6 +369,7 @@ impl LinkModel {
     /// `conn` no longer crosses its links.
     fn stop_crossing(&mut self, conn: u64) -> Option<Crossing> {
         let c = self.crossing.remove(&conn)?;
+        self.next_end = None;
         for link in c.links.into_iter().flatten() {
             if let Some(users) = self.users.get_mut(&link) {
                 users.remove(&conn);
@@ -356,6 +421,7 @@ impl LinkModel {
 
     /// Gives messages of no bytes a rate, so that `finish_crossed` lands them.
     fn share_zero_length(&mut self) {
+        self.next_end = None;
         for c in self.crossing.values_mut() {
             if c.remaining == 0.0 && c.rate == 0.0 {
                 c.rate = 1.0;
@@ -379,6 +445,7 @@ impl LinkModel {
     fn share(&mut self) {
         // The connections a change reaches: those crossing a changed link, those crossing a
         // link those cross, and so on. The others keep their rates.
+        self.next_end = None;
         let mut reached: BTreeSet<u64> = BTreeSet::new();
         let mut seen: HashSet<usize> = HashSet::new();
         let mut todo = std::mem::take(&mut self.dirty);

@@ -1,7 +1,7 @@
 //! The network: every endpoint's state behind one lock, so that each step (a send, a
 //! connection made or reset) is atomic and the order of events is the order of steps.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -120,6 +120,9 @@ pub struct Traffic {
     pub received_messages: u64,
     /// Their bytes.
     pub received_bytes: u64,
+    /// The most bytes queued for the endpoint at once: crossing the links to it, or landed
+    /// and not yet taken by `recv` (what its socket buffers and the network hold for it).
+    pub peak_queued_bytes: u64,
 }
 
 impl Ep {
@@ -136,13 +139,15 @@ impl Ep {
                 None => Err(None),
             };
         }
-        let mut seen: Vec<NodeId> = Vec::new();
+        // A set, not a list: a server of a thousand workers has entries from each in its
+        // inbox, and looking through a list of them for each entry made every look
+        // quadratic.
+        let mut seen: HashSet<NodeId> = HashSet::new();
         let mut first: Option<(Instant, usize)> = None;
         for (i, q) in self.inbox.iter().enumerate() {
-            if seen.contains(&q.from) {
+            if !seen.insert(q.from) {
                 continue;
             }
-            seen.push(q.from);
             if q.crossing.is_none() && first.is_none_or(|(at, _)| q.visible_at < at) {
                 first = Some((q.visible_at, i));
             }
@@ -215,6 +220,7 @@ impl Net {
             let visible_at = e.last_visible.max(Instant::now() + delay);
             e.last_visible = visible_at;
             e.inbox_bytes += bytes;
+            e.traffic.peak_queued_bytes = e.traffic.peak_queued_bytes.max(e.inbox_bytes as u64);
             e.inbox.push_back(Queued {
                 visible_at,
                 conn,
@@ -245,6 +251,7 @@ impl Net {
         if let Some(e) = self.eps.get_mut(&to) {
             let msg = wires.send(conn, from, to, bytes);
             e.inbox_bytes += bytes;
+            e.traffic.peak_queued_bytes = e.traffic.peak_queued_bytes.max(e.inbox_bytes as u64);
             e.inbox.push_back(Queued {
                 visible_at: Instant::now(),
                 conn: Some(conn),

@@ -23,6 +23,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 
 use rig::Rig;
+use scale::KvMode;
 
 #[derive(Parser)]
 #[command(
@@ -54,8 +55,10 @@ struct ScaleArgs {
     #[arg(long, default_value_t = 5)]
     latency_us: u64,
     /// How many times slower than described the network runs (a timer tick stands for
-    /// 1/SLOW ms).
-    #[arg(long, default_value_t = 1000.0)]
+    /// 1/SLOW ms). At 1000, a tick of 1 us rounded up each of a ring's 2(n - 1) steps of
+    /// about 10 us: 1,024 ranks' allreduce came out 1.09x its bound, 1.01x at 10,000 (the
+    /// same wall clock).
+    #[arg(long, default_value_t = 10_000.0)]
     slow: f64,
     /// Keys a kv worker pushes and pulls in a round.
     #[arg(long, default_value_t = 4)]
@@ -66,9 +69,35 @@ struct ScaleArgs {
     /// Bytes of the allreduce (K, M suffixes are binary).
     #[arg(long, default_value = "1M")]
     allreduce_bytes: String,
+    /// The kv jobs to run: sync (`dist_sync`), 2bit (`dist_sync`, 2-bit pushes), async
+    /// (`dist_async`, SGD).
+    #[arg(long, value_delimiter = ',', default_value = "sync,2bit,async", value_parser = parse_mode)]
+    kv_modes: Vec<KvMode>,
     /// Print JSON Lines, one object per row.
     #[arg(long)]
     json: bool,
+}
+
+/// One row of the scale table.
+struct Row {
+    job: &'static str,
+    start: Duration,
+    root: psnet_memnet::Traffic,
+    conns: usize,
+    root_conns: usize,
+    peak_queued: u64,
+    op: Duration,
+    bound: Duration,
+    wall: Duration,
+}
+
+fn parse_mode(s: &str) -> Result<KvMode, String> {
+    match s.trim() {
+        "sync" => Ok(KvMode::Sync),
+        "2bit" => Ok(KvMode::TwoBit),
+        "async" => Ok(KvMode::Async),
+        other => Err(format!("not a kv mode: {other:?} (sync, 2bit or async)")),
+    }
 }
 
 #[derive(clap::Args)]
@@ -260,7 +289,7 @@ fn scale_rows(args: &ScaleArgs) -> Result<(), String> {
             args.gbit, args.latency_us
         );
         println!(
-            "{:<6} {:>6} {:>10} {:>12} {:>14} {:>7} {:>10} {:>11} {:>11} {:>7}",
+            "{:<8} {:>6} {:>10} {:>10} {:>12} {:>6} {:>10} {:>12} {:>10} {:>10} {:>7}",
             "job",
             "nodes",
             "start ms",
@@ -268,6 +297,7 @@ fn scale_rows(args: &ScaleArgs) -> Result<(), String> {
             "root bytes",
             "conns",
             "root conns",
+            "peak queued",
             "op ms",
             "bound ms",
             "wall s"
@@ -280,13 +310,11 @@ fn scale_rows(args: &ScaleArgs) -> Result<(), String> {
         let servers = (n / 4).max(1);
         let workers = n - servers;
         let rig = rig_of(n + 1);
-        let wall = std::time::Instant::now();
-        let kv = scale::kv(&rig, servers, workers, args.kv_keys, kv_bytes)?;
-        let kv_wall = wall.elapsed();
         // A round's bound: a worker pushes and pulls its keys one after another, so each key
         // in turn brings every worker's value into its server (or each server's share of a
         // key split over all, from MXNet's big-array bound of 10^6 elements) and sends the
-        // sum back out to each; each way also pays the two links' latency.
+        // sum back out to each; each way also pays the two links' latency. 2-bit pushes
+        // carry a sixteenth of the bytes.
         let hop = Duration::from_micros(args.latency_us) * 2;
         let shards = if kv_bytes / 4 >= 1_000_000 {
             servers
@@ -294,59 +322,71 @@ fn scale_rows(args: &ScaleArgs) -> Result<(), String> {
             1
         };
         let per_key = (workers * kv_bytes) as f64 / shards as f64;
-        let kv_bound = (rig.wire(per_key) + hop) * (2 * args.kv_keys as u32);
+        let mut rows = Vec::new();
+        for &mode in &args.kv_modes {
+            let wall = std::time::Instant::now();
+            let kv = scale::kv(&rig, servers, workers, args.kv_keys, kv_bytes, mode)?;
+            let push = match mode {
+                KvMode::TwoBit => per_key / 16.0,
+                KvMode::Sync | KvMode::Async => per_key,
+            };
+            let bound = (rig.wire(push) + rig.wire(per_key) + hop * 2) * args.kv_keys as u32;
+            rows.push(Row {
+                job: mode.name(),
+                start: kv.bootstrap,
+                root: kv.scheduler,
+                conns: kv.connections,
+                root_conns: kv.scheduler_connections,
+                peak_queued: kv.peak_queued,
+                op: kv.round,
+                bound,
+                wall: wall.elapsed(),
+            });
+        }
         let wall = std::time::Instant::now();
         let coll = scale::collectives(&rig_of(n), n, ar_bytes)?;
-        let coll_wall = wall.elapsed();
         // The ring: 2 (n - 1) steps, each a chunk of 1/n over a link and two links' latency.
         let ring = (rig.wire(ar_bytes as f64 / n as f64) + hop) * (2 * (n as u32 - 1));
-        let rows = [
-            (
-                "kv",
-                kv.bootstrap,
-                kv.scheduler,
-                kv.connections,
-                kv.scheduler_connections,
-                kv.round,
-                kv_bound,
-                kv_wall,
-            ),
-            (
-                "coll",
-                coll.join,
-                coll.root,
-                coll.connections,
-                coll.root_connections,
-                coll.allreduce,
-                ring,
-                coll_wall,
-            ),
-        ];
-        for (job, start, root, conns, root_conns, op, bound, wall) in rows {
+        rows.push(Row {
+            job: "coll",
+            start: coll.join,
+            root: coll.root,
+            conns: coll.connections,
+            root_conns: coll.root_connections,
+            peak_queued: coll.peak_queued,
+            op: coll.allreduce,
+            bound: ring,
+            wall: wall.elapsed(),
+        });
+        for r in rows {
+            let messages = r.root.sent_messages + r.root.received_messages;
+            let bytes = r.root.sent_bytes + r.root.received_bytes;
             if args.json {
                 let line = serde_json::json!({
-                    "job": job, "nodes": n, "start_ms": ms(start),
-                    "root_messages": root.sent_messages + root.received_messages,
-                    "root_bytes": root.sent_bytes + root.received_bytes,
-                    "connections": conns, "root_connections": root_conns,
-                    "op_ms": ms(op), "bound_ms": ms(bound), "wall_s": wall.as_secs_f64(),
+                    "job": r.job, "nodes": n, "start_ms": ms(r.start),
+                    "root_messages": messages, "root_bytes": bytes,
+                    "connections": r.conns, "root_connections": r.root_conns,
+                    "peak_queued_bytes": r.peak_queued,
+                    "op_ms": ms(r.op), "bound_ms": ms(r.bound), "wall_s": r.wall.as_secs_f64(),
                 });
                 println!("{line}");
             } else {
                 println!(
-                    "{job:<6} {n:>6} {:>10.3} {:>12} {:>14} {conns:>7} {root_conns:>10} {:>11.3} {:>11.3} {:>7.1}",
-                    ms(start),
-                    root.sent_messages + root.received_messages,
-                    root.sent_bytes + root.received_bytes,
-                    ms(op),
-                    ms(bound),
-                    wall.as_secs_f64()
+                    "{:<8} {n:>6} {:>10.3} {messages:>10} {bytes:>12} {:>6} {:>10} {:>12} {:>10.3} {:>10.3} {:>7.1}",
+                    r.job,
+                    ms(r.start),
+                    r.conns,
+                    r.root_conns,
+                    r.peak_queued,
+                    ms(r.op),
+                    ms(r.bound),
+                    r.wall.as_secs_f64()
                 );
             }
         }
     }
     if !args.json {
-        println!("# kv: a quarter of the nodes servers; start: until every worker joined; root: the scheduler's messages and bytes both ways, the round included; conns: the most a server or worker holds, root conns: the scheduler's; op: one round of every worker's pushpull of each key; bound: each key in turn, every worker's value into its server and the sum back out over the server's link, each way two links' latency");
+        println!("# kv: a quarter of the nodes servers (kv-2bit: 2-bit pushes; kv-async: dist_async, SGD); start: until every worker joined; root: the scheduler's messages and bytes both ways, the round included; conns: the most a server or worker holds, root conns: the scheduler's; op: one round of every worker's pushpull of each key; bound: each key in turn, every worker's value into its server and the sum back out over the server's link, each way two links' latency; peak queued: the most bytes the network held for one node at once");
         println!("# coll: start: until every rank joined; root: rank 0's messages and bytes forming it; conns: the most a rank other than 0 holds, root conns: rank 0's; op: one allreduce; bound: the ring's 2(n-1) steps of a chunk and two links' latency");
     }
     Ok(())

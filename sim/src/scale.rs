@@ -22,6 +22,9 @@ pub struct CollScale {
     pub connections: usize,
     /// Rank 0's connections: every rank dialled it to join.
     pub root_connections: usize,
+    /// The most bytes the network held for one rank at once (see
+    /// [`Traffic::peak_queued_bytes`]).
+    pub peak_queued: u64,
     /// What rank 0 sent and received, forming the communicator.
     pub root: Traffic,
     /// One allreduce of the size asked for (every rank's sum checked).
@@ -64,6 +67,7 @@ pub fn collectives(rig: &Rig, n: usize, bytes: usize) -> Result<CollScale, Strin
             join,
             connections,
             root_connections: net.connections_at(addrs[0]).unwrap_or(0),
+            peak_queued: peak_queued(&net, &addrs),
             root: root_traffic,
             allreduce: took,
         })
@@ -82,18 +86,53 @@ pub struct KvScale {
     pub scheduler_connections: usize,
     /// The most connections a server or worker holds.
     pub connections: usize,
+    /// The most bytes the network held for one node at once, the scheduler's included (see
+    /// [`Traffic::peak_queued_bytes`]).
+    pub peak_queued: u64,
     /// One round: every worker's `pushpull` of every key, until the last is done.
     pub round: Duration,
 }
 
+/// How a kv job's servers update and its workers push.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvMode {
+    /// `dist_sync`, no optimizer: a round's sum replaces the value.
+    Sync,
+    /// `dist_sync` with 2-bit pushes (threshold 0.5): each worker's ones arrive as halves.
+    TwoBit,
+    /// `dist_async` with SGD at a learning rate of 1: each push takes its ones off at once.
+    Async,
+}
+
+impl KvMode {
+    /// The mode's name in the tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvMode::Sync => "kv",
+            KvMode::TwoBit => "kv-2bit",
+            KvMode::Async => "kv-async",
+        }
+    }
+
+    /// What a worker pulls after round `round` (from 0) of every worker pushing ones.
+    fn pulled(self, workers: usize, round: usize) -> f32 {
+        match self {
+            KvMode::Sync => workers as f32,
+            KvMode::TwoBit => workers as f32 * 0.5,
+            KvMode::Async => -((workers * (round + 1)) as f32),
+        }
+    }
+}
+
 /// Runs the job: start-up, then two rounds of `keys` keys of `bytes` each (the second
-/// timed; every pulled value checked).
+/// timed; every pulled value checked; in `dist_async`, after the round and a barrier).
 pub fn kv(
     rig: &Rig,
     servers: usize,
     workers: usize,
     keys: usize,
     bytes: usize,
+    mode: KvMode,
 ) -> Result<KvScale, String> {
     let net = rig.network()?;
     let rig = *rig;
@@ -106,6 +145,21 @@ pub fn kv(
         let bootstrap = rig.seen(start.elapsed());
         let n = (bytes / 4).max(1);
         try_join_all(joined.iter().map(|w| async move {
+            match mode {
+                KvMode::Sync => {}
+                KvMode::TwoBit => {
+                    let two_bit = psnet_compression::CompressionParams::two_bit(0.5)
+                        .map_err(|e| psnet_kv::KvError::Invalid(e.to_string()))?;
+                    w.set_gradient_compression(two_bit).await?;
+                }
+                KvMode::Async => {
+                    let sgd = r#"{"type":"sgd","learning_rate":1.0}"#;
+                    let sgd = psnet_kv::updater::OptimizerSpec::parse(sgd)
+                        .map_err(|e| psnet_kv::KvError::Invalid(e.to_string()))?;
+                    w.set_mode(psnet_kv::Mode::Async).await?;
+                    w.set_optimizer(&sgd).await?;
+                }
+            }
             let ids: Vec<u64> = (0..keys as u64).collect();
             let init = vec![0.0f32; n];
             let values: Vec<&[f32]> = (0..keys).map(|_| init.as_slice()).collect();
@@ -121,9 +175,12 @@ pub fn kv(
                 let mut out = vec![0.0f32; n];
                 for key in 0..keys as u64 {
                     w.pushpull(key, &g, &mut out).await?;
-                    if let Some(x) = out.iter().find(|&&x| x != workers as f32) {
+                    let want = mode.pulled(workers, r);
+                    if let (false, Some(x)) =
+                        (mode == KvMode::Async, out.iter().find(|&&x| x != want))
+                    {
                         return Err(psnet_kv::KvError::Invalid(format!(
-                            "key {key} pulled {x} where {workers} workers pushed ones"
+                            "key {key} pulled {x} where {workers} workers pushed ones ({mode:?}: {want})"
                         )));
                     }
                 }
@@ -132,6 +189,26 @@ pub fn kv(
             .await
             .map_err(|e| format!("round {r}: {e}"))?;
             round = rig.seen(start.elapsed());
+            if mode == KvMode::Async {
+                // Each push was applied as it came: once every worker is past the round,
+                // every key holds all of them.
+                try_join_all(joined.iter().map(|w| async move {
+                    w.barrier().await?;
+                    let mut out = vec![0.0f32; n];
+                    let want = mode.pulled(workers, r);
+                    for key in 0..keys as u64 {
+                        w.pull(key, &mut out).await?;
+                        if let Some(x) = out.iter().find(|&&x| x != want) {
+                            return Err(psnet_kv::KvError::Invalid(format!(
+                                "key {key} holds {x} after round {r} where {want} was due"
+                            )));
+                        }
+                    }
+                    Ok(())
+                }))
+                .await
+                .map_err(|e| format!("after round {r}: {e}"))?;
+            }
         }
         let connections = job
             .nodes
@@ -139,7 +216,10 @@ pub fn kv(
             .filter_map(|&a| net.connections_at(a))
             .max()
             .unwrap_or(0);
+        let mut every = job.nodes.clone();
+        every.push(job.root);
         let result = KvScale {
+            peak_queued: peak_queued(&net, &every),
             bootstrap,
             scheduler: net.traffic_at(job.root).unwrap_or_default(),
             scheduler_connections: net.connections_at(job.root).unwrap_or(0),
@@ -149,6 +229,16 @@ pub fn kv(
         job.stop();
         Ok(result)
     })
+}
+
+/// The most bytes the network held for one of the endpoints listening at `addrs`.
+fn peak_queued(net: &psnet_memnet::MemNet, addrs: &[std::net::SocketAddr]) -> u64 {
+    addrs
+        .iter()
+        .filter_map(|&a| net.traffic_at(a))
+        .map(|t| t.peak_queued_bytes)
+        .max()
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -190,7 +280,13 @@ mod tests {
 
     #[test]
     fn a_kv_job_of_eight_starts_and_runs_a_round() {
-        let k = kv(&rig(9), 2, 6, 2, 16 << 10).unwrap();
+        for mode in [KvMode::TwoBit, KvMode::Async] {
+            let k = kv(&rig(9), 2, 6, 2, 16 << 10, mode).unwrap();
+            assert!(k.round > Duration::ZERO, "{mode:?}: {k:?}");
+            assert!(k.peak_queued >= 16 << 10 >> 4, "{mode:?}: {k:?}");
+        }
+        let k = kv(&rig(9), 2, 6, 2, 16 << 10, KvMode::Sync).unwrap();
+        assert!(k.peak_queued >= 16 << 10, "{k:?}");
         assert!(
             k.bootstrap > Duration::ZERO && k.round > Duration::ZERO,
             "{k:?}"
