@@ -15,6 +15,7 @@
 
 use std::sync::Arc;
 
+use psnet_transport::session::Role;
 use psnet_transport::{Admission, Binding, NodeId, Proof};
 
 use crate::mailbox::Mailbox;
@@ -69,13 +70,9 @@ impl Admission for Joining {
         None
     }
 
-    fn admit(
-        &self,
-        peer: NodeId,
-        _proof: Option<&Proof>,
-        _binding: &Binding,
-    ) -> Result<(), String> {
-        if peer == self.root {
+    fn admit(&self, peer: NodeId, _proof: Option<&Proof>, binding: &Binding) -> Result<(), String> {
+        // Rank 0 answering this rank's dial; rank 0 itself never dials a rank.
+        if peer == self.root && binding.sender() == Role::Acceptor {
             Ok(())
         } else {
             Err(NOT_FORMED.into())
@@ -131,7 +128,7 @@ pub(crate) fn from_hex(text: &str) -> Option<CommSecret> {
 mod tests {
     use super::*;
 
-    use psnet_transport::session::{Role, SessionBase};
+    use psnet_transport::session::SessionBase;
 
     fn binding(seed: u8) -> Binding {
         Binding::new(Some(&SessionBase::from_bytes([seed; 32])), Role::Dialler)
@@ -143,12 +140,13 @@ mod tests {
         let here = binding(1);
         let mailbox = Arc::new(Mailbox::new(0));
         let members = Members::checking(vec![NodeId(1), NodeId(2)], secret, mailbox.clone());
+        // Rank 0 only as the answer to this rank's dial (its binding is the acceptor's).
         let joining = Joining { root: NodeId(1) };
-        assert_eq!(joining.admit(NodeId(1), None, &here), Ok(()));
-        assert_eq!(
-            joining.admit(NodeId(2), None, &here),
-            Err(NOT_FORMED.into())
-        );
+        let answer = Binding::new(Some(&SessionBase::from_bytes([1; 32])), Role::Acceptor);
+        assert_eq!(joining.admit(NodeId(1), None, &answer), Ok(()));
+        let refused = Err(NOT_FORMED.to_string());
+        assert_eq!(joining.admit(NodeId(1), None, &here), refused);
+        assert_eq!(joining.admit(NodeId(2), None, &answer), refused);
         assert_eq!(joining.proof(NodeId(2), &here), None);
         let proof_of = |id| members.proof(id, &here).unwrap();
         assert_eq!(

@@ -285,8 +285,16 @@ async fn reach_partners<T: Transport>(
     comm: &Communicator<T>,
     plan: &Plan,
 ) -> Result<(), CollectiveError> {
-    let partners = plan.partners();
-    let nodes = partners.iter().map(|&r| comm.members[r]);
+    reach_ranks(comm, &plan.partners()).await
+}
+
+/// Connects to those of `ranks` that are not connected yet (`peers.rs`); one that cannot be
+/// reached is lost.
+pub(crate) async fn reach_ranks<T: Transport>(
+    comm: &Communicator<T>,
+    ranks: &[usize],
+) -> Result<(), CollectiveError> {
+    let nodes = ranks.iter().map(|&r| comm.members[r]);
     if comm.peers.unreached(nodes.clone()).is_empty() {
         return Ok(());
     }

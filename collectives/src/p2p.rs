@@ -203,6 +203,8 @@ impl<T: Transport> Communicator<T> {
                 "recv from any rank: this communicator has no other rank".into(),
             ));
         }
+        // Any rank may send: each is dialled, so that one lost is seen as lost.
+        crate::drive::reach_ranks(self, &others).await?;
         let deadline = self.config.call_timeout.map(|t| Instant::now() + t);
         loop {
             let changed = self.mailbox.changed.notified();
@@ -283,6 +285,7 @@ impl<T: Transport> Communicator<T> {
         ticket: P2pTicket,
         data: &[E],
     ) -> Result<(), CollectiveError> {
+        crate::drive::reach_ranks(self, &[ticket.peer]).await?;
         let bytes: &[u8] = bytemuck::cast_slice(data);
         let piece = (self.piece_elems(E::DTYPE) * E::DTYPE.size()).max(1);
         let to = self.members[ticket.peer];
@@ -313,6 +316,9 @@ impl<T: Transport> Communicator<T> {
         ticket: P2pTicket,
         buf: &mut [E],
     ) -> Result<(), CollectiveError> {
+        // Dialled though it would dial this rank to send: a sender that died before is then
+        // seen lost rather than waited for until the call's timeout.
+        crate::drive::reach_ranks(self, &[ticket.peer]).await?;
         let from = self.members[ticket.peer];
         let key = (self.comm, from, ticket.tag, ticket.seq);
         let ours = call_of::<E>(buf.len(), 0);

@@ -1,12 +1,14 @@
 //! Connections made when a call first needs them. Forming a communicator connects each rank
-//! only to rank 0; a call then dials the ranks its plan sends to or receives from that are
+//! to rank 0 (and its last step, gathering every rank's CPUs, to that allgather's partners);
+//! a call then dials the ranks its plan sends to or receives from that are
 //! not connected yet (a ring's two neighbours, a tree's parent and children, every rank for
 //! an all-to-all). So a rank holds connections to the ranks it talks to, not to all n - 1,
 //! and a communicator of n ranks makes O(n) connections for a ring rather than n(n - 1) / 2,
 //! as NCCL connects at run time.
 //!
 //! A rank dials the ranks it receives from too, though they would dial it to send: a rank
-//! that died before dialling is then seen lost at once instead of after the call timeout.
+//! that died before dialling is then seen lost (its address refuses the dial) instead of
+//! waited for until the call timeout.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -117,7 +119,10 @@ async fn dial<T: Transport>(
 ) -> Result<(), TransportError> {
     let mut pause = Duration::from_micros(200);
     loop {
-        match transport.connect(node, addr).await {
+        // A refused connection is no one listening: every member listens from before its
+        // hello, so the rank is gone, and is named at once rather than after the connect
+        // timeout.
+        match transport.redial(node, addr).await {
             Err(TransportError::Handshake { reason, .. }) if reason.contains(NOT_FORMED) => {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_millis(50));

@@ -77,6 +77,37 @@ fn a_receive_of_another_length_or_type_fails_naming_the_sender() {
     });
 }
 
+/// Ranks connect when a call first needs them: two ranks that no call has joined yet (not
+/// neighbours on 6 ranks) exchange messages both ways; a rank that died before anyone
+/// dialled it is named by a receive from it and by a send to it, not waited for.
+#[test]
+fn ranks_no_call_has_joined_yet_connect_when_they_first_talk() {
+    for seed in 0..4 {
+        runtime().block_on(async {
+            let net = delayed(seed);
+            let comms = world(&net, 6, Config::default()).await;
+            let (a, b) = (1, 4);
+            let (to_b, to_a) = (vec![seed as i64; 9], vec![-(seed as i64); 3]);
+            let (mut at_b, mut at_a) = (vec![0i64; 9], vec![0i64; 3]);
+            let (s1, r1, s2, r2) = tokio::join!(
+                comms[a].send(b, 5, &to_b),
+                comms[b].recv(a, 5, &mut at_b),
+                comms[b].send(a, 6, &to_a),
+                comms[a].recv(b, 6, &mut at_a),
+            );
+            s1.and(r1).and(s2).and(r2).expect("both ways");
+            assert_eq!((at_b, at_a), (to_b, to_a), "seed {seed}");
+
+            assert!(net.kill(node_of(3)));
+            let mut buf = vec![0u8; 4];
+            let e = comms[1].recv(3, 0, &mut buf).await.unwrap_err().to_string();
+            assert!(e.contains("rank 3"), "seed {seed}: {e}");
+            let e = comms[5].send(3, 0, &[1u8]).await.unwrap_err().to_string();
+            assert!(e.contains("rank 3"), "seed {seed}: {e}");
+        });
+    }
+}
+
 #[test]
 fn a_receive_from_a_rank_that_dies_fails_naming_it() {
     runtime().block_on(async {

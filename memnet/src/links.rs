@@ -236,7 +236,7 @@ impl LinkModel {
     /// starts crossing. Earlier times than the model's are taken as its own.
     pub fn handle_time(&mut self, now: Duration) {
         // What finishes by the model's time has landed (a message of no bytes lands as it
-        // starts): nothing to do until time moves.
+        // starts, the others below): nothing to do until time moves.
         if now <= self.now {
             return;
         }
@@ -245,6 +245,9 @@ impl LinkModel {
             self.finish_crossed();
         }
         self.cross_until(now);
+        // A message whose end is `now` to within a nanosecond's rounding lands now: from
+        // here on every crossing message has bytes left, so none ends at the model's time.
+        self.finish_crossed();
     }
 
     /// A time to look again at: no later than when the next crossing message finishes
@@ -255,15 +258,20 @@ impl LinkModel {
         if self.dirty.is_empty() {
             return self.next_end();
         }
-        if let Some(earliest) = self.earliest {
-            return earliest;
-        }
-        let earliest = self
-            .crossing
-            .values()
-            .map(|c| self.now + crossing_time(c.remaining, self.fastest(c.links)))
-            .min();
+        let earliest = match self.earliest {
+            Some(known) => known,
+            None => self
+                .crossing
+                .values()
+                .map(|c| self.now + crossing_time(c.remaining, self.fastest(c.links)))
+                .min(),
+        };
         self.earliest = Some(earliest);
+        // Never the model's time itself: an endpoint told to look again now, finding that
+        // time has not moved, would be told the same again.
+        if earliest.is_some_and(|t| t <= self.now) {
+            return self.next_end();
+        }
         earliest
     }
 
@@ -282,14 +290,23 @@ impl LinkModel {
         if let Some(known) = self.next_end {
             return known;
         }
-        let next = self
-            .crossing
-            .values()
-            .filter(|c| c.rate > 0.0 || c.remaining == 0.0)
-            .map(|c| self.now + crossing_time(c.remaining, c.rate))
-            .min();
-        self.next_end = Some(next);
-        next
+        loop {
+            let next = self
+                .crossing
+                .values()
+                .filter(|c| c.rate > 0.0 || c.remaining == 0.0)
+                .map(|c| self.now + crossing_time(c.remaining, c.rate))
+                .min();
+            // What has crossed lands at once (`handle_time` leaves none such; kept so that
+            // no answer is ever the model's time itself), then the links are shared again.
+            if next.is_some_and(|t| t <= self.now) {
+                self.finish_crossed();
+                self.share_if_stale();
+                continue;
+            }
+            self.next_end = Some(next);
+            return next;
+        }
     }
 
     /// The next landed message with the time it lands at (its crossing's end plus the
@@ -347,7 +364,8 @@ impl LinkModel {
         let (links, _) = self.path(stream.from, stream.to);
         self.next_end = None;
         // Another message that may finish first; those stopped leave the time a bound.
-        if let Some(earliest) = self.earliest {
+        // (One of no bytes lands as it starts.)
+        if let (Some(earliest), true) = (self.earliest, bytes > 0) {
             let end = self.now + crossing_time(bytes as f64, self.fastest(links));
             self.earliest = Some(Some(earliest.map_or(end, |t| t.min(end))));
         }
