@@ -104,7 +104,7 @@ async fn run_plan<T: Transport, P: Pieces>(
     // any of its data leaves: a peer given this rank's part could otherwise finish the call
     // with a squatter's data before this rank's abort reached it.
     check_news(comm, &comm.mailbox.lock(), seq)?;
-    reach_partners(comm, plan).await?;
+    reach_partners(comm, plan).await;
     loop {
         let mut progress = false;
         while let Some(req) = plan.poll_send() {
@@ -280,12 +280,11 @@ pub(crate) fn finish_call<T: Transport>(comm: &Communicator<T>, seq: u64) {
 }
 
 /// Connects to the ranks this call sends to or receives from that are not connected yet
-/// (`peers.rs`); one that cannot be reached is lost.
-async fn reach_partners<T: Transport>(
-    comm: &Communicator<T>,
-    plan: &Plan,
-) -> Result<(), CollectiveError> {
-    reach_ranks(comm, &plan.partners()).await
+/// (`peers.rs`). One that cannot be reached is lost, and fails the call only where the call
+/// still needs it: a send to it fails, and a receive from it once nothing it sent before it
+/// went is left.
+async fn reach_partners<T: Transport>(comm: &Communicator<T>, plan: &Plan) {
+    let _ = reach_ranks(comm, &plan.partners()).await;
 }
 
 /// Connects to those of `ranks` that are not connected yet (`peers.rs`); one that cannot be

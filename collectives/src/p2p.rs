@@ -203,8 +203,10 @@ impl<T: Transport> Communicator<T> {
                 "recv from any rank: this communicator has no other rank".into(),
             ));
         }
-        // Any rank may send: each is dialled, so that one lost is seen as lost.
-        crate::drive::reach_ranks(self, &others).await?;
+        // Any rank may send: each is dialled, so that one lost is seen as lost. One that
+        // cannot be reached fails nothing here: a message it sent before it went may be
+        // here, and the others may send; the loop below decides.
+        let _ = crate::drive::reach_ranks(self, &others).await;
         let deadline = self.config.call_timeout.map(|t| Instant::now() + t);
         loop {
             let changed = self.mailbox.changed.notified();
@@ -317,8 +319,10 @@ impl<T: Transport> Communicator<T> {
         buf: &mut [E],
     ) -> Result<(), CollectiveError> {
         // Dialled though it would dial this rank to send: a sender that died before is then
-        // seen lost rather than waited for until the call's timeout.
-        crate::drive::reach_ranks(self, &[ticket.peer]).await?;
+        // seen lost rather than waited for until the call's timeout. What it sent before it
+        // went is still taken: the loop below takes the pieces here before it looks at the
+        // losses.
+        let _ = crate::drive::reach_ranks(self, &[ticket.peer]).await;
         let from = self.members[ticket.peer];
         let key = (self.comm, from, ticket.tag, ticket.seq);
         let ours = call_of::<E>(buf.len(), 0);

@@ -1,10 +1,10 @@
 //! Connections made when a call first needs them. Forming a communicator connects each rank
 //! to rank 0 (and its last step, gathering every rank's CPUs, to that allgather's partners);
-//! a call then dials the ranks its plan sends to or receives from that are
-//! not connected yet (a ring's two neighbours, a tree's parent and children, every rank for
-//! an all-to-all). So a rank holds connections to the ranks it talks to, not to all n - 1,
-//! and a communicator of n ranks makes O(n) connections for a ring rather than n(n - 1) / 2,
-//! as NCCL connects at run time.
+//! a call then dials the ranks it sends to or receives from that are not connected yet: a
+//! ring's two neighbours, a tree's parent and children, every rank for an all-to-all or a
+//! receive from any rank, the peer of a send or a receive. So a rank holds connections to
+//! the ranks it talks to, not to all n - 1, and a communicator of n ranks makes O(n)
+//! connections for a ring rather than n(n - 1) / 2, as NCCL connects at run time.
 //!
 //! A rank dials the ranks it receives from too, though they would dial it to send: a rank
 //! that died before dialling is then seen lost (its address refuses the dial) instead of
@@ -28,7 +28,8 @@ pub(crate) struct Peers {
 
 struct Peer {
     addr: SocketAddr,
-    /// Dialled by this rank, or dialled this rank: `connect` would return at once.
+    /// Connected when the communicator formed, or dialled by this rank since (a rank that
+    /// dialled this one is dialled back, which returns at once while the connection lasts).
     reached: AtomicBool,
 }
 

@@ -98,6 +98,19 @@ fn ranks_no_call_has_joined_yet_connect_when_they_first_talk() {
             s1.and(r1).and(s2).and(r2).expect("both ways");
             assert_eq!((at_b, at_a), (to_b, to_a), "seed {seed}");
 
+            // What a rank sent before it died is still received, though it can no longer
+            // be dialled.
+            let sent = vec![7u8; 5];
+            comms[2].send(5, 8, &sent).await.expect("the send goes");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            assert!(net.kill(node_of(2)));
+            let mut got = vec![0u8; 5];
+            comms[5]
+                .recv(2, 8, &mut got)
+                .await
+                .expect("what rank 2 sent");
+            assert_eq!(got, sent, "seed {seed}");
+
             assert!(net.kill(node_of(3)));
             let mut buf = vec![0u8; 4];
             let e = comms[1].recv(3, 0, &mut buf).await.unwrap_err().to_string();

@@ -68,8 +68,9 @@ pub trait Transport: Send + Sync + 'static {
         addr: SocketAddr,
     ) -> impl Future<Output = Result<(), TransportError>> + Send + '_;
 
-    /// Reconnects to a peer that was connected before: like [`Transport::connect`], but an
-    /// address that refuses the connection is an error at once ([`TransportError::Connect`]
+    /// Connects to a peer known to listen at `addr` (one connected before, or one that
+    /// listened before it said where): like [`Transport::connect`], but an address that
+    /// refuses the connection is an error at once ([`TransportError::Connect`]
     /// with [`std::io::ErrorKind::ConnectionRefused`]) instead of being retried until the
     /// timeout: nobody listens there any more, so the peer's process is gone. Transports that
     /// cannot tell a refusal fall back to `connect`.
