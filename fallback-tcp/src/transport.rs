@@ -432,9 +432,6 @@ impl Transport for TcpTransport {
             max_message: limits.max_message,
             max_meta: limits.max_meta,
             max_segments: limits.max_segments,
-            eager_limit: 0,
-            zero_copy_send: true,
-            prefers_registered: false,
             same_host_shm: self.inner.config.shm_ring > 0 && self.inner.config.shm_queue > 0,
         }
     }

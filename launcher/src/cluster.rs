@@ -8,45 +8,34 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, ExitStatus};
 
 use psnet_config::env;
+use psnet_config::rank::{self, Starter};
 
 use crate::{process_env, JobSpec, LaunchError, Role};
 
-/// The rank variables of the cluster launchers psnet understands, in the order they are
-/// looked at, with their size variables. An array task's id (Grid Engine, PBS) is its rank
-/// directly: tasks count from 1 and the scheduler, rank 0, runs with the launcher.
-const RANK_VARS: [(env::EnvVar, Option<env::EnvVar>); 6] = [
-    (env::OMPI_COMM_WORLD_RANK, Some(env::OMPI_COMM_WORLD_SIZE)),
-    (env::PMI_RANK, Some(env::PMI_SIZE)),
-    (env::SLURM_PROCID, Some(env::SLURM_NTASKS)),
-    (env::SGE_TASK_ID, None),
-    (env::PBS_ARRAY_INDEX, None),
-    (env::PBS_ARRAYID, None),
+/// The launchers whose rank variables `--role-from-env` reads, in the order they are looked
+/// at ([`rank::RANK_VARS`]). An array task's id (Grid Engine, PBS) is its rank directly: tasks
+/// count from 1 and the scheduler, rank 0, runs with the launcher.
+const LAUNCHERS: [Starter; 6] = [
+    Starter::OpenMpi,
+    Starter::Pmi,
+    Starter::Slurm,
+    Starter::GridEngine,
+    Starter::PbsPro,
+    Starter::Torque,
 ];
 
 /// This process's rank and the number of processes, from the first rank variable set, and
 /// the variable's name.
 pub fn rank_from_env() -> Result<(u32, Option<u32>, &'static str), LaunchError> {
-    for (rank, size) in RANK_VARS {
-        if rank.get().is_some() {
-            let r: u32 = rank
-                .parse()
-                .map_err(|e| LaunchError::Invalid(e.to_string()))?
-                .unwrap_or(0);
-            let n: Option<u32> = match size {
-                Some(size) => size
-                    .parse()
-                    .map_err(|e| LaunchError::Invalid(e.to_string()))?,
-                None => None,
-            };
-            return Ok((r, n, rank.name));
-        }
+    match rank::first_rank(|v| v.get(), &LAUNCHERS) {
+        Ok(Some(found)) => Ok((found.rank, found.size, found.vars.rank.name)),
+        Ok(None) => Err(LaunchError::Invalid(format!(
+            "--role-from-env: none of {} is set; run it under mpirun, srun or an array job, \
+             or use psnet-launch's own launchers",
+            rank::names(&LAUNCHERS).join(", ")
+        ))),
+        Err(e) => Err(LaunchError::Invalid(format!("--role-from-env: {e}"))),
     }
-    Err(LaunchError::Invalid(
-        "--role-from-env: none of OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID, SGE_TASK_ID, \
-         PBS_ARRAY_INDEX or PBS_ARRAYID is set; run it under mpirun, srun or an array job, \
-         or use psnet-launch's own launchers"
-            .into(),
-    ))
 }
 
 /// The role and index of rank `rank` in a job of `servers` and `workers`: rank 0 is the

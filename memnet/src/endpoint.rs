@@ -256,9 +256,6 @@ impl Transport for MemTransport {
             max_message: limits.max_message,
             max_meta: limits.max_meta,
             max_segments: limits.max_segments,
-            eager_limit: usize::MAX,
-            zero_copy_send: false,
-            prefers_registered: false,
             same_host_shm: false,
         }
     }

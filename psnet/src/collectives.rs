@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use psnet_config::env::{self, EnvVar};
 use psnet_config::interface::{self, NodeAddress};
+use psnet_config::rank::{self, Starter};
 use psnet_select::{AnyTransport, Selection};
 use psnet_transport::Transport;
 
@@ -43,33 +44,14 @@ pub struct World {
     pub source: String,
 }
 
-/// One launcher's pair of variables.
-struct Family {
-    rank: EnvVar,
-    size: EnvVar,
-}
-
-const FAMILIES: [Family; 5] = [
-    Family {
-        rank: env::PSNET_RANK,
-        size: env::PSNET_WORLD_SIZE,
-    },
-    Family {
-        rank: env::RANK,
-        size: env::WORLD_SIZE,
-    },
-    Family {
-        rank: env::OMPI_COMM_WORLD_RANK,
-        size: env::OMPI_COMM_WORLD_SIZE,
-    },
-    Family {
-        rank: env::PMI_RANK,
-        size: env::PMI_SIZE,
-    },
-    Family {
-        rank: env::SLURM_PROCID,
-        size: env::SLURM_NTASKS,
-    },
+/// The starters whose variables give a collectives rank, in the order they are looked at
+/// ([`rank::RANK_VARS`]): psnet's own names, then torchrun's, the MPIs' and Slurm's.
+const STARTERS: [Starter; 5] = [
+    Starter::Psnet,
+    Starter::Torchrun,
+    Starter::OpenMpi,
+    Starter::Pmi,
+    Starter::Slurm,
 ];
 
 fn invalid(msg: String) -> CollectiveError {
@@ -84,36 +66,14 @@ impl World {
 
     /// From variables looked up by `get` (the environment, or a test's table).
     pub fn from_lookup(get: impl Fn(&EnvVar) -> Option<String>) -> Result<World, CollectiveError> {
-        let number = |v: &EnvVar| -> Result<Option<usize>, CollectiveError> {
-            get(v)
-                .map(|raw| {
-                    raw.trim()
-                        .parse::<usize>()
-                        .map_err(|_| invalid(format!("{}={raw:?} is not a whole number", v.name)))
-                })
-                .transpose()
-        };
-        let mut found: Vec<(usize, usize, String)> = Vec::new();
-        for f in &FAMILIES {
-            match (number(&f.rank)?, number(&f.size)?) {
-                (Some(rank), Some(size)) => {
-                    found.push((rank, size, format!("{}/{}", f.rank.name, f.size.name)))
-                }
-                (None, None) => {}
-                (Some(_), None) => {
-                    return Err(invalid(format!(
-                        "{} is set but {} is not",
-                        f.rank.name, f.size.name
-                    )))
-                }
-                (None, Some(_)) => {
-                    return Err(invalid(format!(
-                        "{} is set but {} is not",
-                        f.size.name, f.rank.name
-                    )))
-                }
-            }
-        }
+        let found: Vec<(usize, usize, String)> = rank::ranks_with_size(&get, &STARTERS)
+            .map_err(|e| invalid(e.to_string()))?
+            .into_iter()
+            .map(|f| {
+                let size = f.size.unwrap_or_default();
+                (f.rank as usize, size as usize, f.source())
+            })
+            .collect();
         let Some((rank, size, source)) = found.first().cloned() else {
             return Err(invalid(
                 "no rank: set PSNET_RANK and PSNET_WORLD_SIZE, or start under torchrun (RANK, WORLD_SIZE), mpirun (OMPI_COMM_WORLD_RANK, PMI_RANK) or srun (SLURM_PROCID)".into(),

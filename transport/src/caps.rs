@@ -10,14 +10,6 @@ pub struct Capabilities {
     pub max_meta: u32,
     /// Most data segments in one message.
     pub max_segments: u16,
-    /// Messages up to this many bytes are copied into transport buffers (eager); larger ones are
-    /// sent from the caller's memory (rendezvous on RDMA, vectored writes on TCP).
-    pub eager_limit: usize,
-    /// Sending does not copy the caller's segments.
-    pub zero_copy_send: bool,
-    /// Sending from a [`crate::RegisteredBuf`] avoids a registration or a copy that a plain slice
-    /// would cost.
-    pub prefers_registered: bool,
     /// Peers on this host are reached through shared memory: a message costs copies, not a
     /// trip through the kernel's network stack, so latency-bound algorithms with fewer steps
     /// pay off to larger sizes.

@@ -434,9 +434,6 @@ impl Transport for VerbsTransport {
             max_message: limits.max_message,
             max_meta: limits.max_meta,
             max_segments: limits.max_segments,
-            eager_limit: self.inner.params.slot_size - DataHeader::encoded_len(1),
-            zero_copy_send: true,
-            prefers_registered: true,
             same_host_shm: false,
         }
     }
