@@ -256,7 +256,7 @@ impl Delivery {
         let mut idle_since: Option<Instant> = None;
         loop {
             let step = match self.queue.consumer.next(&self.limits) {
-                Err(why) => return QueueEnd::Refused(why),
+                Err(why) => return QueueEnd::Refused(why.to_string()),
                 Ok(Some(record)) => {
                     idle_since = None;
                     self.wakes.read();

@@ -11,7 +11,7 @@ use psnet_transport::{FrameKind, Limits, OutMessage, Segment};
 use smallvec::SmallVec;
 
 use crate::conn::{Conn, Writer};
-use crate::shm::queue::{inline_header, Kind, SendQueue};
+use crate::shm::queue::{inline_header, Kind, QueueError, SendQueue};
 use crate::shm::{QUEUED_RING_MIN, SHM_MIN};
 
 /// How long a sender whose queue is full polls before it sleeps between polls.
@@ -180,7 +180,7 @@ impl Conn {
     }
 
     /// The peer broke the queue's rules: the connection cannot go on.
-    fn broken_queue(&self, why: String) -> io::Error {
+    fn broken_queue(&self, why: QueueError) -> io::Error {
         tracing::warn!(peer = %self.peer, %why, "shared-memory queue broken: closing the connection");
         self.close();
         io::Error::new(

@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use smallvec::SmallVec;
 
+use super::queue::QueueError;
 use super::sys::SharedArea;
 
 /// Entries the area holds; a full area sends releases through the socket instead.
@@ -37,13 +38,13 @@ pub(crate) fn push(
     head: &mut u64,
     off: usize,
     len: usize,
-) -> Result<bool, String> {
+) -> Result<bool, QueueError> {
     let (Some(h), Some(t)) = (area.u64_at(HEAD), area.u64_at(TAIL)) else {
-        return Err("the release area is not mapped".into());
+        return Err(QueueError::ReleasesUnmapped);
     };
     let tail = t.load(Ordering::Acquire);
     if tail > *head || *head - tail > ENTRIES as u64 {
-        return Err("the peer's release counter is corrupt".into());
+        return Err(QueueError::CorruptReleases);
     }
     if *head - tail == ENTRIES as u64 {
         return Ok(false);
@@ -53,7 +54,7 @@ pub(crate) fn push(
     entry[..8].copy_from_slice(&(off as u64).to_le_bytes());
     entry[8..].copy_from_slice(&(len as u64).to_le_bytes());
     if !area.write(slot, &entry) {
-        return Err("the release area is not mapped".into());
+        return Err(QueueError::ReleasesUnmapped);
     }
     *head += 1;
     h.store(*head, Ordering::Release);
@@ -73,20 +74,20 @@ impl ReleaseReader {
     }
 
     /// Every region released since the last call; an error if the peer's count is impossible.
-    pub(crate) fn collect(&mut self) -> Result<SmallVec<[(usize, usize); 16]>, String> {
+    pub(crate) fn collect(&mut self) -> Result<SmallVec<[(usize, usize); 16]>, QueueError> {
         let (Some(h), Some(t)) = (self.area.u64_at(HEAD), self.area.u64_at(TAIL)) else {
-            return Err("the release area is not mapped".into());
+            return Err(QueueError::ReleasesUnmapped);
         };
         let head = h.load(Ordering::Acquire);
         if head < self.tail || head - self.tail > ENTRIES as u64 {
-            return Err("the peer's release counter is corrupt".into());
+            return Err(QueueError::CorruptReleases);
         }
         let mut out = SmallVec::new();
         while self.tail < head {
             let slot = AT + (self.tail % ENTRIES as u64) as usize * ENTRY;
             let mut entry = [0u8; ENTRY];
             if !self.area.read(slot, &mut entry) {
-                return Err("the release area is not mapped".into());
+                return Err(QueueError::ReleasesUnmapped);
             }
             let off = u64::from_le_bytes(entry[..8].try_into().expect("8 bytes"));
             let len = u64::from_le_bytes(entry[8..].try_into().expect("8 bytes"));
