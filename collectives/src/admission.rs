@@ -16,7 +16,7 @@
 use std::sync::Arc;
 
 use psnet_transport::session::Role;
-use psnet_transport::{Admission, Binding, NodeId, Proof};
+use psnet_transport::{Admission, Binding, NodeId, Proof, Refusal};
 
 use crate::mailbox::Mailbox;
 
@@ -70,12 +70,17 @@ impl Admission for Joining {
         None
     }
 
-    fn admit(&self, peer: NodeId, _proof: Option<&Proof>, binding: &Binding) -> Result<(), String> {
+    fn admit(
+        &self,
+        peer: NodeId,
+        _proof: Option<&Proof>,
+        binding: &Binding,
+    ) -> Result<(), Refusal> {
         // Rank 0 answering this rank's dial; rank 0 itself never dials a rank.
         if peer == self.root && binding.sender() == Role::Acceptor {
             Ok(())
         } else {
-            Err(NOT_FORMED.into())
+            Err(Refusal::NotYet(NOT_FORMED.into()))
         }
     }
 }
@@ -87,16 +92,18 @@ impl Admission for Members {
             .then(|| Proof::shared(&self.secret.0, local, binding))
     }
 
-    fn admit(&self, peer: NodeId, proof: Option<&Proof>, binding: &Binding) -> Result<(), String> {
+    fn admit(&self, peer: NodeId, proof: Option<&Proof>, binding: &Binding) -> Result<(), Refusal> {
         if !self.nodes.contains(&peer) {
-            return Err(format!("{peer} is no rank of this communicator"));
+            return Err(Refusal::NotMember(format!(
+                "{peer} is no rank of this communicator"
+            )));
         }
         let refused = match proof {
             Some(p) if p.matches(&Proof::shared(&self.secret.0, peer, binding)) => return Ok(()),
-            Some(_) => format!("{peer} came with a wrong job secret"),
-            None => format!("{peer} came without the job secret"),
+            Some(_) => Refusal::WrongProof(format!("{peer} came with a wrong job secret")),
+            None => Refusal::NoProof(format!("{peer} came without the job secret")),
         };
-        self.claims.note_claim(peer, refused.clone());
+        self.claims.note_claim(peer, refused.to_string());
         Err(refused)
     }
 }
@@ -144,7 +151,7 @@ mod tests {
         let joining = Joining { root: NodeId(1) };
         let answer = Binding::new(Some(&SessionBase::from_bytes([1; 32])), Role::Acceptor);
         assert_eq!(joining.admit(NodeId(1), None, &answer), Ok(()));
-        let refused = Err(NOT_FORMED.to_string());
+        let refused = Err(Refusal::NotYet(NOT_FORMED.to_string()));
         assert_eq!(joining.admit(NodeId(1), None, &here), refused);
         assert_eq!(joining.admit(NodeId(2), None, &answer), refused);
         assert_eq!(joining.proof(NodeId(2), &here), None);
@@ -156,12 +163,14 @@ mod tests {
         assert!(members
             .admit(NodeId(3), Some(&proof_of(NodeId(1))), &here)
             .unwrap_err()
+            .to_string()
             .contains("no rank"));
         // A stranger is only refused; a claim to a member's id is also noted, the first kept.
         assert!(mailbox.lock().claimed.is_none());
         assert!(members
             .admit(NodeId(1), None, &here)
             .unwrap_err()
+            .to_string()
             .contains("without"));
         // Rank 2's proof read on this connection, or rank 1's read on another, does not pass.
         for (proof, on) in [
@@ -171,6 +180,7 @@ mod tests {
             assert!(members
                 .admit(NodeId(1), Some(&proof), &on)
                 .unwrap_err()
+                .to_string()
                 .contains("wrong"));
         }
         let claimed = mailbox.lock().claimed.clone();

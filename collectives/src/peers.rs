@@ -163,7 +163,7 @@ mod tests {
             _: NodeId,
             _: Option<&psnet_transport::Proof>,
             _: &psnet_transport::Binding,
-        ) -> Result<(), String> {
+        ) -> Result<(), psnet_transport::Refusal> {
             Ok(())
         }
     }

@@ -10,7 +10,7 @@ use bytes::BytesMut;
 use psnet_fallback_tcp::{TcpConfig, TcpTransport};
 use psnet_transport::codec::{self, DataPath, FrameKind};
 use psnet_transport::{
-    Admission, Binding, Event, Limits, NodeId, OutMessage, Proof, Transport, PROOF_LEN,
+    Admission, Binding, Event, Limits, NodeId, OutMessage, Proof, Refusal, Transport, PROOF_LEN,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -30,11 +30,11 @@ impl Admission for Table {
         self.0.get(&local).copied()
     }
 
-    fn admit(&self, peer: NodeId, proof: Option<&Proof>, _: &Binding) -> Result<(), String> {
+    fn admit(&self, peer: NodeId, proof: Option<&Proof>, _: &Binding) -> Result<(), Refusal> {
         match (self.0.get(&peer), proof) {
-            (None, _) => Err(format!("{peer} is unknown")),
+            (None, _) => Err(Refusal::NotMember(format!("{peer} is unknown"))),
             (Some(t), Some(p)) if t.matches(p) => Ok(()),
-            _ => Err(format!("{peer} did not prove its id")),
+            _ => Err(Refusal::WrongProof(format!("{peer} did not prove its id"))),
         }
     }
 }

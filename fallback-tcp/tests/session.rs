@@ -11,7 +11,7 @@ use std::time::Duration;
 use psnet_fallback_tcp::{TcpConfig, TcpTransport};
 use psnet_transport::auth::Secret;
 use psnet_transport::{
-    Admission, Binding, Event, NodeId, OutMessage, Proof, Segment, Transport, PROOF_LEN,
+    Admission, Binding, Event, NodeId, OutMessage, Proof, Refusal, Segment, Transport, PROOF_LEN,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -34,10 +34,10 @@ impl Admission for KnownTokens {
     fn proof(&self, local: NodeId, _: &Binding) -> Option<Proof> {
         Some(token(local))
     }
-    fn admit(&self, peer: NodeId, proof: Option<&Proof>, _: &Binding) -> Result<(), String> {
+    fn admit(&self, peer: NodeId, proof: Option<&Proof>, _: &Binding) -> Result<(), Refusal> {
         match proof {
             Some(p) if p.matches(&token(peer)) => Ok(()),
-            _ => Err(format!("{peer} did not prove its id")),
+            _ => Err(Refusal::WrongProof(format!("{peer} did not prove its id"))),
         }
     }
 }

@@ -23,7 +23,7 @@ use psnet_transport::auth::{Acceptor, Dialler, Fresh, Secret};
 use psnet_transport::codec::{self, Frame};
 use psnet_transport::session::{Role as End, Session, TAG_LEN};
 use psnet_transport::{
-    Admission, Binding, FrameKind, Identity, Limits, NodeId, OutMessage, Proof, Transport,
+    Admission, Binding, FrameKind, Identity, Limits, NodeId, OutMessage, Proof, Refusal, Transport,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -59,10 +59,10 @@ impl Admission for BearerTokens {
     fn proof(&self, local: NodeId, _: &Binding) -> Option<Proof> {
         Some(Proof([local.0 as u8; 64]))
     }
-    fn admit(&self, peer: NodeId, proof: Option<&Proof>, _: &Binding) -> Result<(), String> {
+    fn admit(&self, peer: NodeId, proof: Option<&Proof>, _: &Binding) -> Result<(), Refusal> {
         match proof {
             Some(p) if p.matches(&Proof([peer.0 as u8; 64])) => Ok(()),
-            _ => Err(format!("{peer} did not prove its id")),
+            _ => Err(Refusal::WrongProof(format!("{peer} did not prove its id"))),
         }
     }
 }

@@ -162,8 +162,12 @@ impl MemTransport {
                             .and_then(|session| {
                                 let dialler = Binding::new(session.as_ref(), Role::Dialler);
                                 let acceptor = Binding::new(session.as_ref(), Role::Acceptor);
-                                theirs.admit(me.id, me.proof(&dialler).as_ref(), &dialler)?;
-                                me.admit(peer, theirs.proof(&acceptor).as_ref(), &acceptor)
+                                theirs
+                                    .admit(me.id, me.proof(&dialler).as_ref(), &dialler)
+                                    .and_then(|()| {
+                                        me.admit(peer, theirs.proof(&acceptor).as_ref(), &acceptor)
+                                    })
+                                    .map_err(|refusal| refusal.to_string())
                             });
                     if let Err(reason) = admitted {
                         tracing::warn!(claimed = %me.id, %peer, %reason, "connection refused");

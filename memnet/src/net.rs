@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use psnet_transport::auth::Secret;
-use psnet_transport::{Admission, Binding, Event, Limits, NodeId, Proof};
+use psnet_transport::{Admission, Binding, Event, Limits, NodeId, Proof, Refusal};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -173,7 +173,7 @@ impl Ep {
         peer: NodeId,
         proof: Option<&Proof>,
         binding: &Binding,
-    ) -> Result<(), String> {
+    ) -> Result<(), Refusal> {
         self.admission
             .as_ref()
             .map_or(Ok(()), |a| a.admit(peer, proof, binding))

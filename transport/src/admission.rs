@@ -189,9 +189,36 @@ pub trait Admission: Send + Sync + 'static {
     fn proof(&self, local: NodeId, binding: &Binding) -> Option<Proof>;
 
     /// Whether a connection that claims to be `peer`, with `proof` made for `binding` (the
-    /// binding of the peer's hello on this connection), is let in; the error is the reason
-    /// sent back to the dialler and logged with its address.
-    fn admit(&self, peer: NodeId, proof: Option<&Proof>, binding: &Binding) -> Result<(), String>;
+    /// binding of the peer's hello on this connection), is let in; the refusal's text is sent
+    /// back to the dialler and logged with its address.
+    fn admit(&self, peer: NodeId, proof: Option<&Proof>, binding: &Binding) -> Result<(), Refusal>;
+}
+
+/// Why a connection is not let in. Its text travels back to the dialler, which sees it in
+/// [`crate::TransportError::Handshake`]; the kind decides how loudly the refusal is logged.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// Not now: this node is still joining and takes no such connection yet. Expected while a
+    /// job forms; the dialler may try again.
+    #[error("{0}")]
+    NotYet(String),
+    /// The claimed id is none this node lets in: not a member, never assigned, or a
+    /// registration while registrations are closed.
+    #[error("{0}")]
+    NotMember(String),
+    /// The claimed id needs a proof and none came.
+    #[error("{0}")]
+    NoProof(String),
+    /// A proof came that is not the claimed id's on this connection.
+    #[error("{0}")]
+    WrongProof(String),
+}
+
+impl Refusal {
+    /// Whether the refusal is part of a job forming, not a sign of a stranger or a fault.
+    pub fn is_expected(&self) -> bool {
+        matches!(self, Refusal::NotYet(_))
+    }
 }
 
 #[cfg(test)]

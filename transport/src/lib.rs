@@ -41,7 +41,9 @@ mod node;
 pub mod placement;
 pub mod session;
 
-pub use admission::{Admission, Binding, Identity, Proof, PublicIdentity, IDENTITY_LEN, PROOF_LEN};
+pub use admission::{
+    Admission, Binding, Identity, Proof, PublicIdentity, Refusal, IDENTITY_LEN, PROOF_LEN,
+};
 pub use caps::Capabilities;
 pub use codec::{CodecError, FrameKind, Limits};
 pub use contract::Transport;

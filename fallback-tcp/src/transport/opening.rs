@@ -69,7 +69,8 @@ impl Inner {
         if let (Answer::Ack(hello), Some(admission)) = (&answer, self.admission()) {
             if hello.id == peer {
                 let binding = Binding::new(session.as_ref(), Role::Acceptor);
-                if let Err(reason) = admission.admit(peer, hello.proof.as_ref(), &binding) {
+                if let Err(refusal) = admission.admit(peer, hello.proof.as_ref(), &binding) {
+                    let reason = refusal.to_string();
                     tracing::warn!(%peer, %addr, %reason, "refusing the node that answered");
                     let _ = handshake::write_frame(
                         &mut stream,
@@ -224,9 +225,16 @@ impl Inner {
         let base = session.as_ref().map(|s| &s.base);
         if let Some(admission) = self.admission() {
             let binding = Binding::new(base, Role::Dialler);
-            if let Err(reason) = admission.admit(peer, hello.proof.as_ref(), &binding) {
+            if let Err(refusal) = admission.admit(peer, hello.proof.as_ref(), &binding) {
                 let from = stream.peer_addr().ok();
-                tracing::warn!(claimed = %peer, ?from, %reason, "refusing a connection");
+                let reason = refusal.to_string();
+                // A node still joining turns dials away as a matter of course: the dialler
+                // tries again, so only a stranger's or a faulty claim is worth a warning.
+                if refusal.is_expected() {
+                    tracing::debug!(claimed = %peer, ?from, %reason, "refusing a connection for now");
+                } else {
+                    tracing::warn!(claimed = %peer, ?from, %reason, "refusing a connection");
+                }
                 return handshake::write_frame(
                     &mut stream,
                     FrameKind::HelloReject,

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use psnet_transport::session::Role;
-use psnet_transport::{Admission, Binding, Identity, NodeId, Proof, PublicIdentity};
+use psnet_transport::{Admission, Binding, Identity, NodeId, Proof, PublicIdentity, Refusal};
 use sha2::{Digest, Sha256};
 
 use super::ids::{self, describe};
@@ -116,7 +116,7 @@ impl Admission for JobAdmission {
             .map(|(id, identity)| identity.prove(id, binding))
     }
 
-    fn admit(&self, peer: NodeId, proof: Option<&Proof>, binding: &Binding) -> Result<(), String> {
+    fn admit(&self, peer: NodeId, proof: Option<&Proof>, binding: &Binding) -> Result<(), Refusal> {
         if self.joining {
             return if peer == ids::SCHEDULER && binding.sender() == Role::Acceptor {
                 Ok(())
@@ -125,41 +125,44 @@ impl Admission for JobAdmission {
                 // cannot check a scheduler's proof yet: a process dialling in under the
                 // scheduler's id would otherwise replace the connection to the real one and
                 // hand this node a table of its own.
-                Err(
+                Err(Refusal::NotMember(
                     "this node has no assignment yet: it dialled the scheduler itself, and \
                      takes no connection that says it comes from the scheduler"
                         .to_string(),
-                )
+                ))
             } else {
-                Err(format!(
+                Err(Refusal::NotYet(format!(
                     "this node has no assignment yet: it takes no connection but the \
                      scheduler's, and {} is not it",
                     describe(peer)
-                ))
+                )))
             };
         }
         if ids::is_provisional(peer) {
             return if self.registrations.load(Ordering::Acquire) {
                 Ok(())
             } else {
-                Err(format!(
+                Err(Refusal::NotMember(format!(
                     "{peer} has no assigned id, and registrations are closed"
-                ))
+                )))
             };
         }
         let Some(public) = lock(&self.known).get(&peer).copied() else {
-            return Err(format!("{} was never assigned in this job", describe(peer)));
+            return Err(Refusal::NotMember(format!(
+                "{} was never assigned in this job",
+                describe(peer)
+            )));
         };
         match proof {
-            None => Err(format!(
+            None => Err(Refusal::NoProof(format!(
                 "{} came without the proof of its id",
                 describe(peer)
-            )),
-            Some(p) if !public.verify(peer, binding, p) => Err(format!(
+            ))),
+            Some(p) if !public.verify(peer, binding, p) => Err(Refusal::WrongProof(format!(
                 "{} came with a proof that is not its identity's on this connection (another \
                  node's, or one made for another connection)",
                 describe(peer)
-            )),
+            ))),
             Some(_) => Ok(()),
         }
     }
@@ -226,11 +229,17 @@ mod tests {
         let answered = Binding::new(Some(&SessionBase::from_bytes([1; 32])), End::Acceptor);
         assert!(a.admit(SCHEDULER, None, &answered).is_ok());
         let err = a.admit(SCHEDULER, None, &here).unwrap_err();
-        assert!(err.contains("dialled the scheduler itself"), "{err}");
+        assert!(
+            matches!(&err, Refusal::NotMember(m) if m.contains("dialled the scheduler itself")),
+            "{err}"
+        );
         for id in [node_id(Role::Server, 0), node_id(Role::Worker, 1)] {
             let proof = identity(1).prove(id, &here);
             let err = a.admit(id, Some(&proof), &here).unwrap_err();
-            assert!(err.contains("no assignment yet"), "{err}");
+            assert!(
+                matches!(&err, Refusal::NotYet(m) if m.contains("no assignment yet")),
+                "{err}"
+            );
         }
         let prov = provisional_id("127.0.0.1:5".parse().unwrap());
         assert!(a.admit(prov, None, &here).is_err());
@@ -273,7 +282,10 @@ mod tests {
         let read = worker0.proof(w0, &with_w0).unwrap();
         assert!(worker1.admit(w0, Some(&read), &with_w0).is_ok());
         let err = worker1.admit(w0, Some(&read), &with_w1).unwrap_err();
-        assert!(err.contains("made for another connection"), "{err}");
+        assert!(
+            matches!(&err, Refusal::WrongProof(m) if m.contains("made for another connection")),
+            "{err}"
+        );
     }
 
     #[test]
@@ -285,13 +297,22 @@ mod tests {
         let wrong = a
             .admit(w0, Some(&identity(3).prove(w0, &here)), &here)
             .unwrap_err();
-        assert!(wrong.contains("not its identity's"), "{wrong}");
-        assert!(a.admit(w0, None, &here).unwrap_err().contains("without"));
+        assert!(
+            matches!(&wrong, Refusal::WrongProof(m) if m.contains("not its identity's")),
+            "{wrong}"
+        );
+        assert!(matches!(
+            a.admit(w0, None, &here),
+            Err(Refusal::NoProof(m)) if m.contains("without")
+        ));
         let unknown = node_id(Role::Worker, 5);
         let err = a
             .admit(unknown, Some(&identity(2).prove(unknown, &here)), &here)
             .unwrap_err();
-        assert!(err.contains("never assigned"), "{err}");
+        assert!(
+            matches!(&err, Refusal::NotMember(m) if m.contains("never assigned")),
+            "{err}"
+        );
         let prov = provisional_id("127.0.0.1:5".parse().unwrap());
         assert!(a.admit(prov, None, &here).is_err());
     }
@@ -311,10 +332,10 @@ mod tests {
         s.learn(&[info(w0, 4)]);
         assert!(s.admit(w0, Some(&proof), &here).is_ok());
         s.close_registrations();
-        assert!(s
-            .admit(prov, None, &here)
-            .unwrap_err()
-            .contains("registrations are closed"));
+        assert!(matches!(
+            s.admit(prov, None, &here),
+            Err(Refusal::NotMember(m)) if m.contains("registrations are closed")
+        ));
     }
 
     #[test]

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::{
-    Admission, Binding, Event, Identity, Incoming, NodeId, OutMessage, Proof, Segment, Transport,
-    TransportError,
+    Admission, Binding, Event, Identity, Incoming, NodeId, OutMessage, Proof, Refusal, Segment,
+    Transport, TransportError,
 };
 
 mod device;
@@ -489,11 +489,11 @@ impl Admission for Table {
         Self::identity(local).map(|i| i.prove(local, binding))
     }
 
-    fn admit(&self, peer: NodeId, proof: Option<&Proof>, binding: &Binding) -> Result<(), String> {
+    fn admit(&self, peer: NodeId, proof: Option<&Proof>, binding: &Binding) -> Result<(), Refusal> {
         match (Self::identity(peer), proof) {
             (Some(id), Some(got)) if id.public().verify(peer, binding, got) => Ok(()),
-            (None, _) => Err(format!("{peer} is not a member")),
-            _ => Err(format!("{peer} did not prove its id")),
+            (None, _) => Err(Refusal::NotMember(format!("{peer} is not a member"))),
+            _ => Err(Refusal::WrongProof(format!("{peer} did not prove its id"))),
         }
     }
 }
