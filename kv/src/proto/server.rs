@@ -49,7 +49,10 @@ use std::sync::Arc;
 use bytes::Bytes;
 use psnet_compression::Compressor;
 
-use super::msg::{CommandKind, Exchange, PushFlags, MAX_STRING, NO_REQUEST};
+use super::msg::{Exchange, PushFlags, NO_REQUEST};
+// The tests of this module's files take their names from here.
+#[cfg(test)]
+use super::msg::CommandKind;
 use super::pulled::{Form, KvCompression, Shadow};
 use super::sum;
 use crate::updater::{OptimizerSpec, Updater};
@@ -62,15 +65,11 @@ mod row_push;
 mod rows;
 mod snapshot;
 
+pub use commands::CommandError;
 pub use row_push::RowsPush;
 
 #[doc(hidden)]
 pub use journal::fuzz_decode;
-
-/// Why compressed pulls and `dist_async` do not go together.
-const COMPRESSED_PULLS_SYNC: &str = "compressed pulls are for dist_sync only: in dist_async \
-    each worker pulls at its own pace, so the workers' copies would need a residual per worker; \
-    set \"pull\": false, or use dist_sync";
 
 /// Synchronous or asynchronous updates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -462,114 +461,6 @@ impl ServerState {
             .map(|(key, k)| (*key, k.round.count))
             .min_by_key(|(key, _)| *key)
             .or_else(|| self.row_round_in_progress())
-    }
-
-    /// A worker's command: optimizer, compression, mode, checkpoint. `Err` is the reason to
-    /// report. With checkpoints on, a change comes out as an [`Output::Journal`] record
-    /// first; a checkpoint as an [`Output::Snapshot`].
-    pub fn handle_command(&mut self, kind: CommandKind, body: &str) -> Result<(), String> {
-        if kind == CommandKind::Checkpoint {
-            if let Some(reason) = self.checkpoint_refused() {
-                return Err(reason);
-            }
-            self.queue_snapshot(None);
-            return Ok(());
-        }
-        if body.len() > MAX_STRING {
-            return Err(format!(
-                "a command of {} bytes, at most {MAX_STRING}",
-                body.len()
-            ));
-        }
-        self.apply_command(kind, body)?;
-        self.commit(None, |_, seq| journal::command(seq, kind, body));
-        Ok(())
-    }
-
-    /// Applies a command (live and in replay); `Err` changes nothing.
-    fn apply_command(&mut self, kind: CommandKind, body: &str) -> Result<(), String> {
-        match kind {
-            CommandKind::Checkpoint => return Err("a checkpoint changes nothing".into()),
-            CommandKind::SetOptimizer => {
-                let spec = OptimizerSpec::parse(body).map_err(|e| e.to_string())?;
-                self.updater = Some(spec.build());
-                self.optimizer = Some(spec);
-            }
-            CommandKind::SetCompression => {
-                let params = KvCompression::parse(body).map_err(|e| e.to_string())?;
-                if params.pull && self.mode == Mode::Async {
-                    return Err(COMPRESSED_PULLS_SYNC.into());
-                }
-                match self.compression {
-                    Some(current) if current == params => {}
-                    // Pushes compressed with the settings in force may be on their way or
-                    // waiting in a round, and the other workers go on compressing with them.
-                    Some(current) => {
-                        return Err(format!(
-                            "gradient compression is already {current} on this server, refusing \
-                             {params}: every worker must set the same compression, once"
-                        ))
-                    }
-                    None => {
-                        // Keys initialized before get their copies: held twice from now on.
-                        let copies: u64 = match params.pull {
-                            true => self
-                                .keys
-                                .values()
-                                .filter(|k| k.dtype == Dtype::F32)
-                                .map(|k| k.value.len() as u64 * 4)
-                                .sum(),
-                            false => 0,
-                        };
-                        if self.key_bytes + copies > self.key_limit {
-                            return Err(format!(
-                                "compressed pulls keep a copy of every key: {copies} more bytes \
-                                 would bring this server's keys to {} bytes, beyond \
-                                 PSNET_KV_SERVER_KEY_BYTES={}",
-                                self.key_bytes + copies,
-                                self.key_limit
-                            ));
-                        }
-                        self.key_bytes += copies;
-                        self.compressor = params.params.compressor().map_err(|e| e.to_string())?;
-                        self.compression = Some(params);
-                        // Keys initialized before: their copies start from their values.
-                        if self.pull_scheme().is_some() {
-                            for k in self.keys.values_mut() {
-                                if k.dtype == Dtype::F32 {
-                                    k.shadow = Some(Shadow::new(&k.value, 0));
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-            CommandKind::SetMode => {
-                let mode = match body {
-                    "sync" => Mode::Sync,
-                    "async" => Mode::Async,
-                    other => return Err(format!("unknown mode {other:?}: use sync or async")),
-                };
-                if mode == Mode::Async {
-                    if self.pull_scheme().is_some() {
-                        return Err(COMPRESSED_PULLS_SYNC.into());
-                    }
-                    if let Some((key, count)) = self.round_in_progress() {
-                        return Err(format!(
-                            "cannot switch to dist_async while the dist_sync round of key {key} \
-                             holds pushes ({count} of {} workers pushed): set the mode before \
-                             pushing",
-                            self.num_workers
-                        ));
-                    }
-                }
-                self.mode = mode;
-            }
-        }
-        // Only worker 0's commands of these kinds are applied (live, or replayed from the
-        // journal): what is in force is worker 0's.
-        self.set_by_rank0.insert(kind.code());
-        Ok(())
     }
 
     /// A pull of `key` by worker `rank`, whose copy of it (compressed pulls) is at version

@@ -8,11 +8,81 @@
 //! Before, the first such command was applied, whoever sent it: a member holding a worker's
 //! place could set lr=1000 before worker 0 spoke, and keep it if worker 0 never did.
 
-use super::Mode;
+use super::{Dtype, Mode, Shadow};
 use super::{Output, ServerState};
-use crate::proto::msg::CommandKind;
+use crate::proto::msg::{CommandKind, MAX_STRING};
 use crate::proto::pulled::KvCompression;
 use crate::updater::OptimizerSpec;
+
+/// Why a worker's command is refused; its text is what the worker is told.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CommandError {
+    /// A checkpoint asked of a server without `PSNET_CHECKPOINT_DIR`.
+    #[error("checkpoints are off on this server: set PSNET_CHECKPOINT_DIR on the servers")]
+    CheckpointsOff,
+    /// A command body beyond the protocol's string limit.
+    #[error("a command of {len} bytes, at most {MAX_STRING}")]
+    TooLong {
+        /// Its length.
+        len: usize,
+    },
+    /// A checkpoint found in the journal, where none is ever written.
+    #[error("a checkpoint changes nothing")]
+    CheckpointInJournal,
+    /// An optimizer that does not parse.
+    #[error("{0}")]
+    Optimizer(String),
+    /// Compression settings that do not parse or cannot be built.
+    #[error("{0}")]
+    Compression(String),
+    /// Compressed pulls with `dist_async`.
+    #[error(
+        "compressed pulls are for dist_sync only: in dist_async each worker pulls at its own \
+         pace, so the workers' copies would need a residual per worker; set \"pull\": false, \
+         or use dist_sync"
+    )]
+    CompressedPullsNeedSync,
+    /// Compression set again, differently.
+    #[error(
+        "gradient compression is already {current} on this server, refusing {asked}: every \
+         worker must set the same compression, once"
+    )]
+    CompressionAlreadySet {
+        /// The settings in force.
+        current: String,
+        /// The settings asked for.
+        asked: String,
+    },
+    /// Compressed pulls' copies would take the server past its key budget.
+    #[error(
+        "compressed pulls keep a copy of every key: {copies} more bytes would bring this \
+         server's keys to {total} bytes, beyond PSNET_KV_SERVER_KEY_BYTES={limit}"
+    )]
+    KeyBytes {
+        /// The copies' bytes.
+        copies: u64,
+        /// The keys' bytes with them.
+        total: u64,
+        /// The budget.
+        limit: u64,
+    },
+    /// A mode other than `sync` or `async`.
+    #[error("unknown mode {0:?}: use sync or async")]
+    UnknownMode(String),
+    /// `dist_async` asked for while a synchronous round holds pushes.
+    #[error(
+        "cannot switch to dist_async while the dist_sync round of key {key} holds pushes \
+         ({count} of {workers} workers pushed): set the mode before pushing"
+    )]
+    RoundInProgress {
+        /// The key whose round is open.
+        key: u64,
+        /// Pushes it holds.
+        count: u32,
+        /// Workers in the job.
+        workers: u32,
+    },
+}
 
 /// Commands of another worker waiting for worker 0's of their kind, at most this many per
 /// worker (each worker sends one of each kind at a time).
@@ -98,10 +168,10 @@ impl ServerState {
                 value: None,
                 have: None,
             }),
-            Err(reason) => self.fail(rank, ts, reason.clone()),
+            Err(reason) => self.fail(rank, ts, reason.to_string()),
         }
         if rank == 0 && set_by_worker_0(kind) {
-            self.answer_waiting(kind, outcome.err());
+            self.answer_waiting(kind, outcome.err().map(|e| e.to_string()));
         }
     }
 
@@ -220,5 +290,118 @@ impl ServerState {
                  sets it, the others' must agree"
             )
         })
+    }
+}
+
+impl ServerState {
+    /// A worker's command: optimizer, compression, mode, checkpoint. `Err` is the reason to
+    /// report. With checkpoints on, a change comes out as an [`Output::Journal`] record
+    /// first; a checkpoint as an [`Output::Snapshot`].
+    pub fn handle_command(&mut self, kind: CommandKind, body: &str) -> Result<(), CommandError> {
+        if kind == CommandKind::Checkpoint {
+            if !self.checkpoints() {
+                return Err(CommandError::CheckpointsOff);
+            }
+            self.queue_snapshot(None);
+            return Ok(());
+        }
+        if body.len() > MAX_STRING {
+            return Err(CommandError::TooLong { len: body.len() });
+        }
+        self.apply_command(kind, body)?;
+        self.commit(None, |_, seq| super::journal::command(seq, kind, body));
+        Ok(())
+    }
+
+    /// Applies a command (live and in replay); `Err` changes nothing.
+    pub(super) fn apply_command(
+        &mut self,
+        kind: CommandKind,
+        body: &str,
+    ) -> Result<(), CommandError> {
+        match kind {
+            CommandKind::Checkpoint => return Err(CommandError::CheckpointInJournal),
+            CommandKind::SetOptimizer => {
+                let spec = OptimizerSpec::parse(body)
+                    .map_err(|e| CommandError::Optimizer(e.to_string()))?;
+                self.updater = Some(spec.build());
+                self.optimizer = Some(spec);
+            }
+            CommandKind::SetCompression => {
+                let params = KvCompression::parse(body)
+                    .map_err(|e| CommandError::Compression(e.to_string()))?;
+                if params.pull && self.mode == Mode::Async {
+                    return Err(CommandError::CompressedPullsNeedSync);
+                }
+                match self.compression {
+                    Some(current) if current == params => {}
+                    // Pushes compressed with the settings in force may be on their way or
+                    // waiting in a round, and the other workers go on compressing with them.
+                    Some(current) => {
+                        return Err(CommandError::CompressionAlreadySet {
+                            current: current.to_string(),
+                            asked: params.to_string(),
+                        })
+                    }
+                    None => {
+                        // Keys initialized before get their copies: held twice from now on.
+                        let copies: u64 = match params.pull {
+                            true => self
+                                .keys
+                                .values()
+                                .filter(|k| k.dtype == Dtype::F32)
+                                .map(|k| k.value.len() as u64 * 4)
+                                .sum(),
+                            false => 0,
+                        };
+                        if self.key_bytes + copies > self.key_limit {
+                            return Err(CommandError::KeyBytes {
+                                copies,
+                                total: self.key_bytes + copies,
+                                limit: self.key_limit,
+                            });
+                        }
+                        self.key_bytes += copies;
+                        self.compressor = params
+                            .params
+                            .compressor()
+                            .map_err(|e| CommandError::Compression(e.to_string()))?;
+                        self.compression = Some(params);
+                        // Keys initialized before: their copies start from their values.
+                        if self.pull_scheme().is_some() {
+                            for k in self.keys.values_mut() {
+                                if k.dtype == Dtype::F32 {
+                                    k.shadow = Some(Shadow::new(&k.value, 0));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            CommandKind::SetMode => {
+                let mode = match body {
+                    "sync" => Mode::Sync,
+                    "async" => Mode::Async,
+                    other => return Err(CommandError::UnknownMode(other.to_string())),
+                };
+                if mode == Mode::Async {
+                    if self.pull_scheme().is_some() {
+                        return Err(CommandError::CompressedPullsNeedSync);
+                    }
+                    if let Some((key, count)) = self.round_in_progress() {
+                        return Err(CommandError::RoundInProgress {
+                            key,
+                            count,
+                            workers: self.num_workers,
+                        });
+                    }
+                }
+                self.mode = mode;
+            }
+        }
+        // Only worker 0's commands of these kinds are applied (live, or replayed from the
+        // journal): what is in force is worker 0's.
+        self.set_by_rank0.insert(kind.code());
+        Ok(())
     }
 }

@@ -313,7 +313,9 @@ impl ServerState {
     fn replay(&mut self, record: Record<'_>) -> Result<(), String> {
         match record {
             Record::Init { key, dtype, values } => self.apply_init(key, dtype, values),
-            Record::Command { kind, body } => self.apply_command(kind, body),
+            Record::Command { kind, body } => {
+                self.apply_command(kind, body).map_err(|e| e.to_string())
+            }
             Record::Round { key, merged } => {
                 let n = self.held(key)?;
                 if merged.len() != 4 * n {

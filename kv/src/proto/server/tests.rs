@@ -382,6 +382,11 @@ fn compression_settings_cannot_change_once_set() {
         let err = s
             .handle_command(CommandKind::SetCompression, other)
             .unwrap_err();
+        assert!(
+            matches!(err, CommandError::CompressionAlreadySet { .. }),
+            "{err}"
+        );
+        let err = err.to_string();
         let current = psnet_compression::CompressionParams::parse(half).unwrap();
         let wanted = psnet_compression::CompressionParams::parse(other).unwrap();
         assert!(err.contains(&format!("already {current}")), "{err}");
@@ -402,6 +407,15 @@ fn a_round_holding_pushes_refuses_async_and_reinit() {
     init(&mut s, 7, &[0.0; 2]);
     s.handle_push(push(1, 1, 7, &[1.0, 2.0]));
     let err = s.handle_command(CommandKind::SetMode, "async").unwrap_err();
+    assert_eq!(
+        err,
+        CommandError::RoundInProgress {
+            key: 7,
+            count: 1,
+            workers: 2
+        }
+    );
+    let err = err.to_string();
     assert!(err.contains("dist_async"), "{err}");
     assert!(err.contains("round of key 7"), "{err}");
     assert!(err.contains("1 of 2 workers pushed"), "{err}");
