@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Puts psnet-launch, psnet-train and psnet-perf on PATH (cargo's bin directory, usually
-# ~/.cargo/bin, which rustup adds to PATH), so that the README's commands work as pasted.
+# ~/.cargo/bin, which rustup adds to PATH), so that the commands in README.md and docs/ work as pasted.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

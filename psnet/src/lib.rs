@@ -44,3 +44,9 @@ pub use psnet_transport::{
     Capabilities, Event, Incoming, NodeId, OutMessage, RegisteredBuf, Segment, Transport,
     TransportError,
 };
+
+/// The README's Rust example, compiled by `cargo test` (as a doctest) so that it keeps up
+/// with the API.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeExample;
