@@ -347,7 +347,14 @@ fn flush<T: Transport>(
             Output::Failed { rank, ts, reason } => (rank, Msg::Failed { ts, reason }, None),
             Output::Rows { rank, ts, ranges } => match state.rows_value(&ranges) {
                 Ok(bytes) => (rank, Msg::Done { ts }, Some(AnswerValue::Narrow(bytes))),
-                Err(reason) => (rank, Msg::Failed { ts, reason }, None),
+                Err(gone) => (
+                    rank,
+                    Msg::Failed {
+                        ts,
+                        reason: gone.to_string(),
+                    },
+                    None,
+                ),
             },
             Output::PeerFailed {
                 rank,

@@ -31,6 +31,14 @@ pub struct Decision {
     pub reason: String,
 }
 
+/// Why `PSNET_TRANSPORT=rdma` cannot be had.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("PSNET_TRANSPORT=rdma, but {why}")]
+pub struct RdmaUnavailable {
+    /// What stands in the way, in words a user can act on.
+    pub why: String,
+}
+
 /// Decides the transport.
 ///
 /// - `interface`: the interface this node's address is on (None if unknown);
@@ -43,7 +51,7 @@ pub fn decide(
     interface: Option<&str>,
     binding: Option<RdmaBinding>,
     rdma_data_path: bool,
-) -> Result<Decision, String> {
+) -> Result<Decision, RdmaUnavailable> {
     let iface = interface.unwrap_or("(no local interface holds DMLC_NODE_HOST)");
     let rdma_blocker = match (&binding, rdma_data_path) {
         (None, _) => Some(format!("no RDMA device is bound to {iface}")),
@@ -59,7 +67,7 @@ pub fn decide(
             kind: TransportKind::Tcp,
             reason: "PSNET_TRANSPORT=tcp".into(),
         }),
-        (TransportPref::Rdma, Some(why), _) => Err(format!("PSNET_TRANSPORT=rdma, but {why}")),
+        (TransportPref::Rdma, Some(why), _) => Err(RdmaUnavailable { why }),
         (TransportPref::Auto, Some(why), _) => Ok(Decision {
             kind: TransportKind::Tcp,
             reason: why,
@@ -138,7 +146,9 @@ mod tests {
 
     #[test]
     fn forced_rdma_without_device_is_an_error_and_tcp_always_works() {
-        let err = decide(TransportPref::Rdma, Some("eth0"), None, true).unwrap_err();
+        let err = decide(TransportPref::Rdma, Some("eth0"), None, true)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("PSNET_TRANSPORT=rdma") && err.contains("eth0"),
             "{err}"

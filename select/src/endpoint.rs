@@ -10,7 +10,7 @@ use psnet_verbs::discovery::{self, RdmaBinding};
 use psnet_verbs::{DeviceSpec, VerbsConfig, VerbsTransport};
 
 use crate::any::AnyTransport;
-use crate::decide::{decide, Decision, TransportKind, TransportPref};
+use crate::decide::{decide, Decision, RdmaUnavailable, TransportKind, TransportPref};
 
 /// Where this node listens and over what, with the reasons.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,8 +30,8 @@ pub enum SelectError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     /// RDMA was required but cannot be used.
-    #[error("{0}")]
-    Rdma(String),
+    #[error(transparent)]
+    Rdma(#[from] RdmaUnavailable),
     /// Building the transport failed.
     #[error(transparent)]
     Transport(#[from] TransportError),
@@ -82,8 +82,7 @@ impl Selection {
                 None => None,
             },
         };
-        let decision = decide(pref, address.interface.as_deref(), binding, RDMA_DATA_PATH)
-            .map_err(SelectError::Rdma)?;
+        let decision = decide(pref, address.interface.as_deref(), binding, RDMA_DATA_PATH)?;
         Ok(Selection {
             address,
             decision,
@@ -210,10 +209,9 @@ pub async fn bind(
                         TcpTransport::bind(id, tcp_config_from_env(addr)?).await?,
                     ))
                 }
-                Err(e) => Err(SelectError::Rdma(format!(
-                    "PSNET_TRANSPORT=rdma, but RDMA device {} cannot be used: {e}",
-                    b.device
-                ))),
+                Err(e) => Err(SelectError::Rdma(RdmaUnavailable {
+                    why: format!("RDMA device {} cannot be used: {e}", b.device),
+                })),
             }
         }
     }

@@ -17,7 +17,7 @@ mod endpoint;
 mod secret;
 
 pub use any::AnyTransport;
-pub use decide::{decide, Decision, TransportKind, TransportPref};
+pub use decide::{decide, Decision, RdmaUnavailable, TransportKind, TransportPref};
 pub use endpoint::{
     bind, bind_from_env, tcp_config_from_env, verbs_config_from_env, SelectError, Selection,
 };

@@ -123,11 +123,11 @@ fn signed_message(signer: NodeId, binding: &Binding) -> [u8; 60] {
 pub struct Identity(SigningKey);
 
 impl Identity {
-    /// A fresh identity from the operating system's random source.
-    pub fn draw() -> Result<Self, String> {
+    /// A fresh identity from the operating system's random source; the error is that
+    /// source's.
+    pub fn draw() -> Result<Self, getrandom::Error> {
         let mut seed = [0u8; 32];
-        getrandom::fill(&mut seed)
-            .map_err(|e| format!("no random source for a node identity: {e}"))?;
+        getrandom::fill(&mut seed)?;
         Ok(Self::from_seed(seed))
     }
 

@@ -75,8 +75,75 @@ fn nonzero_fields(codes: &[u8]) -> usize {
     n
 }
 
+/// What went wrong packing or unpacking codes.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PackedError {
+    /// zstd could not make its context (memory).
+    #[error("{what} codes: zstd context: {reason}")]
+    Context {
+        /// `"packing"` or `"unpacking"`.
+        what: &'static str,
+        /// zstd's words.
+        reason: String,
+    },
+    /// zstd could not compress.
+    #[error("packing {len} bytes of codes: {reason}")]
+    Compress {
+        /// The codes' length.
+        len: usize,
+        /// zstd's words.
+        reason: String,
+    },
+    /// Nothing at all, not even the form byte.
+    #[error("packed codes of 0 bytes")]
+    Empty,
+    /// Raw codes of the wrong length.
+    #[error("raw packed codes of {got} bytes, expected {expected}")]
+    RawLength {
+        /// Their length.
+        got: usize,
+        /// The codes' length.
+        expected: usize,
+    },
+    /// Planes that do not join.
+    #[error("packed codes: {0}")]
+    Planes(String),
+    /// A form byte no packer writes.
+    #[error("packed codes of unknown form {0}")]
+    UnknownForm(u8),
+    /// A malformed sparse list.
+    #[error("{0}")]
+    Sparse(&'static str),
+    /// A sparse list naming a field past the codes.
+    #[error("sparse packed codes run past {len} bytes of codes")]
+    SparsePastEnd {
+        /// The codes' length.
+        len: usize,
+    },
+    /// A zstd frame that does not decompress to the codes' length.
+    #[error("packed codes ({frame} bytes) do not unpack to {len} bytes: {reason}")]
+    Frame {
+        /// The frame's length.
+        frame: usize,
+        /// The codes' length.
+        len: usize,
+        /// zstd's words.
+        reason: String,
+    },
+    /// A zstd frame that decompresses to another length.
+    #[error("packed codes ({frame} bytes) unpack to {got} bytes, expected {expected}")]
+    FrameLength {
+        /// The frame's length.
+        frame: usize,
+        /// What it unpacked to.
+        got: usize,
+        /// The codes' length.
+        expected: usize,
+    },
+}
+
 /// `codes` packed. Fails only where zstd cannot make a context, and says so.
-pub fn pack(codes: &[u8]) -> Result<Vec<u8>, String> {
+pub fn pack(codes: &[u8]) -> Result<Vec<u8>, PackedError> {
     let fields = codes.len() * 4;
     let nonzero = nonzero_fields(codes);
     if nonzero * SPARSE_ONE_IN <= fields {
@@ -142,20 +209,23 @@ fn pack_sparse(codes: &[u8], nonzero: usize) -> Vec<u8> {
     out
 }
 
-fn pack_zstd(codes: &[u8]) -> Result<Vec<u8>, String> {
+fn pack_zstd(codes: &[u8]) -> Result<Vec<u8>, PackedError> {
     PACKER.with_borrow_mut(|slot| {
         if slot.is_none() {
             *slot = Some(
-                zstd::bulk::Compressor::new(LEVEL)
-                    .map_err(|e| format!("packing codes: zstd context: {e}"))?,
+                zstd::bulk::Compressor::new(LEVEL).map_err(|e| PackedError::Context {
+                    what: "packing",
+                    reason: e.to_string(),
+                })?,
             );
         }
         let packer = slot.as_mut().expect("made above");
         let mut out = Vec::with_capacity(zstd::zstd_safe::compress_bound(codes.len()) + 1);
         out.push(ZSTD);
-        let frame = packer
-            .compress(codes)
-            .map_err(|e| format!("packing {} bytes of codes: {e}", codes.len()))?;
+        let frame = packer.compress(codes).map_err(|e| PackedError::Compress {
+            len: codes.len(),
+            reason: e.to_string(),
+        })?;
         out.extend_from_slice(&frame);
         Ok(out)
     })
@@ -164,24 +234,24 @@ fn pack_zstd(codes: &[u8]) -> Result<Vec<u8>, String> {
 /// The codes in `packed`, which must be exactly `len` bytes of them: at most `len` bytes are
 /// ever allocated, whatever `packed` says, and anything else (an unknown form, a malformed
 /// frame or varint, a field past the end, more or fewer bytes) is an error naming it.
-pub fn unpack(packed: &[u8], len: usize) -> Result<Vec<u8>, String> {
+pub fn unpack(packed: &[u8], len: usize) -> Result<Vec<u8>, PackedError> {
     let Some((&form, body)) = packed.split_first() else {
-        return Err("packed codes of 0 bytes".into());
+        return Err(PackedError::Empty);
     };
     match form {
         RAW if body.len() == len => Ok(body.to_vec()),
-        RAW => Err(format!(
-            "raw packed codes of {} bytes, expected {len}",
-            body.len()
-        )),
+        RAW => Err(PackedError::RawLength {
+            got: body.len(),
+            expected: len,
+        }),
         SPARSE => unpack_sparse(body, len),
         ZSTD => unpack_zstd(body, len),
-        PLANES => planes::join(body, len).map_err(|e| format!("packed codes: {e}")),
-        other => Err(format!("packed codes of unknown form {other}")),
+        PLANES => planes::join(body, len).map_err(|e| PackedError::Planes(e.to_string())),
+        other => Err(PackedError::UnknownForm(other)),
     }
 }
 
-fn unpack_sparse(mut body: &[u8], len: usize) -> Result<Vec<u8>, String> {
+fn unpack_sparse(mut body: &[u8], len: usize) -> Result<Vec<u8>, PackedError> {
     let fields = len as u64 * 4;
     let mut out = vec![0u8; len];
     let mut at = 0u64;
@@ -189,12 +259,14 @@ fn unpack_sparse(mut body: &[u8], len: usize) -> Result<Vec<u8>, String> {
         let mut v = 0u64;
         let mut shift = 0u32;
         loop {
-            let (&b, rest) = body
-                .split_first()
-                .ok_or("sparse packed codes end inside a number")?;
+            let (&b, rest) = body.split_first().ok_or(PackedError::Sparse(
+                "sparse packed codes end inside a number",
+            ))?;
             body = rest;
             if shift > 63 || (shift == 63 && b > 1) {
-                return Err("sparse packed codes: a number past 64 bits".into());
+                return Err(PackedError::Sparse(
+                    "sparse packed codes: a number past 64 bits",
+                ));
             }
             v |= u64::from(b & 0x7f) << shift;
             shift += 7;
@@ -204,39 +276,42 @@ fn unpack_sparse(mut body: &[u8], len: usize) -> Result<Vec<u8>, String> {
         }
         let (gap, field) = (v >> 2, (v & 3) as u8);
         if field == 0 {
-            return Err("sparse packed codes list a zero field".into());
+            return Err(PackedError::Sparse("sparse packed codes list a zero field"));
         }
         at = at
             .checked_add(gap)
             .filter(|&k| k < fields)
-            .ok_or_else(|| format!("sparse packed codes run past {len} bytes of codes"))?;
+            .ok_or(PackedError::SparsePastEnd { len })?;
         out[(at / 4) as usize] |= field << (2 * (at % 4));
         at += 1;
     }
     Ok(out)
 }
 
-fn unpack_zstd(frame: &[u8], len: usize) -> Result<Vec<u8>, String> {
+fn unpack_zstd(frame: &[u8], len: usize) -> Result<Vec<u8>, PackedError> {
     UNPACKER.with_borrow_mut(|slot| {
         if slot.is_none() {
             *slot = Some(
-                zstd::bulk::Decompressor::new()
-                    .map_err(|e| format!("unpacking codes: zstd context: {e}"))?,
+                zstd::bulk::Decompressor::new().map_err(|e| PackedError::Context {
+                    what: "unpacking",
+                    reason: e.to_string(),
+                })?,
             );
         }
         let unpacker = slot.as_mut().expect("made above");
-        let codes = unpacker.decompress(frame, len).map_err(|e| {
-            format!(
-                "packed codes ({} bytes) do not unpack to {len} bytes: {e}",
-                frame.len()
-            )
-        })?;
+        let codes = unpacker
+            .decompress(frame, len)
+            .map_err(|e| PackedError::Frame {
+                frame: frame.len(),
+                len,
+                reason: e.to_string(),
+            })?;
         if codes.len() != len {
-            return Err(format!(
-                "packed codes ({} bytes) unpack to {} bytes, expected {len}",
-                frame.len(),
-                codes.len()
-            ));
+            return Err(PackedError::FrameLength {
+                frame: frame.len(),
+                got: codes.len(),
+                expected: len,
+            });
         }
         Ok(codes)
     })

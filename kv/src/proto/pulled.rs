@@ -273,38 +273,56 @@ fn one_bit_codes(value: &[f32], copy: &[f32], codes: &mut [u8]) -> Option<()> {
     })
 }
 
+/// Codes a copy cannot take.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ApplyError {
+    /// Codes of the wrong length for the copy.
+    #[error("{got} bytes of {scheme} codes for {elems} elements (want {want})")]
+    Length {
+        /// Their length.
+        got: usize,
+        /// The scheme's name.
+        scheme: &'static str,
+        /// The copy's elements.
+        elems: usize,
+        /// The length they should have.
+        want: usize,
+    },
+    /// A scale that is negative or not finite.
+    #[error("a scale of {0}")]
+    Scale(f32),
+    /// The codes do not decode.
+    #[error(transparent)]
+    Codes(#[from] CompressionError),
+    /// The scale makes no compressor.
+    #[error(transparent)]
+    Params(#[from] psnet_compression::ParamsError),
+}
+
 /// Adds what `codes` with `scale` stand for to `copy`: the server's shadow and every
 /// worker's copy change by the same `f32` operations.
-pub fn apply(scheme: Scheme, codes: &[u8], scale: f32, copy: &mut [f32]) -> Result<(), String> {
-    let bad = |e: CompressionError| e.to_string();
+pub fn apply(scheme: Scheme, codes: &[u8], scale: f32, copy: &mut [f32]) -> Result<(), ApplyError> {
     if codes.len() != scheme.compressed_size(copy.len()) {
-        return Err(format!(
-            "{} bytes of {} codes for {} elements (want {})",
-            codes.len(),
-            scheme.name(),
-            copy.len(),
-            scheme.compressed_size(copy.len())
-        ));
+        return Err(ApplyError::Length {
+            got: codes.len(),
+            scheme: scheme.name(),
+            elems: copy.len(),
+            want: scheme.compressed_size(copy.len()),
+        });
     }
     if !scale.is_finite() || scale < 0.0 {
-        return Err(format!("a scale of {scale}"));
+        return Err(ApplyError::Scale(scale));
     }
     if scale == 0.0 {
         return Ok(());
     }
     match scheme {
-        Scheme::TwoBit => TwoBitCompressor::new(scale)
-            .map_err(|e| e.to_string())?
-            .dequantize_add(codes, copy)
-            .map_err(bad),
+        Scheme::TwoBit => Ok(TwoBitCompressor::new(scale)?.dequantize_add(codes, copy)?),
         // The codes decode to +-1 (MXNet's decoder, vectorized); times the scale, that is
         // exactly +-scale.
         Scheme::OneBit => SIGNS.with_borrow_mut(|signs| {
             signs.resize(copy.len(), 0.0);
-            OneBitCompressor::new(0.0)
-                .map_err(|e| e.to_string())?
-                .dequantize(codes, signs)
-                .map_err(bad)?;
+            OneBitCompressor::new(0.0)?.dequantize(codes, signs)?;
             for (c, s) in copy.iter_mut().zip(signs.iter()) {
                 *c += scale * s;
             }

@@ -67,6 +67,7 @@ mod snapshot;
 
 pub use commands::CommandError;
 pub use row_push::RowsPush;
+pub use rows::RowsGone;
 
 #[doc(hidden)]
 pub use journal::fuzz_decode;

@@ -444,7 +444,7 @@ impl WorkerState {
                     c.quantize(slice, &mut residual[p.offset..p.offset + p.len], &mut out)
                         .map_err(|e| KvError::Invalid(e.to_string()))?;
                     if self.pack {
-                        out = packed::pack(&out).map_err(KvError::Invalid)?;
+                        out = packed::pack(&out).map_err(|e| KvError::Invalid(e.to_string()))?;
                     }
                     Some(out)
                 }

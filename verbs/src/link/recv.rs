@@ -137,9 +137,11 @@ impl Link {
                     Err("a second one".to_string())
                 } else if base.kind == Kind::Cts {
                     Destination::whole(wire::parse_cts(bytes)?, out.total)
+                        .map_err(|e| e.to_string())
                 } else {
                     let cts = wire::parse_placed_cts(bytes)?;
                     Destination::placed(cts, out.total, out.gather.lens())
+                        .map_err(|e| e.to_string())
                 };
                 out.to = Some(to.map_err(|e| {
                     VerbsError::Protocol(format!(

@@ -7,6 +7,45 @@
 
 use super::wire::{Cts, PlacedCts};
 
+/// A clear-to-send that names memory the message cannot be written to.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DestinationError {
+    /// The host buffer is smaller than the bytes that go to it.
+    #[error("{offered} bytes of host buffer offered, {needed} needed")]
+    TooSmall {
+        /// Its size.
+        offered: u64,
+        /// The bytes that go to it.
+        needed: u64,
+    },
+    /// The placed range reaches past the message.
+    #[error("placed range {at}+{len} leaves the message of {total} bytes")]
+    PastMessage {
+        /// Where it starts.
+        at: u64,
+        /// Its length.
+        len: u64,
+        /// The message's length.
+        total: u64,
+    },
+    /// The placed range starts or ends inside a segment.
+    #[error("placed range {at}..{end} does not fall on the message's segments")]
+    NotOnSegments {
+        /// Where it starts.
+        at: u64,
+        /// Where it ends.
+        end: u64,
+    },
+    /// A buffer whose end is no address.
+    #[error("a buffer of {len} bytes at {addr:#x} runs past the address space")]
+    PastAddressSpace {
+        /// Its address.
+        addr: u64,
+        /// Its length.
+        len: u64,
+    },
+}
+
 /// The receiver's memory for one large message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Destination {
@@ -17,9 +56,12 @@ pub struct Destination {
 
 impl Destination {
     /// All of the message into `host`, which must hold `total` bytes.
-    pub fn whole(host: Cts, total: u64) -> Result<Destination, String> {
+    pub fn whole(host: Cts, total: u64) -> Result<Destination, DestinationError> {
         if host.len < total {
-            return Err(format!("{} bytes offered, {total} needed", host.len));
+            return Err(DestinationError::TooSmall {
+                offered: host.len,
+                needed: total,
+            });
         }
         addressable(host)?;
         Ok(Destination { host, placed: None })
@@ -33,24 +75,20 @@ impl Destination {
         cts: PlacedCts,
         total: u64,
         entry_lens: impl IntoIterator<Item = u64>,
-    ) -> Result<Destination, String> {
+    ) -> Result<Destination, DestinationError> {
         let len = cts.to.len;
-        let end = cts
-            .at
-            .checked_add(len)
-            .filter(|&end| end <= total)
-            .ok_or_else(|| {
-                format!(
-                    "placed range {}+{len} leaves the message of {total} bytes",
-                    cts.at
-                )
-            })?;
+        let end = cts.at.checked_add(len).filter(|&end| end <= total).ok_or(
+            DestinationError::PastMessage {
+                at: cts.at,
+                len,
+                total,
+            },
+        )?;
         if cts.host.len < total - len {
-            return Err(format!(
-                "{} bytes of host buffer offered, {} needed",
-                cts.host.len,
-                total - len
-            ));
+            return Err(DestinationError::TooSmall {
+                offered: cts.host.len,
+                needed: total - len,
+            });
         }
         let (mut starts_ok, mut ends_ok, mut off) = (cts.at == 0, end == 0, 0u64);
         for l in entry_lens {
@@ -59,10 +97,7 @@ impl Destination {
             ends_ok |= off == end;
         }
         if !(starts_ok && ends_ok) {
-            return Err(format!(
-                "placed range {}..{end} does not fall on the message's segments",
-                cts.at
-            ));
+            return Err(DestinationError::NotOnSegments { at: cts.at, end });
         }
         addressable(cts.host)?;
         addressable(cts.to)?;
@@ -89,13 +124,14 @@ impl Destination {
 }
 
 /// Refuses a buffer whose end would not be an address (so that no write's address wraps).
-fn addressable(buf: Cts) -> Result<(), String> {
-    buf.addr.checked_add(buf.len).map(|_| ()).ok_or_else(|| {
-        format!(
-            "a buffer of {} bytes at {:#x} runs past the address space",
-            buf.len, buf.addr
-        )
-    })
+fn addressable(buf: Cts) -> Result<(), DestinationError> {
+    buf.addr
+        .checked_add(buf.len)
+        .map(|_| ())
+        .ok_or(DestinationError::PastAddressSpace {
+            addr: buf.addr,
+            len: buf.len,
+        })
 }
 
 #[cfg(test)]

@@ -86,12 +86,15 @@ fn the_answer_depends_on_the_version_the_worker_holds() {
 #[test]
 fn bad_codes_and_scales_are_errors() {
     let mut copy = vec![0.0f32; 20];
-    assert!(apply(Scheme::TwoBit, &[0; 3], 1.0, &mut copy)
-        .unwrap_err()
-        .contains("3 bytes"));
+    let e = apply(Scheme::TwoBit, &[0; 3], 1.0, &mut copy).unwrap_err();
+    assert!(matches!(e, ApplyError::Length { got: 3, .. }), "{e}");
+    assert!(e.to_string().contains("3 bytes"), "{e}");
     let codes = vec![0xffu8; Scheme::TwoBit.compressed_size(20)];
     for scale in [f32::NAN, f32::INFINITY, -1.0] {
-        assert!(apply(Scheme::TwoBit, &codes, scale, &mut copy).is_err());
+        assert!(matches!(
+            apply(Scheme::TwoBit, &codes, scale, &mut copy),
+            Err(ApplyError::Scale(_))
+        ));
     }
     assert!(
         copy.iter().all(|&x| x == 0.0),

@@ -58,7 +58,7 @@ impl ServerState {
 
     /// The elements of `ranges`, one range after another, each in its key's type; an error
     /// naming a key no longer held.
-    pub fn rows_value(&self, ranges: &[(u64, Range<usize>)]) -> Result<Vec<u8>, String> {
+    pub fn rows_value(&self, ranges: &[(u64, Range<usize>)]) -> Result<Vec<u8>, RowsGone> {
         let elems = ranges
             .iter()
             .map(|(_, r)| r.len())
@@ -70,12 +70,20 @@ impl ServerState {
                 .get(key)
                 .and_then(|k| Some((k.dtype, k.value.get(r.clone())?)));
             let Some((dtype, values)) = values else {
-                return Err(format!("key {key} is no longer held as it was asked for"));
+                return Err(RowsGone { key: *key });
             };
             out.extend_from_slice(&dtype.narrow(values));
         }
         Ok(out)
     }
+}
+
+/// Rows asked of a key that is no longer held as they were asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("key {key} is no longer held as it was asked for")]
+pub struct RowsGone {
+    /// The key.
+    pub key: u64,
 }
 
 #[cfg(test)]

@@ -57,7 +57,7 @@ impl ServerState {
             _ => Err("packed codes without a compressed key to unpack them for".to_string()),
         };
         let codes = want
-            .and_then(|len| packed::unpack(&p.payload, len))
+            .and_then(|len| packed::unpack(&p.payload, len).map_err(|e| e.to_string()))
             .map_err(|e| format!("key {}: {e}", p.key))?;
         p.payload = Bytes::from(codes);
         p.flags.packed = false;

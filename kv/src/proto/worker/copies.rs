@@ -99,6 +99,7 @@ impl Copies {
                     Form::Packed { .. } => {
                         packed::unpack(&bytes, scheme.compressed_size(h.values.len()))
                             .map(Bytes::from)
+                            .map_err(|e| e.to_string())
                     }
                     _ => Ok(bytes),
                 };
@@ -110,6 +111,7 @@ impl Copies {
                             scale,
                             Arc::make_mut(&mut h.values).as_mut_slice(),
                         )
+                        .map_err(|e| e.to_string())
                     })
                     .map(|()| h.version = version)
                     .map_err(|e| format!("key {key}: {e}"))
