@@ -134,7 +134,10 @@ fn check_optimizer(text: &str) {
 fn check_packed(bytes: &[u8], len: usize) {
     use psnet_kv::proto::packed::{pack, unpack};
     let (codes, largest) = largest_allocation(|| unpack(bytes, len));
-    assert!(largest <= len + (1 << 20), "unpacking allocated {largest} bytes for {len}");
+    assert!(
+        largest <= len + (1 << 20),
+        "unpacking allocated {largest} bytes for {len}"
+    );
     if let Ok(codes) = codes {
         assert_eq!(codes.len(), len);
         let again = pack(&codes).expect("codes pack");
