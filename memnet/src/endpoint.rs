@@ -159,6 +159,7 @@ impl MemTransport {
                     let theirs = &net.eps[&l];
                     let admitted =
                         auth::exchange_in_process(me.secret.as_ref(), theirs.secret.as_ref())
+                            .map_err(|e| e.to_string())
                             .and_then(|session| {
                                 let dialler = Binding::new(session.as_ref(), Role::Dialler);
                                 let acceptor = Binding::new(session.as_ref(), Role::Acceptor);

@@ -26,7 +26,7 @@ pub struct Sparse {
 
 impl Sparse {
     /// From `ROWSxWIDTH` and the rows touched per step (default: 1% of the rows).
-    pub fn parse(shape: &str, touched: Option<usize>) -> Result<Sparse, String> {
+    pub(crate) fn parse(shape: &str, touched: Option<usize>) -> Result<Sparse, String> {
         let bad = || format!("--sparse takes ROWSxWIDTH (such as 1000000x64), not {shape:?}");
         let (r, w) = shape.split_once(['x', 'X']).ok_or_else(bad)?;
         let rows: usize = r.trim().parse().map_err(|_| bad())?;

@@ -49,7 +49,7 @@ impl Control {
     }
 
     /// Parses metadata; anything else is an error naming what was wrong.
-    pub fn decode(meta: &[u8]) -> Result<Self, String> {
+    pub(crate) fn decode(meta: &[u8]) -> Result<Self, String> {
         let mut r = LeReader::new(meta);
         let op = r.u8().map_err(|_| "empty control message".to_string())?;
         let expected = match op {

@@ -17,7 +17,7 @@ pub const SERVER_ID: NodeId = NodeId(1);
 pub const CLIENT_ID: NodeId = NodeId(2);
 
 /// Errors of a measurement, as text for the user.
-pub type PerfResult<T> = Result<T, String>;
+pub(crate) type PerfResult<T> = Result<T, String>;
 
 /// A current-thread runtime: each end of a measurement runs on one thread, like one process
 /// of perftest.

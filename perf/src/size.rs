@@ -1,7 +1,7 @@
 //! Message sizes as perftest users write them: `64`, `4K`, `16M`, `1G` (powers of 1024).
 
 /// Parses a size; suffixes K, M, G (optionally followed by B or iB) are powers of 1024.
-pub fn parse_size(text: &str) -> Result<u64, String> {
+pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
     let upper = t.to_ascii_uppercase();
     let stripped = upper

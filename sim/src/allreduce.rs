@@ -12,7 +12,7 @@ use crate::start::communicator;
 
 /// Mean time per call of each of `sizes` (bytes), `iters` timed calls after two untimed
 /// ones; every rank's sum is checked.
-pub fn run(rig: &Rig, sizes: &[usize], iters: usize) -> Result<Vec<Duration>, String> {
+pub(crate) fn run(rig: &Rig, sizes: &[usize], iters: usize) -> Result<Vec<Duration>, String> {
     let net = rig.network()?;
     let n = rig.hosts;
     let rig = *rig;

@@ -63,7 +63,7 @@ pub fn one_way_bound(
 
 /// Runs the job: for each of `sizes` (bytes), `iters` timed operations of each kind after
 /// two untimed ones. The scheduler shares the first host.
-pub fn run(
+pub(crate) fn run(
     rig: &Rig,
     servers: usize,
     workers: usize,

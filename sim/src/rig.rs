@@ -34,7 +34,7 @@ pub struct Rig {
 
 impl Rig {
     /// The in-memory network of this rig: hosts whose links are slowed by `slow`.
-    pub fn network(&self) -> Result<MemNet, String> {
+    pub(crate) fn network(&self) -> Result<MemNet, String> {
         let link = Link::new(
             self.bytes_per_sec * self.efficiency / self.slow,
             self.latency.mul_f64(self.slow),
@@ -61,7 +61,7 @@ impl Rig {
 
 /// A current-thread runtime on a paused clock: time moves only when every task waits, to
 /// the next timer.
-pub fn runtime() -> Result<tokio::runtime::Runtime, String> {
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, String> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .start_paused(true)

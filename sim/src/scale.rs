@@ -33,7 +33,7 @@ pub struct CollScale {
 
 /// Forms a communicator of `n` ranks (host `r` holds rank `r`) and times one allreduce of
 /// `bytes` after one untimed.
-pub fn collectives(rig: &Rig, n: usize, bytes: usize) -> Result<CollScale, String> {
+pub(crate) fn collectives(rig: &Rig, n: usize, bytes: usize) -> Result<CollScale, String> {
     let net = rig.network()?;
     let rig = *rig;
     super::rig::runtime()?.block_on(async move {
@@ -126,7 +126,7 @@ impl KvMode {
 
 /// Runs the job: start-up, then two rounds of `keys` keys of `bytes` each (the second
 /// timed; every pulled value checked; in `dist_async`, after the round and a barrier).
-pub fn kv(
+pub(crate) fn kv(
     rig: &Rig,
     servers: usize,
     workers: usize,

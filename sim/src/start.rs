@@ -22,7 +22,7 @@ pub type Comm = Communicator<MemTransport>;
 /// Its ranks do not spin while they wait: spinning is for a CPU's wake-up time, which the
 /// simulation does not have; the simulated clock stands still while a rank spins, so it
 /// changed no time measured, but cost wall clock.
-pub async fn communicator(net: &MemNet, n: usize, slow: f64) -> Result<Vec<Comm>, String> {
+pub(crate) async fn communicator(net: &MemNet, n: usize, slow: f64) -> Result<Vec<Comm>, String> {
     let defaults = Config::default();
     let config = Config {
         heartbeat_timeout: defaults.heartbeat_timeout.map(|t| t.mul_f64(slow)),
@@ -67,7 +67,7 @@ impl KvJob {
     /// Starts the scheduler on host `scheduler`, a server on each of `servers` and a
     /// worker on each of `workers` (hosts), on a network `slow` times slower than the one
     /// described, and waits until every worker has joined.
-    pub async fn start(
+    pub(crate) async fn start(
         net: &MemNet,
         scheduler: usize,
         servers: &[usize],

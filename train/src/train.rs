@@ -28,7 +28,7 @@ fn optimizer(args: &Args, workers: usize) -> OptimizerSpec {
 }
 
 /// The compression the arguments ask for.
-pub fn compression(args: &Args) -> Result<CompressionParams, String> {
+pub(crate) fn compression(args: &Args) -> Result<CompressionParams, String> {
     let params = CompressionParams::new(&args.compression, Some(args.threshold))
         .map_err(|e| e.to_string())?;
     if args.compression_pull && params.scheme().is_none() {
@@ -45,7 +45,7 @@ pub fn compression(args: &Args) -> Result<CompressionParams, String> {
 }
 
 /// The layer widths: features, the hidden layers, classes.
-pub fn widths(args: &Args) -> Result<Vec<usize>, String> {
+pub(crate) fn widths(args: &Args) -> Result<Vec<usize>, String> {
     if args.batch == 0 || args.features == 0 || args.classes < 2 {
         return Err("--batch and --features must be positive, --classes at least 2".into());
     }
@@ -400,7 +400,7 @@ fn rank_ordered_sum(grads: &[Params], feedback: &mut [Feedback], key: usize) -> 
 }
 
 /// Trains in one process exactly as a `dist_sync` job would.
-pub fn reference(args: &Args) -> Result<(), String> {
+pub(crate) fn reference(args: &Args) -> Result<(), String> {
     if args.mode == ModeArg::Async {
         return Err("--reference reproduces dist_sync only (dist_async depends on timing)".into());
     }

@@ -124,6 +124,12 @@ pub enum AuthError {
     /// No random source for a nonce.
     #[error("no random source for an authentication nonce: {0}")]
     NoRandom(String),
+    /// The dialler proves no secret to a node of a job that has one.
+    #[error("{}", REFUSE_NO_PROOF)]
+    NoProof,
+    /// The dialler proves a secret to a node of a job that has none.
+    #[error("{}", REFUSE_UNEXPECTED_PROOF)]
+    UnexpectedProof,
 }
 
 /// A fresh random nonce from the operating system.
@@ -199,19 +205,16 @@ fn split<const N: usize>(bytes: &[u8]) -> [u8; N] {
 pub fn exchange_in_process(
     dialler: Option<&Secret>,
     acceptor: Option<&Secret>,
-) -> Result<Option<SessionBase>, String> {
+) -> Result<Option<SessionBase>, AuthError> {
     match (dialler, acceptor) {
         (None, None) => Ok(None),
-        (None, Some(_)) => Err(REFUSE_NO_PROOF.into()),
-        (Some(_), None) => Err(REFUSE_UNEXPECTED_PROOF.into()),
+        (None, Some(_)) => Err(AuthError::NoProof),
+        (Some(_), None) => Err(AuthError::UnexpectedProof),
         (Some(d), Some(a)) => {
-            let run = || -> Result<Option<SessionBase>, AuthError> {
-                let (dialler, hello) = Dialler::start(d, Fresh::draw()?);
-                let (acceptor, challenge) = Acceptor::handle_hello(a, &hello, Fresh::draw()?)?;
-                acceptor.handle_proof(&dialler.handle_challenge(&challenge)?.0)?;
-                Ok(Some(acceptor.session_base()))
-            };
-            run().map_err(|e| e.to_string())
+            let (dialler, hello) = Dialler::start(d, Fresh::draw()?);
+            let (acceptor, challenge) = Acceptor::handle_hello(a, &hello, Fresh::draw()?)?;
+            acceptor.handle_proof(&dialler.handle_challenge(&challenge)?.0)?;
+            Ok(Some(acceptor.session_base()))
         }
     }
 }

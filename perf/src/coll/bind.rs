@@ -62,7 +62,7 @@ pub fn allowed_cpus() -> std::io::Result<Vec<usize>> {
 }
 
 /// The CPUs `--np`'s ranks are bound to, one per rank, from `PSNET_BIND`.
-pub fn rank_cpus(np: usize) -> Result<Vec<Option<usize>>, String> {
+pub(crate) fn rank_cpus(np: usize) -> Result<Vec<Option<usize>>, String> {
     let bind: Bind = env::PSNET_BIND
         .parse_or_default()
         .map_err(|e| e.to_string())?;
@@ -72,7 +72,7 @@ pub fn rank_cpus(np: usize) -> Result<Vec<Option<usize>>, String> {
 
 /// Runs `start` (which starts a child process) with this thread bound to `cpu`, so that the
 /// child starts bound to it; this thread's own CPUs are restored before returning.
-pub fn start_on<R>(cpu: Option<usize>, start: impl FnOnce() -> R) -> Result<R, String> {
+pub(crate) fn start_on<R>(cpu: Option<usize>, start: impl FnOnce() -> R) -> Result<R, String> {
     let Some(cpu) = cpu else {
         return Ok(start());
     };
