@@ -69,7 +69,9 @@ pub(crate) async fn join<T: Transport>(
         };
         let id = new_id();
         let secret = admission::new_secret().map_err(CollectiveError::Join)?;
-        let text: String = std::iter::once(format!("{id} {}\n", admission::to_hex(&secret)))
+        // The id zero-padded: a table's size does not depend on the id drawn, so a simulated
+        // job's traffic replays exactly.
+        let text: String = std::iter::once(format!("{id:010} {}\n", admission::to_hex(&secret)))
             .chain(addrs.iter().map(|a| format!("{a}\n")))
             .collect();
         let header = wire::control(Kind::Table, comm.comm).encode();
