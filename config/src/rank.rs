@@ -82,6 +82,29 @@ pub const RANK_VARS: [RankVars; 8] = [
     },
 ];
 
+/// The starters whose rank `psnet-launch --role-from-env` takes, in order: the MPIs, Slurm
+/// and the batch systems' array tasks (psnet's own and torchrun's name collectives ranks, not
+/// a kv job's roles). An array task's id is its rank directly: tasks count from 1, and the
+/// scheduler, rank 0, runs with the launcher.
+pub const ROLE_FROM_ENV: [Starter; 6] = [
+    Starter::OpenMpi,
+    Starter::Pmi,
+    Starter::Slurm,
+    Starter::GridEngine,
+    Starter::PbsPro,
+    Starter::Torque,
+];
+
+/// The starters whose variables give a collectives rank, in order: psnet's own names, then
+/// torchrun's, the MPIs' and Slurm's (an array task has no size).
+pub const COLLECTIVES: [Starter; 5] = [
+    Starter::Psnet,
+    Starter::Torchrun,
+    Starter::OpenMpi,
+    Starter::Pmi,
+    Starter::Slurm,
+];
+
 /// A rank that one starter's variables give.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FoundRank {
@@ -214,14 +237,7 @@ mod tests {
         }
     }
 
-    const LAUNCHERS: [Starter; 6] = [
-        Starter::OpenMpi,
-        Starter::Pmi,
-        Starter::Slurm,
-        Starter::GridEngine,
-        Starter::PbsPro,
-        Starter::Torque,
-    ];
+    const LAUNCHERS: [Starter; 6] = ROLE_FROM_ENV;
 
     #[test]
     fn the_first_starter_set_wins_and_an_array_task_has_no_size() {

@@ -8,31 +8,19 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, ExitStatus};
 
 use psnet_config::env;
-use psnet_config::rank::{self, Starter};
+use psnet_config::rank;
 
 use crate::{process_env, JobSpec, LaunchError, Role};
-
-/// The launchers whose rank variables `--role-from-env` reads, in the order they are looked
-/// at ([`rank::RANK_VARS`]). An array task's id (Grid Engine, PBS) is its rank directly: tasks
-/// count from 1 and the scheduler, rank 0, runs with the launcher.
-const LAUNCHERS: [Starter; 6] = [
-    Starter::OpenMpi,
-    Starter::Pmi,
-    Starter::Slurm,
-    Starter::GridEngine,
-    Starter::PbsPro,
-    Starter::Torque,
-];
 
 /// This process's rank and the number of processes, from the first rank variable set, and
 /// the variable's name.
 pub fn rank_from_env() -> Result<(u32, Option<u32>, &'static str), LaunchError> {
-    match rank::first_rank(|v| v.get(), &LAUNCHERS) {
+    match rank::first_rank(|v| v.get(), &rank::ROLE_FROM_ENV) {
         Ok(Some(found)) => Ok((found.rank, found.size, found.vars.rank.name)),
         Ok(None) => Err(LaunchError::Invalid(format!(
             "--role-from-env: none of {} is set; run it under mpirun, srun or an array job, \
              or use psnet-launch's own launchers",
-            rank::names(&LAUNCHERS).join(", ")
+            rank::names(&rank::ROLE_FROM_ENV).join(", ")
         ))),
         Err(e) => Err(LaunchError::Invalid(format!("--role-from-env: {e}"))),
     }

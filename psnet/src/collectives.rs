@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use psnet_config::env::{self, EnvVar};
 use psnet_config::interface::{self, NodeAddress};
-use psnet_config::rank::{self, Starter};
+use psnet_config::rank;
 use psnet_select::{AnyTransport, Selection};
 use psnet_transport::Transport;
 
@@ -44,16 +44,6 @@ pub struct World {
     pub source: String,
 }
 
-/// The starters whose variables give a collectives rank, in the order they are looked at
-/// ([`rank::RANK_VARS`]): psnet's own names, then torchrun's, the MPIs' and Slurm's.
-const STARTERS: [Starter; 5] = [
-    Starter::Psnet,
-    Starter::Torchrun,
-    Starter::OpenMpi,
-    Starter::Pmi,
-    Starter::Slurm,
-];
-
 fn invalid(msg: String) -> CollectiveError {
     CollectiveError::Join(msg)
 }
@@ -66,7 +56,7 @@ impl World {
 
     /// From variables looked up by `get` (the environment, or a test's table).
     pub fn from_lookup(get: impl Fn(&EnvVar) -> Option<String>) -> Result<World, CollectiveError> {
-        let found: Vec<(usize, usize, String)> = rank::ranks_with_size(&get, &STARTERS)
+        let found: Vec<(usize, usize, String)> = rank::ranks_with_size(&get, &rank::COLLECTIVES)
             .map_err(|e| invalid(e.to_string()))?
             .into_iter()
             .map(|f| {
