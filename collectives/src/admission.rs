@@ -76,7 +76,8 @@ impl Admission for Joining {
         _proof: Option<&Proof>,
         binding: &Binding,
     ) -> Result<(), Refusal> {
-        // Rank 0 answering this rank's dial; rank 0 itself never dials a rank.
+        // Rank 0 answering this rank's dial. Rank 0 dialling in is refused too, as not yet:
+        // a call of rank 0's may reach this rank before the table has, and rank 0 tries again.
         if peer == self.root && binding.sender() == Role::Acceptor {
             Ok(())
         } else {

@@ -129,13 +129,15 @@ impl FoundRank {
 /// Rank variables that cannot be used.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RankError {
-    /// A rank or size variable holds something other than a whole number.
-    #[error("{var}={raw:?} is not a whole number")]
+    /// A rank or size variable holds something other than a whole number below 2^32.
+    #[error("{var}={raw:?} is not a whole number below 2^32: {reason}")]
     NotANumber {
         /// The variable.
         var: &'static str,
         /// Its value.
         raw: String,
+        /// Why it does not parse.
+        reason: String,
     },
     /// Half of a starter's pair is set.
     #[error("{set} is set but {unset} is not")]
@@ -155,7 +157,11 @@ fn number(
         .map(|raw| {
             raw.trim()
                 .parse::<u32>()
-                .map_err(|_| RankError::NotANumber { var: var.name, raw })
+                .map_err(|e| RankError::NotANumber {
+                    var: var.name,
+                    reason: e.to_string(),
+                    raw,
+                })
         })
         .transpose()
 }
@@ -269,7 +275,8 @@ mod tests {
             first_rank(table(&[("OMPI_COMM_WORLD_RANK", "x")]), &LAUNCHERS).unwrap_err(),
             RankError::NotANumber {
                 var: "OMPI_COMM_WORLD_RANK",
-                raw: "x".into()
+                raw: "x".into(),
+                reason: "invalid digit found in string".into(),
             }
         );
         let all = [Starter::Psnet, Starter::Torchrun, Starter::Slurm];

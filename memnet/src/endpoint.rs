@@ -157,9 +157,11 @@ impl MemTransport {
                 })),
                 Some(l) => {
                     let theirs = &net.eps[&l];
+                    // Err: the refusal's text, and whether it is a node still joining
+                    // turning the dial away (the dialler tries again: not worth a warning).
                     let admitted =
                         auth::exchange_in_process(me.secret.as_ref(), theirs.secret.as_ref())
-                            .map_err(|e| e.to_string())
+                            .map_err(|e| (e.to_string(), false))
                             .and_then(|session| {
                                 let dialler = Binding::new(session.as_ref(), Role::Dialler);
                                 let acceptor = Binding::new(session.as_ref(), Role::Acceptor);
@@ -168,10 +170,14 @@ impl MemTransport {
                                     .and_then(|()| {
                                         me.admit(peer, theirs.proof(&acceptor).as_ref(), &acceptor)
                                     })
-                                    .map_err(|refusal| refusal.to_string())
+                                    .map_err(|refusal| (refusal.to_string(), refusal.is_expected()))
                             });
-                    if let Err(reason) = admitted {
-                        tracing::warn!(claimed = %me.id, %peer, %reason, "connection refused");
+                    if let Err((reason, expected)) = admitted {
+                        if expected {
+                            tracing::debug!(claimed = %me.id, %peer, %reason, "connection refused for now");
+                        } else {
+                            tracing::warn!(claimed = %me.id, %peer, %reason, "connection refused");
+                        }
                         return Step::Done(Err(TransportError::Handshake { peer, reason }));
                     }
                     net.establish(ep, peer, l);

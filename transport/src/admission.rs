@@ -123,14 +123,6 @@ fn signed_message(signer: NodeId, binding: &Binding) -> [u8; 60] {
 pub struct Identity(SigningKey);
 
 impl Identity {
-    /// A fresh identity from the operating system's random source; the error is that
-    /// source's.
-    pub fn draw() -> Result<Self, getrandom::Error> {
-        let mut seed = [0u8; 32];
-        getrandom::fill(&mut seed)?;
-        Ok(Self::from_seed(seed))
-    }
-
     /// The identity of a given seed (tests, which need the same keys every run).
     pub fn from_seed(seed: [u8; 32]) -> Self {
         Identity(SigningKey::from_bytes(&seed))

@@ -493,6 +493,7 @@ impl Admission for Table {
         match (Self::identity(peer), proof) {
             (Some(id), Some(got)) if id.public().verify(peer, binding, got) => Ok(()),
             (None, _) => Err(Refusal::NotMember(format!("{peer} is not a member"))),
+            (Some(_), None) => Err(Refusal::NoProof(format!("{peer} did not prove its id"))),
             _ => Err(Refusal::WrongProof(format!("{peer} did not prove its id"))),
         }
     }

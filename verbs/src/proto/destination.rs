@@ -10,6 +10,14 @@ use super::wire::{Cts, PlacedCts};
 /// A clear-to-send that names memory the message cannot be written to.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum DestinationError {
+    /// The buffer offered for the whole message is smaller than it.
+    #[error("{offered} bytes offered, {needed} needed")]
+    OfferTooSmall {
+        /// Its size.
+        offered: u64,
+        /// The message's size.
+        needed: u64,
+    },
     /// The host buffer is smaller than the bytes that go to it.
     #[error("{offered} bytes of host buffer offered, {needed} needed")]
     TooSmall {
@@ -58,7 +66,7 @@ impl Destination {
     /// All of the message into `host`, which must hold `total` bytes.
     pub fn whole(host: Cts, total: u64) -> Result<Destination, DestinationError> {
         if host.len < total {
-            return Err(DestinationError::TooSmall {
+            return Err(DestinationError::OfferTooSmall {
                 offered: host.len,
                 needed: total,
             });

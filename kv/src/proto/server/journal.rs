@@ -231,9 +231,7 @@ fn decode(bytes: &[u8]) -> Result<(u64, Record<'_>), String> {
 
 impl ServerState {
     pub(super) fn checkpoint_refused(&self) -> Option<String> {
-        (!self.checkpoints()).then(|| {
-            "checkpoints are off on this server: set PSNET_CHECKPOINT_DIR on the servers".into()
-        })
+        (!self.checkpoints()).then(|| super::CommandError::CheckpointsOff.to_string())
     }
 
     /// A change was applied: counts it and, with checkpoints on, queues its journal record
